@@ -1,0 +1,240 @@
+// Buffer: expert-parallel dispatch and combine, normal and low-latency modes (SPEC 4, 5).
+//
+// A Buffer belongs to one rank of a Group and moves tokens to the ranks that own their experts
+// (dispatch) and the expert outputs back (combine). The API mirrors DeepEP's V1 Buffer; the ordering
+// rules below are epmoe's and are what every backend is tested against, bit for bit, with the
+// threads backend as the reference.
+//
+// Ordering rules (normal mode):
+//  - recv rows are grouped by source rank in ascending order; within one source, source token order.
+//  - a token is sent once per destination rank (not per expert).
+//  - recv_topk_idx holds local expert ids (global - rank * E_local) or -1 for experts elsewhere;
+//    recv_topk_weights is 0 where the id is -1.
+//  - combine sums, per token, the rows sent back by each destination rank in ascending rank order,
+//    in float32, then adds bias 0 and bias 1, then rounds to bfloat16 once.
+//  - combined_topk_weights[t, k] = sum over destination ranks (ascending) of their recv weights.
+// Ordering rules (low-latency mode):
+//  - packed_recv_x[e] holds the tokens of local expert e: blocks in ascending source rank, each
+//    block in source token order, compacted from row 0; packed_recv_count[e] rows are valid.
+//  - layout_range[e][s] = begin << 32 | count of source s's block in expert e.
+//  - src_info[e][j] = the source token index (in its rank's x) of row j.
+//  - combine: out[t] = sum over k ascending of topk_weights[t,k] * expert_out(t, k), in float32,
+//    skipping -1 ids, rounded to bfloat16 once.
+//  - two receive buffers alternate, one per low-latency call (dispatch or combine); a handle from
+//    two or more low-latency calls ago is rejected (ErrorCode::stale_handle).
+#pragma once
+
+#include <epmoe/group.hpp>
+#include <epmoe/layout.hpp>
+#include <epmoe/tensor.hpp>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace epmoe {
+
+/// Completion of an operation. CPU backends complete synchronously, so their events are already
+/// done; GPU backends record a CUDA event on the buffer's communication stream.
+class Event {
+ public:
+  Event() = default;
+  explicit Event(std::shared_ptr<void> impl) : impl_(std::move(impl)) {}
+  /// Makes the caller's current stream wait for this event (no-op on CPU).
+  void current_stream_wait() const;
+  bool done() const;
+
+ private:
+  std::shared_ptr<void> impl_;
+};
+
+/// The backend that moves the bytes.
+enum class Backend { automatic, threads, mpi, cuda_ipc };
+
+struct BufferOptions {
+  Backend backend = Backend::automatic;  ///< automatic: the Group's backend ("threads" or "mpi")
+  std::int64_t num_nvl_bytes = 0;        ///< normal-mode buffer bytes (GPU backends)
+  /// Low-latency buffer bytes per rank; 0 = sized on the first low-latency call.
+  /// get_low_latency_rdma_size_hint() gives the size needed.
+  std::int64_t num_rdma_bytes = 0;
+  bool low_latency_mode = false;
+  /// Validate topk_idx values eagerly (always on for CPU ranks).
+  bool debug_validate = true;
+};
+
+/// What combine (and a cached dispatch) needs from a normal-mode dispatch.
+struct NormalHandle {
+  Tensor rank_prefix_matrix;  ///< int32 [R, R]: [s][d] = tokens ranks 0..s send to rank d
+  Tensor is_token_in_rank;    ///< bool [T, R] (sender side)
+  Tensor send_pos;            ///< int32 [T, R]: row of token t in rank r's recv_x, or -1
+  Tensor recv_src_idx;        ///< int32 [Nrecv]: source token index of each received row
+  Tensor num_recv_tokens_per_expert;  ///< int32 [E_local], aligned to expert_alignment
+  std::int64_t num_tokens = 0;        ///< T of this rank
+  std::int64_t num_recv_tokens = 0;   ///< Nrecv (valid rows)
+  std::int64_t num_recv_rows = 0;     ///< rows of recv_x (= num_worst_tokens when that is set)
+  std::int64_t hidden = 0;
+  int num_experts = 0;
+  int expert_alignment = 1;
+  std::uint64_t buffer_id = 0;        ///< the Buffer that made it
+  bool defined() const { return buffer_id != 0; }
+};
+
+struct DispatchArgs {
+  TensorView x;             ///< bfloat16 [T, H] (H % 8 == 0) or float8_e4m3fn [T, H] (H % 16 == 0)
+  TensorView x_scales;      ///< with fp8 x: float32 [T, ceil(H/128)] or UE8M0 int32 [T, ceil(ceil(H/128)/4)]
+  TensorView topk_idx;      ///< int64/int32 [T, K], K in 1..32, ids in [-1, E)
+  TensorView topk_weights;  ///< float32 [T, K]
+  /// From get_dispatch_layout (not needed for a cached dispatch).
+  TensorView num_tokens_per_rank;    ///< int32 [R]
+  TensorView is_token_in_rank;       ///< bool [T, R]
+  TensorView num_tokens_per_expert;  ///< int32 [E]
+  const NormalHandle* handle = nullptr;  ///< cached dispatch: reuse this layout, move x (and scales) only
+  int expert_alignment = 1;              ///< >= 1; counts rounded up to a multiple of it
+  int num_worst_tokens = 0;              ///< > 0: pad outputs to this many rows, no host sync
+  const Event* previous_event = nullptr; ///< wait for it before starting
+  bool async_finish = false;
+  bool allocate_on_comm_stream = false;
+};
+
+struct DispatchResult {
+  Tensor recv_x;             ///< [rows, H], dtype of x; rows = Nrecv, or num_worst_tokens
+  Tensor recv_x_scales;      ///< scales of recv_x (fp8 only), same format as x_scales
+  Tensor recv_topk_idx;      ///< int64 [rows, K]: local ids or -1 (undefined for cached dispatch)
+  Tensor recv_topk_weights;  ///< float32 [rows, K]
+  std::vector<int> num_recv_tokens_per_expert_list;  ///< E_local counts (empty with num_worst_tokens)
+  NormalHandle handle;
+  Event event;
+};
+
+struct CombineArgs {
+  TensorView x;             ///< bfloat16 [rows, H]: one row per received row of the dispatch
+  const NormalHandle* handle = nullptr;
+  TensorView topk_weights;  ///< optional float32 [rows, K]: summed back per token
+  TensorView bias_0;        ///< optional bfloat16 [T, H]
+  TensorView bias_1;        ///< optional bfloat16 [T, H]
+  const Event* previous_event = nullptr;
+  bool async_finish = false;
+  bool allocate_on_comm_stream = false;
+};
+
+struct CombineResult {
+  Tensor combined_x;             ///< bfloat16 [T, H]
+  Tensor combined_topk_weights;  ///< float32 [T, K] when topk_weights was given
+  Event event;
+};
+
+/// Receive half of a low-latency call made with return_recv_hook. Call exactly once
+/// (a second call throws ErrorCode::stale_handle).
+class RecvHook {
+ public:
+  RecvHook() = default;
+  explicit RecvHook(std::function<void()> fn) : state_(std::make_shared<State>(State{std::move(fn), false})) {}
+  void operator()() const;
+  bool defined() const { return state_ != nullptr; }
+
+ private:
+  struct State { std::function<void()> fn; bool called; };
+  std::shared_ptr<State> state_;
+};
+
+/// What low_latency_combine needs from a low-latency dispatch.
+struct LowLatencyHandle {
+  TensorView src_info;      ///< int32 [E_local, R*Tmax] (lives in the receive buffer)
+  TensorView layout_range;  ///< int64 [E_local, R]: begin << 32 | count
+  int num_max_dispatch_tokens_per_rank = 0;
+  std::int64_t hidden = 0;
+  int num_experts = 0;
+  std::uint64_t generation = 0;  ///< index of the low-latency call that made it (two-buffer rule)
+  std::uint64_t buffer_id = 0;
+  bool defined() const { return buffer_id != 0; }
+};
+
+struct LowLatencyDispatchArgs {
+  TensorView x;         ///< bfloat16 [T, H], T <= Tmax
+  TensorView topk_idx;  ///< int64/int32 [T, K], K in 1..16
+  /// Routing weights float32 [T, K]. Optional: epmoe sends a token once per destination rank and
+  /// keeps the weights of its local experts with it (see PERF "Leads").
+  TensorView topk_weights;
+  int num_max_dispatch_tokens_per_rank = 0;  ///< Tmax, fixed for the buffer's life
+  int num_experts = 0;                       ///< E, fixed for the buffer's life
+  bool use_fp8 = true;
+  bool round_scale = false;
+  bool use_ue8m0 = false;
+  bool async_finish = false;
+  bool return_recv_hook = false;
+  TensorView cumulative_local_expert_recv_stats;  ///< optional int32 [E_local], incremented by the counts
+};
+
+struct LowLatencyDispatchResult {
+  TensorView packed_recv_x;         ///< [E_local, R*Tmax, H] float8_e4m3fn or bfloat16
+  TensorView packed_recv_x_scales;  ///< float32 [E_local, R*Tmax, G] or int32 [E_local, R*Tmax, ceil(G/4)]
+  TensorView packed_recv_count;     ///< int32 [E_local] (masked_m)
+  LowLatencyHandle handle;
+  Event event;
+  RecvHook hook;  ///< set when return_recv_hook
+};
+
+struct LowLatencyCombineArgs {
+  TensorView x;             ///< bfloat16 [E_local, R*Tmax, H]
+  TensorView topk_idx;      ///< int64/int32 [T, K], the same as at dispatch
+  TensorView topk_weights;  ///< float32 [T, K]
+  const LowLatencyHandle* handle = nullptr;
+  bool zero_copy = false;
+  bool async_finish = false;
+  bool return_recv_hook = false;
+  TensorView out;           ///< optional bfloat16 [T, H] to write into
+};
+
+struct LowLatencyCombineResult {
+  Tensor combined_x;  ///< bfloat16 [T, H] (a view of `out` when given)
+  Event event;
+  RecvHook hook;
+};
+
+/// Expected tokens per local expert, as the engines compute it: (T * R * K + E) / E.
+constexpr std::int64_t low_latency_expected_m(std::int64_t T, int R, int K, int E) {
+  return (T * R * K + E) / E;
+}
+
+class Buffer {
+ public:
+  /// Buffer of this rank of `group`. Errors: unsupported backend for this build.
+  explicit Buffer(std::shared_ptr<Group> group, BufferOptions options = {});
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  int rank() const;
+  int num_ranks() const;
+  Group& group() const;
+
+  /// Bytes per rank the low-latency buffer needs for these settings (both alternating halves).
+  static std::int64_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
+                                                     int num_ranks, int num_experts);
+
+  /// get_dispatch_layout(topk_idx, num_experts, num_ranks()) of layout.hpp.
+  DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts) const;
+
+  /// Normal-mode dispatch (SPEC 4). Collective. All arguments are validated before any exchange;
+  /// settings that must agree (H, dtype, K, E, alignment) are compared across ranks with the counts,
+  /// and a mismatch throws rank_mismatch on every rank.
+  DispatchResult dispatch(const DispatchArgs& args);
+  /// Normal-mode combine (SPEC 4). Collective. Errors: handle from another buffer, x rows != handle rows.
+  CombineResult combine(const CombineArgs& args);
+
+  /// Low-latency dispatch (SPEC 5). Collective. Errors: T > Tmax (names both), Tmax/H/E differing
+  /// from the buffer's first low-latency call or across ranks, K > 16, ids outside [-1, E).
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
+  /// Low-latency combine (SPEC 5). Errors: stale handle (two-buffer rule), shapes.
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
+  /// Resets the low-latency receive buffers (after normal-mode use of a shared buffer).
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epmoe

@@ -1,0 +1,80 @@
+// Groups: the ranks of one expert-parallel group, with bootstrap and small collectives.
+//
+// A Group moves small control data (counts, settings, handles) between ranks. Bulk data moves through
+// a transport (see buffer.hpp). Every collective names its phase; a wait that exceeds the group's
+// timeout throws ErrorCode::timeout naming this rank, the missing peer(s) and the phase, and leaves
+// the group unusable (ErrorCode::unusable on later calls) so no rank silently continues after a fault.
+#pragma once
+
+#include <epmoe/timeout.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace epmoe {
+
+/// A setting that must agree on every rank, e.g. {"num_max_dispatch_tokens_per_rank", 128}.
+struct Setting {
+  std::string_view name;
+  std::int64_t value;
+};
+
+class Group {
+ public:
+  virtual ~Group() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// "threads", "mpi", ...
+  virtual std::string_view backend() const = 0;
+
+  /// Blocks until every rank has entered the barrier of the same phase.
+  virtual void barrier(std::string_view phase) = 0;
+  /// Every rank contributes `bytes` bytes; `recv` receives size()*bytes bytes, rank-major.
+  virtual void all_gather(const void* send, void* recv, std::size_t bytes, std::string_view phase) = 0;
+  /// Copies `bytes` bytes from `root`'s `data` to every rank's `data`.
+  virtual void broadcast(void* data, std::size_t bytes, int root, std::string_view phase) = 0;
+
+  /// Compares the settings across ranks in one all-gather. On a mismatch every rank throws
+  /// ErrorCode::rank_mismatch naming the setting, this rank's value and a differing rank's value.
+  /// `settings` must have the same names, in the same order, on every rank (at most 16).
+  void check_agreement(std::span<const Setting> settings, std::string_view phase);
+
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout_s(double s) { timeout_s_ = s; }
+
+ private:
+  double timeout_s_ = default_timeout_s();
+};
+
+/// R ranks as threads of one process. Create one world, hand `group(r)` to the thread of rank r.
+/// The world must outlive every group it hands out.
+class ThreadWorld {
+ public:
+  explicit ThreadWorld(int num_ranks);
+  ~ThreadWorld();
+  ThreadWorld(const ThreadWorld&) = delete;
+  ThreadWorld& operator=(const ThreadWorld&) = delete;
+
+  int size() const;
+  /// The group of rank `rank`, in [0, size()).
+  std::shared_ptr<Group> group(int rank);
+
+  struct State;  // shared by the world's groups and transports
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// Runs `fn(group)` on `num_ranks` threads, one per rank of a fresh ThreadWorld, and joins them.
+/// Returns one exception_ptr per rank (null where the rank returned normally).
+std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
+                                                         double timeout_s = default_timeout_s());
+/// As run_thread_ranks_collect, then rethrows the lowest rank's exception, if any.
+void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s = default_timeout_s());
+
+}  // namespace epmoe

@@ -1,0 +1,31 @@
+// Formatting helpers for raising errors from CPU sources (CUDA sources use core/cuda_check.hpp,
+// because nvcc cannot evaluate fmt's compile-time format checks).
+#pragma once
+
+#include <epmoe/error.hpp>
+#include <epmoe/tensor.hpp>
+#include <fmt/format.h>
+
+namespace epmoe {
+
+/// Throws `code` with the message "epmoe: " + formatted text.
+template <class... Args>
+[[noreturn]] void raise(ErrorCode code, fmt::format_string<Args...> f, Args&&... args) {
+  throw Error(code, "epmoe: " + fmt::format(f, std::forward<Args>(args)...));
+}
+
+}  // namespace epmoe
+
+template <> struct fmt::formatter<epmoe::Shape> : fmt::formatter<std::string> {
+  auto format(const epmoe::Shape& s, format_context& ctx) const {
+    return fmt::formatter<std::string>::format(epmoe::to_string(s), ctx);
+  }
+};
+
+/// Checks an argument condition; on failure throws invalid_argument naming the argument, what was
+/// expected and what came. `expected` and `actual` are fmt-formattable and only evaluated on failure.
+#define EPMOE_CHECK_ARG(cond, argument, expected, actual)                                      \
+  do {                                                                                         \
+    if (!(cond))                                                                               \
+      ::epmoe::throw_invalid_argument((argument), fmt::format("{}", expected), fmt::format("{}", actual)); \
+  } while (0)

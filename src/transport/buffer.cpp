@@ -1,0 +1,93 @@
+// Buffer: picks the transport for the group and forwards to the mode implementations.
+#include "core/check.hpp"
+#include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
+
+#include <atomic>
+
+#include "transport/low_latency_mode.hpp"
+#include "transport/normal_mode.hpp"
+#include "transport/transport.hpp"
+
+namespace epmoe {
+
+#if defined(EPMOE_HAVE_MPI)
+std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group);
+#endif
+
+struct Buffer::Impl {
+  std::shared_ptr<Group> group;
+  std::unique_ptr<Transport> transport;
+  std::uint64_t id;
+  std::unique_ptr<NormalMode> normal;
+  std::unique_ptr<LowLatencyMode> low_latency;
+};
+
+namespace {
+std::uint64_t next_buffer_id() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
+std::unique_ptr<Transport> make_transport(const std::shared_ptr<Group>& group, Backend backend) {
+  const std::string_view kind = group->backend();
+  if (backend == Backend::automatic) backend = kind == "mpi" ? Backend::mpi : Backend::threads;
+  switch (backend) {
+    case Backend::threads: return make_threads_transport(group);
+#if defined(EPMOE_HAVE_MPI)
+    case Backend::mpi: return make_mpi_transport(group);
+#endif
+    default: break;
+  }
+  raise(ErrorCode::unsupported, "backend {} is not available for a '{}' group in this build",
+        static_cast<int>(backend), kind);
+}
+}  // namespace
+
+Buffer::Buffer(std::shared_ptr<Group> group, BufferOptions options) : impl_(std::make_unique<Impl>()) {
+  EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
+  EPMOE_CHECK_ARG(options.num_rdma_bytes >= 0, "num_rdma_bytes", ">= 0", options.num_rdma_bytes);
+  impl_->group = group;
+  impl_->transport = make_transport(group, options.backend);
+  impl_->id = next_buffer_id();
+  impl_->normal = std::make_unique<NormalMode>(*impl_->transport, impl_->id);
+  impl_->low_latency = std::make_unique<LowLatencyMode>(*impl_->transport, impl_->id, options.num_rdma_bytes);
+}
+
+Buffer::~Buffer() = default;
+
+int Buffer::rank() const { return impl_->group->rank(); }
+int Buffer::num_ranks() const { return impl_->group->size(); }
+Group& Buffer::group() const { return *impl_->group; }
+
+std::int64_t Buffer::get_low_latency_rdma_size_hint(int tmax, std::int64_t hidden, int num_ranks, int num_experts) {
+  return LowLatencyMode::size_hint(tmax, hidden, num_ranks, num_experts);
+}
+
+DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts) const {
+  return epmoe::get_dispatch_layout(topk_idx, num_experts, num_ranks());
+}
+
+DispatchResult Buffer::dispatch(const DispatchArgs& args) { return impl_->normal->dispatch(args); }
+CombineResult Buffer::combine(const CombineArgs& args) { return impl_->normal->combine(args); }
+LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
+  return impl_->low_latency->dispatch(args);
+}
+LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
+  return impl_->low_latency->combine(args);
+}
+void Buffer::clean_low_latency_buffer(int tmax, std::int64_t hidden, int num_experts) {
+  impl_->low_latency->clean(tmax, hidden, num_experts);
+}
+
+void Event::current_stream_wait() const {}  // CPU events are complete; CUDA events override in later backends
+bool Event::done() const { return true; }
+
+void RecvHook::operator()() const {
+  if (!state_) raise(ErrorCode::stale_handle, "recv hook is empty (the call was made without return_recv_hook)");
+  if (state_->called) raise(ErrorCode::stale_handle, "recv hook called twice: each hook must be called exactly once");
+  state_->called = true;
+  state_->fn();
+}
+
+}  // namespace epmoe

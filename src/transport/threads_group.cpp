@@ -1,0 +1,124 @@
+// The threads Group: R ranks as threads of one process.
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+#include <epmoe/group.hpp>
+
+#include <cstring>
+#include <thread>
+
+#include "transport/threads_world.hpp"
+
+namespace epmoe {
+
+void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeout_s) {
+  std::unique_lock lock(mutex);
+  if (broken) raise(ErrorCode::unusable, "rank {}: thread group is unusable after an earlier fault ({})", rank, broken_reason);
+  const std::uint64_t gen = generation;
+  arrived[static_cast<std::size_t>(rank)] = true;
+  if (++count == num_ranks) {
+    count = 0;
+    std::fill(arrived.begin(), arrived.end(), false);
+    ++generation;
+    cv.notify_all();
+    return;
+  }
+  const Deadline deadline(timeout_s);
+  const bool done = cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken; });
+  if (done && generation != gen) return;
+  if (!done) {
+    std::string missing;
+    int first = -1;
+    for (int r = 0; r < num_ranks; ++r)
+      if (!arrived[static_cast<std::size_t>(r)]) {
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+        if (first < 0) first = r;
+      }
+    broken = true;
+    broken_reason = fmt::format("rank(s) {} did not reach phase '{}'", missing, phase);
+    cv.notify_all();
+    throw_timeout(rank, first, phase, timeout_s, fmt::format("rank(s) {} did not arrive", missing));
+  }
+  raise(ErrorCode::unusable, "rank {}: thread group broke while waiting in phase '{}' ({})", rank, phase, broken_reason);
+}
+
+namespace {
+
+class ThreadGroup final : public Group {
+ public:
+  ThreadGroup(std::shared_ptr<ThreadWorld::State> s, int rank) : s_(std::move(s)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return s_->num_ranks; }
+  std::string_view backend() const override { return "threads"; }
+
+  void barrier(std::string_view phase) override { s_->barrier(rank_, phase, timeout_s()); }
+
+  void all_gather(const void* send, void* recv, std::size_t bytes, std::string_view phase) override {
+    // Publish a pointer, meet, read everyone's, meet again so the pointers stay valid while read.
+    s_->pointers[static_cast<std::size_t>(rank_)] = send;
+    barrier(phase);
+    for (int r = 0; r < size(); ++r)
+      if (bytes) std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(r) * bytes, s_->pointers[static_cast<std::size_t>(r)], bytes);
+    barrier(phase);
+  }
+
+  void broadcast(void* data, std::size_t bytes, int root, std::string_view phase) override {
+    EPMOE_CHECK_ARG(root >= 0 && root < size(), "root", fmt::format("a rank in [0, {})", size()), root);
+    s_->pointers[static_cast<std::size_t>(rank_)] = data;
+    barrier(phase);
+    if (rank_ != root && bytes) std::memcpy(data, s_->pointers[static_cast<std::size_t>(root)], bytes);
+    barrier(phase);
+  }
+
+  const std::shared_ptr<ThreadWorld::State>& state() const { return s_; }
+
+ private:
+  std::shared_ptr<ThreadWorld::State> s_;
+  int rank_;
+};
+
+}  // namespace
+
+ThreadWorld::ThreadWorld(int num_ranks) {
+  EPMOE_CHECK_ARG(num_ranks >= 1, "num_ranks", ">= 1", num_ranks);
+  state_ = std::make_shared<State>(num_ranks);
+}
+ThreadWorld::~ThreadWorld() = default;
+int ThreadWorld::size() const { return state_->num_ranks; }
+
+std::shared_ptr<Group> ThreadWorld::group(int rank) {
+  EPMOE_CHECK_ARG(rank >= 0 && rank < size(), "rank", fmt::format("in [0, {})", size()), rank);
+  return std::make_shared<ThreadGroup>(state_, rank);
+}
+
+std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g) {
+  auto* tg = dynamic_cast<ThreadGroup*>(&g);
+  return tg ? tg->state() : nullptr;
+}
+
+std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
+                                                         double timeout_s) {
+  ThreadWorld world(num_ranks);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(num_ranks));
+  for (int r = 0; r < num_ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto g = world.group(r);
+        g->set_timeout_s(timeout_s);
+        fn(*g);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s) {
+  for (auto& e : run_thread_ranks_collect(num_ranks, fn, timeout_s))
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace epmoe

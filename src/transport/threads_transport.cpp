@@ -1,0 +1,108 @@
+// The threads transport: ranks are threads of one process, so peers read each other's memory.
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "transport/threads_world.hpp"
+#include "transport/transport.hpp"
+
+namespace epmoe {
+
+std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g);
+
+namespace {
+
+// Per-world registry of each rank's window and signals, kept beside the world's state.
+struct Window {
+  std::unique_ptr<std::byte[]> data;
+  std::size_t bytes = 0;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> signals;
+  int num_signals = 0;
+};
+
+class ThreadsTransport final : public Transport {
+ public:
+  explicit ThreadsTransport(std::shared_ptr<Group> group)
+      : group_(std::move(group)), state_(thread_world_state(*group_)) {
+    EPMOE_CHECK_ARG(state_ != nullptr, "group", "a group of a ThreadWorld", group_->backend());
+  }
+  Group& group() override { return *group_; }
+
+  std::vector<RowBlock> exchange(std::span<const RowBlock> offered, int num_fields, std::string_view phase) override {
+    const int R = group_->size(), me = group_->rank();
+    EPMOE_ASSERT(offered.size() == static_cast<std::size_t>(R * num_fields));
+    // Publish a pointer to our descriptors; after the barrier every peer reads its own entries
+    // straight from our memory (no staging copy).
+    state_->pointers[static_cast<std::size_t>(me)] = offered.data();
+    group_->barrier(phase);
+    std::vector<RowBlock> received(static_cast<std::size_t>(R * num_fields));
+    for (int s = 0; s < R; ++s) {
+      const auto* theirs = static_cast<const RowBlock*>(state_->pointers[static_cast<std::size_t>(s)]);
+      for (int f = 0; f < num_fields; ++f)
+        received[static_cast<std::size_t>(s * num_fields + f)] = theirs[me * num_fields + f];
+    }
+    return received;
+  }
+
+  void end_exchange(std::string_view phase) override { group_->barrier(phase); }
+
+  void allocate_window(std::size_t bytes, int num_signals, std::string_view phase) override {
+    group_->barrier(phase);  // nobody may still write into the old window
+    own_.data.reset(new std::byte[bytes]());
+    own_.bytes = bytes;
+    own_.signals.reset(new std::atomic<std::uint64_t>[static_cast<std::size_t>(num_signals)]);
+    for (int i = 0; i < num_signals; ++i) own_.signals[static_cast<std::size_t>(i)].store(0);
+    own_.num_signals = num_signals;
+    const Window* mine = &own_;
+    std::vector<const Window*> all(static_cast<std::size_t>(group_->size()));
+    group_->all_gather(&mine, all.data(), sizeof(mine), phase);
+    peers_ = std::move(all);
+  }
+  std::byte* local_window() override { return own_.data.get(); }
+  std::size_t window_bytes() const override { return own_.bytes; }
+
+  void put(int dst, std::size_t offset, const void* src, std::size_t bytes) override {
+    const Window* w = peers_[static_cast<std::size_t>(dst)];
+    EPMOE_ASSERT(offset + bytes <= w->bytes);
+    if (bytes) std::memcpy(w->data.get() + offset, src, bytes);
+  }
+
+  void signal(int dst, int slot, std::uint64_t value) override {
+    const Window* w = peers_[static_cast<std::size_t>(dst)];
+    EPMOE_ASSERT(slot >= 0 && slot < w->num_signals);
+    w->signals[static_cast<std::size_t>(slot)].store(value, std::memory_order_release);  // publishes earlier puts
+  }
+
+  void wait_signal(int slot, std::uint64_t value, int peer, std::string_view phase) override {
+    EPMOE_ASSERT(slot >= 0 && slot < own_.num_signals);
+    auto& s = own_.signals[static_cast<std::size_t>(slot)];
+    if (s.load(std::memory_order_acquire) >= value) return;
+    const Deadline deadline(group_->timeout_s());
+    for (int spins = 0;; ++spins) {
+      if (s.load(std::memory_order_acquire) >= value) return;
+      if (spins > 64) {
+        if (deadline.expired())
+          throw_timeout(group_->rank(), peer, phase, group_->timeout_s(),
+                        fmt::format("signal slot {} is {}, expected >= {}", slot, s.load(), value));
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  std::shared_ptr<Group> group_;
+  std::shared_ptr<ThreadWorld::State> state_;
+  Window own_;
+  std::vector<const Window*> peers_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_threads_transport(std::shared_ptr<Group> group) {
+  return std::make_unique<ThreadsTransport>(std::move(group));
+}
+
+}  // namespace epmoe

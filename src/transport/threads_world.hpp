@@ -1,0 +1,36 @@
+// Shared state of a ThreadWorld: the rendezvous its groups and transports meet at.
+#pragma once
+
+#include <epmoe/group.hpp>
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace epmoe {
+
+struct ThreadWorld::State {
+  explicit State(int n) : num_ranks(n), arrived(static_cast<std::size_t>(n), false), slots(static_cast<std::size_t>(n)),
+                          pointers(static_cast<std::size_t>(n), nullptr) {}
+
+  const int num_ranks;
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::uint64_t generation = 0;  // completed barriers
+  int count = 0;                 // ranks arrived at the current barrier
+  std::vector<bool> arrived;
+  std::vector<std::string> phase_of;  // unused placeholder for diagnostics
+  bool broken = false;
+  std::string broken_reason;
+
+  // Scratch for small collectives and for publishing pointers to peers (one slot per rank).
+  std::vector<std::vector<std::byte>> slots;
+  std::vector<const void*> pointers;
+
+  /// Barrier with timeout. On timeout the world is marked broken and every waiter throws.
+  void barrier(int rank, std::string_view phase, double timeout_s);
+};
+
+}  // namespace epmoe
