@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole test suite: sets up, builds and tests the release build (CUDA sources compiled when nvcc
+# is present; GPU tests skip without a GPU), then a CPU-only build under AddressSanitizer +
+# UndefinedBehaviorSanitizer, then the Python tests when the package exists.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup.sh"
+cd "$ROOT"
+epmoe_install_apt
+epmoe_venv
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+echo "== release build and tests"
+epmoe_build release
+ctest --preset release -j "$jobs"
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests (CPU only)"
+epmoe_build asan
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+  ctest --preset asan -j "$jobs"
+
+if [ -f "$ROOT/python/pyproject.toml" ] || [ -f "$ROOT/pyproject.toml" ]; then
+  echo "== Python tests"
+  "$ROOT/build/venv/bin/pip" install -q "$ROOT"
+  "$ROOT/build/venv/bin/python" -m pytest -q "$ROOT/python/tests"
+fi
+echo "== all tests passed"

@@ -1,0 +1,64 @@
+// Replaying recorded routing (SPEC 14).
+#include <epmoe/replay.hpp>
+
+#include <filesystem>
+
+#include "core/check.hpp"
+#include "core/npy.hpp"
+
+namespace epmoe {
+
+RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::string& domain) {
+  namespace fs = std::filesystem;
+  RoutingTrace trace;
+  std::string idx_path, w_path;
+  const std::string suffix = ".topk_idx.npy";
+  if (fs::is_directory(dir_or_file)) {
+    trace.domain = domain;
+    idx_path = (fs::path(dir_or_file) / (domain + suffix)).string();
+  } else {
+    const std::string name = fs::path(dir_or_file).filename().string();
+    EPMOE_CHECK_ARG(name.size() > suffix.size() && name.ends_with(suffix), "routing",
+                    "a directory or a DOMAIN.topk_idx.npy file", dir_or_file);
+    trace.domain = name.substr(0, name.size() - suffix.size());
+    idx_path = dir_or_file;
+  }
+  w_path = idx_path.substr(0, idx_path.size() - suffix.size()) + ".topk_weights.npy";
+  EPMOE_CHECK_ARG(fs::exists(idx_path), "routing", fmt::format("an existing file {}", idx_path), "no such file");
+  EPMOE_CHECK_ARG(fs::exists(w_path), "routing", fmt::format("an existing file {}", w_path), "no such file");
+  trace.topk_idx = load_npy(idx_path);
+  trace.topk_weights = load_npy(w_path);
+  EPMOE_CHECK_ARG(trace.topk_idx.dtype() == DType::int16 && trace.topk_idx.shape().ndim() == 3, "routing topk_idx",
+                  "int16 [tokens, layers, K]", describe(trace.topk_idx));
+  EPMOE_CHECK_ARG(trace.topk_weights.dtype() == DType::fp32 && trace.topk_weights.shape() == trace.topk_idx.shape(),
+                  "routing topk_weights", fmt::format("float32 {}", to_string(trace.topk_idx.shape())),
+                  describe(trace.topk_weights));
+  return trace;
+}
+
+ReplayedRouting replay_routing(const RoutingTrace& trace, int layer, std::int64_t offset, int rank, std::int64_t T,
+                               int num_experts) {
+  EPMOE_CHECK_ARG(layer >= 0 && layer < trace.num_layers(), "layer", fmt::format("in [0, {})", trace.num_layers()), layer);
+  EPMOE_CHECK_ARG(offset >= 0, "offset", ">= 0", offset);
+  EPMOE_CHECK_ARG(T >= 0, "num_tokens", ">= 0", T);
+  EPMOE_CHECK_ARG(num_experts > 0 && num_experts % trace.num_experts == 0, "num_experts",
+                  fmt::format("a multiple of the trace's {} experts", trace.num_experts), num_experts);
+  const int K = trace.num_topk(), L = trace.num_layers();
+  const std::int64_t n = trace.num_tokens();
+  const int spread = num_experts / trace.num_experts;
+  ReplayedRouting out{Tensor::empty(DType::int64, {T, K}), Tensor::empty(DType::fp32, {T, K})};
+  const auto* src_idx = trace.topk_idx.ptr<std::int16_t>();
+  const auto* src_w = trace.topk_weights.ptr<float>();
+  for (std::int64_t i = 0; i < T; ++i) {
+    const std::int64_t t = (offset + rank * T + i) % n;
+    for (int k = 0; k < K; ++k) {
+      const std::int64_t at = (t * L + layer) * K + k;
+      const std::int64_t e = src_idx[at];
+      out.topk_idx.ptr<std::int64_t>()[i * K + k] = e < 0 ? -1 : e * spread + (t % spread);
+      out.topk_weights.ptr<float>()[i * K + k] = src_w[at];
+    }
+  }
+  return out;
+}
+
+}  // namespace epmoe
