@@ -1,3 +1,25 @@
-#include <epmoe/buffer.hpp>
+// The `epmoe` command-line tool.
+#include <epmoe/error.hpp>
+
 #include <cstdio>
-int main() { std::puts("epmoe"); return 0; }
+#include <exception>
+
+#include "commands.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"epmoe: expert-parallel Mixture-of-Experts dispatch, experts and combine"};
+  app.require_subcommand(1);
+  auto run = epmoe::cli::add_run_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (app.got_subcommand("run")) return run();
+  } catch (const epmoe::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,178 @@
+// The modular MoE layer (SPEC 8): [Router] -> [Quantize-Dispatch] -> [Permute-Experts-Unpermute]
+// -> [Combine], with any prepare/finalize (communication) paired with any experts of the same
+// activation format (vLLM's FusedMoEModularKernel; SGLang's two-phase token dispatcher).
+#pragma once
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/experts.hpp>
+#include <epmoe/tensor.hpp>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+namespace epmoe {
+
+/// Element type of the dispatched activations.
+enum class DispatchDtype : std::uint8_t { bf16, fp8 };
+
+/// What the layer hands to prepare (the token side, one rank).
+struct PrepareInputs {
+  TensorView hidden;        ///< bfloat16 [T, H]
+  TensorView topk_idx;      ///< int64/int32 [T, K], global expert ids or -1
+  TensorView topk_weights;  ///< float32 [T, K]
+  int global_num_experts = 0;
+  /// K == 1 only: the token is scaled by its weight before dispatch and combine applies no weight.
+  bool apply_router_weight_on_input = false;
+};
+
+/// What prepare hands to the experts (the expert side). Activations arrive dequantized to bfloat16
+/// when the dispatch was fp8, so every Experts implementation reads the values the wire carried.
+struct PrepareOutput {
+  ActivationFormat format = ActivationFormat::standard;
+  Tensor hidden;             ///< standard [M, H]; batched_experts [E_local, max_tokens, H]; bfloat16
+  Tensor topk_idx;           ///< standard: int64 [M, K], local ids or -1
+  Tensor topk_weights;       ///< standard: float32 [M, K]
+  Tensor expert_num_tokens;  ///< int32 [E_local]: tokens per local expert (batched: masked_m)
+};
+
+/// The stages of a two-phase dispatch/combine (SGLang's): INITIAL -> AFTER_DISPATCH_A ->
+/// AFTER_DISPATCH_B -> AFTER_COMBINE_A -> INITIAL. A call out of order throws
+/// ErrorCode::stale_handle naming the stage found and the one expected.
+enum class Stage : std::uint8_t { initial, after_dispatch_a, after_dispatch_b, after_combine_a };
+std::string_view stage_name(Stage s);
+
+/// Quantize + dispatch and combine, behind one interface (vLLM's FusedMoEPrepareAndFinalize).
+/// Public calls check the stage machine and run the hooks; implementations override the do_* steps.
+class PrepareFinalize {
+ public:
+  virtual ~PrepareFinalize() = default;
+  /// "no_ep", "normal", "low_latency", ...
+  virtual std::string_view name() const = 0;
+  virtual ActivationFormat activation_format() const = 0;
+  /// What finalize does when the experts announce WeightAndReduce::delegate.
+  virtual WeightAndReduce delegate_weight_and_reduce() const = 0;
+  /// Local experts of this rank (E / R).
+  virtual int num_local_experts(int global_num_experts) const = 0;
+
+  /// Sends (quantize + the send half of the dispatch). Stage INITIAL -> AFTER_DISPATCH_A.
+  void dispatch_a(const PrepareInputs& in);
+  /// Receives. Stage AFTER_DISPATCH_A -> AFTER_DISPATCH_B.
+  PrepareOutput dispatch_b();
+  /// Applies `weight_and_reduce` to the experts' output and sends it back.
+  /// Stage AFTER_DISPATCH_B -> AFTER_COMBINE_A.
+  void combine_a(const TensorView& fused_expert_output, WeightAndReduce weight_and_reduce);
+  /// Receives the combined [T, H] bfloat16 result. Stage AFTER_COMBINE_A -> INITIAL.
+  Tensor combine_b();
+  Stage stage() const { return stage_; }
+
+  /// Hooks around the phases, e.g. to record events or overlap work (called on the calling thread).
+  std::function<void()> before_dispatch, after_dispatch, before_combine, after_combine;
+
+ protected:
+  virtual void do_dispatch_a(const PrepareInputs& in) = 0;
+  virtual PrepareOutput do_dispatch_b() = 0;
+  virtual void do_combine_a(const TensorView& fused_expert_output, WeightAndReduce weight_and_reduce) = 0;
+  virtual Tensor do_combine_b() = 0;
+
+ private:
+  void expect(Stage s, std::string_view call) const;
+  Stage stage_ = Stage::initial;
+};
+
+/// Settings shared by the prepare/finalize implementations.
+struct PrepareFinalizeOptions {
+  DispatchDtype dispatch_dtype = DispatchDtype::bf16;
+  bool round_scale = false;  ///< fp8 scales rounded up to powers of two
+  bool use_ue8m0 = false;    ///< UE8M0 scales on the wire (needs round_scale)
+};
+
+/// One rank, no expert parallelism: prepare only (optionally) quantizes; finalize reduces.
+std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options = {});
+/// Normal mode over `buffer` (standard format: one row per (token, rank); combine after a
+/// contiguous weight-and-reduce of each row's local experts).
+std::shared_ptr<PrepareFinalize> make_normal_prepare_finalize(std::shared_ptr<Buffer> buffer,
+                                                              const PrepareFinalizeOptions& options = {});
+/// Low-latency mode over `buffer` (batched_experts format, at most `num_max_dispatch_tokens_per_rank`
+/// tokens per rank per call; the combine applies the router weights).
+std::shared_ptr<PrepareFinalize> make_low_latency_prepare_finalize(std::shared_ptr<Buffer> buffer,
+                                                                   int num_max_dispatch_tokens_per_rank,
+                                                                   const PrepareFinalizeOptions& options = {});
+
+/// Workspaces shared by every layer of a model: one set per micro-batch, grown on demand, so layers
+/// run one after another reuse the same memory (vLLM's shared workspace).
+class WorkspaceCache {
+ public:
+  /// A bfloat16/float32 workspace named `name` of micro-batch `micro_batch`, at least `shape` big
+  /// (returned as exactly `shape`); contents undefined.
+  TensorView get(int micro_batch, std::string_view name, DType dtype, Shape shape);
+  std::size_t bytes() const;
+
+ private:
+  std::map<std::tuple<int, std::string>, Tensor> buffers_;
+};
+
+struct MoELayerOptions {
+  /// Standard format: the experts run over chunks of this many rows (0 = one chunk); each chunk's
+  /// workspace and expert counts are its own. (130 rows with 128-row chunks: chunks of 128 and 2.)
+  std::int64_t chunk_size = 0;
+  int micro_batch = 0;  ///< which workspace set to use
+  std::shared_ptr<WorkspaceCache> workspaces;  ///< shared across layers; made when null
+};
+
+/// Arguments of MoELayer::forward (vLLM's FusedMoEModularKernel.forward).
+struct MoEForwardArgs {
+  TensorView hidden;        ///< bfloat16 [T, H]
+  TensorView w1;            ///< bfloat16 [E_local, 2N, H] (gated) or [E_local, N, H]
+  TensorView w2;            ///< bfloat16 [E_local, H, N]
+  TensorView topk_weights;  ///< float32 [T, K]
+  TensorView topk_idx;      ///< int64/int32 [T, K], global ids or -1
+  Activation activation = Activation::silu;
+  int global_num_experts = 0;
+  TensorView expert_map;    ///< reserved: with expert parallelism the map is implied by the rank
+  bool apply_router_weight_on_input = false;
+};
+
+struct MoEForwardResult {
+  Tensor output;         ///< bfloat16 [T, H]
+  Tensor shared_output;  ///< bfloat16 [T, H], when the layer has shared experts
+};
+
+/// Shared experts: a dense MLP every token goes through, run beside the routed experts.
+using SharedExperts = std::function<Tensor(const TensorView& hidden)>;
+
+/// The composition. Construction refuses a prepare/finalize whose activation format differs from
+/// the experts' (invalid_argument naming both).
+class MoELayer {
+ public:
+  MoELayer(std::shared_ptr<PrepareFinalize> prepare_finalize, std::shared_ptr<Experts> experts,
+           SharedExperts shared_experts = {}, MoELayerOptions options = {});
+
+  /// Runs dispatch_a, dispatch_b, the experts (chunked), combine_a, combine_b. Shared experts run on
+  /// a side thread overlapped with dispatch and combine. Collective over the ranks of the buffer.
+  MoEForwardResult forward(const MoEForwardArgs& args);
+
+  PrepareFinalize& prepare_finalize() { return *prepare_finalize_; }
+  const Experts& experts() const { return *experts_; }
+  /// Chunk sizes of the last forward (one entry per chunk) and the per-chunk expert counts.
+  const std::vector<std::int64_t>& last_chunk_rows() const { return last_chunk_rows_; }
+
+  /// Runs the experts on prepared activations, chunked (exposed for the two-phase users).
+  Tensor run_experts(const PrepareOutput& prepared, const MoEForwardArgs& args);
+
+ private:
+  std::shared_ptr<PrepareFinalize> prepare_finalize_;
+  std::shared_ptr<Experts> experts_;
+  SharedExperts shared_experts_;
+  MoELayerOptions options_;
+  std::vector<std::int64_t> last_chunk_rows_;
+};
+
+/// SGLang-style mode resolution: `auto` picks normal when the batch holds prefill tokens and
+/// low-latency otherwise; a switch from normal to low-latency cleans the low-latency buffer.
+enum class DispatchMode : std::uint8_t { normal, low_latency, automatic };
+
+}  // namespace epmoe

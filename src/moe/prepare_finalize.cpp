@@ -1,0 +1,168 @@
+// The stage machine of PrepareFinalize, the shared prepare steps, and the no-EP implementations.
+#include <cstring>
+
+#include "core/check.hpp"
+#include "moe/prepare_common.hpp"
+#include "moe/weight_and_reduce.hpp"
+
+#include <epmoe/quant.hpp>
+
+namespace epmoe {
+
+std::string_view stage_name(Stage s) {
+  switch (s) {
+    case Stage::initial: return "INITIAL";
+    case Stage::after_dispatch_a: return "AFTER_DISPATCH_A";
+    case Stage::after_dispatch_b: return "AFTER_DISPATCH_B";
+    case Stage::after_combine_a: return "AFTER_COMBINE_A";
+  }
+  return "?";
+}
+
+void PrepareFinalize::expect(Stage s, std::string_view call) const {
+  if (stage_ != s)
+    raise(ErrorCode::stale_handle, "{}() called in stage {}; it needs stage {} (order: dispatch_a, dispatch_b, "
+          "combine_a, combine_b)", call, stage_name(stage_), stage_name(s));
+}
+
+void PrepareFinalize::dispatch_a(const PrepareInputs& in) {
+  expect(Stage::initial, "dispatch_a");
+  if (before_dispatch) before_dispatch();
+  do_dispatch_a(in);
+  stage_ = Stage::after_dispatch_a;
+}
+
+PrepareOutput PrepareFinalize::dispatch_b() {
+  expect(Stage::after_dispatch_a, "dispatch_b");
+  PrepareOutput out = do_dispatch_b();
+  stage_ = Stage::after_dispatch_b;
+  if (after_dispatch) after_dispatch();
+  return out;
+}
+
+void PrepareFinalize::combine_a(const TensorView& fused_expert_output, WeightAndReduce weight_and_reduce) {
+  expect(Stage::after_dispatch_b, "combine_a");
+  if (before_combine) before_combine();
+  do_combine_a(fused_expert_output, weight_and_reduce);
+  stage_ = Stage::after_combine_a;
+}
+
+Tensor PrepareFinalize::combine_b() {
+  expect(Stage::after_combine_a, "combine_b");
+  Tensor out = do_combine_b();
+  stage_ = Stage::initial;
+  if (after_combine) after_combine();
+  return out;
+}
+
+void check_prepare_inputs(const PrepareInputs& in) {
+  EPMOE_CHECK_ARG(in.hidden.dtype == DType::bf16 && in.hidden.ndim() == 2 && in.hidden.is_contiguous() &&
+                      in.hidden.device.is_cpu(),
+                  "hidden", "contiguous bfloat16 [T, H] on cpu", describe(in.hidden));
+  const std::int64_t T = in.hidden.size(0);
+  EPMOE_CHECK_ARG((in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32) && in.topk_idx.ndim() == 2 &&
+                      in.topk_idx.size(0) == T && in.topk_idx.is_contiguous(),
+                  "topk_idx", fmt::format("contiguous int64/int32 [{}, K]", T), describe(in.topk_idx));
+  EPMOE_CHECK_ARG(in.topk_weights.dtype == DType::fp32 && in.topk_weights.shape == in.topk_idx.shape &&
+                      in.topk_weights.is_contiguous(),
+                  "topk_weights", fmt::format("contiguous float32 {}", to_string(in.topk_idx.shape)),
+                  describe(in.topk_weights));
+  EPMOE_CHECK_ARG(in.global_num_experts > 0, "global_num_experts", "> 0", in.global_num_experts);
+  EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || in.topk_idx.size(1) == 1, "apply_router_weight_on_input",
+                  "only with K == 1", fmt::format("K = {}", in.topk_idx.size(1)));
+}
+
+Tensor clone(const TensorView& v) {
+  Tensor t = Tensor::empty(v.dtype, v.shape);
+  EPMOE_ASSERT(v.is_contiguous());
+  if (t.nbytes()) std::memcpy(t.data(), v.data, t.nbytes());
+  return t;
+}
+
+std::pair<Tensor, Tensor> apply_router_weight_on_input(const PrepareInputs& in) {
+  if (!in.apply_router_weight_on_input) return {Tensor::wrap(in.hidden, nullptr), Tensor::wrap(in.topk_weights, nullptr)};
+  const std::int64_t T = in.hidden.size(0), H = in.hidden.size(1);
+  Tensor x = Tensor::empty(DType::bf16, {T, H});
+  Tensor ones = Tensor::empty(DType::fp32, {T, 1});
+  for (std::int64_t t = 0; t < T; ++t) {
+    const float w = in.topk_weights.ptr<float>()[t];
+    for (std::int64_t h = 0; h < H; ++h)
+      x.ptr<bf16_t>()[t * H + h] = float_to_bf16(w * bf16_to_float(in.hidden.ptr<bf16_t>()[t * H + h]));
+    ones.ptr<float>()[t] = 1.0f;
+  }
+  return {x, ones};
+}
+
+Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options) {
+  const Fp8Tensor q = quantize_fp8(hidden, {options.round_scale, options.use_ue8m0});
+  return dequantize_fp8(q.data, q.scales, DType::bf16);
+}
+
+Tensor reduce_standard(const TensorView& fused, WeightAndReduce w, const TensorView& topk_weights,
+                       const TensorView& topk_idx) {
+  const std::int64_t M = topk_idx.size(0);
+  if (w == WeightAndReduce::none) {
+    EPMOE_CHECK_ARG(fused.ndim() == 2 && fused.size(0) == M, "fused_expert_output", fmt::format("bfloat16 [{}, H]", M),
+                    describe(fused));
+    return clone(fused);
+  }
+  EPMOE_CHECK_ARG(w == WeightAndReduce::contiguous, "weight_and_reduce", "none or contiguous for the standard format",
+                  weight_and_reduce_name(w));
+  EPMOE_CHECK_ARG(fused.ndim() == 3, "fused_expert_output", "bfloat16 [M, K, H]", describe(fused));
+  Tensor out = Tensor::empty(DType::bf16, {M, fused.size(2)});
+  weight_and_reduce_contiguous(fused, topk_weights, topk_idx, out);
+  return out;
+}
+
+namespace {
+
+/// One rank, standard format: the tokens go to the experts where they are.
+class NoEpPrepareFinalize final : public PrepareFinalize {
+ public:
+  explicit NoEpPrepareFinalize(PrepareFinalizeOptions o) : options_(o) {}
+  std::string_view name() const override { return "no_ep"; }
+  ActivationFormat activation_format() const override { return ActivationFormat::standard; }
+  WeightAndReduce delegate_weight_and_reduce() const override { return WeightAndReduce::contiguous; }
+  int num_local_experts(int global_num_experts) const override { return global_num_experts; }
+
+ protected:
+  void do_dispatch_a(const PrepareInputs& in) override {
+    check_prepare_inputs(in);
+    auto [x, w] = apply_router_weight_on_input(in);
+    out_ = {};
+    out_.format = ActivationFormat::standard;
+    out_.hidden = options_.dispatch_dtype == DispatchDtype::fp8 ? fp8_round_trip(x, options_) : clone(x);
+    out_.topk_idx = clone(in.topk_idx);
+    out_.topk_weights = clone(w);
+    out_.expert_num_tokens = Tensor::zeros(DType::int32, {in.global_num_experts});
+    for (std::int64_t i = 0; i < in.topk_idx.numel(); ++i) {
+      const std::int64_t e = in.topk_idx.dtype == DType::int64 ? in.topk_idx.ptr<std::int64_t>()[i]
+                                                               : in.topk_idx.ptr<std::int32_t>()[i];
+      EPMOE_CHECK_ARG(e >= -1 && e < in.global_num_experts, "topk_idx",
+                      fmt::format("ids in [-1, {})", in.global_num_experts), fmt::format("{} at flat index {}", e, i));
+      if (e >= 0) ++out_.expert_num_tokens.ptr<std::int32_t>()[e];
+    }
+  }
+  PrepareOutput do_dispatch_b() override { return out_; }
+  void do_combine_a(const TensorView& fused, WeightAndReduce w) override {
+    if (w == WeightAndReduce::delegate) w = delegate_weight_and_reduce();
+    result_ = reduce_standard(fused, w, out_.topk_weights, out_.topk_idx);
+  }
+  Tensor do_combine_b() override {
+    out_ = {};
+    return std::move(result_);
+  }
+
+ private:
+  PrepareFinalizeOptions options_;
+  PrepareOutput out_;
+  Tensor result_;
+};
+
+}  // namespace
+
+std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options) {
+  return std::make_shared<NoEpPrepareFinalize>(options);
+}
+
+}  // namespace epmoe

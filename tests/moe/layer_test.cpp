@@ -1,0 +1,315 @@
+// The modular MoE layer (SPEC 8) on CPU ranks, against the independent float64 layer reference.
+#include <epmoe/moe.hpp>
+#include <epmoe/quant.hpp>
+#include <epmoe/replay.hpp>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include "moe/weight_and_reduce.hpp"
+#include "support/moe_reference.hpp"
+#include "support/random.hpp"
+
+namespace epmoe {
+namespace {
+
+using test::fresh_seed;
+
+struct Problem {
+  int R, E, K;
+  std::int64_t T, H, N;
+  std::string activation = "silu";
+  std::vector<Tensor> x, topk_idx, topk_weights;  // per rank
+  Tensor w1, w2;                                  // all experts
+};
+
+Problem make_problem(std::mt19937_64& rng, int R, int E, int K, std::int64_t T, std::int64_t H, std::int64_t N,
+                     const std::string& activation = "silu", test::RoutingOptions ro = {}) {
+  Problem p{R, E, K, T, H, N, activation, {}, {}, {}, {}, {}};
+  const bool gated = activation == "silu" || activation == "gelu" || activation == "swigluoai";
+  p.w1 = test::random_bf16(rng, E * (gated ? 2 : 1) * N, H, 1.0f / std::sqrt(static_cast<float>(H)));
+  p.w2 = test::random_bf16(rng, E * H, N, 1.0f / std::sqrt(static_cast<float>(N)));
+  p.w1 = Tensor::wrap(TensorView(p.w1.data(), DType::bf16, {E, (gated ? 2 : 1) * N, H}), std::make_shared<Tensor>(p.w1));
+  p.w2 = Tensor::wrap(TensorView(p.w2.data(), DType::bf16, {E, H, N}), std::make_shared<Tensor>(p.w2));
+  for (int r = 0; r < R; ++r) {
+    p.x.push_back(test::random_bf16(rng, T, H));
+    p.topk_idx.push_back(test::random_topk_idx(rng, T, K, E, ro));
+    p.topk_weights.push_back(test::random_topk_weights(rng, p.topk_idx.back()));
+  }
+  return p;
+}
+
+Tensor concat_rows(const std::vector<Tensor>& parts) {
+  std::int64_t rows = 0;
+  for (const auto& t : parts) rows += t.size(0);
+  Tensor out = Tensor::empty(parts[0].dtype(), {rows, parts[0].size(1)});
+  std::size_t off = 0;
+  for (const auto& t : parts) {
+    if (t.nbytes()) std::memcpy(static_cast<char*>(out.data()) + off, t.data(), t.nbytes());
+    off += t.nbytes();
+  }
+  return out;
+}
+
+enum class Mode { no_ep, normal, low_latency };
+
+struct RunOptions {
+  Mode mode = Mode::normal;
+  DispatchDtype dtype = DispatchDtype::bf16;
+  bool use_reference_experts = false;
+  std::int64_t chunk_size = 0;
+  bool weight_on_input = false;
+};
+
+std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
+  std::vector<Tensor> out(static_cast<std::size_t>(p.R));
+  const auto act = parse_activation(p.activation);
+  run_thread_ranks(p.R, [&](Group& g) {
+    const int r = g.rank(), E_local = p.E / p.R;
+    // run_thread_ranks hands a Group&; the Buffer shares ownership of a non-owning alias.
+    std::shared_ptr<Group> group(std::shared_ptr<Group>{}, &g);
+    PrepareFinalizeOptions po;
+    po.dispatch_dtype = o.dtype;
+    std::shared_ptr<PrepareFinalize> pf;
+    ExpertsConfig ec;
+    if (o.mode == Mode::no_ep) {
+      pf = make_no_ep_prepare_finalize(po);
+    } else if (o.mode == Mode::normal) {
+      pf = make_normal_prepare_finalize(std::make_shared<Buffer>(group), po);
+    } else {
+      pf = make_low_latency_prepare_finalize(std::make_shared<Buffer>(group), static_cast<int>(p.T), po);
+      ec.format = ActivationFormat::batched_experts;
+    }
+    std::shared_ptr<Experts> experts(o.use_reference_experts ? make_reference_experts(ec) : make_blas_experts(ec));
+    MoELayerOptions lo;
+    lo.chunk_size = o.chunk_size;
+    MoELayer layer(pf, experts, {}, lo);
+    MoEForwardArgs a;
+    a.hidden = p.x[static_cast<std::size_t>(r)];
+    a.w1 = p.w1.view().slice_rows(r * E_local, (r + 1) * E_local);
+    a.w2 = p.w2.view().slice_rows(r * E_local, (r + 1) * E_local);
+    a.topk_idx = p.topk_idx[static_cast<std::size_t>(r)];
+    a.topk_weights = p.topk_weights[static_cast<std::size_t>(r)];
+    a.activation = act;
+    a.global_num_experts = p.E;
+    a.apply_router_weight_on_input = o.weight_on_input;
+    out[static_cast<std::size_t>(r)] = layer.forward(a).output;
+  });
+  return out;
+}
+
+double layer_error(const Problem& p, const RunOptions& o) {
+  const std::vector<Tensor> got = run_layer(p, o);
+  Tensor x = concat_rows(p.x);
+  if (o.dtype == DispatchDtype::fp8) {  // the reference sees what the experts saw: the fp8 values
+    const Fp8Tensor q = quantize_fp8(x);
+    x = dequantize_fp8(q.data, q.scales, DType::bf16);
+  }
+  const auto want = test::moe_layer_reference(x, p.w1, p.w2, concat_rows(p.topk_idx), concat_rows(p.topk_weights),
+                                              p.activation, o.weight_on_input);
+  return test::relative_l2(concat_rows(got), want);
+}
+
+TEST(MoELayer, RefusesPrepareAndExpertsOfDifferentFormatsNamingBoth) {
+  auto pf = make_no_ep_prepare_finalize();
+  ExpertsConfig batched;
+  batched.format = ActivationFormat::batched_experts;
+  try {
+    MoELayer layer(pf, make_blas_experts(batched));
+    FAIL() << "composition accepted";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("standard"), std::string::npos) << m;
+    EXPECT_NE(m.find("batched_experts"), std::string::npos) << m;
+    EXPECT_NE(m.find("no_ep"), std::string::npos) << m;
+  }
+}
+
+TEST(MoELayer, NoEpMatchesFloat64ReferenceForEveryActivation) {
+  std::mt19937_64 rng(fresh_seed());
+  for (const char* act : {"silu", "gelu", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul"}) {
+    const Problem p = make_problem(rng, 1, 8, 2, 24, 128, 64, act);
+    EXPECT_LE(layer_error(p, {Mode::no_ep}), 1e-2) << act;
+  }
+}
+
+TEST(MoELayer, ChunkingGivesTheSameBitsAs130RowsInOneChunk) {
+  std::mt19937_64 rng(fresh_seed());
+  const Problem p = make_problem(rng, 1, 8, 2, 130, 128, 64);
+  const auto whole = run_layer(p, {Mode::no_ep});
+  RunOptions chunked{Mode::no_ep};
+  chunked.chunk_size = 128;
+  const auto parts = run_layer(p, chunked);
+  ASSERT_EQ(whole[0].nbytes(), parts[0].nbytes());
+  EXPECT_EQ(std::memcmp(whole[0].data(), parts[0].data(), whole[0].nbytes()), 0);
+  EXPECT_LE(layer_error(p, chunked), 1e-2);
+}
+
+TEST(MoELayer, ChunkSizesAreReportedPerChunk) {
+  std::mt19937_64 rng(fresh_seed());
+  const Problem p = make_problem(rng, 1, 8, 2, 130, 128, 64);
+  MoELayerOptions lo;
+  lo.chunk_size = 128;
+  MoELayer layer(make_no_ep_prepare_finalize(), make_blas_experts(), {}, lo);
+  MoEForwardArgs a;
+  a.hidden = p.x[0];
+  a.w1 = p.w1;
+  a.w2 = p.w2;
+  a.topk_idx = p.topk_idx[0];
+  a.topk_weights = p.topk_weights[0];
+  a.global_num_experts = p.E;
+  layer.forward(a);
+  EXPECT_EQ(layer.last_chunk_rows(), (std::vector<std::int64_t>{128, 2}));
+}
+
+TEST(MoELayer, NormalModeOverThreadRanksMatchesReference) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int R : {1, 2, 4}) {
+    for (auto dtype : {DispatchDtype::bf16, DispatchDtype::fp8}) {
+      const Problem p = make_problem(rng, R, 16, 4, 20, 256, 64);
+      RunOptions o{Mode::normal, dtype};
+      EXPECT_LE(layer_error(p, o), 1e-2) << "R=" << R << " fp8=" << (dtype == DispatchDtype::fp8);
+    }
+  }
+}
+
+TEST(MoELayer, LowLatencyModeOverThreadRanksMatchesReference) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int R : {1, 2, 4}) {
+    for (auto dtype : {DispatchDtype::bf16, DispatchDtype::fp8}) {
+      const Problem p = make_problem(rng, R, 16, 4, 12, 256, 64);
+      RunOptions o{Mode::low_latency, dtype};
+      EXPECT_LE(layer_error(p, o), 1e-2) << "R=" << R << " fp8=" << (dtype == DispatchDtype::fp8);
+    }
+  }
+}
+
+TEST(MoELayer, EdgeRoutingAllMinusOneAndOneExpertTakingEverything) {
+  std::mt19937_64 rng(fresh_seed());
+  for (Mode m : {Mode::normal, Mode::low_latency}) {
+    test::RoutingOptions one;
+    one.only_expert = 5;
+    const Problem hot = make_problem(rng, 2, 8, 3, 10, 128, 32, "silu", one);
+    EXPECT_LE(layer_error(hot, {m}), 1e-2);
+    test::RoutingOptions none;
+    none.p_minus_one = 1.0;
+    const Problem empty = make_problem(rng, 2, 8, 3, 10, 128, 32, "silu", none);
+    for (const Tensor& out : run_layer(empty, {m}))
+      for (std::int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.ptr<bf16_t>()[i].bits & 0x7fff, 0) << "nonzero at " << i;
+  }
+}
+
+TEST(MoELayer, ApplyRouterWeightOnInputWithKEqualsOne) {
+  std::mt19937_64 rng(fresh_seed());
+  for (Mode m : {Mode::no_ep, Mode::normal, Mode::low_latency}) {
+    const Problem p = make_problem(rng, m == Mode::no_ep ? 1 : 2, 8, 1, 16, 128, 64);
+    RunOptions o{m};
+    o.weight_on_input = true;
+    EXPECT_LE(layer_error(p, o), 1e-2);
+  }
+  const Problem p2 = make_problem(rng, 1, 8, 2, 4, 128, 64);
+  RunOptions bad{Mode::no_ep};
+  bad.weight_on_input = true;
+  EXPECT_THROW(run_layer(p2, bad), Error);
+}
+
+TEST(MoELayer, StagesMustRunInOrder) {
+  auto pf = make_no_ep_prepare_finalize();
+  EXPECT_EQ(pf->stage(), Stage::initial);
+  try {
+    pf->dispatch_b();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::stale_handle);
+    EXPECT_NE(std::string(e.what()).find("AFTER_DISPATCH_A"), std::string::npos) << e.what();
+  }
+  std::mt19937_64 rng(fresh_seed());
+  Tensor x = test::random_bf16(rng, 4, 128);
+  Tensor idx = test::random_topk_idx(rng, 4, 2, 8);
+  Tensor w = test::random_topk_weights(rng, idx);
+  int hooks = 0;
+  pf->before_dispatch = [&] { ++hooks; };
+  pf->after_combine = [&] { ++hooks; };
+  pf->dispatch_a({x, idx, w, 8, false});
+  EXPECT_THROW(pf->dispatch_a({x, idx, w, 8, false}), Error);
+  EXPECT_THROW(pf->combine_b(), Error);
+  const PrepareOutput prepared = pf->dispatch_b();
+  EXPECT_EQ(pf->stage(), Stage::after_dispatch_b);
+  Tensor fused = Tensor::zeros(DType::bf16, {4, 128});
+  pf->combine_a(fused, WeightAndReduce::none);
+  pf->combine_b();
+  EXPECT_EQ(pf->stage(), Stage::initial);
+  EXPECT_EQ(hooks, 2);
+}
+
+TEST(MoELayer, SharedExpertsRunBesideAndComeBack) {
+  std::mt19937_64 rng(fresh_seed());
+  const Problem p = make_problem(rng, 1, 8, 2, 8, 128, 64);
+  SharedExperts shared = [](const TensorView& h) {
+    Tensor t = Tensor::empty(DType::bf16, h.shape);
+    for (std::int64_t i = 0; i < t.numel(); ++i) t.ptr<bf16_t>()[i] = float_to_bf16(2.0f * bf16_to_float(h.ptr<bf16_t>()[i]));
+    return t;
+  };
+  MoELayer layer(make_no_ep_prepare_finalize(), make_blas_experts(), shared);
+  MoEForwardArgs a;
+  a.hidden = p.x[0];
+  a.w1 = p.w1;
+  a.w2 = p.w2;
+  a.topk_idx = p.topk_idx[0];
+  a.topk_weights = p.topk_weights[0];
+  a.global_num_experts = p.E;
+  const auto r = layer.forward(a);
+  ASSERT_TRUE(r.shared_output.defined());
+  for (std::int64_t i = 0; i < r.shared_output.numel(); ++i)
+    ASSERT_EQ(bf16_to_float(r.shared_output.ptr<bf16_t>()[i]), 2.0f * bf16_to_float(p.x[0].ptr<bf16_t>()[i]));
+}
+
+TEST(WeightAndReduce, ContiguousAndNaiveBatchedMatchHandSums) {
+  // 2 tokens, K = 2, H = 2; token 0 -> experts (1, 0), token 1 -> (-1, 1).
+  std::int64_t ids[] = {1, 0, -1, 1};
+  float w[] = {0.5f, 0.25f, 0.9f, 2.0f};
+  TensorView idx(ids, DType::int64, {2, 2}), wt(w, DType::fp32, {2, 2});
+  bf16_t fused_c[8];
+  const float vals[8] = {1, 2, 3, 4, 100, 100, 5, 6};  // [m][k][h]
+  for (int i = 0; i < 8; ++i) fused_c[i] = float_to_bf16(vals[i]);
+  bf16_t out[4];
+  weight_and_reduce_contiguous(TensorView(fused_c, DType::bf16, {2, 2, 2}), wt, idx, TensorView(out, DType::bf16, {2, 2}));
+  EXPECT_EQ(bf16_to_float(out[0]), 0.5f * 1 + 0.25f * 3);
+  EXPECT_EQ(bf16_to_float(out[1]), 0.5f * 2 + 0.25f * 4);
+  EXPECT_EQ(bf16_to_float(out[2]), 2.0f * 5);
+  EXPECT_EQ(bf16_to_float(out[3]), 2.0f * 6);
+  // Naive batched, experts 0..1 local: expert 0 slot 0 = token 0; expert 1 slots = tokens 0, 1.
+  bf16_t fused_b[2 * 2 * 2];
+  const float bv[8] = {3, 4, 0, 0, 1, 2, 5, 6};  // [e][slot][h]
+  for (int i = 0; i < 8; ++i) fused_b[i] = float_to_bf16(bv[i]);
+  bf16_t out2[4];
+  weight_and_reduce_naive_batched(TensorView(fused_b, DType::bf16, {2, 2, 2}), wt, idx, 0,
+                                  TensorView(out2, DType::bf16, {2, 2}));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(out2[i].bits, out[i].bits) << i;
+}
+
+// Real routing (SPEC 14) from the committed slice: skewed loads through both modes and dtypes.
+TEST(MoELayer, ReplaysRealOlmoeRoutingInBothModes) {
+  std::mt19937_64 rng(fresh_seed());
+  const std::string dir = std::string(EPMOE_TEST_DATA_DIR) + "/olmoe-routing";
+  for (const char* domain : {"general", "coding"}) {
+    const RoutingTrace trace = load_routing_trace(dir, domain);
+    for (int layer : {0, 15}) {
+      Problem p = make_problem(rng, 4, 64, 8, 96, 128, 32);
+      for (int r = 0; r < 4; ++r) {
+        const auto routed = replay_routing(trace, layer, 0, r, p.T, 64);
+        p.topk_idx[static_cast<std::size_t>(r)] = routed.topk_idx;
+        p.topk_weights[static_cast<std::size_t>(r)] = routed.topk_weights;
+      }
+      for (Mode m : {Mode::normal, Mode::low_latency})
+        for (auto dtype : {DispatchDtype::bf16, DispatchDtype::fp8})
+          EXPECT_LE(layer_error(p, {m, dtype}), 1e-2)
+              << domain << " layer " << layer << " mode " << static_cast<int>(m) << " fp8 " << (dtype == DispatchDtype::fp8);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epmoe

@@ -1,0 +1,372 @@
+// `epmoe run`: the main job. A full expert-parallel MoE layer over R ranks:
+//   router (or replayed routing) -> dispatch -> experts -> combine
+// timed per phase and checked against the float64 reference (SPEC 13).
+#include <epmoe/buffer.hpp>
+#include <epmoe/experts.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/moe.hpp>
+#include <epmoe/quant.hpp>
+#include <epmoe/replay.hpp>
+#include <epmoe/router.hpp>
+#include <epmoe/version.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "commands.hpp"
+
+namespace epmoe::cli {
+namespace {
+
+struct RunConfig {
+  int ranks = 4;
+  std::int64_t tokens = 256;
+  std::int64_t hidden = 2048;
+  int experts = 64;
+  int topk = 8;
+  std::int64_t intermediate = 1024;
+  std::string mode = "normal";
+  std::string dispatch_dtype = "bf16";
+  std::string activation = "silu";
+  std::string experts_impl = "blas";
+  std::uint64_t seed = 2024;
+  std::string routing;
+  std::string domain = "general";
+  int layer = 0;
+  std::int64_t offset = 0;
+  std::int64_t chunk_size = 0;
+  int iters = 3;
+  std::int64_t check_tokens = 32;
+  double tolerance = 1e-2;
+  std::string json;
+};
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Deterministic bf16 fill: one stream per (seed, id) so every rank regenerates the same values.
+void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {
+  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + id);
+  std::uniform_real_distribution<float> d(-scale, scale);
+  for (std::int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(d(rng));
+}
+
+struct Model {
+  Tensor w1, w2;  // all E experts: [E, 2N or N, H], [E, H, N]
+};
+
+Model make_model(const RunConfig& c, Activation act) {
+  const std::int64_t rows1 = is_gated(act) ? 2 * c.intermediate : c.intermediate;
+  Model m{Tensor::empty(DType::bf16, {c.experts, rows1, c.hidden}),
+          Tensor::empty(DType::bf16, {c.experts, c.hidden, c.intermediate})};
+  // Scales keep activations O(1) through both GEMMs (1/sqrt(fan_in)).
+  const float s1 = 1.0f / std::sqrt(static_cast<float>(c.hidden)), s2 = 1.0f / std::sqrt(static_cast<float>(c.intermediate));
+  const unsigned workers = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (int e = static_cast<int>(w); e < c.experts; e += static_cast<int>(workers)) {
+        fill_bf16(m.w1.ptr<bf16_t>() + e * rows1 * c.hidden, rows1 * c.hidden, c.seed, 1000000 + e, s1);
+        fill_bf16(m.w2.ptr<bf16_t>() + e * c.hidden * c.intermediate, c.hidden * c.intermediate, c.seed, 2000000 + e, s2);
+      }
+    });
+  for (auto& t : pool) t.join();
+  return m;
+}
+
+TensorView expert_slice(const Tensor& w, std::int64_t begin, std::int64_t count) {
+  return w.view().slice_rows(begin, begin + count);
+}
+
+struct Phase {
+  const char* name;
+  std::vector<double> seconds;  // per iteration, max over ranks
+  double bytes = 0;             // per iteration, summed over ranks
+};
+
+struct RankResult {
+  std::vector<double> router_s, dispatch_s, experts_s, combine_s;
+  double dispatch_bytes = 0, combine_bytes = 0;
+  double err_num = 0, err_den = 0;
+  bool finite = true;
+  std::int64_t checked = 0;
+};
+
+struct Shared {
+  std::mutex mutex;
+  const RunConfig* config;
+  const Model* model;
+  const RoutingTrace* trace;
+  Activation activation;
+};
+
+RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
+  const RunConfig& c = *sh.config;
+  const int R = group->size(), rank = group->rank();
+  const int E_local = c.experts / R;
+  const std::int64_t T = c.tokens, H = c.hidden;
+  RankResult res;
+
+  // Inputs of this rank.
+  Tensor hidden = Tensor::empty(DType::bf16, {T, H});
+  fill_bf16(hidden.ptr<bf16_t>(), T * H, c.seed, 3000000 + static_cast<std::uint64_t>(rank), 1.0f);
+  Tensor logits = Tensor::empty(DType::fp32, {T, c.experts});
+  {
+    std::mt19937_64 rng(c.seed * 31 + static_cast<std::uint64_t>(rank));
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (std::int64_t i = 0; i < logits.numel(); ++i) logits.ptr<float>()[i] = d(rng);
+  }
+
+  const bool low_latency = c.mode == "low-latency";
+  PrepareFinalizeOptions po;
+  po.dispatch_dtype = c.dispatch_dtype == "fp8" ? DispatchDtype::fp8 : DispatchDtype::bf16;
+  auto buffer = std::make_shared<Buffer>(group);
+  auto pf = low_latency ? make_low_latency_prepare_finalize(buffer, static_cast<int>(T), po)
+                        : make_normal_prepare_finalize(buffer, po);
+  ExpertsConfig ec;
+  ec.format = low_latency ? ActivationFormat::batched_experts : ActivationFormat::standard;
+  std::shared_ptr<Experts> experts = c.experts_impl == "reference" ? std::shared_ptr<Experts>(make_reference_experts(ec))
+                                                                   : std::shared_ptr<Experts>(make_blas_experts(ec));
+  MoELayerOptions lo;
+  lo.chunk_size = c.chunk_size;
+  MoELayer layer(pf, experts, {}, lo);
+
+  MoEForwardArgs args;
+  args.hidden = hidden;
+  args.w1 = expert_slice(sh.model->w1, rank * E_local, E_local);
+  args.w2 = expert_slice(sh.model->w2, rank * E_local, E_local);
+  args.activation = sh.activation;
+  args.global_num_experts = c.experts;
+
+  Tensor output;
+  TopkResult routing;
+  for (int it = 0; it < c.iters; ++it) {
+    group->barrier("run.iteration");
+    const auto t0 = Clock::now();
+    if (sh.trace) {
+      auto r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
+      routing = {r.topk_weights, r.topk_idx};
+    } else {
+      routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
+    }
+    res.router_s.push_back(seconds_since(t0));
+    args.topk_idx = routing.topk_idx;
+    args.topk_weights = routing.topk_weights;
+
+    group->barrier("run.dispatch");
+    const auto t1 = Clock::now();
+    pf->dispatch_a({args.hidden, args.topk_idx, args.topk_weights, c.experts, false});
+    const PrepareOutput prepared = pf->dispatch_b();
+    res.dispatch_s.push_back(seconds_since(t1));
+
+    const auto t2 = Clock::now();
+    const Tensor fused = layer.run_experts(prepared, args);
+    res.experts_s.push_back(seconds_since(t2));
+
+    group->barrier("run.combine");
+    const auto t3 = Clock::now();
+    pf->combine_a(fused, experts->weight_and_reduce());
+    output = pf->combine_b();
+    res.combine_s.push_back(seconds_since(t3));
+
+    // Payload moved, as DeepEP counts it: the received rows (each way).
+    std::int64_t rows = 0;
+    if (low_latency) {
+      for (int e = 0; e < E_local; ++e) rows += prepared.expert_num_tokens.ptr<std::int32_t>()[e];
+    } else {
+      rows = prepared.hidden.size(0);
+    }
+    const double elt = po.dispatch_dtype == DispatchDtype::fp8 ? 1.0 + 4.0 / 128 : 2.0;
+    res.dispatch_bytes = static_cast<double>(rows) * static_cast<double>(H) * elt;
+    res.combine_bytes = static_cast<double>(rows) * static_cast<double>(H) * 2.0;
+    if (rank == 0) fmt::print(stderr, "  iteration {}/{} done\n", it + 1, c.iters);
+  }
+
+  // Reference check on evenly spaced tokens, from the inputs the experts actually saw.
+  const std::int64_t S = std::min<std::int64_t>(T, c.check_tokens);
+  if (S > 0) {
+    const int K = static_cast<int>(routing.topk_idx.size(1));
+    Tensor xs = Tensor::empty(DType::bf16, {S, H}), ids = Tensor::empty(DType::int64, {S, K}),
+           ws = Tensor::empty(DType::fp32, {S, K});
+    std::vector<std::int64_t> picked(static_cast<std::size_t>(S));
+    for (std::int64_t s = 0; s < S; ++s) {
+      const std::int64_t t = s * T / S;
+      picked[static_cast<std::size_t>(s)] = t;
+      std::copy_n(hidden.ptr<bf16_t>() + t * H, H, xs.ptr<bf16_t>() + s * H);
+      std::copy_n(routing.topk_idx.ptr<std::int64_t>() + t * K, K, ids.ptr<std::int64_t>() + s * K);
+      std::copy_n(routing.topk_weights.ptr<float>() + t * K, K, ws.ptr<float>() + s * K);
+    }
+    Tensor seen = xs;
+    if (po.dispatch_dtype == DispatchDtype::fp8) {
+      const Fp8Tensor q = quantize_fp8(xs);
+      seen = dequantize_fp8(q.data, q.scales, DType::bf16);
+    }
+    ExpertsInputs in;
+    in.hidden = seen;
+    in.w1 = sh.model->w1;
+    in.w2 = sh.model->w2;
+    in.topk_idx = ids;
+    in.topk_weights = ws;
+    in.activation = sh.activation;
+    const std::vector<double> ref = reference_experts_f64(in);
+    for (std::int64_t s = 0; s < S; ++s)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double got = bf16_to_float(output.ptr<bf16_t>()[picked[static_cast<std::size_t>(s)] * H + h]);
+        const double want = ref[static_cast<std::size_t>(s * H + h)];
+        if (!std::isfinite(got)) res.finite = false;
+        res.err_num += (got - want) * (got - want);
+        res.err_den += want * want;
+      }
+    res.checked = S;
+  }
+  return res;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int run(const RunConfig& c) {
+  const Activation act = parse_activation(c.activation);
+  if (c.mode != "normal" && c.mode != "low-latency")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--mode': expected normal or low-latency, got {}", c.mode));
+  if (c.dispatch_dtype != "bf16" && c.dispatch_dtype != "fp8")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--dispatch-dtype': expected bf16 or fp8, got {}", c.dispatch_dtype));
+  if (c.ranks < 1 || c.experts % c.ranks != 0)
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--ranks': expected a divisor of --experts ({}), got {}", c.experts, c.ranks));
+
+  fmt::print("epmoe {} run: {} CPU ranks (threads), T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n",
+             version(), c.ranks, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype,
+             c.activation, c.experts_impl);
+  RoutingTrace trace;
+  const bool replay = !c.routing.empty();
+  if (replay) {
+    trace = load_routing_trace(c.routing, c.domain);
+    fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
+               trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
+  }
+  const auto tg = Clock::now();
+  fmt::print(stderr, "  generating expert weights ({:.0f} MiB)...\n",
+             static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2 / 1048576.0);
+  const Model model = make_model(c, act);
+  fmt::print(stderr, "  weights ready in {:.1f} s\n", seconds_since(tg));
+
+  Shared sh;
+  sh.config = &c;
+  sh.model = &model;
+  sh.trace = replay ? &trace : nullptr;
+  sh.activation = act;
+  std::vector<RankResult> results(static_cast<std::size_t>(c.ranks));
+  ThreadWorld world(c.ranks);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(c.ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        results[static_cast<std::size_t>(r)] = run_rank(world.group(r), sh);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+
+  // Per phase: the slowest rank per iteration, median over iterations.
+  Phase phases[] = {{"router", {}, 0}, {"dispatch", {}, 0}, {"experts", {}, 0}, {"combine", {}, 0}};
+  for (int it = 0; it < c.iters; ++it) {
+    double m[4] = {0, 0, 0, 0};
+    for (const auto& r : results) {
+      m[0] = std::max(m[0], r.router_s[static_cast<std::size_t>(it)]);
+      m[1] = std::max(m[1], r.dispatch_s[static_cast<std::size_t>(it)]);
+      m[2] = std::max(m[2], r.experts_s[static_cast<std::size_t>(it)]);
+      m[3] = std::max(m[3], r.combine_s[static_cast<std::size_t>(it)]);
+    }
+    for (int p = 0; p < 4; ++p) phases[p].seconds.push_back(m[p]);
+  }
+  double num = 0, den = 0;
+  bool finite = true;
+  std::int64_t checked = 0;
+  for (const auto& r : results) {
+    phases[1].bytes += r.dispatch_bytes;
+    phases[3].bytes += r.combine_bytes;
+    num += r.err_num;
+    den += r.err_den;
+    finite = finite && r.finite;
+    checked += r.checked;
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
+  const bool pass = finite && rel <= c.tolerance && checked > 0;
+
+  fmt::print("\n{:<10} {:>12} {:>14} {:>12}\n", "phase", "time (ms)", "bytes", "GB/s");
+  nlohmann::json jphases = nlohmann::json::array();
+  double total = 0;
+  for (const auto& p : phases) {
+    const double s = median(p.seconds);
+    total += s;
+    const double gbs = p.bytes > 0 && s > 0 ? p.bytes / s / 1e9 : 0.0;
+    fmt::print("{:<10} {:>12.3f} {:>14} {:>12}\n", p.name, s * 1e3, p.bytes > 0 ? fmt::format("{:.0f}", p.bytes) : "-",
+               p.bytes > 0 ? fmt::format("{:.2f}", gbs) : "-");
+    jphases.push_back({{"phase", p.name}, {"time_ms", s * 1e3}, {"bytes", p.bytes}, {"gb_per_s", gbs}});
+  }
+  fmt::print("{:<10} {:>12.3f}\n", "total", total * 1e3);
+  fmt::print("\nrelative L2 error vs float64 reference ({} tokens checked): {:.3e} (tolerance {:.0e})\n", checked, rel,
+             c.tolerance);
+  fmt::print("{}\n", pass ? "PASS" : "FAIL");
+
+  if (!c.json.empty()) {
+    nlohmann::json j = {{"command", "run"}, {"version", std::string(version())}, {"backend", "threads"},
+                        {"ranks", c.ranks}, {"tokens_per_rank", c.tokens}, {"hidden", c.hidden},
+                        {"num_experts", c.experts}, {"num_topk", c.topk}, {"intermediate", c.intermediate},
+                        {"mode", c.mode}, {"dispatch_dtype", c.dispatch_dtype}, {"activation", c.activation},
+                        {"experts", c.experts_impl}, {"seed", c.seed}, {"routing", c.routing},
+                        {"domain", replay ? trace.domain : ""}, {"layer", c.layer}, {"offset", c.offset},
+                        {"iters", c.iters}, {"phases", jphases}, {"relative_l2_error", rel},
+                        {"tokens_checked", checked}, {"tolerance", c.tolerance}, {"pass", pass}};
+    std::ofstream(c.json) << j.dump(2) << "\n";
+    fmt::print("wrote {}\n", c.json);
+  }
+  return pass ? 0 : 1;
+}
+
+}  // namespace
+
+std::function<int()> add_run_command(CLI::App& app) {
+  auto config = std::make_shared<RunConfig>();
+  CLI::App* cmd = app.add_subcommand("run", "Run a full expert-parallel MoE layer and check it against the float64 reference");
+  auto& c = *config;
+  cmd->add_option("--ranks", c.ranks, "expert-parallel ranks (CPU threads)")->capture_default_str();
+  cmd->add_option("-t,--tokens", c.tokens, "tokens per rank")->capture_default_str();
+  cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
+  cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)")->capture_default_str();
+  cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)")->capture_default_str();
+  cmd->add_option("--intermediate", c.intermediate, "expert intermediate size N")->capture_default_str();
+  cmd->add_option("--mode", c.mode, "normal or low-latency")->check(CLI::IsMember({"normal", "low-latency"}))->capture_default_str();
+  cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
+  cmd->add_option("--activation", c.activation, "silu, gelu, swigluoai, silu_no_mul, gelu_no_mul, relu2_no_mul")->capture_default_str();
+  cmd->add_option("--experts-impl", c.experts_impl, "blas (fast) or reference (float64)")->check(CLI::IsMember({"blas", "reference"}))->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")->capture_default_str();
+  cmd->add_option("--routing", c.routing, "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file");
+  cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory")->capture_default_str();
+  cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
+  cmd->add_option("--offset", c.offset, "first token of --routing (rank r takes [offset + r*T, offset + (r+1)*T))")->capture_default_str();
+  cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
+  cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
+  cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (SPEC 13)")->capture_default_str();
+  cmd->add_option("--json", c.json, "also write the results as JSON to this file");
+  return [config] { return run(*config); };
+}
+
+}  // namespace epmoe::cli
