@@ -11,7 +11,8 @@
 //  - recv_topk_idx holds local expert ids (global - rank * E_local) or -1 for experts elsewhere;
 //    recv_topk_weights is 0 where the id is -1.
 //  - combine sums, per token, the rows sent back by each destination rank in ascending rank order,
-//    in float32, then adds bias 0 and bias 1, then rounds to bfloat16 once.
+//    in float32, then adds bias 0 and bias 1, then rounds to bfloat16 once. The sum starts from +0.0f
+//    (so a token sent nowhere gives the biases or +0, and a lone -0.0 comes back as +0.0).
 //  - combined_topk_weights[t, k] = sum over destination ranks (ascending) of their recv weights.
 // Ordering rules (low-latency mode):
 //  - packed_recv_x[e] holds the tokens of local expert e: blocks in ascending source rank, each
@@ -76,6 +77,7 @@ struct NormalHandle {
   std::int64_t hidden = 0;
   int num_experts = 0;
   int expert_alignment = 1;
+  int num_worst_tokens = 0;           ///< what the dispatch was made with (0 = none); a cached dispatch reuses it
   std::uint64_t buffer_id = 0;        ///< the Buffer that made it
   bool defined() const { return buffer_id != 0; }
 };

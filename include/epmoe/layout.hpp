@@ -13,7 +13,8 @@ struct DispatchLayout {
 
 /// Computes the layout of topk_idx (int64 or int32 [T, K]; -1 entries are ignored) for `num_experts`
 /// experts spread evenly over `num_ranks` ranks (expert e on rank e / (E / R)).
-/// Errors: topk_idx not 2-d int32/int64; E % R != 0; on CPU, ids outside [-1, E).
+/// Errors: topk_idx not 2-d int32/int64; E % R != 0; E / R > 1024; on CPU, ids outside [-1, E) (the message
+/// names the first bad value and its [t, k] position).
 DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks);
 
 }  // namespace epmoe
