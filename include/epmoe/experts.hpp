@@ -1,0 +1,193 @@
+// Experts: the [Permute-Experts-Unpermute] stage (SPEC 7), on CPU.
+//
+// Each local expert e is a two-layer MLP:
+//   y = w2[e] @ act(w1[e] @ x)        x: [H], w1[e]: [2N, H] (gated) or [N, H] (non-gated), w2[e]: [H, N]
+// Two input ("activation") formats, as vLLM's modular fused-MoE kernel names them:
+//   Standard:       hidden [M, H] with topk_idx / topk_weights [M, K]; each token visits its K experts.
+//   BatchedExperts: hidden [E_local, max_tokens, H] with a token count per local expert (masked_m);
+//                   rows i < count[e] of slab e go through expert e; no router weights.
+// Two implementations share one interface and one argument check:
+//   make_reference_experts(): float64 arithmetic throughout (inputs converted exactly, intermediates kept
+//     in double, one bf16 rounding of the output). This is what correctness is measured against.
+//   make_blas_experts(): the fast path. Tokens are grouped per expert (gather, cblas_sgemm per GEMM
+//     per expert, scatter); bf16 inputs/weights are widened to float32 tiles, the GEMMs accumulate in
+//     float32, and -- like vLLM's fused kernels, whose intermediate caches are bf16 -- both the first
+//     GEMM's output and the activation output are rounded to bf16. That rounding is why the fast and
+//     GPU paths agree with the reference only to SPEC 13's relative L2 1e-2 (typically ~1e-3).
+#pragma once
+
+#include <epmoe/tensor.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+namespace epmoe {
+
+/// Expert activation function (vLLM's names). Gated ones read a gate value g and an up value u per
+/// intermediate channel from w1 [E_local, 2N, H]; the `*_no_mul` ones read one value x from
+/// w1 [E_local, N, H].
+///   silu          silu(g) * u,                  silu(x) = x / (1 + exp(-x))
+///   gelu          gelu(g) * u,                  gelu(x) = x/2 * (1 + erf(x / sqrt(2)))   (exact erf form)
+///   swigluoai     gpt-oss: g = min(g, 7), u = clamp(u, -7, 7), (u + 1) * g * sigmoid(1.702 * g);
+///                 here w1's rows interleave: gate of channel j at row 2j, up at row 2j + 1
+///   silu_no_mul   silu(x)
+///   gelu_no_mul   gelu(x)
+///   relu2_no_mul  relu(x)^2
+/// For silu and gelu, gate rows are [0, N) and up rows [N, 2N).
+enum class Activation : std::uint8_t { silu, gelu, swigluoai, silu_no_mul, gelu_no_mul, relu2_no_mul };
+
+/// vLLM's name: "silu", "gelu", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul".
+std::string_view activation_name(Activation activation);
+/// Inverse of activation_name (exact, lower case). Errors: invalid_argument naming 'activation' and
+/// listing the accepted names.
+Activation parse_activation(std::string_view name);
+/// True for silu, gelu, swigluoai (w1 holds 2N rows per expert).
+bool is_gated(Activation activation);
+/// The scalar definition above, in double: for gated activations `gate` and `up`; for non-gated ones
+/// only `gate` (the single input x) is used. The reference experts evaluate exactly this.
+double activation_value(Activation activation, double gate, double up = 0.0);
+
+/// Layout of the hidden states the experts read and write (vLLM's FusedMoEActivationFormat).
+enum class ActivationFormat : std::uint8_t {
+  standard,         ///< [M, H] tokens with topk_idx / topk_weights [M, K]
+  batched_experts,  ///< [E_local, max_tokens, H] with expert_num_tokens int32 [E_local]
+};
+/// "standard" or "batched_experts".
+std::string_view activation_format_name(ActivationFormat format);
+
+/// Who applies the router weights and sums over the K experts of a token after the experts ran
+/// (vLLM's TopKWeightAndReduce). An Experts object announces one; the finalize step honours it.
+enum class WeightAndReduce : std::uint8_t {
+  /// TopKWeightAndReduceNoOP: the experts' output is already weighted and reduced: [M, H] with
+  /// out[m] = sum_k topk_weights[m, k] * y[m, k] (weights skipped with apply_router_weight_on_input).
+  /// Finalize copies it as is.
+  none,
+  /// TopKWeightAndReduceContiguous: the experts' output is [M, K, H], unweighted, one row per
+  /// (token, k) slot (a slot whose expert is -1 or not local holds zeros). Finalize computes
+  /// out[m] = sum_k topk_weights[m, k] * fused[m, k] (plain sum with apply_router_weight_on_input).
+  contiguous,
+  /// TopKWeightAndReduceNaiveBatched(rank): the experts' output is batched [E_local, max_tokens, H]
+  /// where slot i of local expert e holds the i-th token, in token order, whose topk_idx row contains
+  /// the global expert id rank * E_local + e. Finalize zeroes out[M, H] and, for each local expert and
+  /// each such token m (choice k), adds topk_weights[m, k] * fused[e, i] (no weight with
+  /// apply_router_weight_on_input).
+  naive_batched,
+  /// TopKWeightAndReduceDelegate: the experts leave the choice to finalize, which uses its own
+  /// default (e.g. Contiguous after a normal-mode dispatch; the low-latency combine applies the
+  /// weights itself).
+  delegate,
+};
+/// "none", "contiguous", "naive_batched" or "delegate".
+std::string_view weight_and_reduce_name(WeightAndReduce w);
+
+/// How an Experts object is set up.
+struct ExpertsConfig {
+  ActivationFormat format = ActivationFormat::standard;
+  /// Standard format only: true -> output [M, H], weighted and summed over k (WeightAndReduce::none);
+  /// false -> output [M, K, H], unweighted per (token, k) (WeightAndReduce::contiguous).
+  /// Ignored for batched_experts, whose output is always per slot (WeightAndReduce::delegate).
+  bool reduce = true;
+};
+
+/// Arguments of one Experts::apply call (vLLM's FusedMoEPermuteExpertsUnpermute.apply). All tensors
+/// are on the CPU, row-major and contiguous, and are only read.
+struct ExpertsInputs {
+  /// Standard: [M, H]; batched_experts: [E_local, max_tokens, H]. bfloat16 or float32 (e.g. the
+  /// dequantized fp8 activations), read exactly.
+  TensorView hidden;
+  /// bfloat16 [E_local, 2N, H] for gated activations, [E_local, N, H] for *_no_mul ones.
+  TensorView w1;
+  /// bfloat16 [E_local, H, N]. N is taken from here.
+  TensorView w2;
+  /// Standard: float32 [M, K]. Not read in batched_experts format.
+  TensorView topk_weights;
+  /// Standard: int64 or int32 [M, K]. Without an expert_map: local expert ids in [-1, E_local); with
+  /// one: global ids in [-1, E), mapped through it. -1 = no expert. Not read in batched_experts.
+  TensorView topk_idx;
+  Activation activation = Activation::silu;
+  /// E, only used with an expert_map (which must then have E entries); -1: take E from expert_map.
+  std::int64_t global_num_experts = -1;
+  /// Optional int32 [E]: global id -> local id in [0, E_local), or -1 when the expert is not local.
+  /// Standard format only (batched slabs are already local).
+  TensorView expert_map;
+  /// batched_experts: int32 [E_local], 0 <= count <= max_tokens (vLLM's expert_num_tokens).
+  TensorView expert_num_tokens;
+  /// Standard format with K == 1 only: hidden[m] is multiplied by topk_weights[m, 0] before the MLP
+  /// and the output is not weighted again. K > 1, or the batched_experts format (which has no router
+  /// weights: its producer applies them), is an error.
+  bool apply_router_weight_on_input = false;
+};
+
+struct ExpertsProblem;  // the checked form of ExpertsInputs (src/experts/problem.hpp)
+
+/// Expert MLPs behind one interface (vLLM's FusedMoEPermuteExpertsUnpermute). Objects hold no
+/// per-call state: apply() may be called concurrently from several threads (e.g. CPU ranks).
+class Experts {
+ public:
+  explicit Experts(const ExpertsConfig& config) : config_(config) {}
+  virtual ~Experts() = default;
+  Experts(const Experts&) = delete;
+  Experts& operator=(const Experts&) = delete;
+
+  /// "reference" or "blas".
+  virtual std::string_view name() const = 0;
+  const ExpertsConfig& config() const { return config_; }
+  /// Input format = output format.
+  ActivationFormat activation_format() const { return config_.format; }
+  /// What finalize must do with the output: none (standard, reduce), contiguous (standard, no reduce)
+  /// or delegate (batched_experts).
+  WeightAndReduce weight_and_reduce() const;
+  /// Whether ExpertsInputs::expert_map is accepted (standard format only).
+  bool supports_expert_map() const { return config_.format == ActivationFormat::standard; }
+
+  /// Checks `in` and returns the output shape: [M, H] (standard, reduce), [M, K, H] (standard, no
+  /// reduce) or [E_local, max_tokens, H] (batched_experts).
+  /// Errors (invalid_argument, naming the argument, the expected and the actual value): a tensor not
+  /// on the CPU or not contiguous; wrong dtype (hidden bf16/fp32, w1/w2 bf16, topk_weights fp32,
+  /// topk_idx int32/int64, expert_map/expert_num_tokens int32); wrong rank or mismatched sizes
+  /// between hidden, w1, w2, topk_*, expert_map, expert_num_tokens; N or H zero; an id outside
+  /// [-1, E_local) (or [-1, E) with an expert_map); a map entry outside [-1, E_local); a count outside
+  /// [0, max_tokens]; global_num_experts that disagrees with expert_map; expert_map in batched
+  /// format; apply_router_weight_on_input with K != 1 or in batched format.
+  Shape output_shape(const ExpertsInputs& in) const;
+
+  /// Runs the experts into `out` (bfloat16, contiguous, shape output_shape(in); must not overlap the
+  /// inputs). Standard: every element of `out` is written (zero rows for tokens without a local
+  /// expert; zero slots for -1 in unreduced output). batched_experts: only rows i < count[e] of slab
+  /// e are written; the rest of `out` is left untouched. M == 0 (or all counts 0) does no work.
+  /// Errors: as output_shape, plus `out` of the wrong dtype/shape/device/layout (argument 'out').
+  void apply(const ExpertsInputs& in, const TensorView& out) const;
+
+  /// As apply(in, out), into a new bfloat16 tensor; in batched_experts format the rows past each
+  /// count are zero.
+  Tensor apply(const ExpertsInputs& in) const;
+
+ protected:
+  /// Computes a checked, non-empty problem into a checked `out`.
+  virtual void run(const ExpertsProblem& problem, const TensorView& out) const = 0;
+
+ private:
+  ExpertsConfig config_;
+};
+
+/// The float64 reference: per (token, k) slot, g = w1[e] @ x, a = act(g), y = w2[e] @ a, all in
+/// double (bf16/fp32 inputs convert exactly); the weighted sum over k in double; one round to bf16.
+std::unique_ptr<Experts> make_reference_experts(const ExpertsConfig& config = {});
+
+/// The fast CPU path on OpenBLAS: per local expert, gather its tokens (up to 512 rows at a time) into
+/// a float32 tile; per layer, widen the bf16 weights to float32 about 1 MiB of rows at a time, each
+/// tile followed by the cblas_sgemm that reads it while it is in cache (float32 accumulation); round
+/// the first GEMM's output and the activation output to bf16 as vLLM's kernels do; then scatter: the
+/// weighted sum over k accumulated in float32, one round to bf16. With apply_router_weight_on_input
+/// the scaled input is rounded to the input dtype first (as vLLM's prepare step stores it).
+/// OpenBLAS threads each GEMM (OPENBLAS_NUM_THREADS); the rest runs on the calling thread.
+std::unique_ptr<Experts> make_blas_experts(const ExpertsConfig& config = {});
+
+/// The reference experts' result before its final bf16 rounding: float64 values in the layout of
+/// Experts::output_shape (row-major). Batched format: rows past each count are 0. Checks `in` as
+/// Experts::apply does. For tests and for error measurements against the unrounded reference.
+std::vector<double> reference_experts_f64(const ExpertsInputs& in, const ExpertsConfig& config = {});
+
+}  // namespace epmoe

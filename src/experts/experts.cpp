@@ -1,0 +1,256 @@
+// Names, scalar activation definitions and the argument check shared by every Experts implementation.
+#include <epmoe/experts.hpp>
+
+#include "core/check.hpp"
+#include "experts/problem.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+namespace epmoe {
+
+namespace {
+
+constexpr std::array<Activation, 6> kActivations = {Activation::silu,        Activation::gelu,
+                                                    Activation::swigluoai,   Activation::silu_no_mul,
+                                                    Activation::gelu_no_mul, Activation::relu2_no_mul};
+
+double silu(double x) { return x / (1.0 + std::exp(-x)); }
+double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
+
+void check_tensor(const TensorView& t, std::string_view name) {
+  EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor", describe(t));
+  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("strides {}", t.strides));
+  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "nullptr");
+}
+
+void check_dtype(const TensorView& t, std::string_view name, DType a) {
+  EPMOE_CHECK_ARG(t.dtype == a, name, dtype_name(a), describe(t));
+}
+
+template <class T>
+std::int64_t load_index(const void* p, std::int64_t i) {
+  return static_cast<std::int64_t>(static_cast<const T*>(p)[i]);
+}
+
+}  // namespace
+
+std::string_view activation_name(Activation a) {
+  switch (a) {
+    case Activation::silu: return "silu";
+    case Activation::gelu: return "gelu";
+    case Activation::swigluoai: return "swigluoai";
+    case Activation::silu_no_mul: return "silu_no_mul";
+    case Activation::gelu_no_mul: return "gelu_no_mul";
+    case Activation::relu2_no_mul: return "relu2_no_mul";
+  }
+  return "?";
+}
+
+Activation parse_activation(std::string_view name) {
+  for (Activation a : kActivations)
+    if (activation_name(a) == name) return a;
+  throw_invalid_argument("activation", "one of silu, gelu, swigluoai, silu_no_mul, gelu_no_mul, relu2_no_mul",
+                         fmt::format("'{}'", name));
+}
+
+bool is_gated(Activation a) {
+  return a == Activation::silu || a == Activation::gelu || a == Activation::swigluoai;
+}
+
+double activation_value(Activation a, double g, double u) {
+  switch (a) {
+    case Activation::silu: return silu(g) * u;
+    case Activation::gelu: return gelu(g) * u;
+    case Activation::swigluoai: {
+      // gpt-oss constants (vLLM's swigluoai_and_mul: alpha 1.702, limit 7).
+      const double gc = std::min(g, 7.0), uc = std::clamp(u, -7.0, 7.0);
+      return (uc + 1.0) * gc / (1.0 + std::exp(-1.702 * gc));
+    }
+    case Activation::silu_no_mul: return silu(g);
+    case Activation::gelu_no_mul: return gelu(g);
+    case Activation::relu2_no_mul: return g > 0.0 ? g * g : 0.0;
+  }
+  return 0.0;
+}
+
+std::string_view activation_format_name(ActivationFormat f) {
+  return f == ActivationFormat::standard ? "standard" : "batched_experts";
+}
+
+std::string_view weight_and_reduce_name(WeightAndReduce w) {
+  switch (w) {
+    case WeightAndReduce::none: return "none";
+    case WeightAndReduce::contiguous: return "contiguous";
+    case WeightAndReduce::naive_batched: return "naive_batched";
+    case WeightAndReduce::delegate: return "delegate";
+  }
+  return "?";
+}
+
+WeightAndReduce Experts::weight_and_reduce() const {
+  if (config_.format == ActivationFormat::batched_experts) return WeightAndReduce::delegate;
+  return config_.reduce ? WeightAndReduce::none : WeightAndReduce::contiguous;
+}
+
+// Checks everything (shapes, dtypes, layouts and index values) before any work, and resolves the
+// routing to local ids once so the implementations never see a global id.
+ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig& config) {
+  ExpertsProblem p;
+  p.format = config.format;
+  p.reduce = config.reduce;
+  p.activation = in.activation;
+  EPMOE_CHECK_ARG(std::find(kActivations.begin(), kActivations.end(), in.activation) != kActivations.end(),
+                  "activation", "a valid Activation", static_cast<int>(in.activation));
+  p.gated = is_gated(in.activation);
+  const bool batched = config.format == ActivationFormat::batched_experts;
+
+  // Weights first: they fix E_local, N and H.
+  EPMOE_CHECK_ARG(in.w1.defined(), "w1", "a bfloat16 [E_local, 2N or N, H] tensor", "None");
+  EPMOE_CHECK_ARG(in.w2.defined(), "w2", "a bfloat16 [E_local, H, N] tensor", "None");
+  check_tensor(in.w1, "w1");
+  check_tensor(in.w2, "w2");
+  check_dtype(in.w1, "w1", DType::bf16);
+  check_dtype(in.w2, "w2", DType::bf16);
+  EPMOE_CHECK_ARG(in.w2.ndim() == 3, "w2", "3 dimensions [E_local, H, N]", describe(in.w2));
+  EPMOE_CHECK_ARG(in.w1.ndim() == 3, "w1", "3 dimensions [E_local, 2N or N, H]", describe(in.w1));
+  p.e_local = in.w2.size(0);
+  p.h = in.w2.size(1);
+  p.n = in.w2.size(2);
+  EPMOE_CHECK_ARG(p.e_local >= 1 && p.h >= 1 && p.n >= 1, "w2", "[E_local, H, N] with all sizes >= 1",
+                  describe(in.w2));
+  const Shape w1_shape{p.e_local, p.w1_rows(), p.h};
+  EPMOE_CHECK_ARG(in.w1.shape == w1_shape, "w1",
+                  fmt::format("shape {} ({} activation '{}', from w2 {})", w1_shape,
+                              p.gated ? "gated" : "non-gated", activation_name(in.activation), describe(in.w2)),
+                  describe(in.w1));
+  p.w1 = static_cast<const bf16_t*>(in.w1.data);
+  p.w2 = static_cast<const bf16_t*>(in.w2.data);
+
+  EPMOE_CHECK_ARG(in.hidden.defined(), "hidden", batched ? "a [E_local, max_tokens, H] tensor" : "an [M, H] tensor",
+                  "None");
+  check_tensor(in.hidden, "hidden");
+  EPMOE_CHECK_ARG(in.hidden.dtype == DType::bf16 || in.hidden.dtype == DType::fp32, "hidden",
+                  "bfloat16 or float32", describe(in.hidden));
+  p.hidden = in.hidden.data;
+  p.hidden_dtype = in.hidden.dtype;
+
+  if (batched) {
+    const Shape hidden_shape{p.e_local, in.hidden.ndim() == 3 ? in.hidden.size(1) : 0, p.h};
+    EPMOE_CHECK_ARG(in.hidden.ndim() == 3 && in.hidden.shape == hidden_shape, "hidden",
+                    fmt::format("[E_local={}, max_tokens, H={}] (from w2)", p.e_local, p.h), describe(in.hidden));
+    p.max_tokens = in.hidden.size(1);
+    EPMOE_CHECK_ARG(!in.expert_map.defined(), "expert_map", "None in batched_experts format (slabs are local)",
+                    describe(in.expert_map));
+    EPMOE_CHECK_ARG(!in.apply_router_weight_on_input, "apply_router_weight_on_input",
+                    "false in batched_experts format (no router weights; the producer applies them)", "true");
+    EPMOE_CHECK_ARG(in.expert_num_tokens.defined(), "expert_num_tokens", fmt::format("int32 [{}]", p.e_local),
+                    "None");
+    check_tensor(in.expert_num_tokens, "expert_num_tokens");
+    check_dtype(in.expert_num_tokens, "expert_num_tokens", DType::int32);
+    EPMOE_CHECK_ARG(in.expert_num_tokens.ndim() == 1 && in.expert_num_tokens.size(0) == p.e_local,
+                    "expert_num_tokens", fmt::format("int32 [{}] (E_local)", p.e_local),
+                    describe(in.expert_num_tokens));
+    p.counts = static_cast<const std::int32_t*>(in.expert_num_tokens.data);
+    for (std::int64_t e = 0; e < p.e_local; ++e)
+      EPMOE_CHECK_ARG(p.counts[e] >= 0 && p.counts[e] <= p.max_tokens, "expert_num_tokens",
+                      fmt::format("counts in [0, {}] (max_tokens)", p.max_tokens),
+                      fmt::format("{} at expert {}", p.counts[e], e));
+    return p;
+  }
+
+  EPMOE_CHECK_ARG(in.hidden.ndim() == 2 && in.hidden.size(1) == p.h, "hidden",
+                  fmt::format("[M, H={}] (H from w2)", p.h), describe(in.hidden));
+  p.m = in.hidden.size(0);
+  EPMOE_CHECK_ARG(in.topk_idx.defined(), "topk_idx", fmt::format("an int64 or int32 [{}, K] tensor", p.m), "None");
+  check_tensor(in.topk_idx, "topk_idx");
+  EPMOE_CHECK_ARG(in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32, "topk_idx",
+                  "int64 or int32", describe(in.topk_idx));
+  EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == p.m && in.topk_idx.size(1) >= 1, "topk_idx",
+                  fmt::format("[M={}, K >= 1] (M from hidden)", p.m), describe(in.topk_idx));
+  p.k = in.topk_idx.size(1);
+  EPMOE_CHECK_ARG(in.topk_weights.defined(), "topk_weights", fmt::format("float32 [{}, {}]", p.m, p.k), "None");
+  check_tensor(in.topk_weights, "topk_weights");
+  check_dtype(in.topk_weights, "topk_weights", DType::fp32);
+  EPMOE_CHECK_ARG(in.topk_weights.shape == (Shape{p.m, p.k}), "topk_weights",
+                  fmt::format("[{}, {}] (as topk_idx)", p.m, p.k), describe(in.topk_weights));
+  p.topk_weights = static_cast<const float*>(in.topk_weights.data);
+  EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || p.k == 1, "apply_router_weight_on_input",
+                  "K == 1 (one router weight per token to fold into the input)",
+                  fmt::format("true with K = {}", p.k));
+  p.weight_on_input = in.apply_router_weight_on_input;
+
+  // Map: global -> local. Without one, ids are already local.
+  const std::int32_t* map = nullptr;
+  std::int64_t id_limit = p.e_local;
+  if (in.expert_map.defined()) {
+    check_tensor(in.expert_map, "expert_map");
+    check_dtype(in.expert_map, "expert_map", DType::int32);
+    EPMOE_CHECK_ARG(in.expert_map.ndim() == 1 && in.expert_map.size(0) >= 1, "expert_map", "int32 [E], E >= 1",
+                    describe(in.expert_map));
+    id_limit = in.expert_map.size(0);
+    EPMOE_CHECK_ARG(in.global_num_experts == -1 || in.global_num_experts == id_limit, "global_num_experts",
+                    fmt::format("-1 or {} (the size of expert_map)", id_limit), in.global_num_experts);
+    map = static_cast<const std::int32_t*>(in.expert_map.data);
+    for (std::int64_t g = 0; g < id_limit; ++g)
+      EPMOE_CHECK_ARG(map[g] >= -1 && map[g] < p.e_local, "expert_map",
+                      fmt::format("entries in [-1, {}) (E_local)", p.e_local), fmt::format("{} at {}", map[g], g));
+  }
+  p.local_ids.resize(static_cast<std::size_t>(p.m * p.k));
+  const bool idx64 = in.topk_idx.dtype == DType::int64;
+  for (std::int64_t i = 0; i < p.m * p.k; ++i) {
+    const std::int64_t id = idx64 ? load_index<std::int64_t>(in.topk_idx.data, i)
+                                  : load_index<std::int32_t>(in.topk_idx.data, i);
+    EPMOE_CHECK_ARG(id >= -1 && id < id_limit, "topk_idx",
+                    fmt::format("ids in [-1, {}) ({})", id_limit, map ? "E, the size of expert_map" : "E_local"),
+                    fmt::format("{} at [{}, {}]", id, i / p.k, i % p.k));
+    p.local_ids[static_cast<std::size_t>(i)] =
+        id < 0 ? -1 : (map ? map[id] : static_cast<std::int32_t>(id));
+  }
+  return p;
+}
+
+Shape Experts::output_shape(const ExpertsInputs& in) const {
+  const ExpertsProblem p = check_experts_inputs(in, config_);
+  if (p.format == ActivationFormat::batched_experts) return Shape{p.e_local, p.max_tokens, p.h};
+  return p.reduce ? Shape{p.m, p.h} : Shape{p.m, p.k, p.h};
+}
+
+namespace {
+
+Shape problem_output_shape(const ExpertsProblem& p) {
+  if (p.format == ActivationFormat::batched_experts) return Shape{p.e_local, p.max_tokens, p.h};
+  return p.reduce ? Shape{p.m, p.h} : Shape{p.m, p.k, p.h};
+}
+
+bool has_work(const ExpertsProblem& p) {
+  if (p.format == ActivationFormat::standard) return p.m > 0;
+  for (std::int64_t e = 0; e < p.e_local; ++e)
+    if (p.counts[e] > 0) return true;
+  return false;
+}
+
+}  // namespace
+
+void Experts::apply(const ExpertsInputs& in, const TensorView& out) const {
+  const ExpertsProblem p = check_experts_inputs(in, config_);
+  const Shape want = problem_output_shape(p);
+  EPMOE_CHECK_ARG(out.defined(), "out", fmt::format("bfloat16{}", want), "None");
+  check_tensor(out, "out");
+  EPMOE_CHECK_ARG(out.dtype == DType::bf16 && out.shape == want, "out", fmt::format("bfloat16{}", want),
+                  describe(out));
+  if (!has_work(p)) return;  // a rank without tokens: nothing to compute or write
+  run(p, out);
+}
+
+Tensor Experts::apply(const ExpertsInputs& in) const {
+  const Shape shape = output_shape(in);
+  // Batched rows past the counts must read as zero; standard outputs are fully written by run().
+  Tensor out = config_.format == ActivationFormat::batched_experts ? Tensor::zeros(DType::bf16, shape)
+                                                                   : Tensor::empty(DType::bf16, shape);
+  apply(in, out.view());
+  return out;
+}
+
+}  // namespace epmoe
