@@ -25,19 +25,21 @@ void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeou
   const Deadline deadline(timeout_s);
   const bool done = cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken; });
   if (done && generation != gen) return;
+  // Timed out, or woken because another waiter of this barrier timed out first: either way the
+  // ranks still missing are the cause, so every waiter reports the timeout naming them (SPEC 11).
+  std::string missing;
+  int first = -1;
+  for (int r = 0; r < num_ranks; ++r)
+    if (!arrived[static_cast<std::size_t>(r)]) {
+      missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+      if (first < 0) first = r;
+    }
   if (!done) {
-    std::string missing;
-    int first = -1;
-    for (int r = 0; r < num_ranks; ++r)
-      if (!arrived[static_cast<std::size_t>(r)]) {
-        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
-        if (first < 0) first = r;
-      }
     broken = true;
     broken_reason = fmt::format("rank(s) {} did not reach phase '{}'", missing, phase);
     cv.notify_all();
-    throw_timeout(rank, first, phase, timeout_s, fmt::format("rank(s) {} did not arrive", missing));
   }
+  if (first >= 0) throw_timeout(rank, first, phase, timeout_s, fmt::format("rank(s) {} did not arrive", missing));
   raise(ErrorCode::unusable, "rank {}: thread group broke while waiting in phase '{}' ({})", rank, phase, broken_reason);
 }
 

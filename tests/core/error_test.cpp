@@ -1,0 +1,89 @@
+// Error type and messages: argument errors name argument / expected / actual; codes have names.
+#include <gtest/gtest.h>
+
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+#include <epmoe/timeout.hpp>
+
+#include <string>
+
+namespace epmoe {
+namespace {
+
+TEST(Error, CheckArgNamesArgumentExpectedAndActual) {
+  const int k = 40;
+  try {
+    EPMOE_CHECK_ARG(k <= 32, "num_topk", "in [1, 32]", k);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_STREQ(e.what(), "epmoe: invalid argument 'num_topk': expected in [1, 32], got 40");
+  }
+}
+
+TEST(Error, CheckArgFormatsShapesAndEvaluatesLazily) {
+  int evaluated = 0;
+  auto expensive = [&] {
+    ++evaluated;
+    return std::string("x");
+  };
+  EPMOE_CHECK_ARG(true, "a", expensive(), expensive());
+  EXPECT_EQ(evaluated, 0);
+  try {
+    EPMOE_CHECK_ARG(false, "x", Shape({4, 7168}), describe(TensorView(nullptr, DType::bf16, {4, 7000})));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "epmoe: invalid argument 'x': expected [4, 7168], got bfloat16[4, 7000] cpu");
+  }
+}
+
+TEST(Error, RaiseAndAssert) {
+  try {
+    raise(ErrorCode::out_of_memory, "buffer too small: need {} bytes, have {}", 4096, 1024);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::out_of_memory);
+    EXPECT_STREQ(e.what(), "epmoe: buffer too small: need 4096 bytes, have 1024");
+  }
+  try {
+    EPMOE_ASSERT(1 + 1 == 3);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::internal);
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("1 + 1 == 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("error_test.cpp"), std::string::npos) << msg;
+  }
+}
+
+TEST(Error, EveryCodeHasAName) {
+  EXPECT_EQ(error_code_name(ErrorCode::invalid_argument), "invalid_argument");
+  EXPECT_EQ(error_code_name(ErrorCode::rank_mismatch), "rank_mismatch");
+  EXPECT_EQ(error_code_name(ErrorCode::timeout), "timeout");
+  EXPECT_EQ(error_code_name(ErrorCode::stale_handle), "stale_handle");
+  EXPECT_EQ(error_code_name(ErrorCode::unusable), "unusable");
+  EXPECT_EQ(error_code_name(ErrorCode::out_of_memory), "out_of_memory");
+  EXPECT_EQ(error_code_name(ErrorCode::unsupported), "unsupported");
+  EXPECT_EQ(error_code_name(ErrorCode::internal), "internal");
+}
+
+TEST(Error, TimeoutMessageNamesRankPeerPhase) {
+  try {
+    throw_timeout(2, 5, "dispatch_recv", 1.5, "received 3 of 8 tokens");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::timeout);
+    EXPECT_STREQ(
+        e.what(),
+        "epmoe: rank 2 timed out after 1.5 s waiting for peer 5 in phase 'dispatch_recv': received 3 of 8 tokens");
+  }
+}
+
+TEST(Timeout, DefaultAndDeadline) {
+  EXPECT_GT(default_timeout_s(), 0.0);
+  EXPECT_TRUE(Deadline(0.0).expired());
+  EXPECT_FALSE(Deadline(1000.0).expired());
+}
+
+}  // namespace
+}  // namespace epmoe
