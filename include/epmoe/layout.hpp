@@ -1,6 +1,7 @@
 // Dispatch layout (SPEC 3): which rank and expert each token goes to.
 #pragma once
 
+#include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
 namespace epmoe {
@@ -16,5 +17,13 @@ struct DispatchLayout {
 /// Errors: topk_idx not 2-d int32/int64; E % R != 0; E / R > 1024; on CPU, ids outside [-1, E) (the message
 /// names the first bad value and its [t, k] position).
 DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks);
+
+/// The same on an explicit stream (stream.hpp). On CUDA the outputs are computed asynchronously on
+/// `stream`, ids outside [-1, E) are skipped and flagged, and cuda::check_invalid_ids() (permute.hpp)
+/// raises the CPU's error for them later.
+inline DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks, Stream stream) {
+  StreamGuard guard(stream);
+  return get_dispatch_layout(topk_idx, num_experts, num_ranks);
+}
 
 }  // namespace epmoe

@@ -8,6 +8,7 @@
 // group 4i in the lowest byte, bytes past the last group 0.
 #pragma once
 
+#include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
 namespace epmoe {
@@ -50,5 +51,20 @@ float fp8_group_scale(float amax, bool round_scale);
 /// UE8M0 byte of a power-of-two scale, and back.
 std::uint8_t ue8m0_from_scale(float pow2_scale);
 float ue8m0_to_scale(std::uint8_t byte);
+
+/// The same on an explicit stream (stream.hpp): on CUDA, asynchronous on `stream`, bit-identical to the CPU.
+inline Fp8Tensor quantize_fp8(const TensorView& x, const Fp8Options& options, Stream stream) {
+  StreamGuard guard(stream);
+  return quantize_fp8(x, options);
+}
+inline void quantize_fp8_into(const TensorView& x, const TensorView& q, const TensorView& scales,
+                              const Fp8Options& options, Stream stream) {
+  StreamGuard guard(stream);
+  quantize_fp8_into(x, q, scales, options);
+}
+inline Tensor dequantize_fp8(const TensorView& q, const TensorView& scales, DType out_dtype, Stream stream) {
+  StreamGuard guard(stream);
+  return dequantize_fp8(q, scales, out_dtype);
+}
 
 }  // namespace epmoe

@@ -5,6 +5,7 @@
 // expert id, so results are deterministic and identical across devices.
 #pragma once
 
+#include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
 namespace epmoe {
@@ -41,5 +42,20 @@ struct GroupedTopkOptions {
 /// routed_scaling_factor. Errors: E % num_expert_group != 0, topk_group > num_expert_group,
 /// K > topk_group * E / num_expert_group, bias of the wrong shape or dtype.
 TopkResult grouped_topk(const TensorView& logits, const GroupedTopkOptions& options);
+
+/// The same on an explicit stream (stream.hpp): logits on CUDA are routed asynchronously on `stream`;
+/// the results are bit-identical to the CPU's on the same inputs.
+inline TopkResult topk_softmax(const TensorView& logits, int num_topk, bool renormalize, Stream stream) {
+  StreamGuard guard(stream);
+  return topk_softmax(logits, num_topk, renormalize);
+}
+inline TopkResult topk_sigmoid(const TensorView& logits, int num_topk, bool renormalize, Stream stream) {
+  StreamGuard guard(stream);
+  return topk_sigmoid(logits, num_topk, renormalize);
+}
+inline TopkResult grouped_topk(const TensorView& logits, const GroupedTopkOptions& options, Stream stream) {
+  StreamGuard guard(stream);
+  return grouped_topk(logits, options);
+}
 
 }  // namespace epmoe

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one go, for the GPU machine (run from anywhere; works in the repo root).
+#
+#   scripts/gpu_check.sh            # uses $EPMOE_GPU_BUILD (default build/h-gpu) if it holds test_gpu,
+#                                   # else configures and builds build/release (needs the -dev packages)
+#
+# 1. builds what is missing; checks the binaries find their shared libraries (a build made on another
+#    machine may bring the ones the GPU machine lacks in <build>/carried-lib, added to LD_LIBRARY_PATH);
+# 2. runs every test binary CTest labels `gpu` (test_gpu and the later GPU suites), in full;
+# 3. runs every bench_gpu_* binary (median of >= 50 runs, L2 flushed, next to a d2d copy);
+# 4. runs test_gpu once more under compute-sanitizer: memcheck (small sizes) and racecheck (the kernels
+#    that use shared memory);
+# 5. writes the log, the benchmark JSON and a markdown summary (device, date, commit, figures) to $OUT
+#    (or ./gpu-results), and prints a short table last.
+# Exit status: 0 when every step passed.
+set -u -o pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD="${EPMOE_GPU_BUILD:-build/h-gpu}"
+RESULTS="${OUT:-$ROOT/gpu-results}"
+mkdir -p "$RESULTS"
+LOG="$RESULTS/gpu_check.log"
+: >"$LOG"
+STATUS=0
+SUMMARY=()
+note() { echo "$*" | tee -a "$LOG"; }
+step() { # step NAME TIMEOUT_S COMMAND...: runs, logs, records pass/fail
+  local name="$1" limit="$2"
+  shift 2
+  note "== $name: $*"
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  local verdict="passed"
+  if [ $rc -eq 77 ]; then
+    verdict="skipped (77)"
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    verdict="TIMED OUT after ${limit}s"
+    STATUS=1
+  elif [ $rc -ne 0 ]; then
+    verdict="FAILED (exit $rc)"
+    STATUS=1
+  fi
+  SUMMARY+=("| $name | $verdict | $((SECONDS - t0)) s |")
+  note "   -> $verdict in $((SECONDS - t0)) s"
+}
+
+# The commit: git's, or EPMOE_COMMIT when the checkout travelled without .git (the device tool's copy).
+COMMIT="$(git rev-parse HEAD 2>/dev/null)" || COMMIT="${EPMOE_COMMIT:-unknown}"
+if git rev-parse HEAD >/dev/null 2>&1 && ! git diff --quiet HEAD 2>/dev/null; then
+  COMMIT="$COMMIT (with local changes)"
+fi
+note "epmoe gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $COMMIT"
+DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+note "device: ${DEVICE:-none found}"
+
+# 1. Build (or reuse the carried build).
+if [ ! -x "$BUILD/tests/test_gpu" ]; then
+  note "== no $BUILD/tests/test_gpu: building build/release"
+  BUILD=build/release
+  cmake --preset release >>"$LOG" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" >>"$LOG" 2>&1 \
+    || { note "build failed (see $LOG)"; tail -30 "$LOG"; exit 1; }
+fi
+if [ -d "$BUILD/carried-lib" ]; then
+  export LD_LIBRARY_PATH="$ROOT/$BUILD/carried-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+# Binaries: every test labelled gpu (from CTest's own listing; paths re-rooted to this checkout), and every
+# bench_gpu_* executable.
+BUILT_AT="$(sed -n 's/^CMAKE_CACHEFILE_DIR:INTERNAL=//p' "$BUILD/CMakeCache.txt" 2>/dev/null)"
+mapfile -t TESTS < <(ctest --test-dir "$BUILD" -L '^gpu$' --show-only=json-v1 2>/dev/null | python3 -c '
+import json, os, sys
+built_at, build = sys.argv[1], sys.argv[2]
+seen = []
+for t in json.load(sys.stdin).get("tests", []):
+    cmd = t.get("command") or []
+    if not cmd: continue
+    exe = cmd[0]
+    if built_at and exe.startswith(built_at + "/"): exe = os.path.join(build, exe[len(built_at) + 1:])
+    if exe not in seen: seen.append(exe)
+print("\n".join(seen))' "$BUILT_AT" "$BUILD" 2>/dev/null)
+if [ ${#TESTS[@]} -eq 0 ] || [ -z "${TESTS[0]}" ]; then
+  mapfile -t TESTS < <(ls "$BUILD"/tests/test_gpu* 2>/dev/null)
+fi
+mapfile -t BENCHES < <(find "$BUILD/bench" -maxdepth 1 -name 'bench_gpu_*' -type f -executable 2>/dev/null | sort)
+note "gpu tests: ${TESTS[*]:-none}"
+note "gpu benchmarks: ${BENCHES[*]:-none}"
+for b in "${TESTS[@]}" "${BENCHES[@]}"; do
+  missing="$(ldd "$b" 2>/dev/null | grep 'not found')"
+  [ -n "$missing" ] && note "MISSING shared libraries for $b: $missing"
+done
+
+# 2. Tests, full sizes.
+for t in "${TESTS[@]}"; do
+  step "$(basename "$t")" 240 "$t" --gtest_output="xml:$RESULTS/$(basename "$t").xml"
+done
+
+# 3. Benchmarks.
+for b in "${BENCHES[@]}"; do
+  name="$(basename "$b")"
+  if "$b" --help 2>&1 | grep -q benchmark_filter; then
+    step "$name" 120 "$b" --benchmark_out="$RESULTS/$name.json" --benchmark_out_format=json
+  else
+    step "$name" 120 "$b" --json "$RESULTS/$name.json"
+  fi
+done
+
+# 4. compute-sanitizer on test_gpu, small sizes.
+SANITIZER="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+if [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
+  export EPMOE_GPU_TEST_QUICK=1
+  step "memcheck test_gpu (quick sizes)" 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
+    "$BUILD/tests/test_gpu" --gtest_filter='-GpuQuant.E4m3ConversionSweep*'
+  RACE_FILTER='GpuRouter.KernelWrites*:GpuRouter.RunsOn*:GpuDispatchLayout.ManyRanks*:GpuDispatchLayout.OutOfRange*'
+  RACE_FILTER+=':GpuPermute.OutOfRange*:GpuPermute.Fp8*'
+  step "racecheck shared-memory kernels" 120 "$SANITIZER" --tool racecheck --error-exitcode 99 \
+    "$BUILD/tests/test_gpu" --gtest_filter="$RACE_FILTER"
+  unset EPMOE_GPU_TEST_QUICK
+else
+  note "compute-sanitizer not found: sanitizer runs skipped"
+  SUMMARY+=("| compute-sanitizer | not available | - |")
+fi
+
+# 5. Summary.
+{
+  echo "# epmoe GPU stages: $(date -u +%Y-%m-%d)"
+  echo
+  echo "- device: ${DEVICE:-unknown}"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "- commit: $COMMIT"
+  echo "- build: $BUILD"
+  echo
+  echo "| step | result | time |"
+  echo "| --- | --- | --- |"
+  printf '%s\n' "${SUMMARY[@]}"
+  echo
+  grep -h '^\[  \(PASSED\|FAILED\)  \]\|tests ran\.' "$LOG" | sed 's/^/    /'
+  echo
+  for b in "${BENCHES[@]}"; do
+    echo "## $(basename "$b")"
+    echo
+    # The harness prints its markdown table last.
+    awk '/^\| stage \|/{p=1} p&&/^\|/{print} p&&!/^\|/{p=0}' "$LOG"
+    grep -h "^bench_gpu_stages:" "$LOG" | head -1 | sed 's/^/    /'
+  done
+} >"$RESULTS/summary.md"
+echo
+cat "$RESULTS/summary.md"
+exit $STATUS
