@@ -8,8 +8,8 @@
 #    machine may bring the ones the GPU machine lacks in <build>/carried-lib, added to LD_LIBRARY_PATH);
 # 2. runs every test binary CTest labels `gpu` (test_gpu and the later GPU suites), in full;
 # 3. runs every bench_gpu_* binary (median of >= 50 runs, L2 flushed, next to a d2d copy);
-# 4. runs test_gpu once more under compute-sanitizer: memcheck (small sizes) and racecheck (the kernels
-#    that use shared memory);
+# 4. runs the stage suites of test_gpu (router, layout, permute, quant) once more under compute-sanitizer:
+#    memcheck (small sizes) and racecheck (the kernels that use shared memory);
 # 5. writes the log, the benchmark JSON and a markdown summary (device, date, commit, figures) to $OUT
 #    (or ./gpu-results), and prints a short table last.
 # Exit status: 0 when every step passed.
@@ -110,7 +110,7 @@ SANITIZER="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-san
 if [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
   export EPMOE_GPU_TEST_QUICK=1
   step "memcheck test_gpu (quick sizes)" 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
-    "$BUILD/tests/test_gpu" --gtest_filter='-GpuQuant.E4m3ConversionSweep*'
+    "$BUILD/tests/test_gpu" --gtest_filter='GpuRouter.*:GpuDispatchLayout.*:GpuPermute.*:GpuQuant.*-GpuQuant.E4m3*'
   RACE_FILTER='GpuRouter.KernelWrites*:GpuRouter.RunsOn*:GpuDispatchLayout.ManyRanks*:GpuDispatchLayout.OutOfRange*'
   RACE_FILTER+=':GpuPermute.OutOfRange*:GpuPermute.Fp8*'
   step "racecheck shared-memory kernels" 120 "$SANITIZER" --tool racecheck --error-exitcode 99 \
