@@ -157,6 +157,8 @@ struct LowLatencyDispatchArgs {
   TensorView topk_idx;  ///< int64/int32 [T, K], K in 1..16
   /// Routing weights float32 [T, K]. Optional: epmoe sends a token once per destination rank and
   /// keeps the weights of its local experts with it (see PERF "Leads").
+  /// The CPU backends only validate it: their combine reduces on the token's own rank, over k
+  /// ascending, which the bit-exact combine rule requires.
   TensorView topk_weights;
   int num_max_dispatch_tokens_per_rank = 0;  ///< Tmax, fixed for the buffer's life
   int num_experts = 0;                       ///< E, fixed for the buffer's life

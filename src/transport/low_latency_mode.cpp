@@ -1,8 +1,690 @@
+// Low-latency mode (SPEC 5) over Transport windows and signals. The protocol is summarised in
+// low_latency_mode.hpp; this file holds the byte layout, the argument checks and both halves of
+// dispatch and combine.
+//
+// Window of one rank: two halves of Layout::half_bytes, call index i (since the last clean) uses half
+// i % 2. One half, offsets 64-byte aligned, row-major throughout:
+//   output area (written only by this rank, read by its caller until its call i + 2):
+//     packed_x      [E_local, R*Tmax, H]   bfloat16, or float8_e4m3fn in the first half of the area
+//     scales        [E_local, R*Tmax, G]   float32, or int32 [E_local, R*Tmax, ceil(G/4)] (UE8M0)
+//     count         [E_local]              int32
+//     src_info      [E_local, R*Tmax]      int32: source token index
+//     layout_range  [E_local, R]           int64: begin << 32 | count
+//     packed_k      [E_local, R*Tmax]      uint8: the k of the row's (token, k) pair (for combine)
+//   staging area (peers put into it):
+//     headers       [R] x 64 bytes         one Header per source
+//     dispatch: per source s, TokenMeta[Tmax] then records[Tmax] (a record is the bf16 row, or the
+//               fp8 row followed by its scales), the first n_s of each valid;
+//     combine:  rows [Tmax, 16, H] bfloat16: row (t, k) of this rank's token t, sent by k's owner.
+// Signals of one rank (4R uint64 slots): data [half][source] = i + 1 once the source's data of call i
+// is in; consumed [half][reader] = i + 1 once `reader` has read its staging area of call i.
 #include "core/check.hpp"
+#include <epmoe/error.hpp>
+#include <epmoe/quant.hpp>
+
+#include <algorithm>
+#include <cstring>
+
 #include "transport/low_latency_mode.hpp"
+
 namespace epmoe {
-std::int64_t LowLatencyMode::size_hint(int, std::int64_t, int, int) { return 0; }
-LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs&) { raise(ErrorCode::unsupported, "not yet"); }
-LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs&) { raise(ErrorCode::unsupported, "not yet"); }
-void LowLatencyMode::clean(int, std::int64_t, int) {}
+
+namespace {
+
+constexpr int kMaxTopk = 16;                  // SPEC 1: K in 1..16 in low-latency mode
+constexpr int kMaxLocalExperts = 1024;        // SPEC 1
+constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL"
+constexpr std::size_t kHeaderBytes = 64;
+
+enum class Kind : std::uint32_t { dispatch = 1, combine = 2 };
+
+// What a source writes before its data; the receiver checks it, so two ranks in different calls or
+// with different per-call settings fail loudly instead of misreading each other's bytes.
+struct Header {
+  std::uint32_t magic;
+  std::uint32_t kind;
+  std::uint64_t index;  // call index since the last clean
+  std::int64_t count;   // dispatch: tokens sent; combine: rows sent
+  std::int64_t hidden;
+  std::uint32_t flags;  // dispatch: 1 use_fp8, 2 round_scale, 4 use_ue8m0
+  std::int32_t tmax;
+  std::int32_t num_experts;
+  std::int32_t reserved[5];
+};
+static_assert(sizeof(Header) == kHeaderBytes);
+
+// One dispatched token: its index at the source and the (k, local expert) pairs of this destination,
+// in ascending k.
+struct TokenMeta {
+  std::int32_t token;
+  std::int32_t num_entries;
+  std::uint32_t entries[kMaxTopk];  // k << 16 | local expert
+};
+
+constexpr std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+
+int data_slot(int half, int source, int R) { return half * R + source; }
+int consumed_slot(int half, int reader, int R) { return 2 * R + half * R + reader; }
+
+std::uint32_t dispatch_flags(bool fp8, bool round_scale, bool ue8m0) {
+  return (fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (ue8m0 ? 4u : 0u);
+}
+
+std::string strides_of(const TensorView& t) {
+  return fmt::format("{} with strides {}", describe(t), to_string(t.strides));
+}
+
+void check_cpu(const TensorView& t, std::string_view name) {
+  EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor (the threads/mpi low-latency backends run on the host)",
+                  describe(t));
+}
+
+// topk_idx [T, K] int64/int32, K in 1..16, ids in [-1, E) and distinct per token (a token has at most
+// one row per expert: the R*Tmax rows of an expert hold every token of every rank at most once).
+// Returns it as int32, row-major.
+std::vector<std::int32_t> read_topk_idx(const TensorView& t, std::int64_t T, int E) {
+  EPMOE_CHECK_ARG(t.defined(), "topk_idx", "an int64 or int32 tensor [T, K]", "None");
+  check_cpu(t, "topk_idx");
+  EPMOE_CHECK_ARG(t.ndim() == 2 && (t.dtype == DType::int64 || t.dtype == DType::int32), "topk_idx",
+                  "a 2-d int64 or int32 tensor [T, K]", describe(t));
+  EPMOE_CHECK_ARG(t.size(0) == T, "topk_idx", fmt::format("{} rows (T of x)", T), describe(t));
+  const std::int64_t K = t.size(1);
+  EPMOE_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk_idx", fmt::format("K in 1..{} in low-latency mode", kMaxTopk),
+                  fmt::format("K = {}", K));
+  EPMOE_CHECK_ARG(t.data != nullptr || T == 0, "topk_idx", "a non-null data pointer", "nullptr");
+  std::vector<std::int32_t> out(static_cast<std::size_t>(T * K));
+  for (std::int64_t i = 0; i < T; ++i)
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t off = i * t.stride(0) + k * t.stride(1);
+      const std::int64_t v = t.dtype == DType::int64 ? static_cast<const std::int64_t*>(t.data)[off]
+                                                     : static_cast<const std::int32_t*>(t.data)[off];
+      if (v < -1 || v >= E)
+        throw_invalid_argument("topk_idx", fmt::format("expert ids in [-1, {})", E),
+                               fmt::format("{} at [{}, {}]", v, i, k));
+      out[static_cast<std::size_t>(i * K + k)] = static_cast<std::int32_t>(v);
+      for (std::int64_t j = 0; j < k && v >= 0; ++j)
+        if (out[static_cast<std::size_t>(i * K + j)] == v)
+          throw_invalid_argument("topk_idx", "distinct expert ids per token (or -1)",
+                                 fmt::format("expert {} at both [{}, {}] and [{}, {}]", v, i, j, i, k));
+    }
+  return out;
+}
+
+std::vector<float> read_topk_weights(const TensorView& t, std::int64_t T, std::int64_t K) {
+  check_cpu(t, "topk_weights");
+  EPMOE_CHECK_ARG(t.ndim() == 2 && t.dtype == DType::fp32 && t.size(0) == T && t.size(1) == K, "topk_weights",
+                  fmt::format("float32[{}, {}]", T, K), describe(t));
+  EPMOE_CHECK_ARG(t.data != nullptr || T == 0, "topk_weights", "a non-null data pointer", "nullptr");
+  std::vector<float> out(static_cast<std::size_t>(T * K));
+  for (std::int64_t i = 0; i < T; ++i)
+    for (std::int64_t k = 0; k < K; ++k)
+      out[static_cast<std::size_t>(i * K + k)] = static_cast<const float*>(t.data)[i * t.stride(0) + k * t.stride(1)];
+  return out;
+}
+
+void check_settings(int tmax, std::int64_t hidden, int R, int E) {
+  EPMOE_CHECK_ARG(tmax >= 1, "num_max_dispatch_tokens_per_rank", ">= 1", tmax);
+  EPMOE_CHECK_ARG(static_cast<std::int64_t>(tmax) * R < (std::int64_t{1} << 31), "num_max_dispatch_tokens_per_rank",
+                  fmt::format("R * Tmax < 2^31 (R = {})", R), tmax);
+  EPMOE_CHECK_ARG(hidden >= 8 && hidden % 8 == 0, "hidden", "a positive multiple of 8 (bf16 rows of 16-byte units)",
+                  hidden);
+  EPMOE_CHECK_ARG(R >= 1, "num_ranks", ">= 1", R);
+  EPMOE_CHECK_ARG(E >= 1 && E % R == 0, "num_experts", fmt::format("a positive multiple of num_ranks = {}", R), E);
+  EPMOE_CHECK_ARG(E / R <= kMaxLocalExperts, "num_experts",
+                  fmt::format("at most {} experts per rank ({} ranks)", kMaxLocalExperts, R), E);
+}
+
+}  // namespace
+
+LowLatencyMode::Layout LowLatencyMode::Layout::make(int tmax, std::int64_t hidden, int R, int E) {
+  check_settings(tmax, hidden, R, E);
+  Layout L;
+  L.tmax = tmax;
+  L.num_ranks = R;
+  L.num_experts = E;
+  L.local_experts = E / R;
+  L.hidden = hidden;
+  L.groups = num_scale_groups(hidden);
+  const auto H = static_cast<std::size_t>(hidden), G = static_cast<std::size_t>(L.groups);
+  const auto rows =
+      static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * static_cast<std::size_t>(tmax);
+  L.record_bytes = align_up(std::max(2 * H, H + 4 * G), 16);
+  L.meta_bytes = align_up(sizeof(TokenMeta), 16);
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off = align_up(off + bytes, 64);
+    return at;
+  };
+  L.packed_x = take(rows * H * 2);
+  L.scales = take(rows * G * 4);
+  L.count = take(static_cast<std::size_t>(L.local_experts) * 4);
+  L.src_info = take(rows * 4);
+  L.layout_range = take(static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * 8);
+  L.packed_k = take(rows);
+  L.dispatch_slot_bytes = align_up(static_cast<std::size_t>(tmax) * (L.meta_bytes + L.record_bytes), 64);
+  const std::size_t dispatch_body = static_cast<std::size_t>(R) * L.dispatch_slot_bytes;
+  const std::size_t combine_body = static_cast<std::size_t>(tmax) * kMaxTopk * H * 2;
+  L.staging = take(static_cast<std::size_t>(R) * kHeaderBytes + std::max(dispatch_body, combine_body));
+  L.half_bytes = off;
+  return L;
+}
+
+std::int64_t LowLatencyMode::size_hint(int tmax, std::int64_t hidden, int num_ranks, int num_experts) {
+  return 2 * static_cast<std::int64_t>(Layout::make(tmax, hidden, num_ranks, num_experts).half_bytes);
+}
+
+void LowLatencyMode::check_usable() const {
+  if (broken_)
+    raise(ErrorCode::unusable, "rank {}: the low-latency buffer is unusable after an earlier fault; re-create it",
+          transport_.group().rank());
+}
+
+std::byte* LowLatencyMode::half_base(std::uint64_t index) const {
+  return transport_.local_window() + (index % 2) * layout_.half_bytes;
+}
+
+// Fixes Tmax/H/E on the first call: agreement across ranks, then the (collective) window allocation.
+void LowLatencyMode::ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase) {
+  if (config_.set) return;
+  Group& g = transport_.group();
+  const Layout L = Layout::make(tmax, hidden, g.size(), num_experts);
+  const std::int64_t bytes = num_rdma_bytes_ > 0 ? num_rdma_bytes_ : static_cast<std::int64_t>(2 * L.half_bytes);
+  const Setting settings[] = {{"num_max_dispatch_tokens_per_rank", tmax},
+                              {"hidden", hidden},
+                              {"num_experts", num_experts},
+                              {"num_rdma_bytes (low-latency window bytes)", bytes}};
+  g.check_agreement(settings, fmt::format("{}: low-latency settings", phase));
+  transport_.allocate_window(static_cast<std::size_t>(bytes), 4 * g.size(), fmt::format("{}: allocate window", phase));
+  layout_ = L;
+  scratch_.assign(static_cast<std::size_t>(tmax) * L.record_bytes, std::byte{0});
+  config_ = {true, tmax, hidden, num_experts};
+}
+
+// Validates the settings of a call against the buffer's (or, on the first call, the buffer size).
+static void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax,
+                                 std::int64_t hidden, int num_experts, int R, std::int64_t num_rdma_bytes) {
+  if (set) {
+    EPMOE_CHECK_ARG(tmax == cfg_tmax, "num_max_dispatch_tokens_per_rank",
+                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_tmax), tmax);
+    EPMOE_CHECK_ARG(hidden == cfg_hidden, "hidden",
+                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_hidden), hidden);
+    EPMOE_CHECK_ARG(num_experts == cfg_e, "num_experts",
+                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_e), num_experts);
+    return;
+  }
+  const std::int64_t needed = LowLatencyMode::size_hint(tmax, hidden, R, num_experts);
+  if (num_rdma_bytes > 0 && num_rdma_bytes < needed)
+    raise(ErrorCode::out_of_memory,
+          "invalid argument 'num_rdma_bytes': the low-latency buffer needs {} bytes per rank (Tmax = {}, H = {}, "
+          "R = {}, E = {}; see get_low_latency_rdma_size_hint), got {}",
+          needed, tmax, hidden, R, num_experts, num_rdma_bytes);
+}
+
+void LowLatencyMode::begin_call(std::string_view what) {
+  check_usable();
+  const std::uint64_t gen = generation_;
+  const Pending& p = pending_[(gen - base_) % 2];
+  if (p.active)
+    raise(ErrorCode::stale_handle,
+          "rank {}: {} would reuse the receive buffer of low-latency call {}, whose recv hook was never called; "
+          "call that hook first (at most two low-latency calls can be in flight)",
+          transport_.group().rank(), what, p.generation);
+}
+
+void LowLatencyMode::wait_consumed(int peer, std::uint64_t index, std::string_view phase) {
+  if (index < 2) return;
+  const int R = transport_.group().size();
+  transport_.wait_signal(consumed_slot(static_cast<int>(index % 2), peer, R), index - 1, peer, phase);
+}
+
+void LowLatencyMode::signal_consumed(std::uint64_t index) {
+  const int R = transport_.group().size(), me = transport_.group().rank();
+  for (int d = 0; d < R; ++d) transport_.signal(d, consumed_slot(static_cast<int>(index % 2), me, R), index + 1);
+}
+
+// ------------------------------------------------------------------------------------------------
+// dispatch
+
+LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& a) {
+  Group& g = transport_.group();
+  const int R = g.size(), me = g.rank();
+  const int tmax = a.num_max_dispatch_tokens_per_rank, E = a.num_experts;
+
+  // --- every argument, before any communication
+  EPMOE_CHECK_ARG(a.x.defined(), "x", "a bfloat16 tensor [T, H]", "None");
+  check_cpu(a.x, "x");
+  EPMOE_CHECK_ARG(a.x.ndim() == 2 && a.x.dtype == DType::bf16, "x", "a 2-d bfloat16 tensor [T, H]", describe(a.x));
+  const std::int64_t T = a.x.size(0), H = a.x.size(1);
+  EPMOE_CHECK_ARG(H <= 1 || a.x.stride(1) == 1, "x", "unit stride in dimension 1", strides_of(a.x));
+  EPMOE_CHECK_ARG(T <= 1 || a.x.stride(0) >= H, "x", fmt::format("a row stride >= {}", H), strides_of(a.x));
+  EPMOE_CHECK_ARG(a.x.data != nullptr || T == 0, "x", "a non-null data pointer", "nullptr");
+  check_settings(tmax, H, R, E);
+  if (T > tmax)
+    throw_invalid_argument("x", fmt::format("at most num_max_dispatch_tokens_per_rank = {} tokens", tmax),
+                           fmt::format("T = {} tokens ({} > {})", T, T, tmax));
+  EPMOE_CHECK_ARG(!a.use_fp8 || H % 16 == 0, "x", "H a multiple of 16 with use_fp8 (fp8 rows of 16-byte units)",
+                  fmt::format("H = {}", H));
+  EPMOE_CHECK_ARG(a.use_fp8 || (!a.round_scale && !a.use_ue8m0), "use_fp8", "true when round_scale or use_ue8m0 is set",
+                  "false");
+  EPMOE_CHECK_ARG(!a.use_ue8m0 || a.round_scale, "use_ue8m0", "round_scale = true (UE8M0 holds powers of two only)",
+                  "round_scale = false");
+  EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
+                  "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  const std::vector<std::int32_t> idx = read_topk_idx(a.topk_idx, T, E);
+  const std::int64_t K = a.topk_idx.size(1);
+  if (a.topk_weights.defined()) (void)read_topk_weights(a.topk_weights, T, K);
+  const int El = E / R;
+  if (a.cumulative_local_expert_recv_stats.defined()) {
+    const TensorView& s = a.cumulative_local_expert_recv_stats;
+    check_cpu(s, "cumulative_local_expert_recv_stats");
+    EPMOE_CHECK_ARG(s.ndim() == 1 && s.dtype == DType::int32 && s.size(0) == El && s.data != nullptr,
+                    "cumulative_local_expert_recv_stats", fmt::format("int32[{}]", El), describe(s));
+  }
+  check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, H, E, R, num_rdma_bytes_);
+  begin_call("low_latency_dispatch");
+
+  // --- send half: nothing here waits for a peer's data, only for a half the peer has finished reading.
+  std::uint64_t gen = 0, index = 0;
+  try {
+    ensure_configured(tmax, H, E, "low_latency_dispatch");
+    const Layout& L = layout_;
+    gen = generation_;
+    index = gen - base_;
+    const int half = static_cast<int>(index % 2);
+    const std::int64_t G = L.groups, sc_cols = a.use_ue8m0 ? num_ue8m0_words(H) : G;
+    if (a.use_fp8 && T > 0) {
+      const auto stride = static_cast<std::int64_t>(L.record_bytes);
+      const TensorView q(scratch_.data(), DType::fp8_e4m3, {T, H}, {stride, 1}, Device::cpu());
+      const TensorView sc(scratch_.data() + H, a.use_ue8m0 ? DType::int32 : DType::fp32, {T, sc_cols}, {stride / 4, 1},
+                          Device::cpu());
+      quantize_fp8_into(a.x, q, sc, Fp8Options{a.round_scale, a.use_ue8m0});
+    }
+    const std::size_t payload = a.use_fp8 ? static_cast<std::size_t>(H + 4 * sc_cols) : static_cast<std::size_t>(2 * H);
+    const std::size_t staging = static_cast<std::size_t>(half) * L.half_bytes + L.staging;
+    const std::size_t slot =
+        staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(me) * L.dispatch_slot_bytes;
+    const std::size_t records = slot + static_cast<std::size_t>(tmax) * L.meta_bytes;
+    std::vector<std::byte> metas(static_cast<std::size_t>(tmax) * L.meta_bytes);
+    const std::string phase =
+        fmt::format("low_latency_dispatch send (call {}): waiting until the peer has read half {}", index, half);
+    for (int j = 0; j < R; ++j) {
+      const int d = (me + 1 + j) % R;  // start with the next rank so ranks do not all hit rank 0 first
+      std::int32_t n = 0;
+      for (std::int64_t t = 0; t < T; ++t) {
+        TokenMeta m{};
+        m.token = static_cast<std::int32_t>(t);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const std::int32_t e = idx[static_cast<std::size_t>(t * K + k)];
+          if (e >= 0 && e / El == d)
+            m.entries[m.num_entries++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(e % El);
+        }
+        if (m.num_entries == 0) continue;
+        std::memcpy(metas.data() + static_cast<std::size_t>(n) * L.meta_bytes, &m, sizeof(m));
+        ++n;
+      }
+      wait_consumed(d, index, phase);
+      for (std::int32_t i = 0; i < n; ++i) {
+        TokenMeta m;
+        std::memcpy(&m, metas.data() + static_cast<std::size_t>(i) * L.meta_bytes, sizeof(m));
+        const void* src =
+            a.use_fp8 ? static_cast<const void*>(scratch_.data() + static_cast<std::size_t>(m.token) * L.record_bytes)
+                      : static_cast<const void*>(static_cast<const bf16_t*>(a.x.data) + m.token * a.x.stride(0));
+        transport_.put(d, records + static_cast<std::size_t>(i) * L.record_bytes, src, payload);
+      }
+      transport_.put(d, slot, metas.data(), static_cast<std::size_t>(n) * L.meta_bytes);
+      Header h{};
+      h.magic = kMagic;
+      h.kind = static_cast<std::uint32_t>(Kind::dispatch);
+      h.index = index;
+      h.count = n;
+      h.hidden = H;
+      h.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+      h.tmax = tmax;
+      h.num_experts = E;
+      transport_.put(d, staging + static_cast<std::size_t>(me) * kHeaderBytes, &h, sizeof(h));
+      transport_.signal(d, data_slot(half, me, R), index + 1);
+    }
+  } catch (...) {
+    if (config_.set) broken_ = true;  // a fault mid-send leaves peers with partial data
+    throw;
+  }
+  ++generation_;
+  Sent& s = sent_[index % 2];
+  s = {gen, T, K, idx};
+  Pending& p = pending_[index % 2];
+  p = Pending{};
+  p.active = true;
+  p.is_dispatch = true;
+  p.generation = gen;
+  p.num_tokens = T;
+  p.use_fp8 = a.use_fp8;
+  p.round_scale = a.round_scale;
+  p.use_ue8m0 = a.use_ue8m0;
+  p.stats = a.cumulative_local_expert_recv_stats;
+
+  // --- the result: views of this half's output area (filled by the receive half)
+  const Layout& L = layout_;
+  std::byte* base = half_base(index);
+  const std::int64_t rows = static_cast<std::int64_t>(R) * tmax;
+  LowLatencyDispatchResult r;
+  r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H});
+  if (a.use_fp8)
+    r.packed_recv_x_scales = a.use_ue8m0 ? TensorView(base + L.scales, DType::int32, {El, rows, num_ue8m0_words(H)})
+                                         : TensorView(base + L.scales, DType::fp32, {El, rows, L.groups});
+  r.packed_recv_count = TensorView(base + L.count, DType::int32, {El});
+  r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows});
+  r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R});
+  r.handle.num_max_dispatch_tokens_per_rank = tmax;
+  r.handle.hidden = H;
+  r.handle.num_experts = E;
+  r.handle.generation = gen;
+  r.handle.buffer_id = buffer_id_;
+  if (a.return_recv_hook)
+    r.hook = RecvHook([this, gen] { receive(gen); });
+  else
+    receive(gen);
+  return r;
+}
+
+void LowLatencyMode::receive(std::uint64_t gen) {
+  check_usable();
+  Pending& p = pending_[(gen - base_) % 2];
+  if (gen < base_ || !p.active || p.generation != gen)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the receive of low-latency call {} is no longer pending (the buffer was "
+          "cleaned since)",
+          transport_.group().rank(), gen);
+  try {
+    if (p.is_dispatch)
+      receive_dispatch(p);
+    else
+      receive_combine(p);
+  } catch (...) {
+    p = Pending{};
+    broken_ = true;
+    throw;
+  }
+  p = Pending{};
+}
+
+void LowLatencyMode::receive_dispatch(Pending& p) {
+  Group& g = transport_.group();
+  const int R = g.size(), me = g.rank();
+  const Layout& L = layout_;
+  const std::uint64_t index = p.generation - base_;
+  const int half = static_cast<int>(index % 2);
+  const int El = L.local_experts;
+  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * L.tmax;
+  const std::int64_t sc_cols = p.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
+  const std::size_t x_row = p.use_fp8 ? static_cast<std::size_t>(H) : static_cast<std::size_t>(2 * H);
+  const std::size_t sc_row = static_cast<std::size_t>(4 * sc_cols);
+  std::byte* base = half_base(index);
+  std::byte* packed_x = base + L.packed_x;
+  std::byte* scales = base + L.scales;
+  auto* count = reinterpret_cast<std::int32_t*>(base + L.count);
+  auto* src_info = reinterpret_cast<std::int32_t*>(base + L.src_info);
+  auto* range = reinterpret_cast<std::int64_t*>(base + L.layout_range);
+  auto* packed_k = reinterpret_cast<std::uint8_t*>(base + L.packed_k);
+  const std::byte* staging = base + L.staging;
+  const std::uint32_t flags = dispatch_flags(p.use_fp8, p.round_scale, p.use_ue8m0);
+  const std::string phase = fmt::format("low_latency_dispatch receive (call {})", index);
+
+  std::vector<std::int32_t> fill(static_cast<std::size_t>(El), 0), begin(static_cast<std::size_t>(El));
+  // Every source's header is checked before any row is read: a peer in another call (or format)
+  // writes another layout over this staging area, so nothing of it is trusted until all agree.
+  std::vector<std::int64_t> sent_tokens(static_cast<std::size_t>(R));
+  for (int s = 0; s < R; ++s) {
+    transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
+    Header h;
+    std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
+    if (h.magic != kMagic || h.kind != static_cast<std::uint32_t>(Kind::dispatch) || h.index != index)
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: rank {} is not in the same low-latency call: this rank is in dispatch call {}, rank {} sent "
+            "{} of call {} (every rank must make the same sequence of low-latency calls)",
+            me, s, index, s, h.kind == static_cast<std::uint32_t>(Kind::combine) ? "a combine" : "data", h.index);
+    if (h.flags != flags)
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: setting 'use_fp8/round_scale/use_ue8m0' must be equal on all ranks: rank {} has {}/{}/{}, "
+            "rank {} has {}/{}/{}",
+            me, me, p.use_fp8, p.round_scale, p.use_ue8m0, s, (h.flags & 1) != 0, (h.flags & 2) != 0,
+            (h.flags & 4) != 0);
+    EPMOE_ASSERT(h.count >= 0 && h.count <= L.tmax && h.hidden == H);
+    sent_tokens[static_cast<std::size_t>(s)] = h.count;
+  }
+  // Sources in ascending order: rows of source s start after every row of sources < s.
+  for (int s = 0; s < R; ++s) {
+    for (int e = 0; e < El; ++e) begin[static_cast<std::size_t>(e)] = fill[static_cast<std::size_t>(e)];
+    const std::byte* metas =
+        staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(s) * L.dispatch_slot_bytes;
+    const std::byte* records = metas + static_cast<std::size_t>(L.tmax) * L.meta_bytes;
+    for (std::int64_t i = 0; i < sent_tokens[static_cast<std::size_t>(s)]; ++i) {
+      TokenMeta m;
+      std::memcpy(&m, metas + static_cast<std::size_t>(i) * L.meta_bytes, sizeof(m));
+      EPMOE_ASSERT(m.token >= 0 && m.token < L.tmax && m.num_entries >= 1 && m.num_entries <= kMaxTopk);
+      const std::byte* rec = records + static_cast<std::size_t>(i) * L.record_bytes;
+      for (int j = 0; j < m.num_entries; ++j) {
+        const int e = static_cast<int>(m.entries[j] & 0xffffu), k = static_cast<int>(m.entries[j] >> 16);
+        EPMOE_ASSERT(e < El && k < kMaxTopk && fill[static_cast<std::size_t>(e)] < rows);
+        const std::int64_t row = static_cast<std::int64_t>(e) * rows + fill[static_cast<std::size_t>(e)]++;
+        std::memcpy(packed_x + static_cast<std::size_t>(row) * x_row, rec, x_row);
+        if (p.use_fp8) std::memcpy(scales + static_cast<std::size_t>(row) * sc_row, rec + H, sc_row);
+        src_info[row] = m.token;
+        packed_k[row] = static_cast<std::uint8_t>(k);
+      }
+    }
+    for (int e = 0; e < El; ++e) {
+      const auto b = begin[static_cast<std::size_t>(e)];
+      range[static_cast<std::size_t>(e) * R + s] =
+          static_cast<std::int64_t>(b) << 32 | static_cast<std::int64_t>(fill[static_cast<std::size_t>(e)] - b);
+    }
+  }
+  signal_consumed(index);
+  for (int e = 0; e < El; ++e) count[e] = fill[static_cast<std::size_t>(e)];
+  if (p.stats.defined())
+    for (int e = 0; e < El; ++e)
+      p.stats.ptr<std::int32_t>()[e * p.stats.stride(0)] += fill[static_cast<std::size_t>(e)];
+}
+
+// ------------------------------------------------------------------------------------------------
+// combine
+
+LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) {
+  Group& g = transport_.group();
+  const int R = g.size(), me = g.rank();
+
+  // --- every argument, before any communication
+  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a low_latency_dispatch",
+                  "an empty handle");
+  const LowLatencyHandle& hd = *a.handle;
+  EPMOE_CHECK_ARG(hd.buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
+                  fmt::format("a handle of buffer {}", hd.buffer_id));
+  check_usable();
+  EPMOE_ASSERT(config_.set);  // a handle of this buffer implies a configured buffer
+  const Layout& L = layout_;
+  const int El = L.local_experts, tmax = L.tmax;
+  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * tmax;
+  EPMOE_CHECK_ARG(
+      hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == H && hd.num_experts == L.num_experts, "handle",
+      fmt::format("Tmax = {}, H = {}, E = {}", tmax, H, L.num_experts),
+      fmt::format("Tmax = {}, H = {}, E = {}", hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts));
+  if (hd.generation < base_ || hd.generation + 1 != generation_)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the handle comes from low-latency call {}, {} (this combine is call {}); only the handle of the "
+          "call just before can be combined (two buffers alternate)",
+          me, hd.generation, hd.generation < base_ ? "before clean_low_latency_buffer" : "two or more calls ago",
+          generation_);
+  const Sent& sent = sent_[(hd.generation - base_) % 2];
+  if (sent.generation != hd.generation)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this "
+          "buffer",
+          me, hd.generation);
+  const Pending& unreceived = pending_[(hd.generation - base_) % 2];
+  EPMOE_CHECK_ARG(!(unreceived.active && unreceived.generation == hd.generation), "handle",
+                  "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
+  const std::int64_t T = sent.num_tokens, K = sent.topk;
+
+  EPMOE_CHECK_ARG(a.x.defined(), "x", fmt::format("bfloat16[{}, {}, {}]", El, rows, H), "None");
+  check_cpu(a.x, "x");
+  EPMOE_CHECK_ARG(
+      a.x.ndim() == 3 && a.x.dtype == DType::bf16 && a.x.size(0) == El && a.x.size(1) == rows && a.x.size(2) == H, "x",
+      fmt::format("bfloat16[{}, {}, {}]", El, rows, H), describe(a.x));
+  EPMOE_CHECK_ARG(a.x.stride(2) == 1 && a.x.data != nullptr, "x", "unit stride in dimension 2", strides_of(a.x));
+  EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
+                  "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
+  std::vector<std::int32_t> idx = read_topk_idx(a.topk_idx, T, L.num_experts);
+  for (std::size_t i = 0; i < idx.size(); ++i)
+    if (idx[i] != sent.topk_idx[i])
+      throw_invalid_argument(
+          "topk_idx", "the topk_idx given to the dispatch of this handle",
+          fmt::format("{} at [{}, {}] where the dispatch had {}", idx[i], i / K, i % K, sent.topk_idx[i]));
+  EPMOE_CHECK_ARG(a.topk_weights.defined(), "topk_weights", fmt::format("float32[{}, {}]", T, K), "None");
+  std::vector<float> w = read_topk_weights(a.topk_weights, T, K);
+  if (a.out.defined()) {
+    check_cpu(a.out, "out");
+    EPMOE_CHECK_ARG(a.out.ndim() == 2 && a.out.dtype == DType::bf16 && a.out.size(0) == T && a.out.size(1) == H &&
+                        (H <= 1 || a.out.stride(1) == 1) && (T <= 1 || a.out.stride(0) >= H) &&
+                        (a.out.data != nullptr || T == 0),
+                    "out", fmt::format("bfloat16[{}, {}] with unit stride in dimension 1", T, H), strides_of(a.out));
+  }
+  EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
+                  "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  begin_call("low_latency_combine");
+
+  // --- send half: one bf16 row per (token, k) back to the token's rank, at row (t, k) of its staging.
+  const std::uint64_t gen = generation_, index = gen - base_;
+  const int half = static_cast<int>(index % 2);
+  try {
+    const std::byte* dbase = half_base(hd.generation - base_);
+    const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + L.src_info);
+    const auto* range = reinterpret_cast<const std::int64_t*>(dbase + L.layout_range);
+    const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + L.packed_k);
+    const std::size_t staging = static_cast<std::size_t>(half) * L.half_bytes + L.staging;
+    const std::size_t body = staging + static_cast<std::size_t>(R) * kHeaderBytes;
+    const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
+    const std::string phase =
+        fmt::format("low_latency_combine send (call {}): waiting until the peer has read half {}", index, half);
+    for (int j = 0; j < R; ++j) {
+      const int s = (me + 1 + j) % R;
+      wait_consumed(s, index, phase);
+      std::int64_t n = 0;
+      for (int e = 0; e < El; ++e) {
+        const std::int64_t rg = range[static_cast<std::size_t>(e) * R + s];
+        const std::int64_t b = rg >> 32, c = rg & 0xffffffff;
+        for (std::int64_t r = b; r < b + c; ++r) {
+          const std::int64_t row = static_cast<std::int64_t>(e) * rows + r;
+          const auto dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
+          const auto* src = static_cast<const bf16_t*>(a.x.data) + e * a.x.stride(0) + r * a.x.stride(1);
+          transport_.put(s, body + dst * row_bytes, src, row_bytes);
+          ++n;
+        }
+      }
+      Header h{};
+      h.magic = kMagic;
+      h.kind = static_cast<std::uint32_t>(Kind::combine);
+      h.index = index;
+      h.count = n;
+      h.hidden = H;
+      h.tmax = tmax;
+      h.num_experts = L.num_experts;
+      transport_.put(s, staging + static_cast<std::size_t>(me) * kHeaderBytes, &h, sizeof(h));
+      transport_.signal(s, data_slot(half, me, R), index + 1);
+    }
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
+  ++generation_;
+
+  LowLatencyCombineResult r;
+  r.combined_x = a.out.defined() ? Tensor::wrap(a.out, nullptr) : Tensor::empty(DType::bf16, {T, H});
+  Pending& p = pending_[index % 2];
+  p = Pending{};
+  p.active = true;
+  p.is_dispatch = false;
+  p.generation = gen;
+  p.num_tokens = T;
+  p.topk = K;
+  p.topk_idx = std::move(idx);
+  p.topk_weights = std::move(w);
+  p.out = r.combined_x;
+  if (a.return_recv_hook)
+    r.hook = RecvHook([this, gen] { receive(gen); });
+  else
+    receive(gen);
+  return r;
+}
+
+void LowLatencyMode::receive_combine(Pending& p) {
+  Group& g = transport_.group();
+  const int R = g.size(), me = g.rank();
+  const Layout& L = layout_;
+  const std::uint64_t index = p.generation - base_;
+  const int half = static_cast<int>(index % 2);
+  const int El = L.local_experts;
+  const std::int64_t H = L.hidden, T = p.num_tokens, K = p.topk;
+  const std::byte* staging = half_base(index) + L.staging;
+  const auto* body = reinterpret_cast<const bf16_t*>(staging + static_cast<std::size_t>(R) * kHeaderBytes);
+  const std::string phase = fmt::format("low_latency_combine receive (call {})", index);
+
+  std::vector<std::int64_t> expected(static_cast<std::size_t>(R), 0);
+  for (std::int32_t e : p.topk_idx)
+    if (e >= 0) ++expected[static_cast<std::size_t>(e / El)];
+  for (int s = 0; s < R; ++s) {
+    transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
+    Header h;
+    std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
+    if (h.magic != kMagic || h.kind != static_cast<std::uint32_t>(Kind::combine) || h.index != index)
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: rank {} is not in the same low-latency call: this rank is in combine call {}, rank {} sent "
+            "{} of call {} (every rank must make the same sequence of low-latency calls)",
+            me, s, index, s, h.kind == static_cast<std::uint32_t>(Kind::dispatch) ? "a dispatch" : "data", h.index);
+    if (h.count != expected[static_cast<std::size_t>(s)])
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: rank {} sent {} rows back at combine for this rank's tokens, but this rank's topk_idx routes {} "
+            "(token, k) pairs to it",
+            me, s, h.count, expected[static_cast<std::size_t>(s)]);
+  }
+  // out[t] = sum over k ascending of w[t, k] * row(t, k), in float32 (product rounded, then added; no
+  // fused multiply-add), from 0.0f, rounded to bfloat16 once.
+  const TensorView& out = p.out.view();
+  std::vector<float> acc(static_cast<std::size_t>(H));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (std::int64_t k = 0; k < K; ++k) {
+      if (p.topk_idx[static_cast<std::size_t>(t * K + k)] < 0) continue;
+      const float wk = p.topk_weights[static_cast<std::size_t>(t * K + k)];
+      const bf16_t* row =
+          body + (static_cast<std::size_t>(t) * kMaxTopk + static_cast<std::size_t>(k)) * static_cast<std::size_t>(H);
+      for (std::int64_t c = 0; c < H; ++c) {
+        const float prod = wk * bf16_to_float(row[c]);
+        acc[static_cast<std::size_t>(c)] += prod;
+      }
+    }
+    bf16_t* o = static_cast<bf16_t*>(out.data) + t * out.stride(0);
+    for (std::int64_t c = 0; c < H; ++c) o[c] = float_to_bf16(acc[static_cast<std::size_t>(c)]);
+  }
+  signal_consumed(index);
+}
+
+// ------------------------------------------------------------------------------------------------
+
+void LowLatencyMode::clean(int tmax, std::int64_t hidden, int num_experts) {
+  Group& g = transport_.group();
+  check_settings(tmax, hidden, g.size(), num_experts);
+  check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, hidden, num_experts,
+                       g.size(), num_rdma_bytes_);
+  check_usable();
+  if (!config_.set) {
+    ensure_configured(tmax, hidden, num_experts, "clean_low_latency_buffer");
+  } else {
+    // Re-creating the window zeroes data and signals on every rank at once (collective).
+    transport_.allocate_window(transport_.window_bytes(), 4 * g.size(), "clean_low_latency_buffer: allocate window");
+  }
+  base_ = generation_;
+  pending_ = {};
+  sent_ = {};
+}
+
 }  // namespace epmoe

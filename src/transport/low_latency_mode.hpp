@@ -1,7 +1,25 @@
 // Low-latency mode, written once over Transport windows and signals (SPEC 5).
+//
+// Protocol (what every backend reproduces; see low_latency_mode.cpp for the byte layout):
+//  - low-latency call number g (dispatch or combine, counted from the last clean) uses half g % 2 of
+//    every rank's window. The sender puts its data and a header with its counts into the peer's
+//    staging area of that half, then sets the peer's data signal [half][sender] to g + 1. Nothing is
+//    exchanged on the host before the data.
+//  - dispatch sends each token once per destination rank, with the list of (k, local expert) pairs
+//    that rank owns; the receiver fans it out into the packed per-expert rows (ascending source rank,
+//    source token order), which live in the output area of the same half and stay valid until this
+//    rank's call g + 2.
+//  - combine sends one bf16 row per (token, k) back to the token's rank, which sums over k ascending.
+//  - a receiver that has read a half's staging area sets consumed [half][receiver] = g + 1 on every
+//    peer; a sender waits for consumed >= g - 1 before writing that half again for call g, so a slow
+//    receiver (a pending recv hook) is never overwritten: it is waited for, or the wait times out.
 #pragma once
 
 #include <epmoe/buffer.hpp>
+
+#include <array>
+#include <cstdint>
+#include <vector>
 
 #include "transport/transport.hpp"
 
@@ -11,15 +29,77 @@ class LowLatencyMode {
  public:
   LowLatencyMode(Transport& transport, std::uint64_t buffer_id, std::int64_t num_rdma_bytes)
       : transport_(transport), buffer_id_(buffer_id), num_rdma_bytes_(num_rdma_bytes) {}
-  static std::int64_t size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_ranks, int num_experts);
+  /// Window bytes per rank for these settings (both halves). Errors: non-positive sizes, E % R != 0,
+  /// E / R > 1024.
+  static std::int64_t size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                int num_experts);
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args);
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& args);
+  /// Collective: re-creates the (zeroed) window; pending hooks and earlier handles become stale.
   void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);
 
+  /// Byte layout of one rank's window (public so tests and other backends can reason about it).
+  struct Layout {
+    int tmax = 0, num_ranks = 0, num_experts = 0, local_experts = 0;
+    std::int64_t hidden = 0, groups = 0;
+    std::size_t record_bytes = 0;  // payload of one dispatched token (bf16 row, or fp8 row + scales)
+    std::size_t meta_bytes = 0;    // TokenMeta of one dispatched token
+    std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0;  // offsets
+    std::size_t staging = 0;              // offset of the area peers put into
+    std::size_t dispatch_slot_bytes = 0;  // one source's dispatch staging (meta + records)
+    std::size_t half_bytes = 0;
+    static Layout make(int tmax, std::int64_t hidden, int num_ranks, int num_experts);
+  };
+
  private:
+  struct Config {
+    bool set = false;
+    int tmax = 0;
+    std::int64_t hidden = 0;
+    int num_experts = 0;
+  };
+  // What the receive half of a call needs; kept per half so a hook can run after the call returned.
+  struct Pending {
+    bool active = false;
+    bool is_dispatch = true;
+    std::uint64_t generation = 0;  // the call's generation (absolute, as handles carry it)
+    std::int64_t num_tokens = 0;
+    bool use_fp8 = false, round_scale = false, use_ue8m0 = false;
+    TensorView stats;  // dispatch: cumulative_local_expert_recv_stats
+    // combine
+    std::int64_t topk = 0;
+    std::vector<std::int32_t> topk_idx;
+    std::vector<float> topk_weights;
+    Tensor out;  // kept alive until the hook has written it
+  };
+  // This rank's own routing at a dispatch, kept so combine can check it gets the same topk_idx.
+  struct Sent {
+    std::uint64_t generation = ~0ull;
+    std::int64_t num_tokens = 0, topk = 0;
+    std::vector<std::int32_t> topk_idx;
+  };
+
+  void ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase);
+  void check_usable() const;
+  std::byte* half_base(std::uint64_t index) const;
+  void begin_call(std::string_view what);
+  void wait_consumed(int peer, std::uint64_t index, std::string_view phase);
+  void receive(std::uint64_t generation);
+  void receive_dispatch(Pending& p);
+  void receive_combine(Pending& p);
+  void signal_consumed(std::uint64_t index);
+
   Transport& transport_;
   std::uint64_t buffer_id_;
   std::int64_t num_rdma_bytes_;
+  Config config_;
+  Layout layout_;
+  bool broken_ = false;
+  std::uint64_t generation_ = 0;  // low-latency calls over the buffer's life (handles carry it)
+  std::uint64_t base_ = 0;        // generation_ at the last clean; call index = generation_ - base_
+  std::array<Pending, 2> pending_;
+  std::array<Sent, 2> sent_;
+  std::vector<std::byte> scratch_;  // quantized rows of this rank before they are put
 };
 
 }  // namespace epmoe

@@ -3,6 +3,7 @@
 #include <epmoe/error.hpp>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -16,8 +17,11 @@ std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g);
 namespace {
 
 // Per-world registry of each rank's window and signals, kept beside the world's state.
+struct FreeDeleter {
+  void operator()(std::byte* p) const { std::free(p); }
+};
 struct Window {
-  std::unique_ptr<std::byte[]> data;
+  std::unique_ptr<std::byte[], FreeDeleter> data;  // calloc: zeroed pages, touched only where used
   std::size_t bytes = 0;
   std::unique_ptr<std::atomic<std::uint64_t>[]> signals;
   int num_signals = 0;
@@ -51,34 +55,44 @@ class ThreadsTransport final : public Transport {
 
   void allocate_window(std::size_t bytes, int num_signals, std::string_view phase) override {
     group_->barrier(phase);  // nobody may still write into the old window
-    own_.data.reset(new std::byte[bytes]());
-    own_.bytes = bytes;
-    own_.signals.reset(new std::atomic<std::uint64_t>[static_cast<std::size_t>(num_signals)]);
-    for (int i = 0; i < num_signals; ++i) own_.signals[static_cast<std::size_t>(i)].store(0);
-    own_.num_signals = num_signals;
-    const Window* mine = &own_;
-    std::vector<const Window*> all(static_cast<std::size_t>(group_->size()));
+    auto w = std::make_shared<Window>();
+    w->data.reset(static_cast<std::byte*>(std::calloc(bytes ? bytes : 1, 1)));
+    if (!w->data)
+      raise(ErrorCode::out_of_memory, "rank {}: allocating a window of {} bytes failed", group_->rank(), bytes);
+    w->bytes = bytes;
+    w->signals.reset(new std::atomic<std::uint64_t>[static_cast<std::size_t>(num_signals)]);
+    for (int i = 0; i < num_signals; ++i) w->signals[static_cast<std::size_t>(i)].store(0);
+    w->num_signals = num_signals;
+    own_ = std::move(w);
+    // Peers hold shared ownership: a late signal (e.g. a low-latency "consumed" flag sent after this
+    // rank destroyed its Buffer) lands in memory that is still alive instead of freed memory.
+    const std::shared_ptr<Window>* mine = &own_;
+    std::vector<const std::shared_ptr<Window>*> all(static_cast<std::size_t>(group_->size()));
     group_->all_gather(&mine, all.data(), sizeof(mine), phase);
-    peers_ = std::move(all);
+    std::vector<std::shared_ptr<const Window>> peers;
+    peers.reserve(all.size());
+    for (const auto* p : all) peers.push_back(*p);
+    group_->barrier(phase);  // every rank has copied the others' pointers before any may change
+    peers_ = std::move(peers);
   }
-  std::byte* local_window() override { return own_.data.get(); }
-  std::size_t window_bytes() const override { return own_.bytes; }
+  std::byte* local_window() override { return own_ ? own_->data.get() : nullptr; }
+  std::size_t window_bytes() const override { return own_ ? own_->bytes : 0; }
 
   void put(int dst, std::size_t offset, const void* src, std::size_t bytes) override {
-    const Window* w = peers_[static_cast<std::size_t>(dst)];
+    const Window* w = peers_[static_cast<std::size_t>(dst)].get();
     EPMOE_ASSERT(offset + bytes <= w->bytes);
     if (bytes) std::memcpy(w->data.get() + offset, src, bytes);
   }
 
   void signal(int dst, int slot, std::uint64_t value) override {
-    const Window* w = peers_[static_cast<std::size_t>(dst)];
+    const Window* w = peers_[static_cast<std::size_t>(dst)].get();
     EPMOE_ASSERT(slot >= 0 && slot < w->num_signals);
     w->signals[static_cast<std::size_t>(slot)].store(value, std::memory_order_release);  // publishes earlier puts
   }
 
   void wait_signal(int slot, std::uint64_t value, int peer, std::string_view phase) override {
-    EPMOE_ASSERT(slot >= 0 && slot < own_.num_signals);
-    auto& s = own_.signals[static_cast<std::size_t>(slot)];
+    EPMOE_ASSERT(slot >= 0 && slot < own_->num_signals);
+    auto& s = own_->signals[static_cast<std::size_t>(slot)];
     if (s.load(std::memory_order_acquire) >= value) return;
     const Deadline deadline(group_->timeout_s());
     for (int spins = 0;; ++spins) {
@@ -95,8 +109,8 @@ class ThreadsTransport final : public Transport {
  private:
   std::shared_ptr<Group> group_;
   std::shared_ptr<ThreadWorld::State> state_;
-  Window own_;
-  std::vector<const Window*> peers_;
+  std::shared_ptr<Window> own_;
+  std::vector<std::shared_ptr<const Window>> peers_;
 };
 
 }  // namespace
