@@ -1,0 +1,39 @@
+// Bit-for-bit comparison of tensors for the MPI-vs-threads tests.
+#pragma once
+
+#include <epmoe/tensor.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+namespace epmoe::test {
+
+/// Reads element `i` (row-major over the shape) of a strided view as raw bytes.
+inline const std::byte* element_at(const TensorView& v, std::int64_t i) {
+  std::int64_t offset = 0;
+  for (int d = v.ndim() - 1; d >= 0; --d) {
+    offset += (i % v.shape[d]) * v.strides[d];
+    i /= v.shape[d];
+  }
+  return static_cast<const std::byte*>(v.data) + offset * static_cast<std::int64_t>(dtype_size(v.dtype));
+}
+
+/// Same definedness, dtype, shape and bytes of every element (strides may differ).
+inline ::testing::AssertionResult same_tensor(const TensorView& got, const TensorView& want) {
+  if (got.defined() != want.defined())
+    return ::testing::AssertionFailure() << "defined: got " << got.defined() << ", want " << want.defined();
+  if (!got.defined()) return ::testing::AssertionSuccess();
+  if (got.dtype != want.dtype)
+    return ::testing::AssertionFailure() << "dtype " << dtype_name(got.dtype) << " != " << dtype_name(want.dtype);
+  if (!(got.shape == want.shape))
+    return ::testing::AssertionFailure() << "shape " << to_string(got.shape) << " != " << to_string(want.shape);
+  const std::size_t es = dtype_size(got.dtype);
+  for (std::int64_t i = 0; i < got.numel(); ++i)
+    if (std::memcmp(element_at(got, i), element_at(want, i), es) != 0)
+      return ::testing::AssertionFailure() << "element " << i << " of " << to_string(got.shape) << " differs";
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace epmoe::test
