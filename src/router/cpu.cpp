@@ -94,7 +94,8 @@ void route_cpu(const RoutingProblem& p, float* topk_weights, std::int64_t* topk_
   std::vector<float> score(static_cast<std::size_t>(E)), biased(p.bias ? static_cast<std::size_t>(E) : 0);
   std::vector<float> group_score(static_cast<std::size_t>(G));
   std::vector<char> group_kept(static_cast<std::size_t>(G));
-  std::vector<float> keys(static_cast<std::size_t>(std::max(K, p.topk_group)));
+  // Room for the largest of the three top-k passes: K experts, topk_group groups, a group's top 2.
+  std::vector<float> keys(static_cast<std::size_t>(std::max({K, p.topk_group, 2})));
   std::vector<int> ids(keys.size());
   TopK top;
 

@@ -299,6 +299,26 @@ TEST(GroupedTopk, DeepSeekV3HandCase) {
   EXPECT_EQ((std::vector<std::int64_t>(ids2.begin() + 5, ids2.end())), (std::vector<std::int64_t>{251, 0, 1}));
 }
 
+// K = 1 and topk_group = 1 with a bias: the group pass still takes each group's top 2 (a scratch of
+// max(K, topk_group) entries overflowed here; the sanitizer build catches a regression).
+TEST(GroupedTopk, KOneTopkGroupOneWithBiasTakesTopTwoOfEachGroup) {
+  const std::int64_t E = 8;
+  // 4 groups of 2. Group 1 holds the best single expert (logit 3) but group 2's pair sums higher.
+  std::vector<float> logits = {-4, -4, 3, -4, 1.5f, 1.5f, -4, -4}, bias(E, 0.0f);
+  const Tensor bias_t = f32_vector(bias);
+  GroupedTopkOptions o;
+  o.num_topk = 1;
+  o.num_expert_group = 4;
+  o.topk_group = 1;
+  o.scoring = ScoringFunc::sigmoid;
+  o.renormalize = false;
+  o.e_score_correction_bias = bias_t;
+  const TopkResult r = grouped_topk(f32_logits(1, E, logits), o);
+  // group 1: sigmoid(3) + sigmoid(-4) = 0.9526 + 0.0180 = 0.971; group 2: 2 * sigmoid(1.5) = 1.635.
+  EXPECT_EQ(ids_of(r, 0), (std::vector<std::int64_t>{4}));  // tie inside group 2 goes to the lower id
+  EXPECT_NEAR(r.topk_weights.ptr<float>()[0], sigmoid(1.5), tol(sigmoid(1.5)));
+}
+
 TEST(GroupedTopk, SoftmaxWithoutBiasUsesGroupMax) {
   // E = 64 in 8 groups of 8, keep 3 groups by their max softmax score, K = 6, no renormalisation.
   const std::int64_t E = 64;

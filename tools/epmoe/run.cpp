@@ -9,6 +9,9 @@
 #include <epmoe/replay.hpp>
 #include <epmoe/router.hpp>
 #include <epmoe/version.hpp>
+#if defined(EPMOE_HAVE_MPI)
+#include <epmoe/mpi.hpp>
+#endif
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -19,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -48,16 +52,24 @@ struct RunConfig {
   std::int64_t check_tokens = 32;
   double tolerance = 1e-2;
   std::string json;
+  std::string backend = "threads";
 };
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Deterministic bf16 fill: one stream per (seed, id) so every rank regenerates the same values.
+// Deterministic bf16 fill, uniform in [-scale, scale): one splitmix64 stream per (seed, id), cheap
+// enough that every rank (thread or process) regenerates the same hundreds of MiB in a moment.
 void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {
-  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + id);
-  std::uniform_real_distribution<float> d(-scale, scale);
-  for (std::int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(d(rng));
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull ^ (id + 0x632BE59BD9B4E019ull);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = float_to_bf16((2.0f * u - 1.0f) * scale);
+  }
 }
 
 struct Model {
@@ -237,36 +249,30 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-int run(const RunConfig& c) {
-  const Activation act = parse_activation(c.activation);
-  if (c.mode != "normal" && c.mode != "low-latency")
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--mode': expected normal or low-latency, got {}", c.mode));
-  if (c.dispatch_dtype != "bf16" && c.dispatch_dtype != "fp8")
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--dispatch-dtype': expected bf16 or fp8, got {}", c.dispatch_dtype));
-  if (c.ranks < 1 || c.experts % c.ranks != 0)
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--ranks': expected a divisor of --experts ({}), got {}", c.experts, c.ranks));
-
-  fmt::print("epmoe {} run: {} CPU ranks (threads), T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n",
-             version(), c.ranks, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype,
-             c.activation, c.experts_impl);
-  RoutingTrace trace;
-  const bool replay = !c.routing.empty();
-  if (replay) {
-    trace = load_routing_trace(c.routing, c.domain);
-    fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
-               trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
+// Flattens a rank's result into doubles so MPI ranks can all-gather them.
+std::vector<double> pack(const RankResult& r) {
+  std::vector<double> v;
+  for (const auto* series : {&r.router_s, &r.dispatch_s, &r.experts_s, &r.combine_s}) v.insert(v.end(), series->begin(), series->end());
+  v.insert(v.end(), {r.dispatch_bytes, r.combine_bytes, r.err_num, r.err_den, r.finite ? 1.0 : 0.0, static_cast<double>(r.checked)});
+  return v;
+}
+RankResult unpack(const double* v, int iters) {
+  RankResult r;
+  for (auto* series : {&r.router_s, &r.dispatch_s, &r.experts_s, &r.combine_s}) {
+    series->assign(v, v + iters);
+    v += iters;
   }
-  const auto tg = Clock::now();
-  fmt::print(stderr, "  generating expert weights ({:.0f} MiB)...\n",
-             static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2 / 1048576.0);
-  const Model model = make_model(c, act);
-  fmt::print(stderr, "  weights ready in {:.1f} s\n", seconds_since(tg));
+  r.dispatch_bytes = v[0];
+  r.combine_bytes = v[1];
+  r.err_num = v[2];
+  r.err_den = v[3];
+  r.finite = v[4] != 0.0;
+  r.checked = static_cast<std::int64_t>(v[5]);
+  return r;
+}
 
-  Shared sh;
-  sh.config = &c;
-  sh.model = &model;
-  sh.trace = replay ? &trace : nullptr;
-  sh.activation = act;
+// Runs every rank as a thread of this process.
+std::vector<RankResult> launch_threads(const RunConfig& c, Shared& sh) {
   std::vector<RankResult> results(static_cast<std::size_t>(c.ranks));
   ThreadWorld world(c.ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(c.ranks));
@@ -282,7 +288,74 @@ int run(const RunConfig& c) {
   for (auto& t : threads) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
+  return results;
+}
 
+int report(const RunConfig& c, const std::vector<RankResult>& results, const RoutingTrace* trace, bool print);
+
+int run(RunConfig c) {
+  if (c.backend != "threads" && c.backend != "mpi")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
+  bool root = true;
+#if defined(EPMOE_HAVE_MPI)
+  std::optional<MpiSession> session;
+  std::shared_ptr<Group> mpi_group;
+  if (c.backend == "mpi") {
+    session.emplace(nullptr, nullptr);
+    mpi_group = make_mpi_group();
+    c.ranks = mpi_group->size();  // one rank per process of mpirun
+    root = mpi_group->rank() == 0;
+  }
+#endif
+  const Activation act = parse_activation(c.activation);
+  if (c.mode != "normal" && c.mode != "low-latency")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--mode': expected normal or low-latency, got {}", c.mode));
+  if (c.dispatch_dtype != "bf16" && c.dispatch_dtype != "fp8")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--dispatch-dtype': expected bf16 or fp8, got {}", c.dispatch_dtype));
+  if (c.ranks < 1 || c.experts % c.ranks != 0)
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--ranks': expected a divisor of --experts ({}), got {}", c.experts, c.ranks));
+
+  if (root)
+    fmt::print("epmoe {} run: {} CPU ranks ({}), T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n",
+             version(), c.ranks, c.backend, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype,
+             c.activation, c.experts_impl);
+  RoutingTrace trace;
+  const bool replay = !c.routing.empty();
+  if (replay) {
+    trace = load_routing_trace(c.routing, c.domain);
+    if (root)
+      fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
+               trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
+  }
+  const auto tg = Clock::now();
+  if (root)
+    fmt::print(stderr, "  generating expert weights ({:.0f} MiB)...\n",
+             static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2 / 1048576.0);
+  const Model model = make_model(c, act);
+  if (root) fmt::print(stderr, "  weights ready in {:.1f} s\n", seconds_since(tg));
+
+  Shared sh;
+  sh.config = &c;
+  sh.model = &model;
+  sh.trace = replay ? &trace : nullptr;
+  sh.activation = act;
+  if (c.backend == "threads") return report(c, launch_threads(c, sh), sh.trace, true);
+#if defined(EPMOE_HAVE_MPI)
+  // One rank per process (mpirun -np R): every rank gathers every result and returns the same code.
+  auto& group = mpi_group;
+  const std::vector<double> mine = pack(run_rank(group, sh));
+  std::vector<double> all(mine.size() * static_cast<std::size_t>(group->size()));
+  group->all_gather(mine.data(), all.data(), mine.size() * sizeof(double), "run.results");
+  std::vector<RankResult> results;
+  for (int r = 0; r < group->size(); ++r) results.push_back(unpack(all.data() + r * mine.size(), c.iters));
+  return report(c, results, sh.trace, group->rank() == 0);
+#else
+  throw Error(ErrorCode::unsupported, "epmoe: --backend mpi: this epmoe was built without MPI");
+#endif
+}
+
+int report(const RunConfig& c, const std::vector<RankResult>& results, const RoutingTrace* trace, bool print) {
+  const bool replay = trace != nullptr;
   // Per phase: the slowest rank per iteration, median over iterations.
   Phase phases[] = {{"router", {}, 0}, {"dispatch", {}, 0}, {"experts", {}, 0}, {"combine", {}, 0}};
   for (int it = 0; it < c.iters; ++it) {
@@ -309,6 +382,7 @@ int run(const RunConfig& c) {
   const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
   const bool pass = finite && rel <= c.tolerance && checked > 0;
 
+  if (!print) return pass ? 0 : 1;
   fmt::print("\n{:<10} {:>12} {:>14} {:>12}\n", "phase", "time (ms)", "bytes", "GB/s");
   nlohmann::json jphases = nlohmann::json::array();
   double total = 0;
@@ -326,12 +400,12 @@ int run(const RunConfig& c) {
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
 
   if (!c.json.empty()) {
-    nlohmann::json j = {{"command", "run"}, {"version", std::string(version())}, {"backend", "threads"},
+    nlohmann::json j = {{"command", "run"}, {"version", std::string(version())}, {"backend", c.backend},
                         {"ranks", c.ranks}, {"tokens_per_rank", c.tokens}, {"hidden", c.hidden},
                         {"num_experts", c.experts}, {"num_topk", c.topk}, {"intermediate", c.intermediate},
                         {"mode", c.mode}, {"dispatch_dtype", c.dispatch_dtype}, {"activation", c.activation},
                         {"experts", c.experts_impl}, {"seed", c.seed}, {"routing", c.routing},
-                        {"domain", replay ? trace.domain : ""}, {"layer", c.layer}, {"offset", c.offset},
+                        {"domain", replay ? trace->domain : ""}, {"layer", c.layer}, {"offset", c.offset},
                         {"iters", c.iters}, {"phases", jphases}, {"relative_l2_error", rel},
                         {"tokens_checked", checked}, {"tolerance", c.tolerance}, {"pass", pass}};
     std::ofstream(c.json) << j.dump(2) << "\n";
@@ -346,7 +420,9 @@ std::function<int()> add_run_command(CLI::App& app) {
   auto config = std::make_shared<RunConfig>();
   CLI::App* cmd = app.add_subcommand("run", "Run a full expert-parallel MoE layer and check it against the float64 reference");
   auto& c = *config;
-  cmd->add_option("--ranks", c.ranks, "expert-parallel ranks (CPU threads)")->capture_default_str();
+  cmd->add_option("--ranks", c.ranks, "expert-parallel ranks (threads backend; with mpi, mpirun's -np)")->capture_default_str();
+  cmd->add_option("--backend", c.backend, "threads (ranks are threads of this process) or mpi (one rank per process, under mpirun)")
+      ->check(CLI::IsMember({"threads", "mpi"}))->capture_default_str();
   cmd->add_option("-t,--tokens", c.tokens, "tokens per rank")->capture_default_str();
   cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
   cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)")->capture_default_str();
