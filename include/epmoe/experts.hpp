@@ -92,7 +92,7 @@ struct ExpertsConfig {
 };
 
 /// Arguments of one Experts::apply call (vLLM's FusedMoEPermuteExpertsUnpermute.apply). All tensors
-/// are on the CPU, row-major and contiguous, and are only read.
+/// are on the CPU (on one GPU for make_cuda_experts), row-major and contiguous, and are only read.
 struct ExpertsInputs {
   /// Standard: [M, H]; batched_experts: [E_local, max_tokens, H]. bfloat16 or float32 (e.g. the
   /// dequantized fp8 activations), read exactly.
@@ -131,7 +131,7 @@ class Experts {
   Experts(const Experts&) = delete;
   Experts& operator=(const Experts&) = delete;
 
-  /// "reference" or "blas".
+  /// "reference", "blas" or "cuda".
   virtual std::string_view name() const = 0;
   const ExpertsConfig& config() const { return config_; }
   /// Input format = output format.
@@ -151,18 +151,19 @@ class Experts {
   /// [-1, E_local) (or [-1, E) with an expert_map); a map entry outside [-1, E_local); a count outside
   /// [0, max_tokens]; global_num_experts that disagrees with expert_map; expert_map in batched
   /// format; apply_router_weight_on_input with K != 1 or in batched format.
-  Shape output_shape(const ExpertsInputs& in) const;
+  /// (Virtual so that the CUDA experts, whose tensors live on a GPU, can check them without reading them.)
+  virtual Shape output_shape(const ExpertsInputs& in) const;
 
   /// Runs the experts into `out` (bfloat16, contiguous, shape output_shape(in); must not overlap the
   /// inputs). Standard: every element of `out` is written (zero rows for tokens without a local
   /// expert; zero slots for -1 in unreduced output). batched_experts: only rows i < count[e] of slab
   /// e are written; the rest of `out` is left untouched. M == 0 (or all counts 0) does no work.
   /// Errors: as output_shape, plus `out` of the wrong dtype/shape/device/layout (argument 'out').
-  void apply(const ExpertsInputs& in, const TensorView& out) const;
+  virtual void apply(const ExpertsInputs& in, const TensorView& out) const;
 
   /// As apply(in, out), into a new bfloat16 tensor; in batched_experts format the rows past each
   /// count are zero.
-  Tensor apply(const ExpertsInputs& in) const;
+  virtual Tensor apply(const ExpertsInputs& in) const;
 
  protected:
   /// Computes a checked, non-empty problem into a checked `out`.
@@ -189,5 +190,28 @@ std::unique_ptr<Experts> make_blas_experts(const ExpertsConfig& config = {});
 /// Experts::output_shape (row-major). Batched format: rows past each count are 0. Checks `in` as
 /// Experts::apply does. For tests and for error measurements against the unrounded reference.
 std::vector<double> reference_experts_f64(const ExpertsInputs& in, const ExpertsConfig& config = {});
+
+/// The experts on one GPU (src/experts/cuda_experts.cpp): every tensor of ExpertsInputs and `out` on
+/// the same CUDA device; work is enqueued on the calling thread's current stream (stream.hpp).
+/// Per local expert: gemm1 on cuBLAS (bf16 in, float32 accumulation, bf16 out), one fused activation
+/// kernel, gemm2 on cuBLAS (bf16 out) -- the CPU fast path's roundings. Float32 hidden is rounded to
+/// bf16 first (and, with apply_router_weight_on_input, the scaled input too).
+///   Standard: the (token, k) slots are grouped per local expert with make_permute_layout/permute
+///     (permute.hpp), per-expert GEMMs (a loop of cublasGemmEx, or one cublasGemmGroupedBatchedEx when the
+///     non-empty experts average <= 64 rows: faster for decode, slower for prefill on an H200; the
+///     environment variable EPMOE_CUDA_EXPERTS_GEMM=loop|grouped|streams|auto overrides), then unpermute
+///     (weighted sum over k ascending in float32, one bf16 rounding) or, unreduced, a copy of each slot's
+///     row. The float64-reference error is ~3e-3 (relative L2). cuBLAS takes each expert's
+///     row count from the host, so apply() waits once for the stream (after the layout) and checks the
+///     ids then (invalid_argument as on the CPU); not capturable in a CUDA graph.
+///   BatchedExperts: strided-batched GEMMs over all max_tokens rows of every slab, the activation and
+///     the final copy masked by expert_num_tokens read on the device: no host synchronisation, so it
+///     can be captured in a CUDA graph (call apply once on the thread before capturing: that creates
+///     the cuBLAS handle). Counts outside [0, max_tokens] are clamped there (they cannot be checked
+///     without a synchronisation). Rows past each count are left untouched.
+/// Restrictions on CUDA: H % 8 == 0 and N % 8 == 0 (16-byte rows), 16-byte-aligned data pointers.
+/// Errors: as Experts::apply, with "a CUDA tensor on the weights' device" for the device; unsupported in
+/// builds without CUDA (make_cuda_experts itself raises then).
+std::unique_ptr<Experts> make_cuda_experts(const ExpertsConfig& config = {});
 
 }  // namespace epmoe

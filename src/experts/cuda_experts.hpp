@@ -1,0 +1,65 @@
+// Internal interface of the CUDA experts (CUDA builds only: EPMOE_HAVE_CUDA). The host side
+// (cuda_experts.cpp) checks arguments, owns cuBLAS and the workspaces and calls these thin launchers of
+// the elementwise kernels (cuda_experts_kernels.cu). No fmt here: nvcc compiles the kernels' file.
+#pragma once
+
+#include <epmoe/experts.hpp>
+
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime.h>
+
+namespace epmoe::experts_cuda {
+
+/// How the Standard format runs its per-expert GEMMs (measured in bench/gpu_experts.cpp).
+enum class GemmMode : std::uint8_t {
+  loop,     ///< one cublasGemmEx per non-empty expert, in order, on the caller's stream
+  streams,  ///< the same GEMMs spread round-robin over 4 forked streams (overlaps small GEMMs' tails)
+  grouped,  ///< one cublasGemmGroupedBatchedEx per layer (pointer arrays copied to the device)
+  /// grouped when the non-empty experts average at most kGroupedMaxMeanRows rows (decode: small, memory-bound
+  /// GEMMs, where one grouped launch keeps the weights streaming), else loop (cuBLAS 13.0's grouped kernels
+  /// ran 1.3x slower than the loop at 128 rows per expert and 2.4x slower at 1024 on an H200). The default.
+  automatic,
+};
+/// The crossover of GemmMode::automatic in rows per non-empty expert, measured by bench/gpu_experts.cpp on
+/// an H200 at H = 7168, N = 2048, 32 experts: grouped won at 32 (0.81 vs 1.14 ms) and 64 rows (1.02 vs
+/// 1.15 ms), the loop at 128 (1.19 vs 1.56 ms) and above.
+inline constexpr std::int64_t kGroupedMaxMeanRows = 64;
+const char* gemm_mode_name(GemmMode mode);
+
+/// make_cuda_experts with an explicit GEMM mode (tests and benchmark cover every mode).
+std::unique_ptr<Experts> make_cuda_experts(const ExpertsConfig& config, GemmMode mode);
+
+/// Slot flags of map_ids: all ones when clear, else the smallest offending index.
+struct IdFlags {
+  unsigned long long bad_id;   ///< flat index m*K+k of the first id outside [-1, limit)
+  unsigned long long bad_map;  ///< index of the first expert_map entry outside [-1, E_local)
+};
+
+/// local[i] = map ? map[idx[i]] : idx[i] for i < n (ids int64 when idx64 else int32; contiguous), -1 for
+/// -1 ids and for out-of-range ids, which are recorded in flags->bad_id (atomicMin). With a map, also
+/// checks all map_size entries (flags->bad_map). `flags` must be initialised to all ones.
+void map_ids(const void* idx, bool idx64, std::int64_t n, const std::int32_t* map, std::int64_t map_size,
+             std::int64_t limit, int e_local, std::int32_t* local, IdFlags* flags, cudaStream_t stream);
+
+/// out[r] = bf16(hidden[r] * (weights ? weights[r * weight_stride] : 1)) for r < rows, H columns;
+/// hidden bf16 (fp32 when hidden_fp32). H % 8 == 0.
+void prepare_hidden(const void* hidden, bool hidden_fp32, std::int64_t rows, std::int64_t h, const float* weights,
+                    std::int64_t weight_stride, void* out, cudaStream_t stream);
+
+/// a[r, j] = bf16(act(g[r, gate(j)], g[r, up(j)])) for r < rows, j < n; g is bf16 [rows, 2n or n].
+/// With counts (int32 [rows / max_tokens]), row r = e * max_tokens + t is skipped when t >= counts[e]
+/// (clamped to [0, max_tokens]). n % 8 == 0.
+void activation(Activation act, const void* g, std::int64_t rows, std::int64_t n, void* a, const std::int32_t* counts,
+                std::int64_t max_tokens, cudaStream_t stream);
+
+/// out[o] = src2dst[o] >= 0 ? y[src2dst[o]] : 0 for o < rows (bf16 rows of h, h % 8 == 0).
+void gather_rows(const void* y, const std::int32_t* src2dst, std::int64_t rows, std::int64_t h, void* out,
+                 cudaStream_t stream);
+
+/// out[r] = y[r] for rows r = e * max_tokens + t with t < counts[e] (clamped); other rows untouched.
+void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::int64_t max_tokens, std::int64_t h,
+                 void* out, cudaStream_t stream);
+
+}  // namespace epmoe::experts_cuda
