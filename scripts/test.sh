@@ -22,7 +22,8 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1
 
 if [ -f "$ROOT/python/pyproject.toml" ] || [ -f "$ROOT/pyproject.toml" ]; then
   echo "== Python tests"
-  "$ROOT/build/venv/bin/pip" install -q "$ROOT"
+  # Offline-capable (the venv holds nanobind and scikit-build-core); builds in build/python, CPU-only.
+  CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$ROOT/build/venv/bin/pip" install -q --no-build-isolation "$ROOT"
   "$ROOT/build/venv/bin/python" -m pytest -q "$ROOT/python/tests"
 fi
 echo "== all tests passed"

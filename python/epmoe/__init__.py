@@ -1,0 +1,70 @@
+"""epmoe: expert-parallel Mixture-of-Experts layers, router to combine, across ranks.
+
+    import epmoe
+
+    def rank_main(group):                          # runs once per rank, on its own thread
+        buffer = epmoe.Buffer(group)               # DeepEP-compatible (deep_ep.Buffer's V1 API)
+        layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+        ...
+
+    results = epmoe.run_thread_ranks(4, rank_main)
+
+What is here (CPU, NumPy arrays; bf16 / fp8 as ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``):
+
+- ``Buffer``, ``Config``, ``EventOverlap``: dispatch / combine in normal and low-latency mode with
+  DeepEP's argument names, order, defaults and return tuples.
+- ``run_thread_ranks`` and ``Group``: CPU ranks as threads of one process.
+- ``topk_softmax``, ``topk_sigmoid``, ``grouped_topk``: routing.
+- ``quantize_fp8``, ``dequantize_fp8``: per-token-group fp8 (round_scale, UE8M0).
+- ``MoELayer`` and the ``make_*`` factories: the modular layer; ``MoEModule`` (torch.nn.Module) when torch
+  is installed.
+- ``Error``: every failure; ``str(e)`` is the C++ message, ``e.code`` its kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _ext
+from ._group import Group, as_group, run_thread_ranks
+from ._tensor import BFLOAT16, FLOAT8_E4M3FN
+from .buffer import Buffer, Config, DispatchHandle, Event, EventOverlap, LowLatencyHandle
+from .moe import (ACTIVATIONS, Experts, MoELayer, PrepareFinalize, WorkspaceCache, make_blas_experts,
+                  make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize,
+                  make_reference_experts)
+from .ops import (FP8_GROUP_SIZE, dequantize_fp8, fp8_group_scale, get_dispatch_layout, grouped_topk,
+                  num_scale_groups, num_ue8m0_words, quantize_fp8, topk_sigmoid, topk_softmax, ue8m0_from_scale,
+                  ue8m0_to_scale)
+
+Error = _ext.Error
+__version__ = _ext.version()
+
+topk_idx_t = "int64"
+"""The dtype name of topk_idx the library produces (DeepEP's deep_ep.topk_idx_t); int32 is accepted too."""
+
+
+def default_timeout_s() -> float:
+    """Timeout of a wait between ranks, seconds (EPMOE_TIMEOUT_S overrides the default of 100)."""
+    return _ext.default_timeout_s()
+
+
+def built_with_cuda() -> bool:
+    """Whether this build holds the CUDA implementations."""
+    return bool(_ext.built_with_cuda())
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MoEModule":  # torch.nn.Module wrapper, made on first use (imports torch)
+        from . import moe
+        return moe.MoEModule
+    raise AttributeError(f"module 'epmoe' has no attribute {name!r}")
+
+
+__all__ = [
+    "ACTIVATIONS", "BFLOAT16", "Buffer", "Config", "DispatchHandle", "Error", "Event", "EventOverlap", "Experts",
+    "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
+    "as_group", "built_with_cuda", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
+    "grouped_topk", "make_blas_experts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
+    "make_normal_prepare_finalize", "make_reference_experts", "num_scale_groups", "num_ue8m0_words", "quantize_fp8",
+    "run_thread_ranks", "topk_idx_t", "topk_sigmoid", "topk_softmax", "ue8m0_from_scale", "ue8m0_to_scale",
+]

@@ -1,0 +1,208 @@
+"""Type stubs of epmoe._ext, the nanobind extension under the `epmoe` package.
+
+Use the `epmoe` package; these functions take tensors in the boundary form of epmoe/_tensor.py:
+``None``, an array (NumPy int/float/bool, or a DLPack tensor such as torch.Tensor), or for ml_dtypes
+arrays a tuple ``(same-width unsigned view, "bfloat16" | "float8_e4m3fn")``. Outputs are NumPy
+arrays (``framework="numpy"``; bf16 / fp8 come back as ml_dtypes arrays) or torch tensors
+(``framework="torch"``). Every function raises :class:`Error`; for bad arguments the message names
+the argument, what was expected and what came, and nothing has been communicated yet.
+"""
+
+from typing import Any, Callable, List, Optional, Tuple
+
+ArrayArg = Any  # None | array | (array, dtype name)
+Array = Any     # numpy.ndarray (or torch.Tensor with framework="torch")
+
+class Error(RuntimeError):
+    """Every failure epmoe reports. ``str(e)``: the C++ message ("epmoe: invalid argument 'x': expected
+    bfloat16[4, 128], got float32[4, 128]"). ``code``: 'invalid_argument', 'rank_mismatch', 'timeout',
+    'stale_handle', 'unusable', 'out_of_memory', 'unsupported' or 'internal'."""
+    code: str
+
+def version() -> str:
+    """'MAJOR.MINOR.PATCH' of the C++ library."""
+def built_with_cuda() -> bool:
+    """Whether the CUDA implementations were compiled in."""
+def cuda_device_count() -> int:
+    """Visible CUDA devices (0 in CPU-only builds)."""
+has_mpi: bool
+def default_timeout_s() -> float:
+    """Timeout of every wait between ranks, seconds (EPMOE_TIMEOUT_S overrides 100)."""
+
+class Group:
+    """The ranks of one expert-parallel group (threads backend here)."""
+    timeout_s: float
+    """Timeout of this group's waits, seconds (> 0)."""
+    @property
+    def backend(self) -> str:
+        """'threads' (later: 'mpi', torch process groups)."""
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def barrier(self, phase: str = "python barrier") -> None:
+        """Waits for every rank (GIL released). Errors: timeout naming the missing ranks and the phase."""
+    def all_gather_bytes(self, data: bytes, phase: str = "python all_gather_bytes") -> List[bytes]:
+        """Every rank's bytes, by rank (lengths may differ). Collective."""
+
+def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Optional[float] = None) -> List[Any]:
+    """fn(group) on num_ranks threads of one threads-backend group; returns the results by rank and
+    re-raises the lowest failing rank's exception. Errors: num_ranks < 1, timeout_s <= 0."""
+
+class Event:
+    """Completion of an operation; CPU events are complete."""
+    def __init__(self) -> None: ...
+    def done(self) -> bool: ...
+    def current_stream_wait(self) -> None: ...
+
+class NormalHandle:
+    """What combine and a cached dispatch need (opaque; epmoe.DispatchHandle wraps it)."""
+    num_tokens: int
+    num_recv_tokens: int
+    num_recv_rows: int
+    hidden: int
+    num_experts: int
+    expert_alignment: int
+    num_worst_tokens: int
+
+class LowLatencyHandle:
+    """What low_latency_combine needs (opaque; epmoe.LowLatencyHandle wraps it). `generation` is the
+    index of the low-latency call that made it (two-buffer rule)."""
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    generation: int
+
+class RecvHook:
+    """Receive half of a low-latency call. Call exactly once (again: Error 'stale_handle')."""
+    def __call__(self) -> None: ...
+
+class Buffer:
+    """epmoe::Buffer of one rank. Every method that communicates releases the GIL."""
+    def __init__(self, group: Group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False) -> None: ...
+    def rank(self) -> int: ...
+    def num_ranks(self) -> int: ...
+    def destroy(self) -> None:
+        """Drops the C++ buffer; later calls raise Error 'unusable'."""
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Low-latency buffer bytes per rank (both halves)."""
+    def get_dispatch_layout(self, topk_idx: ArrayArg, num_experts: int,
+                            framework: str = "numpy") -> Tuple[Array, Array, Array]:
+        """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
+    def dispatch(self, x: ArrayArg, x_scales: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
+                 num_tokens_per_rank: ArrayArg, is_token_in_rank: ArrayArg, num_tokens_per_expert: ArrayArg,
+                 handle: Optional[NormalHandle], expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 previous_event: Optional[Event] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False, framework: str = "numpy"
+                 ) -> Tuple[Array, Optional[Array], Optional[Array], Optional[Array], List[int], NormalHandle, Event,
+                            Tuple[Array, Array, Array, Array]]:
+        """Normal-mode dispatch (SPEC 4): (recv_x [rows, H], recv_x_scales or None, recv_topk_idx int64
+        [rows, K] or None (cached), recv_topk_weights float32 [rows, K] or None, counts per local expert,
+        handle, event, (rank_prefix_matrix int32 [R, R], recv_src_idx int32 [Nrecv], is_token_in_rank bool
+        [T, R], send_pos int32 [T, R]))."""
+    def combine(self, x: ArrayArg, handle: Optional[NormalHandle], topk_weights: ArrayArg, bias_0: ArrayArg,
+                bias_1: ArrayArg, previous_event: Optional[Event] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False, framework: str = "numpy"
+                ) -> Tuple[Array, Optional[Array], Event]:
+        """Normal-mode combine (SPEC 4): (combined_x bfloat16 [T, H], combined_topk_weights float32 [T, K]
+        or None, event)."""
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Collective reset of the low-latency buffers; older handles and pending hooks become stale."""
+    def low_latency_dispatch(self, x: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: ArrayArg, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False, framework: str = "numpy"
+                             ) -> Tuple[Array, Optional[Array], Array, Array, Array, LowLatencyHandle, Event,
+                                        Optional[RecvHook]]:
+        """Low-latency dispatch (SPEC 5): (packed_recv_x [E_local, R*Tmax, H] fp8 or bf16, scales
+        float32 [E_local, R*Tmax, G] / int32 [..., ceil(G/4)] or None, packed_recv_count int32 [E_local],
+        src_info int32 [E_local, R*Tmax], layout_range int64 [E_local, R], handle, event, hook or None).
+        The arrays are copies of the valid rows, filled at return or when the hook is called."""
+    def low_latency_combine(self, x: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
+                            handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: ArrayArg = None, framework: str = "numpy"
+                            ) -> Tuple[Optional[Array], Event, Optional[RecvHook]]:
+        """Low-latency combine (SPEC 5): (combined_x bfloat16 [T, H], or None when `out` was given and
+        written, event, hook or None)."""
+
+def topk_softmax(logits: ArrayArg, num_topk: int, renormalize: bool = False,
+                 framework: str = "numpy") -> Tuple[Array, Array]:
+    """(topk_weights float32 [T, K], topk_idx int64 [T, K]) of softmax(logits) (SPEC 2)."""
+def topk_sigmoid(logits: ArrayArg, num_topk: int, renormalize: bool = False,
+                 framework: str = "numpy") -> Tuple[Array, Array]:
+    """(topk_weights float32 [T, K], topk_idx int64 [T, K]) of sigmoid(logits) (SPEC 2)."""
+def grouped_topk(logits: ArrayArg, num_topk: int, num_expert_group: int, topk_group: int,
+                 scoring_func: str = "softmax", renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: ArrayArg = None, framework: str = "numpy") -> Tuple[Array, Array]:
+    """DeepSeek-V2/V3 grouped top-k (SPEC 2)."""
+def get_dispatch_layout(topk_idx: ArrayArg, num_experts: int, num_ranks: int,
+                        framework: str = "numpy") -> Tuple[Array, Array, Array]:
+    """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
+def quantize_fp8(x: ArrayArg, round_scale: bool = False, use_ue8m0: bool = False,
+                 framework: str = "numpy") -> Tuple[Array, Array]:
+    """(q float8_e4m3fn [T, H], scales float32 [T, ceil(H/128)] or UE8M0 int32 [T, ceil(ceil(H/128)/4)])."""
+def dequantize_fp8(q: ArrayArg, scales: ArrayArg, out_dtype: str = "bfloat16", framework: str = "numpy") -> Array:
+    """q * scale per group as 'bfloat16' or 'float32' [T, H]."""
+def fp8_group_scale(amax: float, round_scale: bool = False) -> float: ...
+def ue8m0_from_scale(pow2_scale: float) -> int: ...
+def ue8m0_to_scale(byte: int) -> float: ...
+
+class Experts:
+    """Expert MLPs: name 'reference' or 'blas'."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def activation_format(self) -> str:
+        """'standard' or 'batched_experts'."""
+    @property
+    def weight_and_reduce(self) -> str:
+        """'none', 'contiguous', 'naive_batched' or 'delegate'."""
+
+def make_reference_experts(activation_format: str = "standard", reduce: bool = True) -> Experts: ...
+def make_blas_experts(activation_format: str = "standard", reduce: bool = True) -> Experts: ...
+
+class PrepareFinalize:
+    """Quantize + dispatch and combine (no_ep, normal or low_latency)."""
+    num_ranks: int
+    @property
+    def name(self) -> str: ...
+    @property
+    def activation_format(self) -> str: ...
+    @property
+    def stage(self) -> str:
+        """'INITIAL', 'AFTER_DISPATCH_A', 'AFTER_DISPATCH_B' or 'AFTER_COMBINE_A'."""
+
+def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: bool = False,
+                                use_ue8m0: bool = False) -> PrepareFinalize: ...
+def make_normal_prepare_finalize(buffer: Buffer, dispatch_dtype: str = "bfloat16", round_scale: bool = False,
+                                 use_ue8m0: bool = False) -> PrepareFinalize: ...
+def make_low_latency_prepare_finalize(buffer: Buffer, num_max_dispatch_tokens_per_rank: int,
+                                      dispatch_dtype: str = "bfloat16", round_scale: bool = False,
+                                      use_ue8m0: bool = False) -> PrepareFinalize: ...
+
+class WorkspaceCache:
+    """Workspaces shared by the layers of a model."""
+    def __init__(self) -> None: ...
+    def bytes(self) -> int: ...
+
+class MoELayer:
+    """The C++ MoELayer (use epmoe.MoELayer)."""
+    num_ranks: int
+    has_shared_experts: bool
+    def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts,
+                 shared_experts: Optional[Callable[[Array], ArrayArg]] = None, chunk_size: int = 0,
+                 micro_batch: int = 0, workspaces: Optional[WorkspaceCache] = None,
+                 framework: str = "numpy") -> None:
+        """Errors: a prepare/finalize whose activation format differs from the experts' (names both)."""
+    def forward(self, hidden: ArrayArg, w1: ArrayArg, w2: ArrayArg, topk_weights: ArrayArg, topk_idx: ArrayArg,
+                activation: str = "silu", global_num_experts: int = 0, expert_map: ArrayArg = None,
+                apply_router_weight_on_input: bool = False,
+                framework: str = "numpy") -> Tuple[Array, Optional[Array]]:
+        """(output bfloat16 [T, H], shared_output bfloat16 [T, H] or None). Collective."""
+    @property
+    def last_chunk_rows(self) -> List[int]: ...
+    @property
+    def stage(self) -> str: ...

@@ -1,0 +1,120 @@
+"""Router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6) on NumPy arrays.
+
+Every function runs on the CPU for NumPy input and returns NumPy arrays (bf16 / fp8 as ml_dtypes).
+Errors are ``epmoe.Error`` naming the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from . import _ext
+from ._tensor import arg, framework_of
+
+FP8_GROUP_SIZE = 128
+"""Hidden channels per fp8 scale group."""
+
+
+def num_scale_groups(hidden: int, group_size: int = FP8_GROUP_SIZE) -> int:
+    """ceil(hidden / group_size): fp32 scales per token (the last group may be partial)."""
+    return (int(hidden) + group_size - 1) // group_size
+
+
+def num_ue8m0_words(hidden: int, group_size: int = FP8_GROUP_SIZE) -> int:
+    """ceil(groups / 4): int32 words of UE8M0 scales per token."""
+    return (num_scale_groups(hidden, group_size) + 3) // 4
+
+
+def topk_softmax(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple[Any, Any]:
+    """Softmax over the E logits (float32), then the K largest (ties: lower expert id).
+
+    Arguments:
+        logits: float32 or bfloat16 [T, E], contiguous.
+        num_topk: K in 1..E.
+        renormalize: divide the K weights by their sum.
+
+    Returns: (topk_weights float32 [T, K], topk_idx int64 [T, K]), in descending weight order.
+    Errors: epmoe.Error('invalid_argument') for logits not 2-d float32/bfloat16, K outside 1..E.
+    """
+    return _ext.topk_softmax(arg(logits), num_topk, renormalize, framework_of(logits))
+
+
+def topk_sigmoid(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple[Any, Any]:
+    """Sigmoid of each logit, then the K largest (ties: lower expert id). Shapes and errors as topk_softmax."""
+    return _ext.topk_sigmoid(arg(logits), num_topk, renormalize, framework_of(logits))
+
+
+def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: int,
+                 scoring_func: str = "softmax", renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: Optional[Any] = None) -> Tuple[Any, Any]:
+    """DeepSeek-V2/V3 grouped top-k (SPEC 2).
+
+    scores = softmax or sigmoid of the logits; with ``e_score_correction_bias`` (float32 [E]) selection
+    uses score + bias and a group's score is the sum of its top-2 biased scores, otherwise the group max;
+    keep ``topk_group`` of ``num_expert_group`` groups (ties: lower group), then the top K experts in them
+    (ties: lower id). Weights are the unbiased scores, renormalized if asked, times routed_scaling_factor.
+
+    Returns: (topk_weights float32 [T, K], topk_idx int64 [T, K]). With a bias the ids are in descending
+    biased-score order.
+    Errors: epmoe.Error('invalid_argument') for E % num_expert_group != 0, topk_group > num_expert_group,
+    K > topk_group * E / num_expert_group, a bias of the wrong shape or dtype, scoring_func not
+    'softmax'/'sigmoid'.
+    """
+    return _ext.grouped_topk(arg(logits), num_topk, num_expert_group, topk_group, scoring_func, renormalize,
+                             float(routed_scaling_factor), arg(e_score_correction_bias), framework_of(logits))
+
+
+def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tuple[Any, Any, Any]:
+    """The dispatch layout (SPEC 3) without a buffer.
+
+    Returns: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R]);
+    -1 ids are ignored, a token counts once per rank.
+    Errors: epmoe.Error('invalid_argument') for topk_idx not int32/int64 [T, K], E % R != 0, E / R > 1024,
+    an id outside [-1, E) (naming it and its [t, k]).
+    """
+    return _ext.get_dispatch_layout(arg(topk_idx), num_experts, num_ranks, framework_of(topk_idx))
+
+
+def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False) -> Tuple[Any, Any]:
+    """Per-token-group fp8 e4m3 quantization (SPEC 6), one scale per 128 channels of a token.
+
+    a = max(amax(group), 1e-4); q = fp8(x * (448 / a)); scale = a / 448, in float32; fp8 rounds to nearest
+    even and saturates to +-448. round_scale: scale = 2^ceil(log2(a / 448)), q = fp8(x / scale).
+    use_ue8m0 (needs round_scale): the scales' exponent bytes (log2(scale) + 127), four groups per int32,
+    group 4i in the lowest byte.
+
+    Arguments:
+        x: bfloat16 or float32 [T, H], H % 16 == 0 (the last group may be shorter than 128).
+
+    Returns: (q float8_e4m3fn [T, H], scales float32 [T, ceil(H/128)] or int32 [T, ceil(ceil(H/128)/4)]).
+    Errors: epmoe.Error('invalid_argument') for x not 2-d bfloat16/float32, H % 16 != 0, use_ue8m0 without
+    round_scale.
+    """
+    return _ext.quantize_fp8(arg(x), round_scale, use_ue8m0, framework_of(x))
+
+
+def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
+    """q * scale per group, into 'bfloat16' or 'float32' [T, H]. The scales' format comes from their dtype
+    (float32 [T, G] or UE8M0 int32 [T, ceil(G/4)]).
+    Errors: epmoe.Error('invalid_argument') for mismatched shapes or dtypes, out_dtype not bfloat16/float32.
+    """
+    if hasattr(out_dtype, "name"):  # a NumPy / ml_dtypes dtype
+        out_dtype = out_dtype.name
+    elif isinstance(out_dtype, type):
+        out_dtype = out_dtype.__name__
+    return _ext.dequantize_fp8(arg(q), arg(scales), str(out_dtype), framework_of(q))
+
+
+def fp8_group_scale(amax: float, round_scale: bool = False) -> float:
+    """The scale SPEC 6 computes from a group's absolute maximum (float32 arithmetic)."""
+    return _ext.fp8_group_scale(amax, round_scale)
+
+
+def ue8m0_from_scale(pow2_scale: float) -> int:
+    """The UE8M0 byte (log2(scale) + 127) of a power-of-two scale."""
+    return _ext.ue8m0_from_scale(pow2_scale)
+
+
+def ue8m0_to_scale(byte: int) -> float:
+    """2^(byte - 127)."""
+    return _ext.ue8m0_to_scale(byte)

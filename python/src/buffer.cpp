@@ -1,0 +1,317 @@
+// epmoe._ext.Buffer: the C++ Buffer with tensors as Python arrays. The DeepEP-compatible argument
+// handling (tuples, handles, events, defaults) lives in epmoe/buffer.py; this layer converts, releases
+// the GIL around every collective, and keeps what the C++ side still reads alive.
+#include "ext.hpp"
+
+#include <epmoe/error.hpp>
+
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace epmoe::py {
+
+namespace {
+
+// Copies rows [0, rows) of slab e of a 3-d view into the same place of a contiguous tensor.
+void copy_slab_rows(const TensorView& src, const Tensor& dst, std::int64_t e, std::int64_t rows) {
+  const std::size_t es = dtype_size(src.dtype);
+  const std::int64_t cols = src.size(2), dst_rows = dst.size(1);
+  auto* d = static_cast<std::byte*>(dst.data());
+  const auto* s = static_cast<const std::byte*>(src.data);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::byte* out = d + static_cast<std::size_t>((e * dst_rows + r) * cols) * es;
+    const std::byte* in = s + static_cast<std::size_t>(e * src.stride(0) + r * src.stride(1)) * es;
+    if (src.stride(2) == 1 || cols <= 1) {
+      std::memcpy(out, in, static_cast<std::size_t>(cols) * es);
+    } else {
+      for (std::int64_t c = 0; c < cols; ++c)
+        std::memcpy(out + static_cast<std::size_t>(c) * es, in + static_cast<std::size_t>(c * src.stride(2)) * es, es);
+    }
+  }
+}
+
+// Copies a whole 1-, 2- or 3-d view into a contiguous tensor of the same shape.
+void copy_all(const TensorView& src, const Tensor& dst) {
+  const std::size_t es = dtype_size(src.dtype);
+  const int n = src.ndim();
+  const std::int64_t d0 = n > 0 ? src.size(0) : 1, d1 = n > 1 ? src.size(1) : 1, d2 = n > 2 ? src.size(2) : 1;
+  const std::int64_t s0 = n > 0 ? src.stride(0) : 0, s1 = n > 1 ? src.stride(1) : 0, s2 = n > 2 ? src.stride(2) : 0;
+  auto* d = static_cast<std::byte*>(dst.data());
+  const auto* s = static_cast<const std::byte*>(src.data);
+  std::size_t o = 0;
+  for (std::int64_t i = 0; i < d0; ++i)
+    for (std::int64_t j = 0; j < d1; ++j)
+      for (std::int64_t k = 0; k < d2; ++k, ++o)
+        std::memcpy(d + o * es, s + static_cast<std::size_t>(i * s0 + j * s1 + k * s2) * es, es);
+}
+
+Tensor empty_like(const TensorView& v) { return v.defined() ? Tensor::empty(v.dtype, v.shape) : Tensor(); }
+
+// A low-latency dispatch as Python sees it. The C++ results live in the buffer's receive area, which
+// the next low-latency calls and clean_low_latency_buffer reuse or free; Python gets copies (the valid
+// rows of each expert), made when the data has arrived: at once, or when the hook is called.
+struct LowLatencyDispatchState {
+  std::shared_ptr<Buffer> buffer;  // the receive half (hook) runs on this buffer
+  LowLatencyDispatchResult native;
+  Tensor x, scales, count, src_info, layout_range;
+  PyRef keep;  // cumulative_local_expert_recv_stats, which the receive half writes
+
+  void copy_out() {
+    copy_all(native.packed_recv_count, count);
+    copy_all(native.handle.src_info, src_info);
+    copy_all(native.handle.layout_range, layout_range);
+    const auto* c = count.ptr<std::int32_t>();
+    for (std::int64_t e = 0; e < x.size(0); ++e) {
+      copy_slab_rows(native.packed_recv_x, x, e, c[e]);
+      if (scales.defined()) copy_slab_rows(native.packed_recv_x_scales, scales, e, c[e]);
+    }
+  }
+};
+
+// The receive half of a low-latency call (return_recv_hook=True). Call exactly once.
+struct PyRecvHook {
+  RecvHook native;
+  std::shared_ptr<Buffer> buffer;
+  std::shared_ptr<LowLatencyDispatchState> dispatch;  // null for a combine
+  PyRef keep;                                         // arrays the receive half writes (combine's `out`)
+
+  void call() {
+    nb::gil_scoped_release release;
+    native();
+    if (dispatch) dispatch->copy_out();
+  }
+};
+
+Buffer& buf(PyBuffer& b) {
+  if (!b.buffer) throw Error(ErrorCode::unusable, "epmoe: this Buffer was destroyed (Buffer.destroy())");
+  return *b.buffer;
+}
+
+}  // namespace
+
+void bind_buffer(nb::module_& m) {
+  nb::class_<Event>(m, "Event", "Completion of an operation (CPU backends: already complete).")
+      .def(nb::init<>())
+      .def("done", &Event::done)
+      .def("current_stream_wait", &Event::current_stream_wait);
+
+  nb::class_<NormalHandle>(m, "NormalHandle", "What combine and a cached dispatch need from a normal-mode dispatch.")
+      .def_ro("num_tokens", &NormalHandle::num_tokens)
+      .def_ro("num_recv_tokens", &NormalHandle::num_recv_tokens)
+      .def_ro("num_recv_rows", &NormalHandle::num_recv_rows)
+      .def_ro("hidden", &NormalHandle::hidden)
+      .def_ro("num_experts", &NormalHandle::num_experts)
+      .def_ro("expert_alignment", &NormalHandle::expert_alignment)
+      .def_ro("num_worst_tokens", &NormalHandle::num_worst_tokens);
+
+  nb::class_<LowLatencyHandle>(m, "LowLatencyHandle", "What low_latency_combine needs from a low-latency dispatch.")
+      .def_ro("num_max_dispatch_tokens_per_rank", &LowLatencyHandle::num_max_dispatch_tokens_per_rank)
+      .def_ro("hidden", &LowLatencyHandle::hidden)
+      .def_ro("num_experts", &LowLatencyHandle::num_experts)
+      .def_ro("generation", &LowLatencyHandle::generation);
+
+  nb::class_<PyRecvHook>(m, "RecvHook",
+                         "Receive half of a low-latency call made with return_recv_hook=True. Call it exactly once; "
+                         "a second call raises epmoe.Error (code 'stale_handle').")
+      .def("__call__", &PyRecvHook::call);
+
+  nb::class_<PyBuffer>(m, "Buffer", "epmoe::Buffer of one rank (use epmoe.Buffer).")
+      .def(
+          "__init__",
+          [](PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std::int64_t num_rdma_bytes,
+             bool low_latency_mode) {
+            if (!group.group) throw_invalid_argument("group", "an epmoe Group", "None");
+            BufferOptions o;
+            o.num_nvl_bytes = num_nvl_bytes;
+            o.num_rdma_bytes = num_rdma_bytes;
+            o.low_latency_mode = low_latency_mode;
+            std::shared_ptr<Buffer> b;
+            {
+              nb::gil_scoped_release release;
+              b = std::make_shared<Buffer>(group.group, o);
+            }
+            new (self) PyBuffer{std::move(b)};
+          },
+          nb::arg("group"), nb::arg("num_nvl_bytes") = 0, nb::arg("num_rdma_bytes") = 0,
+          nb::arg("low_latency_mode") = false)
+      .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
+      .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
+      .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })
+      .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
+                  nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_ranks"),
+                  nb::arg("num_experts"))
+      .def(
+          "get_dispatch_layout",
+          [](PyBuffer& b, nb::handle topk_idx, int num_experts, std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            Inputs in;
+            const TensorView idx = arg(topk_idx, "topk_idx", in);
+            DispatchLayout l;
+            {
+              nb::gil_scoped_release release;
+              l = buf(b).get_dispatch_layout(idx, num_experts);
+            }
+            return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
+                                  to_py(l.is_token_in_rank, fw));
+          },
+          nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("framework") = "numpy")
+      .def(
+          "dispatch",
+          [](PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
+             nb::handle num_tokens_per_rank, nb::handle is_token_in_rank, nb::handle num_tokens_per_expert,
+             const NormalHandle* handle, int expert_alignment, int num_worst_tokens, const Event* previous_event,
+             bool async_finish, bool allocate_on_comm_stream, std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            Inputs in;
+            DispatchArgs a;
+            a.x = arg(x, "x", in);
+            a.x_scales = arg(x_scales, "x_scales", in);
+            a.topk_idx = arg(topk_idx, "topk_idx", in);
+            a.topk_weights = arg(topk_weights, "topk_weights", in);
+            a.num_tokens_per_rank = arg(num_tokens_per_rank, "num_tokens_per_rank", in);
+            a.is_token_in_rank = arg(is_token_in_rank, "is_token_in_rank", in);
+            a.num_tokens_per_expert = arg(num_tokens_per_expert, "num_tokens_per_expert", in);
+            a.handle = handle;
+            a.expert_alignment = expert_alignment;
+            a.num_worst_tokens = num_worst_tokens;
+            a.previous_event = previous_event;
+            a.async_finish = async_finish;
+            a.allocate_on_comm_stream = allocate_on_comm_stream;
+            DispatchResult r;
+            {
+              nb::gil_scoped_release release;
+              r = buf(b).dispatch(a);
+            }
+            const NormalHandle& h = r.handle;
+            nb::tuple handle_arrays = nb::make_tuple(to_py(h.rank_prefix_matrix, fw), to_py(h.recv_src_idx, fw),
+                                                     to_py(h.is_token_in_rank, fw), to_py(h.send_pos, fw));
+            nb::list counts;
+            for (int c : r.num_recv_tokens_per_expert_list) counts.append(c);
+            return nb::make_tuple(to_py(r.recv_x, fw), to_py_or_none(r.recv_x_scales, fw),
+                                  to_py_or_none(r.recv_topk_idx, fw), to_py_or_none(r.recv_topk_weights, fw), counts,
+                                  nb::cast(r.handle), nb::cast(r.event), handle_arrays);
+          },
+          nb::arg("x"), nb::arg("x_scales").none(), nb::arg("topk_idx").none(), nb::arg("topk_weights").none(),
+          nb::arg("num_tokens_per_rank").none(), nb::arg("is_token_in_rank").none(),
+          nb::arg("num_tokens_per_expert").none(), nb::arg("handle").none(), nb::arg("expert_alignment") = 1,
+          nb::arg("num_worst_tokens") = 0, nb::arg("previous_event").none() = nb::none(),
+          nb::arg("async_finish") = false, nb::arg("allocate_on_comm_stream") = false,
+          nb::arg("framework") = "numpy")
+      .def(
+          "combine",
+          [](PyBuffer& b, nb::handle x, const NormalHandle* handle, nb::handle topk_weights, nb::handle bias_0,
+             nb::handle bias_1, const Event* previous_event, bool async_finish, bool allocate_on_comm_stream,
+             std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            Inputs in;
+            CombineArgs a;
+            a.x = arg(x, "x", in);
+            a.handle = handle;
+            a.topk_weights = arg(topk_weights, "topk_weights", in);
+            a.bias_0 = arg(bias_0, "bias", in);
+            a.bias_1 = arg(bias_1, "bias", in);
+            a.previous_event = previous_event;
+            a.async_finish = async_finish;
+            a.allocate_on_comm_stream = allocate_on_comm_stream;
+            CombineResult r;
+            {
+              nb::gil_scoped_release release;
+              r = buf(b).combine(a);
+            }
+            return nb::make_tuple(to_py(r.combined_x, fw), to_py_or_none(r.combined_topk_weights, fw),
+                                  nb::cast(r.event));
+          },
+          nb::arg("x"), nb::arg("handle").none(), nb::arg("topk_weights").none(), nb::arg("bias_0").none(),
+          nb::arg("bias_1").none(), nb::arg("previous_event").none() = nb::none(), nb::arg("async_finish") = false,
+          nb::arg("allocate_on_comm_stream") = false, nb::arg("framework") = "numpy")
+      .def(
+          "clean_low_latency_buffer",
+          [](PyBuffer& b, int tmax, std::int64_t hidden, int num_experts) {
+            nb::gil_scoped_release release;
+            buf(b).clean_low_latency_buffer(tmax, hidden, num_experts);
+          },
+          nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_experts"))
+      .def(
+          "low_latency_dispatch",
+          [](PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, int tmax, int num_experts,
+             nb::handle stats, bool use_fp8, bool round_scale, bool use_ue8m0, bool async_finish,
+             bool return_recv_hook, std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            Inputs in;
+            LowLatencyDispatchArgs a;
+            a.x = arg(x, "x", in);
+            a.topk_idx = arg(topk_idx, "topk_idx", in);
+            a.topk_weights = arg(topk_weights, "topk_weights", in);
+            a.num_max_dispatch_tokens_per_rank = tmax;
+            a.num_experts = num_experts;
+            a.use_fp8 = use_fp8;
+            a.round_scale = round_scale;
+            a.use_ue8m0 = use_ue8m0;
+            a.async_finish = async_finish;
+            a.return_recv_hook = return_recv_hook;
+            a.cumulative_local_expert_recv_stats = arg(stats, "cumulative_local_expert_recv_stats", in);
+            auto st = std::make_shared<LowLatencyDispatchState>();
+            st->buffer = b.buffer;
+            if (!stats.is_none()) st->keep = make_ref(stats);
+            {
+              nb::gil_scoped_release release;
+              st->native = buf(b).low_latency_dispatch(a);
+              const LowLatencyDispatchResult& r = st->native;
+              st->x = empty_like(r.packed_recv_x);
+              st->scales = empty_like(r.packed_recv_x_scales);
+              st->count = empty_like(r.packed_recv_count);
+              st->src_info = empty_like(r.handle.src_info);
+              st->layout_range = empty_like(r.handle.layout_range);
+              if (!return_recv_hook) st->copy_out();
+            }
+            nb::object hook = nb::none();
+            if (return_recv_hook)
+              hook = nb::cast(PyRecvHook{st->native.hook, b.buffer, st, st->keep});
+            return nb::make_tuple(to_py(st->x, fw), to_py_or_none(st->scales, fw), to_py(st->count, fw),
+                                  to_py(st->src_info, fw), to_py(st->layout_range, fw), nb::cast(st->native.handle),
+                                  nb::cast(st->native.event), hook);
+          },
+          nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights").none(),
+          nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("num_experts"),
+          nb::arg("cumulative_local_expert_recv_stats").none(), nb::arg("use_fp8") = true,
+          nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("async_finish") = false,
+          nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy")
+      .def(
+          "low_latency_combine",
+          [](PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, const LowLatencyHandle& handle,
+             bool zero_copy, bool async_finish, bool return_recv_hook, nb::handle out, std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            Inputs in;
+            LowLatencyCombineArgs a;
+            a.x = arg(x, "x", in);
+            a.topk_idx = arg(topk_idx, "topk_idx", in);
+            a.topk_weights = arg(topk_weights, "topk_weights", in);
+            a.handle = &handle;
+            a.zero_copy = zero_copy;
+            a.async_finish = async_finish;
+            a.return_recv_hook = return_recv_hook;
+            a.out = arg(out, "out", in);
+            LowLatencyCombineResult r;
+            {
+              nb::gil_scoped_release release;
+              r = buf(b).low_latency_combine(a);
+            }
+            nb::object hook = nb::none();
+            if (return_recv_hook)
+              hook = nb::cast(PyRecvHook{r.hook, b.buffer, nullptr, out.is_none() ? PyRef() : make_ref(out)});
+            // With `out` the result is the caller's own array (epmoe/buffer.py returns it).
+            nb::object combined = out.is_none() ? to_py(r.combined_x, fw) : nb::none();
+            return nb::make_tuple(combined, nb::cast(r.event), hook);
+          },
+          nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"), nb::arg("handle"), nb::arg("zero_copy") = false,
+          nb::arg("async_finish") = false, nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(),
+          nb::arg("framework") = "numpy");
+}
+
+}  // namespace epmoe::py

@@ -1,0 +1,77 @@
+// Shared pieces of the epmoe._ext bindings: tensors in and out, the GIL, the wrapped objects.
+//
+// Tensors cross as DLPack / buffer-protocol arrays (nanobind's ndarray). NumPy has no bfloat16 or fp8
+// of its own: the Python layer (epmoe/_tensor.py) hands ml_dtypes arrays over as a tuple
+// (uint16/uint8 view, dtype name), and outputs of those dtypes come back as uint views re-viewed as
+// ml_dtypes.bfloat16 / ml_dtypes.float8_e4m3fn, so the user only ever sees ml_dtypes arrays.
+// Frameworks with the dtypes built in (PyTorch) pass their tensors directly.
+#pragma once
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/tensor.hpp>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace epmoe::py {
+
+namespace nb = nanobind;
+
+/// Which array type outputs are made as: NumPy (+ ml_dtypes) or PyTorch (via DLPack).
+enum class Framework { numpy, torch };
+/// "numpy" or "torch"; anything else is invalid_argument naming 'framework'.
+Framework parse_framework(std::string_view name);
+
+/// Keeps the converted arrays of one call alive while the call's TensorViews are in use.
+struct Inputs {
+  std::vector<nb::ndarray<nb::ro>> arrays;
+};
+
+/// A tensor argument: None (an empty view), an array-like, or (array-like, dtype name) from the Python
+/// layer. Errors (invalid_argument naming `name`): not an array, an unsupported dtype (float64,
+/// uint16, ... name it), more than 4 dimensions, an unsupported device, a tag whose element size
+/// differs from the array's.
+TensorView arg(nb::handle obj, const char* name, Inputs& keep);
+
+/// A Tensor owning its data that aliases a Python array (the array stays referenced as long as the
+/// Tensor's storage lives; the reference is dropped under the GIL).
+Tensor tensor_from_py(nb::handle obj, const char* name);
+
+/// A new Python array sharing `t`'s storage (no copy).
+nb::object to_py(const Tensor& t, Framework fw);
+/// A new Python array over `v`'s memory, kept alive by `owner` (no copy).
+nb::object view_to_py(const TensorView& v, nb::handle owner, Framework fw);
+/// None when `t` is undefined, else to_py(t, fw).
+nb::object to_py_or_none(const Tensor& t, Framework fw);
+
+/// Python-side Group: a shared_ptr to the C++ group.
+struct PyGroup {
+  std::shared_ptr<Group> group;
+};
+
+/// Python-side Buffer: a shared_ptr so hooks and layers can keep it alive.
+struct PyBuffer {
+  std::shared_ptr<Buffer> buffer;
+};
+
+/// Deleter that drops a Python reference under the GIL (for keep-alives held by C++ objects that may
+/// be destroyed on threads without it).
+struct GilDecref {
+  void operator()(nb::object* p) const;
+};
+using PyRef = std::shared_ptr<nb::object>;
+PyRef make_ref(nb::handle obj);
+
+void bind_errors(nb::module_& m);
+void bind_group(nb::module_& m);
+void bind_buffer(nb::module_& m);
+void bind_ops(nb::module_& m);
+void bind_moe(nb::module_& m);
+
+}  // namespace epmoe::py

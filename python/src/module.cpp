@@ -1,0 +1,166 @@
+// epmoe._ext: the module, its exception type, groups and thread ranks.
+#include "ext.hpp"
+
+#include <epmoe/error.hpp>
+#include <epmoe/timeout.hpp>
+#include <epmoe/version.hpp>
+
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace epmoe::py {
+
+namespace {
+PyObject* g_error_type = nullptr;
+}
+
+void bind_errors(nb::module_& m) {
+  // epmoe.Error: a RuntimeError whose message is the C++ one ("epmoe: invalid argument 'x': expected ...,
+  // got ...") and whose `code` attribute names the ErrorCode ("invalid_argument", "timeout", ...).
+  g_error_type = PyErr_NewExceptionWithDoc(
+      "epmoe.Error",
+      "Every failure epmoe reports. str(e) is the C++ message (for bad arguments it names the argument, what "
+      "was expected and what came); e.code is one of 'invalid_argument', 'rank_mismatch', 'timeout', "
+      "'stale_handle', 'unusable', 'out_of_memory', 'unsupported', 'internal'.",
+      PyExc_RuntimeError, nullptr);
+  m.attr("Error") = nb::handle(g_error_type);
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void*) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const Error& e) {
+          PyObject* inst = PyObject_CallFunction(g_error_type, "s", e.what());
+          if (inst == nullptr) return;  // the call's own exception stands
+          const std::string_view code = error_code_name(e.code());
+          PyObject* code_str = PyUnicode_FromStringAndSize(code.data(), static_cast<Py_ssize_t>(code.size()));
+          if (code_str != nullptr) {
+            PyObject_SetAttrString(inst, "code", code_str);
+            Py_DECREF(code_str);
+          }
+          PyErr_SetObject(g_error_type, inst);
+          Py_DECREF(inst);
+        }
+      });
+}
+
+void bind_group(nb::module_& m) {
+  nb::class_<PyGroup>(m, "Group",
+                      "The ranks of one expert-parallel group (epmoe::Group): rank(), size() and small collectives. "
+                      "Made by run_thread_ranks (threads backend); later also from a torch ProcessGroup.")
+      .def("rank", [](const PyGroup& g) { return g.group->rank(); })
+      .def("size", [](const PyGroup& g) { return g.group->size(); })
+      .def_prop_ro("backend", [](const PyGroup& g) { return std::string(g.group->backend()); })
+      .def_prop_rw(
+          "timeout_s", [](const PyGroup& g) { return g.group->timeout_s(); },
+          [](PyGroup& g, double s) {
+            if (!(s > 0)) throw_invalid_argument("timeout_s", "> 0", fmt::format("{}", s));
+            g.group->set_timeout_s(s);
+          })
+      .def(
+          "barrier",
+          [](PyGroup& g, const std::string& phase) {
+            nb::gil_scoped_release release;
+            g.group->barrier(phase);
+          },
+          nb::arg("phase") = "python barrier")
+      .def(
+          "all_gather_bytes",
+          [](PyGroup& g, nb::bytes data, const std::string& phase) {
+            // Every rank must pass the same length (the group's all_gather is fixed-size): exchange lengths first.
+            const std::int64_t n = static_cast<std::int64_t>(data.size());
+            const int R = g.group->size();
+            std::vector<std::int64_t> sizes(static_cast<size_t>(R));
+            std::string mine(data.c_str(), data.size());
+            std::vector<char> all;
+            {
+              nb::gil_scoped_release release;
+              g.group->all_gather(&n, sizes.data(), sizeof(n), phase);
+              std::int64_t longest = 0;
+              for (auto s : sizes) longest = std::max(longest, s);
+              mine.resize(static_cast<size_t>(longest));
+              all.resize(static_cast<size_t>(longest) * static_cast<size_t>(R));
+              g.group->all_gather(mine.data(), all.data(), static_cast<size_t>(longest), phase);
+            }
+            nb::list out;
+            const size_t stride = R > 0 ? all.size() / static_cast<size_t>(R) : 0;
+            for (int r = 0; r < R; ++r)
+              out.append(nb::bytes(all.data() + static_cast<size_t>(r) * stride,
+                                   static_cast<size_t>(sizes[static_cast<size_t>(r)])));
+            return out;
+          },
+          nb::arg("data"), nb::arg("phase") = "python all_gather_bytes")
+      .def("__repr__", [](const PyGroup& g) {
+        return fmt::format("epmoe.Group(backend='{}', rank={}, size={})", g.group->backend(), g.group->rank(),
+                           g.group->size());
+      });
+
+  m.def(
+      "run_thread_ranks",
+      [](int num_ranks, nb::callable fn, std::optional<double> timeout_s) {
+        if (num_ranks < 1) throw_invalid_argument("num_ranks", ">= 1", fmt::format("{}", num_ranks));
+        if (timeout_s && !(*timeout_s > 0))
+          throw_invalid_argument("timeout_s", "> 0 or None", fmt::format("{}", *timeout_s));
+        ThreadWorld world(num_ranks);
+        std::vector<std::exception_ptr> errors(static_cast<size_t>(num_ranks));
+        std::vector<nb::object> results(static_cast<size_t>(num_ranks));
+        {
+          // The ranks take the GIL only while they run Python code; every collective releases it.
+          nb::gil_scoped_release release;
+          std::vector<std::thread> threads;
+          threads.reserve(static_cast<size_t>(num_ranks));
+          for (int r = 0; r < num_ranks; ++r) {
+            threads.emplace_back([&, r] {
+              try {
+                PyGroup g{world.group(r)};
+                if (timeout_s) g.group->set_timeout_s(*timeout_s);
+                nb::gil_scoped_acquire gil;
+                try {
+                  results[static_cast<size_t>(r)] = fn(g);
+                } catch (...) {
+                  errors[static_cast<size_t>(r)] = std::current_exception();
+                }
+              } catch (...) {
+                errors[static_cast<size_t>(r)] = std::current_exception();
+              }
+            });
+          }
+          for (auto& t : threads) t.join();
+        }
+        for (auto& e : errors)
+          if (e) std::rethrow_exception(e);  // the lowest failing rank's exception
+        nb::list out;
+        for (auto& r : results) out.append(r);
+        return out;
+      },
+      nb::arg("num_ranks"), nb::arg("fn"), nb::arg("timeout_s") = nb::none());
+
+  m.def("default_timeout_s", &default_timeout_s);
+}
+
+}  // namespace epmoe::py
+
+NB_MODULE(_ext, m) {
+  namespace py = epmoe::py;
+  m.doc() = "epmoe's C++ core (nanobind). Use the `epmoe` package; this module is its implementation.";
+  m.def("version", [] { return std::string(epmoe::version()); });
+  m.def("built_with_cuda", &epmoe::built_with_cuda);
+  m.def("cuda_device_count", &epmoe::cuda_device_count);
+  m.attr("has_mpi") =
+#if defined(EPMOE_HAVE_MPI)
+      true;
+#else
+      false;
+#endif
+  py::bind_errors(m);
+  py::bind_group(m);
+  py::bind_buffer(m);
+  py::bind_ops(m);
+  py::bind_moe(m);
+}

@@ -1,0 +1,204 @@
+// epmoe._ext: the modular MoE layer (SPEC 7, 8): experts, prepare/finalize, MoELayer.
+#include "ext.hpp"
+
+#include <epmoe/error.hpp>
+#include <epmoe/experts.hpp>
+#include <epmoe/moe.hpp>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace epmoe::py {
+
+namespace {
+
+struct PyExperts {
+  std::shared_ptr<Experts> experts;
+};
+struct PyPrepareFinalize {
+  std::shared_ptr<PrepareFinalize> pf;
+  int num_ranks = 1;
+};
+struct PyWorkspaces {
+  std::shared_ptr<WorkspaceCache> cache;
+};
+struct PyMoELayer {
+  std::unique_ptr<MoELayer> layer;
+  int num_ranks = 1;
+  bool has_shared = false;
+};
+
+ActivationFormat parse_format(std::string_view s) {
+  if (s == "standard") return ActivationFormat::standard;
+  if (s == "batched_experts") return ActivationFormat::batched_experts;
+  throw_invalid_argument("activation_format", "'standard' or 'batched_experts'", fmt::format("'{}'", s));
+}
+
+PrepareFinalizeOptions pf_options(std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+  PrepareFinalizeOptions o;
+  if (dispatch_dtype == "bfloat16") {
+    o.dispatch_dtype = DispatchDtype::bf16;
+  } else if (dispatch_dtype == "float8_e4m3fn") {
+    o.dispatch_dtype = DispatchDtype::fp8;
+  } else {
+    throw_invalid_argument("dispatch_dtype", "'bfloat16' or 'float8_e4m3fn'", fmt::format("'{}'", dispatch_dtype));
+  }
+  o.round_scale = round_scale;
+  o.use_ue8m0 = use_ue8m0;
+  return o;
+}
+
+// A contiguous copy of `v` (any strides), so Python code never holds a view into C++ scratch memory.
+Tensor clone(const TensorView& v) {
+  Tensor t = Tensor::empty(v.dtype, v.shape);
+  if (v.is_contiguous()) {
+    if (v.nbytes()) std::memcpy(t.data(), v.data, v.nbytes());
+    return t;
+  }
+  const std::size_t es = dtype_size(v.dtype);
+  const int n = v.ndim();
+  std::int64_t idx[Shape::kMaxDims] = {};
+  auto* out = static_cast<std::byte*>(t.data());
+  for (std::int64_t o = 0; o < v.numel(); ++o) {
+    std::int64_t off = 0;
+    for (int d = 0; d < n; ++d) off += idx[d] * v.stride(d);
+    std::memcpy(out + static_cast<std::size_t>(o) * es, static_cast<const std::byte*>(v.data) + off * es, es);
+    for (int d = n - 1; d >= 0 && ++idx[d] == v.size(d); --d) idx[d] = 0;
+  }
+  return t;
+}
+
+std::shared_ptr<Experts> make_experts(bool reference, std::string_view format, bool reduce) {
+  ExpertsConfig c;
+  c.format = parse_format(format);
+  c.reduce = reduce;
+  if (reference) return std::shared_ptr<Experts>(make_reference_experts(c));
+  return std::shared_ptr<Experts>(make_blas_experts(c));
+}
+
+}  // namespace
+
+void bind_moe(nb::module_& m) {
+  nb::class_<PyExperts>(m, "Experts", "Expert MLPs (SPEC 7): 'reference' (float64) or 'blas' (OpenBLAS).")
+      .def_prop_ro("name", [](const PyExperts& e) { return std::string(e.experts->name()); })
+      .def_prop_ro("activation_format",
+                   [](const PyExperts& e) {
+                     return std::string(activation_format_name(e.experts->activation_format()));
+                   })
+      .def_prop_ro("weight_and_reduce", [](const PyExperts& e) {
+        return std::string(weight_and_reduce_name(e.experts->weight_and_reduce()));
+      });
+  m.def(
+      "make_reference_experts",
+      [](std::string_view format, bool reduce) { return PyExperts{make_experts(true, format, reduce)}; },
+      nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
+  m.def(
+      "make_blas_experts",
+      [](std::string_view format, bool reduce) { return PyExperts{make_experts(false, format, reduce)}; },
+      nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
+
+  nb::class_<PyPrepareFinalize>(m, "PrepareFinalize", "Quantize + dispatch and combine behind one interface (SPEC 8).")
+      .def_prop_ro("name", [](const PyPrepareFinalize& p) { return std::string(p.pf->name()); })
+      .def_prop_ro("activation_format",
+                   [](const PyPrepareFinalize& p) {
+                     return std::string(activation_format_name(p.pf->activation_format()));
+                   })
+      .def_prop_ro("stage", [](const PyPrepareFinalize& p) { return std::string(stage_name(p.pf->stage())); })
+      .def_ro("num_ranks", &PyPrepareFinalize::num_ranks);
+  m.def(
+      "make_no_ep_prepare_finalize",
+      [](std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+        return PyPrepareFinalize{make_no_ep_prepare_finalize(pf_options(dispatch_dtype, round_scale, use_ue8m0)), 1};
+      },
+      nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false);
+  m.def(
+      "make_normal_prepare_finalize",
+      [](PyBuffer& b, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+        if (!b.buffer) throw Error(ErrorCode::unusable, "epmoe: this Buffer was destroyed (Buffer.destroy())");
+        return PyPrepareFinalize{
+            make_normal_prepare_finalize(b.buffer, pf_options(dispatch_dtype, round_scale, use_ue8m0)),
+            b.buffer->num_ranks()};
+      },
+      nb::arg("buffer"), nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false,
+      nb::arg("use_ue8m0") = false);
+  m.def(
+      "make_low_latency_prepare_finalize",
+      [](PyBuffer& b, int tmax, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+        if (!b.buffer) throw Error(ErrorCode::unusable, "epmoe: this Buffer was destroyed (Buffer.destroy())");
+        return PyPrepareFinalize{make_low_latency_prepare_finalize(
+                                     b.buffer, tmax, pf_options(dispatch_dtype, round_scale, use_ue8m0)),
+                                 b.buffer->num_ranks()};
+      },
+      nb::arg("buffer"), nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("dispatch_dtype") = "bfloat16",
+      nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false);
+
+  nb::class_<PyWorkspaces>(m, "WorkspaceCache", "Workspaces shared by the layers of a model (one set per micro-batch).")
+      .def("__init__", [](PyWorkspaces* self) { new (self) PyWorkspaces{std::make_shared<WorkspaceCache>()}; })
+      .def("bytes", [](const PyWorkspaces& w) { return w.cache->bytes(); });
+
+  nb::class_<PyMoELayer>(m, "MoELayer", "The modular MoE layer (use epmoe.MoELayer).")
+      .def(
+          "__init__",
+          [](PyMoELayer* self, PyPrepareFinalize& pf, PyExperts& experts, nb::handle shared_experts,
+             std::int64_t chunk_size, int micro_batch, PyWorkspaces* workspaces, std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            SharedExperts shared;
+            if (!shared_experts.is_none()) {
+              // Runs on the layer's side thread: takes the GIL, hands Python a copy of the hidden states.
+              shared = [fn = make_ref(shared_experts), fw](const TensorView& hidden) -> Tensor {
+                Tensor copy = clone(hidden);
+                nb::gil_scoped_acquire gil;
+                nb::object result = (*fn)(to_py(copy, fw));
+                return tensor_from_py(result, "shared_experts(hidden)");
+              };
+            }
+            MoELayerOptions o;
+            o.chunk_size = chunk_size;
+            o.micro_batch = micro_batch;
+            if (workspaces) o.workspaces = workspaces->cache;
+            new (self) PyMoELayer{std::make_unique<MoELayer>(pf.pf, experts.experts, std::move(shared), std::move(o)),
+                                  pf.num_ranks, !shared_experts.is_none()};
+          },
+          nb::arg("prepare_finalize"), nb::arg("experts"), nb::arg("shared_experts").none() = nb::none(),
+          nb::arg("chunk_size") = 0, nb::arg("micro_batch") = 0, nb::arg("workspaces").none() = nb::none(),
+          nb::arg("framework") = "numpy")
+      .def(
+          "forward",
+          [](PyMoELayer& l, nb::handle hidden, nb::handle w1, nb::handle w2, nb::handle topk_weights,
+             nb::handle topk_idx, std::string_view activation, int global_num_experts, nb::handle expert_map,
+             bool apply_router_weight_on_input, std::string_view framework) {
+            const Framework fw = parse_framework(framework);
+            Inputs in;
+            MoEForwardArgs a;
+            a.hidden = arg(hidden, "hidden", in);
+            a.w1 = arg(w1, "w1", in);
+            a.w2 = arg(w2, "w2", in);
+            a.topk_weights = arg(topk_weights, "topk_weights", in);
+            a.topk_idx = arg(topk_idx, "topk_idx", in);
+            a.activation = parse_activation(activation);
+            a.global_num_experts = global_num_experts;
+            a.expert_map = arg(expert_map, "expert_map", in);
+            a.apply_router_weight_on_input = apply_router_weight_on_input;
+            MoEForwardResult r;
+            {
+              nb::gil_scoped_release release;
+              r = l.layer->forward(a);
+            }
+            return nb::make_tuple(to_py(r.output, fw), to_py_or_none(r.shared_output, fw));
+          },
+          nb::arg("hidden"), nb::arg("w1"), nb::arg("w2"), nb::arg("topk_weights"), nb::arg("topk_idx"),
+          nb::arg("activation") = "silu", nb::arg("global_num_experts") = 0,
+          nb::arg("expert_map").none() = nb::none(), nb::arg("apply_router_weight_on_input") = false,
+          nb::arg("framework") = "numpy")
+      .def_ro("num_ranks", &PyMoELayer::num_ranks)
+      .def_ro("has_shared_experts", &PyMoELayer::has_shared)
+      .def_prop_ro("last_chunk_rows", [](const PyMoELayer& l) { return l.layer->last_chunk_rows(); })
+      .def_prop_ro("stage", [](PyMoELayer& l) { return std::string(stage_name(l.layer->prepare_finalize().stage())); });
+}
+
+}  // namespace epmoe::py

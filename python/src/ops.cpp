@@ -1,0 +1,130 @@
+// epmoe._ext: router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6).
+#include "ext.hpp"
+
+#include <epmoe/error.hpp>
+#include <epmoe/layout.hpp>
+#include <epmoe/quant.hpp>
+#include <epmoe/router.hpp>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+
+#include <fmt/format.h>
+
+namespace epmoe::py {
+
+namespace {
+
+template <class F>
+nb::tuple run_topk(nb::handle logits, std::string_view framework, F&& f) {
+  const Framework fw = parse_framework(framework);
+  Inputs in;
+  const TensorView l = arg(logits, "logits", in);
+  TopkResult r;
+  {
+    nb::gil_scoped_release release;
+    r = f(l, in);
+  }
+  return nb::make_tuple(to_py(r.topk_weights, fw), to_py(r.topk_idx, fw));
+}
+
+DType out_dtype_of(std::string_view name) {
+  if (name == "bfloat16") return DType::bf16;
+  if (name == "float32") return DType::fp32;
+  throw_invalid_argument("out_dtype", "'bfloat16' or 'float32'", fmt::format("'{}'", name));
+}
+
+}  // namespace
+
+void bind_ops(nb::module_& m) {
+  m.def(
+      "topk_softmax",
+      [](nb::handle logits, int num_topk, bool renormalize, std::string_view framework) {
+        return run_topk(logits, framework,
+                        [&](const TensorView& l, Inputs&) { return topk_softmax(l, num_topk, renormalize); });
+      },
+      nb::arg("logits"), nb::arg("num_topk"), nb::arg("renormalize") = false, nb::arg("framework") = "numpy");
+  m.def(
+      "topk_sigmoid",
+      [](nb::handle logits, int num_topk, bool renormalize, std::string_view framework) {
+        return run_topk(logits, framework,
+                        [&](const TensorView& l, Inputs&) { return topk_sigmoid(l, num_topk, renormalize); });
+      },
+      nb::arg("logits"), nb::arg("num_topk"), nb::arg("renormalize") = false, nb::arg("framework") = "numpy");
+  m.def(
+      "grouped_topk",
+      [](nb::handle logits, int num_topk, int num_expert_group, int topk_group, std::string_view scoring_func,
+         bool renormalize, float routed_scaling_factor, nb::handle bias, std::string_view framework) {
+        GroupedTopkOptions o;
+        o.num_topk = num_topk;
+        o.num_expert_group = num_expert_group;
+        o.topk_group = topk_group;
+        if (scoring_func == "softmax") {
+          o.scoring = ScoringFunc::softmax;
+        } else if (scoring_func == "sigmoid") {
+          o.scoring = ScoringFunc::sigmoid;
+        } else {
+          throw_invalid_argument("scoring_func", "'softmax' or 'sigmoid'", fmt::format("'{}'", scoring_func));
+        }
+        o.renormalize = renormalize;
+        o.routed_scaling_factor = routed_scaling_factor;
+        Inputs keep;
+        o.e_score_correction_bias = arg(bias, "e_score_correction_bias", keep);
+        return run_topk(logits, framework, [&](const TensorView& l, Inputs&) { return grouped_topk(l, o); });
+      },
+      nb::arg("logits"), nb::arg("num_topk"), nb::arg("num_expert_group"), nb::arg("topk_group"),
+      nb::arg("scoring_func") = "softmax", nb::arg("renormalize") = true, nb::arg("routed_scaling_factor") = 1.0f,
+      nb::arg("e_score_correction_bias").none() = nb::none(), nb::arg("framework") = "numpy");
+
+  m.def(
+      "get_dispatch_layout",
+      [](nb::handle topk_idx, int num_experts, int num_ranks, std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        Inputs in;
+        const TensorView idx = arg(topk_idx, "topk_idx", in);
+        DispatchLayout l;
+        {
+          nb::gil_scoped_release release;
+          l = get_dispatch_layout(idx, num_experts, num_ranks);
+        }
+        return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
+                              to_py(l.is_token_in_rank, fw));
+      },
+      nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("framework") = "numpy");
+
+  m.def(
+      "quantize_fp8",
+      [](nb::handle x, bool round_scale, bool use_ue8m0, std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        Inputs in;
+        const TensorView v = arg(x, "x", in);
+        Fp8Tensor r;
+        {
+          nb::gil_scoped_release release;
+          r = quantize_fp8(v, Fp8Options{round_scale, use_ue8m0});
+        }
+        return nb::make_tuple(to_py(r.data, fw), to_py(r.scales, fw));
+      },
+      nb::arg("x"), nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("framework") = "numpy");
+  m.def(
+      "dequantize_fp8",
+      [](nb::handle q, nb::handle scales, std::string_view out_dtype, std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        const DType od = out_dtype_of(out_dtype);
+        Inputs in;
+        const TensorView qv = arg(q, "q", in);
+        const TensorView sv = arg(scales, "scales", in);
+        Tensor r;
+        {
+          nb::gil_scoped_release release;
+          r = dequantize_fp8(qv, sv, od);
+        }
+        return to_py(r, fw);
+      },
+      nb::arg("q"), nb::arg("scales"), nb::arg("out_dtype") = "bfloat16", nb::arg("framework") = "numpy");
+  m.def("fp8_group_scale", &fp8_group_scale, nb::arg("amax"), nb::arg("round_scale") = false);
+  m.def("ue8m0_from_scale", &ue8m0_from_scale, nb::arg("pow2_scale"));
+  m.def("ue8m0_to_scale", &ue8m0_to_scale, nb::arg("byte"));
+}
+
+}  // namespace epmoe::py

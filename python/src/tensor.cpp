@@ -1,0 +1,245 @@
+// Tensors across the Python boundary (see ext.hpp).
+#include "ext.hpp"
+
+#include <epmoe/error.hpp>
+
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <optional>
+
+#include <fmt/format.h>
+
+namespace epmoe::py {
+
+namespace {
+
+namespace dl = nb::dlpack;
+
+constexpr int kDLCPU = 1, kDLCUDA = 2;
+
+std::string dlpack_dtype_name(dl::dtype d) {
+  std::string base;
+  switch (static_cast<dl::dtype_code>(d.code)) {
+    case dl::dtype_code::Int: base = "int"; break;
+    case dl::dtype_code::UInt: base = "uint"; break;
+    case dl::dtype_code::Float: base = "float"; break;
+    case dl::dtype_code::Bfloat: base = "bfloat"; break;
+    case dl::dtype_code::Complex: base = "complex"; break;
+    case dl::dtype_code::Bool: return "bool";
+    case dl::dtype_code::Float8_E4M3FN: return "float8_e4m3fn";
+    case dl::dtype_code::Float8_E5M2: return "float8_e5m2";
+    default: base = fmt::format("dlpack_code{}_", static_cast<int>(d.code)); break;
+  }
+  std::string s = fmt::format("{}{}", base, d.bits);
+  if (d.lanes != 1) s += fmt::format("x{}", d.lanes);
+  return s;
+}
+
+std::optional<DType> dtype_from_dlpack(dl::dtype d) {
+  if (d.lanes != 1) return std::nullopt;
+  switch (static_cast<dl::dtype_code>(d.code)) {
+    case dl::dtype_code::Int:
+      if (d.bits == 8) return DType::int8;
+      if (d.bits == 16) return DType::int16;
+      if (d.bits == 32) return DType::int32;
+      if (d.bits == 64) return DType::int64;
+      break;
+    case dl::dtype_code::Float:
+      if (d.bits == 16) return DType::fp16;
+      if (d.bits == 32) return DType::fp32;
+      break;
+    case dl::dtype_code::Bfloat:
+      if (d.bits == 16) return DType::bf16;
+      break;
+    case dl::dtype_code::Float8_E4M3FN:
+      if (d.bits == 8) return DType::fp8_e4m3;
+      break;
+    case dl::dtype_code::Bool:
+      if (d.bits == 8) return DType::boolean;
+      break;
+    default: break;
+  }
+  return std::nullopt;
+}
+
+std::optional<DType> dtype_from_name(std::string_view name) {
+  for (DType t : {DType::bf16, DType::fp16, DType::fp32, DType::fp8_e4m3, DType::int8, DType::int16, DType::int32,
+                  DType::int64, DType::boolean})
+    if (dtype_name(t) == name) return t;
+  return std::nullopt;
+}
+
+// What a DType travels as: the real DLPack type (PyTorch), or for NumPy the unsigned integer of the
+// same width when NumPy lacks the type (re-viewed as ml_dtypes afterwards).
+dl::dtype dlpack_of(DType t, Framework fw) {
+  const auto code = [](dl::dtype_code c, int bits) {
+    return dl::dtype{static_cast<std::uint8_t>(c), static_cast<std::uint8_t>(bits), 1};
+  };
+  switch (t) {
+    case DType::bf16: return fw == Framework::torch ? code(dl::dtype_code::Bfloat, 16) : code(dl::dtype_code::UInt, 16);
+    case DType::fp8_e4m3:
+      return fw == Framework::torch ? code(dl::dtype_code::Float8_E4M3FN, 8) : code(dl::dtype_code::UInt, 8);
+    case DType::fp16: return code(dl::dtype_code::Float, 16);
+    case DType::fp32: return code(dl::dtype_code::Float, 32);
+    case DType::int8: return code(dl::dtype_code::Int, 8);
+    case DType::int16: return code(dl::dtype_code::Int, 16);
+    case DType::int32: return code(dl::dtype_code::Int, 32);
+    case DType::int64: return code(dl::dtype_code::Int, 64);
+    case DType::boolean: return code(dl::dtype_code::Bool, 8);
+  }
+  return code(dl::dtype_code::UInt, 8);
+}
+
+// ml_dtypes' scalar types, looked up once; the references are deliberately never released so they
+// outlive every array at interpreter shutdown.
+nb::handle ml_dtype(DType t) {
+  static nb::handle bf16 = nb::object(nb::module_::import_("ml_dtypes").attr("bfloat16")).release();
+  static nb::handle fp8 = nb::object(nb::module_::import_("ml_dtypes").attr("float8_e4m3fn")).release();
+  return t == DType::bf16 ? bf16 : fp8;
+}
+
+Shape make_shape(const std::int64_t* v, int n) {
+  switch (n) {
+    case 0: return Shape{};
+    case 1: return Shape{v[0]};
+    case 2: return Shape{v[0], v[1]};
+    case 3: return Shape{v[0], v[1], v[2]};
+    default: return Shape{v[0], v[1], v[2], v[3]};
+  }
+}
+
+std::string describe_array(const nb::ndarray<nb::ro>& a) {
+  std::string dims;
+  for (size_t i = 0; i < a.ndim(); ++i) dims += fmt::format("{}{}", i ? ", " : "", a.shape(i));
+  return fmt::format("{}[{}]", dlpack_dtype_name(a.dtype()), dims);
+}
+
+constexpr const char* kSupported =
+    "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64 or bool";
+
+}  // namespace
+
+Framework parse_framework(std::string_view name) {
+  if (name == "numpy") return Framework::numpy;
+  if (name == "torch") return Framework::torch;
+  throw_invalid_argument("framework", "'numpy' or 'torch'", fmt::format("'{}'", name));
+}
+
+void GilDecref::operator()(nb::object* p) const {
+  if (!Py_IsInitialized()) {
+    // The interpreter is gone: the reference cannot be dropped any more (and need not be).
+    (void)p->release();
+    delete p;
+    return;
+  }
+  nb::gil_scoped_acquire gil;
+  delete p;
+}
+
+PyRef make_ref(nb::handle obj) { return PyRef(new nb::object(nb::borrow(obj)), GilDecref{}); }
+
+TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
+  if (!obj.is_valid() || obj.is_none()) return {};
+  nb::handle array = obj;
+  std::optional<DType> tag;
+  if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) == 2 && nb::isinstance<nb::str>(obj[1])) {
+    const std::string tag_name = nb::cast<std::string>(obj[1]);
+    tag = dtype_from_name(tag_name);
+    if (!tag) throw_invalid_argument(name, kSupported, fmt::format("dtype tag '{}'", tag_name));
+    array = nb::borrow(obj[0]);
+  }
+  nb::ndarray<nb::ro> a;
+  if (!nb::try_cast(array, a, /*convert=*/false))
+    throw_invalid_argument(name, "an array (NumPy with ml_dtypes, or a DLPack tensor)",
+                           fmt::format("an object of type {}", nb::type_name(array.type()).c_str()));
+  DType dtype;
+  if (tag) {
+    // The Python layer passes ml_dtypes arrays as same-width integer views.
+    const dl::dtype d = a.dtype();
+    const bool integer_view = (d.code == static_cast<std::uint8_t>(dl::dtype_code::UInt) ||
+                               d.code == static_cast<std::uint8_t>(dl::dtype_code::Int)) && d.lanes == 1;
+    if (!integer_view || d.bits / 8 != dtype_size(*tag))
+      throw_invalid_argument(name, fmt::format("a {}-byte integer view for dtype tag '{}'", dtype_size(*tag),
+                                               dtype_name(*tag)),
+                             describe_array(a));
+    dtype = *tag;
+  } else {
+    const std::optional<DType> d = dtype_from_dlpack(a.dtype());
+    if (!d) throw_invalid_argument(name, kSupported, describe_array(a));
+    dtype = *d;
+  }
+  if (a.ndim() > static_cast<size_t>(Shape::kMaxDims))
+    throw_invalid_argument(name, fmt::format("at most {} dimensions", Shape::kMaxDims), describe_array(a));
+  Device device;
+  if (a.device_type() == kDLCPU) {
+    device = Device::cpu();
+  } else if (a.device_type() == kDLCUDA) {
+    device = Device::cuda(a.device_id());
+  } else {
+    throw_invalid_argument(name, "a CPU or CUDA tensor", fmt::format("DLPack device type {}", a.device_type()));
+  }
+  const int n = static_cast<int>(a.ndim());
+  std::int64_t shape[Shape::kMaxDims] = {}, strides[Shape::kMaxDims] = {};
+  for (int i = 0; i < n; ++i) {
+    shape[i] = static_cast<std::int64_t>(a.shape(static_cast<size_t>(i)));
+    strides[i] = a.stride(static_cast<size_t>(i));
+  }
+  const Shape dims = make_shape(shape, n);
+  // An empty array's strides carry no information (DLPack exporters may report 0): call it contiguous.
+  const Shape steps = dims.numel() == 0 ? dims.contiguous_strides() : make_shape(strides, n);
+  TensorView v(const_cast<void*>(a.data()), dtype, dims, steps, device);
+  keep.arrays.push_back(std::move(a));
+  return v;
+}
+
+Tensor tensor_from_py(nb::handle obj, const char* name) {
+  auto keep = std::make_shared<Inputs>();
+  const TensorView v = arg(obj, name, *keep);
+  // Hold the Python array (through its ndarray handles) until the Tensor's storage is released.
+  auto holder = std::shared_ptr<void>(new PyRef(make_ref(obj)), [keep](void* p) mutable {
+    auto* ref = static_cast<PyRef*>(p);
+    if (Py_IsInitialized()) {
+      nb::gil_scoped_acquire gil;
+      keep.reset();
+      delete ref;
+    } else {
+      delete ref;
+    }
+  });
+  return Tensor::wrap(v, std::move(holder));
+}
+
+nb::object view_to_py(const TensorView& v, nb::handle owner, Framework fw) {
+  const int n = v.ndim();
+  size_t shape[Shape::kMaxDims] = {};
+  std::int64_t strides[Shape::kMaxDims] = {};
+  for (int i = 0; i < n; ++i) {
+    shape[i] = static_cast<size_t>(v.size(i));
+    strides[i] = v.stride(i);
+  }
+  const dl::dtype dt = dlpack_of(v.dtype, fw);
+  const int device_type = v.device.is_cuda() ? kDLCUDA : kDLCPU;
+  if (fw == Framework::torch) {
+    nb::ndarray<nb::pytorch> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type,
+                               v.device.index);
+    return nb::cast(a, nb::rv_policy::reference);
+  }
+  if (v.device.is_cuda())
+    throw Error(ErrorCode::unsupported,
+                "epmoe: a CUDA tensor cannot be returned as a NumPy array (pass torch tensors for the GPU path)");
+  nb::ndarray<nb::numpy> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type, 0);
+  nb::object out = nb::cast(a, nb::rv_policy::reference);
+  if (v.dtype == DType::bf16 || v.dtype == DType::fp8_e4m3) out = out.attr("view")(ml_dtype(v.dtype));
+  return out;
+}
+
+nb::object to_py(const Tensor& t, Framework fw) {
+  auto* copy = new Tensor(t);
+  nb::capsule owner(copy, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  return view_to_py(t.view(), owner, fw);
+}
+
+nb::object to_py_or_none(const Tensor& t, Framework fw) { return t.defined() ? to_py(t, fw) : nb::none(); }
+
+}  // namespace epmoe::py

@@ -1,0 +1,194 @@
+"""The DeepEP-compatible surface, epmoe.Error, groups and thread ranks."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import epmoe
+from conftest import BF16, TIMEOUT_S, nice_bf16, random_topk_idx
+
+# DeepEP V1 (deep_ep/buffer.py at commit 567632d): parameter names in order, with defaults
+# (a bare name has none). An engine that calls deep_ep.Buffer positionally or by keyword must work.
+DEEPEP_V1 = {
+    "__init__": ["group", ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
+                 ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+                 ("use_fabric", False), ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None)],
+    "get_dispatch_layout": ["topk_idx", "num_experts", ("previous_event", None), ("async_finish", False),
+                            ("allocate_on_comm_stream", False)],
+    "dispatch": ["x", ("handle", None), ("num_tokens_per_rank", None), ("num_tokens_per_rdma_rank", None),
+                 ("is_token_in_rank", None), ("num_tokens_per_expert", None), ("topk_idx", None),
+                 ("topk_weights", None), ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None),
+                 ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "combine": ["x", "handle", ("topk_weights", None), ("bias", None), ("config", None), ("previous_event", None),
+                ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "clean_low_latency_buffer": ["num_max_dispatch_tokens_per_rank", "hidden", "num_experts"],
+    "low_latency_dispatch": ["x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+                             ("cumulative_local_expert_recv_stats", None), ("dispatch_wait_recv_cost_stats", None),
+                             ("use_fp8", True), ("round_scale", False), ("use_ue8m0", False), ("async_finish", False),
+                             ("return_recv_hook", False)],
+    "low_latency_combine": ["x", "topk_idx", "topk_weights", "handle", ("use_logfmt", False), ("zero_copy", False),
+                            ("async_finish", False), ("return_recv_hook", False), ("out", None),
+                            ("combine_wait_recv_cost_stats", None)],
+    "get_next_low_latency_combine_buffer": ["handle"],
+    "get_low_latency_rdma_size_hint": ["num_max_dispatch_tokens_per_rank", "hidden", "num_ranks", "num_experts"],
+    "get_dispatch_config": ["num_ranks"],
+    "get_combine_config": ["num_ranks"],
+    "set_num_sms": ["new_num_sms"],
+    "capture": [],
+    "destroy": [],
+    "is_sm90_compiled": [],
+    "get_comm_stream": [],
+    "get_local_buffer_tensor": ["dtype", ("size", None), ("offset", 0), ("use_rdma_buffer", False)],
+    "low_latency_update_mask_buffer": ["rank_to_mask", ("mask", False)],
+    "low_latency_query_mask_buffer": ["mask_status"],
+    "low_latency_clean_mask_buffer": [],
+}
+
+
+@pytest.mark.parametrize("method", sorted(DEEPEP_V1))
+def test_buffer_signatures_match_deepep_v1(method):
+    params = [p for p in inspect.signature(getattr(epmoe.Buffer, method)).parameters.values() if p.name != "self"]
+    got = [p.name if p.default is inspect.Parameter.empty else (p.name, p.default) for p in params]
+    assert got == DEEPEP_V1[method]
+
+
+def test_config_and_event_overlap_signatures():
+    assert list(inspect.signature(epmoe.Config).parameters) == [
+        "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+        "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"]
+    assert list(inspect.signature(epmoe.EventOverlap).parameters) == ["event", "extra_tensors"]
+    ev = epmoe.EventOverlap(None, (np.zeros(1),))
+    ev.current_stream_wait()
+    with ev as inner:
+        assert inner is ev
+    assert isinstance(epmoe.Buffer.num_sms, int)
+
+
+def test_error_carries_the_cpp_message():
+    assert issubclass(epmoe.Error, RuntimeError)
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.topk_softmax(np.zeros((2, 4), dtype=np.float64), 2)
+    msg = str(e.value)
+    assert e.value.code == "invalid_argument"
+    assert msg.startswith("epmoe: invalid argument 'logits': expected ") and "got float64[2, 4]" in msg
+    with pytest.raises(epmoe.Error, match=r"'x'.*got an object of type list"):
+        epmoe.quantize_fp8([[1.0] * 16])
+    with pytest.raises(epmoe.Error, match=r"'num_topk'|'K'|num_topk"):
+        epmoe.topk_softmax(np.zeros((2, 4), dtype=np.float32), 5)
+    with pytest.raises(epmoe.Error, match="'x'.*16"):
+        epmoe.quantize_fp8(np.ones((2, 24), dtype=np.float32))  # H % 16 != 0
+    with pytest.raises(epmoe.Error, match="out_dtype"):
+        epmoe.dequantize_fp8(*epmoe.quantize_fp8(np.ones((1, 16), np.float32)), out_dtype="float16")
+    with pytest.raises(epmoe.Error, match=r"topk_idx.*9 at \[1, 0\]"):
+        epmoe.get_dispatch_layout(np.array([[0], [9]], dtype=np.int64), 8, 2)
+
+
+def test_buffer_arguments_are_checked_before_any_exchange(rng):
+    R, E, H, K = 2, 4, 128, 2
+    x = nice_bf16(rng, (3, H))
+    idx = random_topk_idx(rng, 3, K, E)
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        codes = {}
+        cases = {
+            "x_float64": lambda: buf.dispatch(x.astype(np.float64), num_tokens_per_rank=ntpr,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx),
+            "topk_idx_float": lambda: buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                   num_tokens_per_expert=ntpe, topk_idx=idx.astype(np.float32)),
+            "no_layout": lambda: buf.dispatch(x, topk_idx=idx),
+            "bad_handle": lambda: buf.combine(x, ("not", "a", "handle")),
+            "bad_config": lambda: buf.dispatch(x, config="fast"),
+            "bias_triple": lambda: buf.combine(x, None, bias=(x, x, x)),
+            "comm_stream": lambda: buf.get_comm_stream(),
+            "destroy": lambda: buf.destroy(),
+        }
+        for name, call in cases.items():
+            with pytest.raises(epmoe.Error) as e:
+                call()
+            codes[name] = (e.value.code, str(e.value))
+        return codes
+
+    for codes in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
+        assert codes["x_float64"][0] == "invalid_argument" and "'x'" in codes["x_float64"][1]
+        assert "float64" in codes["x_float64"][1]
+        assert "'topk_idx'" in codes["topk_idx_float"][1] and "float32" in codes["topk_idx_float"][1]
+        assert "num_tokens_per_expert" in codes["no_layout"][1]
+        assert "'handle'" in codes["bad_handle"][1]
+        assert "'config'" in codes["bad_config"][1]
+        assert "'handle'" in codes["bias_triple"][1] or "'bias'" in codes["bias_triple"][1]
+        assert codes["comm_stream"][0] == "unsupported"
+        assert "explicitly_destroy" in codes["destroy"][1]
+
+
+def test_buffer_groups_and_destroy():
+    with pytest.raises(epmoe.Error, match="'group'"):
+        epmoe.Buffer(None)
+    with pytest.raises(epmoe.Error, match="'group'"):
+        epmoe.Buffer(object())
+
+    def rank_main(group):
+        out = {}
+        for name, call in {"shrink": lambda: epmoe.Buffer(group, enable_shrink=True),
+                           "negative": lambda: epmoe.Buffer(group, num_rdma_bytes=-1)}.items():
+            with pytest.raises(epmoe.Error) as e:
+                call()
+            out[name] = (e.value.code, str(e.value))
+        buf = epmoe.Buffer(group, explicitly_destroy=True)
+        buf.destroy()
+        with pytest.raises(epmoe.Error) as e:
+            buf.get_dispatch_layout(np.zeros((1, 1), np.int64), 2)
+        out["after_destroy"] = e.value.code
+        return out
+
+    for out in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert out["shrink"][0] == "unsupported"
+        assert out["negative"][0] == "invalid_argument" and "num_rdma_bytes" in out["negative"][1]
+        assert out["after_destroy"] == "unusable"
+
+
+def test_run_thread_ranks_returns_results_and_reraises():
+    def rank_main(group):
+        group.barrier()
+        gathered = group.all_gather_bytes(bytes([group.rank()]) * (group.rank() + 1))
+        return group.rank(), group.size(), group.backend, gathered
+
+    out = epmoe.run_thread_ranks(3, rank_main, timeout_s=TIMEOUT_S)
+    for r, (rank, size, backend, gathered) in enumerate(out):
+        assert (rank, size, backend) == (r, 3, "threads")
+        assert gathered == [b"\x00", b"\x01\x01", b"\x02\x02\x02"]
+
+    def failing(group):
+        if group.rank() == 1:
+            raise ValueError("rank one fails")
+        return group.rank()
+
+    with pytest.raises(ValueError, match="rank one fails"):
+        epmoe.run_thread_ranks(2, failing, timeout_s=TIMEOUT_S)
+    with pytest.raises(epmoe.Error, match="num_ranks"):
+        epmoe.run_thread_ranks(0, failing)
+
+
+def test_a_rank_that_never_arrives_times_out_instead_of_hanging():
+    def rank_main(group):
+        if group.rank() == 0:
+            return "skipped"
+        group.timeout_s = 0.5
+        with pytest.raises(epmoe.Error) as e:
+            group.barrier("lonely")
+        return e.value.code, str(e.value)
+
+    out = epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
+    code, msg = out[1]
+    assert code == "timeout" and "lonely" in msg and "0" in msg
+
+
+def test_package_facts():
+    assert isinstance(epmoe.__version__, str) and epmoe.__version__.count(".") == 2
+    assert epmoe.default_timeout_s() > 0
+    assert epmoe.BFLOAT16 == np.dtype(BF16)
+    assert epmoe.topk_idx_t == "int64"

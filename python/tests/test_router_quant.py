@@ -1,0 +1,94 @@
+"""Router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6) against NumPy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import epmoe
+from conftest import (BF16, FP8, bits, fp8_dequantize_ref, fp8_quantize_ref, grouped_topk_ref, nice_bf16,
+                      random_topk_idx, sigmoid64, softmax64, topk_ref)
+
+
+def spaced_logits(rng, T, E):
+    """Logits whose sorted values are at least ~0.05 apart, so float32 and float64 agree on the order."""
+    base = np.stack([rng.permutation(E) for _ in range(T)]).astype(np.float64) * 0.07
+    return (base + rng.uniform(-0.01, 0.01, size=(T, E))).astype(np.float32)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("fn,score", [("topk_softmax", softmax64), ("topk_sigmoid", sigmoid64)])
+def test_topk_matches_numpy(rng, fn, score, renormalize):
+    T, E, K = 17, 32, 6
+    logits = spaced_logits(rng, T, E)
+    w, idx = getattr(epmoe, fn)(logits, K, renormalize)
+    ref_w, ref_idx = topk_ref(score(logits), K)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(axis=1, keepdims=True)
+    assert w.dtype == np.float32 and idx.dtype == np.int64 and w.shape == (T, K)
+    np.testing.assert_array_equal(idx, ref_idx)
+    np.testing.assert_allclose(w, ref_w, rtol=2e-6, atol=1e-7)
+
+
+def test_topk_ties_go_to_the_lower_expert():
+    logits = np.array([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]], dtype=np.float32)
+    _, idx = epmoe.topk_softmax(logits, 3)
+    np.testing.assert_array_equal(idx, [[1, 2, 4], [0, 1, 2]])
+    _, idx = epmoe.topk_sigmoid(logits.astype(BF16), 2)  # bfloat16 logits are accepted too
+    np.testing.assert_array_equal(idx, [[1, 2], [0, 1]])
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_topk_matches_numpy(rng, scoring, with_bias):
+    T, E, K, groups, keep = 13, 64, 8, 8, 4
+    logits = spaced_logits(rng, T, E)
+    bias = (rng.permutation(E) * 0.003).astype(np.float32) if with_bias else None
+    w, idx = epmoe.grouped_topk(logits, K, groups, keep, scoring_func=scoring, renormalize=True,
+                                routed_scaling_factor=2.5, e_score_correction_bias=bias)
+    ref_w, ref_idx = grouped_topk_ref(logits, K, groups, keep, scoring, True, 2.5, bias)
+    np.testing.assert_array_equal(idx, ref_idx)
+    np.testing.assert_allclose(w, ref_w, rtol=2e-6, atol=1e-7)
+
+
+def test_dispatch_layout_matches_numpy(rng):
+    T, K, E, R = 23, 4, 16, 4
+    idx = random_topk_idx(rng, T, K, E)
+    per_rank, per_expert, in_rank = epmoe.get_dispatch_layout(idx.astype(np.int32), E, R)  # int32 accepted
+    el = E // R
+    exp_in_rank = np.stack([np.any((idx >= 0) & (idx // el == r), axis=1) for r in range(R)], axis=1)
+    np.testing.assert_array_equal(in_rank, exp_in_rank)
+    np.testing.assert_array_equal(per_rank, exp_in_rank.sum(axis=0))
+    np.testing.assert_array_equal(per_expert, [np.sum(idx == e) for e in range(E)])
+
+
+@pytest.mark.parametrize("H", [128, 144, 512, 2880])
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_quantize_fp8_matches_numpy(rng, H, dtype, round_scale, use_ue8m0):
+    T = 9
+    x = (rng.standard_normal((T, H)) * rng.uniform(0.01, 30.0, size=(T, 1))).astype(dtype)
+    x[0, :] = 0  # an all-zero group: amax floors at 1e-4
+    x[1, 5] = 1e6 if dtype == np.float32 else 3e4  # one huge value: the rest of its group underflows
+    q, scales = epmoe.quantize_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    rq, rs = fp8_quantize_ref(x, round_scale, use_ue8m0)
+    G = (H + 127) // 128
+    assert q.dtype == FP8 and q.shape == (T, H)
+    assert scales.shape == (T, (G + 3) // 4 if use_ue8m0 else G)
+    assert scales.dtype == (np.int32 if use_ue8m0 else np.float32)
+    np.testing.assert_array_equal(bits(q), bits(rq))
+    np.testing.assert_array_equal(scales, rs)
+    # dequantize: q * scale per group, then one rounding to the output dtype
+    ref = fp8_dequantize_ref(rq, rs)
+    np.testing.assert_array_equal(epmoe.dequantize_fp8(q, scales, "float32"), ref.astype(np.float32))
+    np.testing.assert_array_equal(bits(epmoe.dequantize_fp8(q, scales)), bits(ref.astype(np.float32).astype(BF16)))
+
+
+def test_ue8m0_bytes_and_group_scale():
+    assert epmoe.ue8m0_from_scale(1.0) == 127
+    assert epmoe.ue8m0_from_scale(2.0 ** -10) == 117
+    assert epmoe.ue8m0_to_scale(130) == 8.0
+    assert epmoe.fp8_group_scale(448.0) == np.float32(1.0)
+    assert epmoe.fp8_group_scale(0.0) == np.float32(np.float32(1e-4) / np.float32(448.0))
+    assert epmoe.fp8_group_scale(449.0, round_scale=True) == 2.0
+    assert epmoe.num_scale_groups(2880) == 23 and epmoe.num_ue8m0_words(2880) == 6
