@@ -43,6 +43,8 @@ std::string to_string(const Shape& s) {
 }
 
 bool TensorView::is_contiguous() const {
+  // An empty tensor has no element to misplace (NumPy's DLPack export gives it zero strides).
+  if (numel() == 0) return true;
   std::int64_t acc = 1;
   for (int i = ndim() - 1; i >= 0; --i) {
     if (shape[i] != 1 && strides[i] != acc) return false;

@@ -96,6 +96,8 @@ TEST(TensorView, IsContiguous) {
   // Dimensions of size 1 may have any stride.
   EXPECT_TRUE(TensorView(&x, DType::fp32, {1, 8}, {999, 1}, Device::cpu()).is_contiguous());
   EXPECT_TRUE(TensorView(&x, DType::fp32, {4, 1}, {1, 7}, Device::cpu()).is_contiguous());
+  // Empty tensors are contiguous whatever their strides (NumPy exports them with zero strides).
+  EXPECT_TRUE(TensorView(&x, DType::fp32, {0, 8}, {0, 0}, Device::cpu()).is_contiguous());
 }
 
 TEST(TensorView, AccessorsAndNegativeDims) {
