@@ -22,15 +22,11 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {
-    check_prepare_inputs(in);
-    auto [x, w] = apply_router_weight_on_input(in);
-    x_ = x;
-    topk_idx_ = Tensor::wrap(in.topk_idx, nullptr);
-    topk_weights_ = w;
+    side_ = prepare_token_side(in);
     LowLatencyDispatchArgs a;
-    a.x = x_;
+    a.x = side_.hidden;
     a.topk_idx = in.topk_idx;
-    a.topk_weights = topk_weights_;
+    a.topk_weights = side_.topk_weights;
     a.num_max_dispatch_tokens_per_rank = tmax_;
     a.num_experts = in.global_num_experts;
     a.use_fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
@@ -68,8 +64,8 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
                     "delegate (the low-latency combine applies the router weights)", weight_and_reduce_name(w));
     LowLatencyCombineArgs c;
     c.x = fused;
-    c.topk_idx = topk_idx_;
-    c.topk_weights = topk_weights_;
+    c.topk_idx = side_.topk_idx;
+    c.topk_weights = side_.topk_weights;
     c.handle = &recv_.handle;
     c.return_recv_hook = true;
     combined_ = buffer_->low_latency_combine(c);
@@ -80,7 +76,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     Tensor out = std::move(combined_.combined_x);
     combined_ = {};
     recv_ = {};
-    x_ = topk_idx_ = topk_weights_ = {};
+    side_ = {};
     return out;
   }
 
@@ -88,7 +84,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
   std::shared_ptr<Buffer> buffer_;
   int tmax_;
   PrepareFinalizeOptions options_;
-  Tensor x_, topk_idx_, topk_weights_;
+  TokenSide side_;
   LowLatencyDispatchResult recv_;
   LowLatencyCombineResult combined_;
 };

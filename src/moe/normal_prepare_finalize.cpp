@@ -19,23 +19,18 @@ class NormalPrepareFinalize final : public PrepareFinalize {
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {
-    check_prepare_inputs(in);
-    auto [x, w] = apply_router_weight_on_input(in);
-    x_ = x;
-    topk_idx_ = Tensor::wrap(in.topk_idx, nullptr);
-    topk_weights_ = w;
-    num_experts_ = in.global_num_experts;
+    side_ = prepare_token_side(in);
     layout_ = buffer_->get_dispatch_layout(in.topk_idx, in.global_num_experts);
-    if (options_.dispatch_dtype == DispatchDtype::fp8) q_ = quantize_fp8(x_, {options_.round_scale, options_.use_ue8m0});
+    if (options_.dispatch_dtype == DispatchDtype::fp8) q_ = quantize_fp8(side_.hidden, {options_.round_scale, options_.use_ue8m0});
   }
 
   PrepareOutput do_dispatch_b() override {
     DispatchArgs a;
     const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
-    a.x = fp8 ? q_.data.view() : x_.view();
+    a.x = fp8 ? q_.data.view() : side_.hidden.view();
     if (fp8) a.x_scales = q_.scales;
-    a.topk_idx = topk_idx_;
-    a.topk_weights = topk_weights_;
+    a.topk_idx = side_.topk_idx;
+    a.topk_weights = side_.topk_weights;
     a.num_tokens_per_rank = layout_.num_tokens_per_rank;
     a.is_token_in_rank = layout_.is_token_in_rank;
     a.num_tokens_per_expert = layout_.num_tokens_per_expert;
@@ -61,15 +56,14 @@ class NormalPrepareFinalize final : public PrepareFinalize {
 
   Tensor do_combine_b() override {
     recv_ = {};
-    x_ = topk_idx_ = topk_weights_ = {};
+    side_ = {};
     return std::move(result_);
   }
 
  private:
   std::shared_ptr<Buffer> buffer_;
   PrepareFinalizeOptions options_;
-  Tensor x_, topk_idx_, topk_weights_;
-  int num_experts_ = 0;
+  TokenSide side_;
   DispatchLayout layout_;
   Fp8Tensor q_;
   DispatchResult recv_;

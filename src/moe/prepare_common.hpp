@@ -5,12 +5,17 @@
 
 namespace epmoe {
 
-/// Checks the token-side inputs of prepare (names the argument, expected and actual).
-void check_prepare_inputs(const PrepareInputs& in);
+/// The token side of one dispatch, kept by prepare/finalize until the combine.
+struct TokenSide {
+  Tensor hidden;        ///< bfloat16 [T, H], scaled by the weight with apply_router_weight_on_input
+  Tensor topk_idx;      ///< int64/int32 [T, K] (a view of the caller's)
+  Tensor topk_weights;  ///< float32 [T, K], all ones with apply_router_weight_on_input
+};
 
-/// apply_router_weight_on_input (K == 1): hidden[t] * w[t, 0] rounded to bf16, and all-ones weights
-/// (so nothing downstream weights the token again). Otherwise returns the inputs unchanged.
-std::pair<Tensor, Tensor> apply_router_weight_on_input(const PrepareInputs& in);
+/// Checks the token-side inputs of prepare (names the argument, expected and actual) and returns
+/// them. With apply_router_weight_on_input (K == 1), hidden[t] * w[t, 0] is rounded to bf16 and the
+/// weights become 1, so nothing downstream weights the token again.
+TokenSide prepare_token_side(const PrepareInputs& in);
 
 /// The activations the experts see after an fp8 wire: quantize, then dequantize to bfloat16.
 Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options);

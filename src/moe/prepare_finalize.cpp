@@ -55,6 +55,7 @@ Tensor PrepareFinalize::combine_b() {
   return out;
 }
 
+namespace {
 void check_prepare_inputs(const PrepareInputs& in) {
   EPMOE_CHECK_ARG(in.hidden.dtype == DType::bf16 && in.hidden.ndim() == 2 && in.hidden.is_contiguous() &&
                       in.hidden.device.is_cpu(),
@@ -71,6 +72,7 @@ void check_prepare_inputs(const PrepareInputs& in) {
   EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || in.topk_idx.size(1) == 1, "apply_router_weight_on_input",
                   "only with K == 1", fmt::format("K = {}", in.topk_idx.size(1)));
 }
+}  // namespace
 
 Tensor clone(const TensorView& v) {
   Tensor t = Tensor::empty(v.dtype, v.shape);
@@ -79,8 +81,11 @@ Tensor clone(const TensorView& v) {
   return t;
 }
 
-std::pair<Tensor, Tensor> apply_router_weight_on_input(const PrepareInputs& in) {
-  if (!in.apply_router_weight_on_input) return {Tensor::wrap(in.hidden, nullptr), Tensor::wrap(in.topk_weights, nullptr)};
+TokenSide prepare_token_side(const PrepareInputs& in) {
+  check_prepare_inputs(in);
+  const Tensor topk_idx = Tensor::wrap(in.topk_idx, nullptr);
+  if (!in.apply_router_weight_on_input)
+    return {Tensor::wrap(in.hidden, nullptr), topk_idx, Tensor::wrap(in.topk_weights, nullptr)};
   const std::int64_t T = in.hidden.size(0), H = in.hidden.size(1);
   Tensor x = Tensor::empty(DType::bf16, {T, H});
   Tensor ones = Tensor::empty(DType::fp32, {T, 1});
@@ -90,7 +95,7 @@ std::pair<Tensor, Tensor> apply_router_weight_on_input(const PrepareInputs& in) 
       x.ptr<bf16_t>()[t * H + h] = float_to_bf16(w * bf16_to_float(in.hidden.ptr<bf16_t>()[t * H + h]));
     ones.ptr<float>()[t] = 1.0f;
   }
-  return {x, ones};
+  return {x, topk_idx, ones};
 }
 
 Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options) {
@@ -127,13 +132,12 @@ class NoEpPrepareFinalize final : public PrepareFinalize {
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {
-    check_prepare_inputs(in);
-    auto [x, w] = apply_router_weight_on_input(in);
+    const TokenSide side = prepare_token_side(in);
     out_ = {};
     out_.format = ActivationFormat::standard;
-    out_.hidden = options_.dispatch_dtype == DispatchDtype::fp8 ? fp8_round_trip(x, options_) : clone(x);
+    out_.hidden = options_.dispatch_dtype == DispatchDtype::fp8 ? fp8_round_trip(side.hidden, options_) : clone(side.hidden);
     out_.topk_idx = clone(in.topk_idx);
-    out_.topk_weights = clone(w);
+    out_.topk_weights = clone(side.topk_weights);
     out_.expert_num_tokens = Tensor::zeros(DType::int32, {in.global_num_experts});
     for (std::int64_t i = 0; i < in.topk_idx.numel(); ++i) {
       const std::int64_t e = in.topk_idx.dtype == DType::int64 ? in.topk_idx.ptr<std::int64_t>()[i]
