@@ -36,18 +36,36 @@
 
 namespace epmoe {
 
+/// What a GPU backend's event does (the cuda_ipc backend wraps a cudaEvent_t in one).
+class EventImpl {
+ public:
+  virtual ~EventImpl() = default;
+  /// Makes the calling thread's current stream (stream.hpp) wait for the event.
+  virtual void current_stream_wait() const = 0;
+  virtual bool done() const = 0;
+};
+
 /// Completion of an operation. CPU backends complete synchronously, so their events are already
 /// done; GPU backends record a CUDA event on the buffer's communication stream.
 class Event {
  public:
   Event() = default;
   explicit Event(std::shared_ptr<void> impl) : impl_(std::move(impl)) {}
+  /// An event of a GPU backend.
+  static Event from_backend(std::shared_ptr<EventImpl> impl) {
+    Event e;
+    e.backend_ = std::move(impl);
+    return e;
+  }
   /// Makes the caller's current stream wait for this event (no-op on CPU).
   void current_stream_wait() const;
   bool done() const;
+  /// The backend event, or null (CPU events).
+  const EventImpl* backend() const { return backend_.get(); }
 
  private:
   std::shared_ptr<void> impl_;
+  std::shared_ptr<EventImpl> backend_;
 };
 
 /// The backend that moves the bytes.
@@ -62,6 +80,10 @@ struct BufferOptions {
   bool low_latency_mode = false;
   /// Validate topk_idx values eagerly (always on for CPU ranks).
   bool debug_validate = true;
+  /// cuda_ipc: the CUDA device of this rank; -1 = rank % the number of visible devices.
+  int device = -1;
+  /// cuda_ipc: blocks of each data kernel (dispatch send, combine send), 1..64; 0 = 16. Equal on all ranks.
+  int num_sms = 0;
 };
 
 /// What combine (and a cached dispatch) needs from a normal-mode dispatch.
@@ -216,6 +238,11 @@ class Buffer {
   /// Bytes per rank the low-latency buffer needs for these settings (both alternating halves).
   static std::int64_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
                                                      int num_ranks, int num_experts);
+
+  /// num_nvl_bytes a cuda_ipc buffer needs for normal-mode calls of up to `max_tokens_per_rank` tokens per
+  /// rank (bf16 or fp8 rows of `hidden`, `num_topk` ids), whatever the routing.
+  static std::int64_t get_normal_nvl_size_hint(std::int64_t max_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                               int num_topk);
 
   /// get_dispatch_layout(topk_idx, num_experts, num_ranks()) of layout.hpp.
   DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts) const;

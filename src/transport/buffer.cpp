@@ -5,6 +5,7 @@
 
 #include <atomic>
 
+#include "transport/cuda_ipc.hpp"
 #include "transport/low_latency_mode.hpp"
 #include "transport/normal_mode.hpp"
 #include "transport/transport.hpp"
@@ -21,6 +22,7 @@ struct Buffer::Impl {
   std::uint64_t id;
   std::unique_ptr<NormalMode> normal;
   std::unique_ptr<LowLatencyMode> low_latency;
+  std::unique_ptr<CudaIpcNormal> cuda_ipc;  ///< set for Backend::cuda_ipc: normal mode runs there
 };
 
 namespace {
@@ -48,8 +50,11 @@ Buffer::Buffer(std::shared_ptr<Group> group, BufferOptions options) : impl_(std:
   EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
   EPMOE_CHECK_ARG(options.num_rdma_bytes >= 0, "num_rdma_bytes", ">= 0", options.num_rdma_bytes);
   impl_->group = group;
-  impl_->transport = make_transport(group, options.backend);
+  // cuda_ipc moves normal mode over NVLink; the group's own transport still serves low-latency mode.
+  const bool ipc = options.backend == Backend::cuda_ipc;
+  impl_->transport = make_transport(group, ipc ? Backend::automatic : options.backend);
   impl_->id = next_buffer_id();
+  if (ipc) impl_->cuda_ipc = make_cuda_ipc_normal(group, options, impl_->id);
   impl_->normal = std::make_unique<NormalMode>(*impl_->transport, impl_->id);
   impl_->low_latency = std::make_unique<LowLatencyMode>(*impl_->transport, impl_->id, options.num_rdma_bytes);
 }
@@ -68,8 +73,17 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
   return epmoe::get_dispatch_layout(topk_idx, num_experts, num_ranks());
 }
 
-DispatchResult Buffer::dispatch(const DispatchArgs& args) { return impl_->normal->dispatch(args); }
-CombineResult Buffer::combine(const CombineArgs& args) { return impl_->normal->combine(args); }
+std::int64_t Buffer::get_normal_nvl_size_hint(std::int64_t max_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                              int num_topk) {
+  return cuda_ipc_normal_size_hint(max_tokens_per_rank, hidden, num_ranks, num_topk);
+}
+
+DispatchResult Buffer::dispatch(const DispatchArgs& args) {
+  return impl_->cuda_ipc ? impl_->cuda_ipc->dispatch(args) : impl_->normal->dispatch(args);
+}
+CombineResult Buffer::combine(const CombineArgs& args) {
+  return impl_->cuda_ipc ? impl_->cuda_ipc->combine(args) : impl_->normal->combine(args);
+}
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
   return impl_->low_latency->dispatch(args);
 }
@@ -80,8 +94,11 @@ void Buffer::clean_low_latency_buffer(int tmax, std::int64_t hidden, int num_exp
   impl_->low_latency->clean(tmax, hidden, num_experts);
 }
 
-void Event::current_stream_wait() const {}  // CPU events are complete; CUDA events override in later backends
-bool Event::done() const { return true; }
+// CPU events are complete; GPU backends' events forward to their EventImpl.
+void Event::current_stream_wait() const {
+  if (backend_) backend_->current_stream_wait();
+}
+bool Event::done() const { return !backend_ || backend_->done(); }
 
 void RecvHook::operator()() const {
   if (!state_) raise(ErrorCode::stale_handle, "recv hook is empty (the call was made without return_recv_hook)");

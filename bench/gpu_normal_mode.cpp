@@ -1,0 +1,340 @@
+// Normal-mode dispatch and combine over NVLink (cuda_ipc backend) on 2 GPUs, beside peer copies of the
+// same bytes measured in the same run (SPEC 12, PERF.md "Floors" and "Leads").
+//
+// One process, one thread per rank, rank r on cuda:r (threads group, peer access). Each figure is the
+// median over >= 50 runs after 5 warm-up runs; one run = both devices idle and the L2 flushed (256 MiB
+// memset), a host barrier, then CUDA events on each rank's caller stream around one Buffer call (the
+// count exchange's host read included); the run's time is the slower rank's. Inputs are random (seed
+// printed), routing uniform top-K of E.
+//  - remote bytes: what crosses NVLink, both directions together: dispatch rows sent to the peer
+//    (x + scales + int64 local ids + f32 weights + int32 source index), combine rows sent back (bf16
+//    x + f32 weights); remote GB/s = remote bytes / 2 / time (per direction);
+//  - logical bytes: DeepEP's convention: recv_x bytes of both ranks (local rows included), the same rows
+//    for combine; logical GB/s = logical bytes / 2 / time (per rank);
+//  - peer copy: cudaMemcpyPeerAsync of one direction's remote bytes (copy engine), and the two directions
+//    at once on two streams; the ratios compare the op's per-direction remote bandwidth with each.
+//
+// Usage: bench_gpu_normal_mode [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N]
+//                              [--json PATH]
+#if !defined(EPMOE_HAVE_CUDA)
+#include <cstdio>
+int main() {
+  std::printf("bench_gpu_normal_mode: CPU-only build, nothing to measure\n");
+  return 77;
+}
+#else
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/layout.hpp>
+#include <epmoe/quant.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace {
+
+using namespace epmoe;
+
+constexpr int kRanks = 2;
+constexpr int kWarmup = 5;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "bench_gpu_normal_mode: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+std::uint64_t splitmix(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/// Random bytes that are finite, non-zero values for bf16 / fp32 / fp8 (exponent bits kept in range).
+Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
+  Tensor h = Tensor::empty(dtype, shape);
+  auto* p = static_cast<std::uint8_t*>(h.data());
+  for (std::size_t i = 0; i < h.nbytes(); i += 8) {
+    const std::uint64_t r = splitmix(seed);
+    std::memcpy(p + i, &r, std::min<std::size_t>(8, h.nbytes() - i));
+  }
+  if (dtype == DType::bf16)
+    for (std::int64_t i = 0; i < h.numel(); ++i) h.ptr<bf16_t>()[i].bits = (h.ptr<bf16_t>()[i].bits & 0x807f) | 0x3f00;
+  if (dtype == DType::fp32)
+    for (std::int64_t i = 0; i < h.numel(); ++i) h.ptr<float>()[i] = 0.01f + static_cast<float>(i % 97) / 97.0f;
+  if (dtype == DType::fp8_e4m3)
+    for (std::int64_t i = 0; i < h.numel(); ++i) h.ptr<fp8_e4m3_t>()[i].bits &= 0xbf;  // never NaN
+  Tensor d = Tensor::empty(dtype, shape, Device::cuda(device));
+  check(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+Tensor random_routing(std::int64_t T, int K, int E, int device, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Tensor h = Tensor::empty(DType::int64, {T, K});
+  std::vector<int> ids(static_cast<std::size_t>(E));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> pick(k, E - 1);
+      std::swap(ids[static_cast<std::size_t>(k)], ids[static_cast<std::size_t>(pick(rng))]);
+      h.ptr<std::int64_t>()[t * K + k] = ids[static_cast<std::size_t>(k)];
+    }
+  }
+  Tensor d = Tensor::empty(DType::int64, {T, K}, Device::cuda(device));
+  check(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+struct Result {
+  std::string op;
+  double median_us = 0, min_us = 0, remote_bytes = 0, logical_bytes = 0;
+  double remote_gbps = 0, logical_gbps = 0, of_copy = 0, of_bidir = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int runs = 100, sms = 0, K = 8, E = 256;
+  std::int64_t T = 4096, H = 7168;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&] { return i + 1 < argc ? argv[++i] : argv[i]; };
+    if (!std::strcmp(argv[i], "--runs"))
+      runs = std::max(50, std::atoi(next()));
+    else if (!std::strcmp(argv[i], "--tokens"))
+      T = std::atoll(next());
+    else if (!std::strcmp(argv[i], "--hidden"))
+      H = std::atoll(next());
+    else if (!std::strcmp(argv[i], "--topk"))
+      K = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--experts"))
+      E = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--sms"))
+      sms = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--json"))
+      json_path = next();
+    else {
+      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--json PATH]\n",
+                  argv[0]);
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) {
+    std::printf("bench_gpu_normal_mode: needs %d GPUs, found %d: skipped\n", kRanks, devices);
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
+  std::printf("bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, runs=%d, seed %llu\n", prop.name, kRanks,
+              static_cast<long long>(T), static_cast<long long>(H), K, E, sms, runs,
+              static_cast<unsigned long long>(seed));
+
+  // times[op][rank][run]
+  const char* ops[] = {"dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"};
+  constexpr int kOps = 4;
+  std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(kRanks));
+  std::vector<double> sent_rows(kRanks), recv_rows(kRanks);
+  std::vector<double> copy_one_us, copy_both_us;
+  std::mutex mutex;
+  const std::int64_t scale_cols = num_scale_groups(H);
+
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank(), peer = 1 - r;
+    check(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = r;
+    o.num_sms = sms;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, kRanks, K);
+    Buffer buf(std::shared_ptr<Group>(&g, [](Group*) {}), o);
+    const std::uint64_t s = seed + 1000003ull * static_cast<std::uint64_t>(r);
+    const Tensor x = random_device(DType::bf16, {T, H}, r, s + 1);
+    const Tensor x8 = random_device(DType::fp8_e4m3, {T, H}, r, s + 2);
+    const Tensor sc = random_device(DType::fp32, {T, scale_cols}, r, s + 3);
+    const Tensor idx = random_routing(T, K, E, r, s + 4);
+    const Tensor w = random_device(DType::fp32, {T, K}, r, s + 5);
+    const DispatchLayout layout = buf.get_dispatch_layout(idx, E);
+    void* flush = nullptr;
+    const std::size_t flush_bytes = std::size_t{256} << 20;
+    check(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
+    cudaEvent_t start, stop;
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+
+    auto timed = [&](int op, const std::function<void()>& fn) {
+      for (int i = 0; i < kWarmup + runs; ++i) {
+        check(cudaMemsetAsync(flush, i & 0xff, flush_bytes, nullptr), "flush");
+        check(cudaDeviceSynchronize(), "sync");
+        g.barrier("bench");
+        check(cudaEventRecord(start, nullptr), "record");
+        fn();
+        check(cudaEventRecord(stop, nullptr), "record");
+        check(cudaEventSynchronize(stop), "sync");
+        float ms = 0;
+        check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+        if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(ms * 1000.0);
+      }
+    };
+    DispatchArgs a;
+    a.topk_idx = idx;
+    a.topk_weights = w;
+    a.num_tokens_per_rank = layout.num_tokens_per_rank;
+    a.is_token_in_rank = layout.is_token_in_rank;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    DispatchResult keep;
+    a.x = x;
+    timed(0, [&] { keep = buf.dispatch(a); });
+    a.x = x8;
+    a.x_scales = sc;
+    timed(1, [&] { buf.dispatch(a); });
+    DispatchArgs cached;
+    cached.x = x;
+    cached.handle = &keep.handle;
+    timed(2, [&] { buf.dispatch(cached); });
+    const Tensor cx = random_device(DType::bf16, {keep.handle.num_recv_rows, H}, r, s + 6);
+    const Tensor cw = random_device(DType::fp32, {keep.handle.num_recv_rows, K}, r, s + 7);
+    CombineArgs ca;
+    ca.x = cx;
+    ca.topk_weights = cw;
+    ca.handle = &keep.handle;
+    timed(3, [&] { buf.combine(ca); });
+
+    // Rows this rank sends to its peer and receives, from the handle's prefix matrix.
+    std::vector<std::int32_t> pm(kRanks * kRanks);
+    check(cudaMemcpy(pm.data(), keep.handle.rank_prefix_matrix.data(), pm.size() * 4, cudaMemcpyDeviceToHost), "D2H");
+    auto count = [&](int src, int dst) {
+      return pm[src * kRanks + dst] - (src > 0 ? pm[(src - 1) * kRanks + dst] : 0);
+    };
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      sent_rows[static_cast<std::size_t>(r)] = count(r, peer);
+      recv_rows[static_cast<std::size_t>(r)] = keep.handle.num_recv_tokens;
+    }
+
+    // Peer copies of one direction's bf16 dispatch bytes: rank 0 -> 1 alone, then both directions at once.
+    g.barrier("bench copies");
+    const std::size_t bytes = static_cast<std::size_t>(sent_rows[0]) * static_cast<std::size_t>(2 * H + 12 * K + 4);
+    void* src = nullptr;
+    void* dst = nullptr;
+    check(cudaMalloc(&src, bytes), "cudaMalloc");
+    check(cudaMalloc(&dst, bytes), "cudaMalloc");
+    std::vector<void*> dsts(kRanks);
+    dsts[static_cast<std::size_t>(r)] = dst;
+    g.all_gather(&dst, dsts.data(), sizeof(void*), "bench copies");
+    for (int mode = 0; mode < 2; ++mode) {
+      std::vector<double> ts;
+      for (int i = 0; i < kWarmup + runs; ++i) {
+        check(cudaDeviceSynchronize(), "sync");
+        g.barrier("bench copy");
+        check(cudaEventRecord(start, nullptr), "record");
+        if (mode == 1 || r == 0)
+          check(cudaMemcpyPeerAsync(dsts[static_cast<std::size_t>(peer)], peer, src, r, bytes, nullptr), "peer copy");
+        check(cudaEventRecord(stop, nullptr), "record");
+        check(cudaEventSynchronize(stop), "sync");
+        float ms = 0;
+        check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+        if (i >= kWarmup) ts.push_back(ms * 1000.0);
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      if (mode == 0 && r == 0) copy_one_us = ts;
+      if (mode == 1) {
+        if (copy_both_us.empty())
+          copy_both_us = ts;
+        else
+          for (std::size_t i = 0; i < ts.size(); ++i) copy_both_us[i] = std::max(copy_both_us[i], ts[i]);
+      }
+    }
+    g.barrier("bench done");
+    cudaFree(src);
+    cudaFree(dst);
+    cudaFree(flush);
+  });
+
+  const double copy_bytes = sent_rows[0] * static_cast<double>(2 * H + 12 * K + 4);
+  const double one_gbps = copy_bytes / median(copy_one_us) / 1e3;
+  const double both_gbps = copy_bytes / median(copy_both_us) / 1e3;  // per direction
+  const double remote_rows = sent_rows[0] + sent_rows[1];
+  const double logical_rows = recv_rows[0] + recv_rows[1];
+  const double dispatch_bf16_row = 2.0 * H + 12.0 * K + 4, dispatch_fp8_row = H + 4.0 * scale_cols + 12.0 * K + 4;
+  const double row_bytes[kOps] = {dispatch_bf16_row, dispatch_fp8_row, 2.0 * H, 2.0 * H + 4.0 * K};
+  const double logical_row[kOps] = {2.0 * H, static_cast<double>(H), 2.0 * H, 2.0 * H};
+  std::vector<Result> results;
+  for (int op = 0; op < kOps; ++op) {
+    std::vector<double> slow(times[static_cast<std::size_t>(op)][0].size());
+    for (std::size_t i = 0; i < slow.size(); ++i)
+      slow[i] = std::max(times[static_cast<std::size_t>(op)][0][i], times[static_cast<std::size_t>(op)][1][i]);
+    Result res;
+    res.op = ops[op];
+    res.median_us = median(slow);
+    res.min_us = slow.empty() ? 0 : *std::min_element(slow.begin(), slow.end());
+    res.remote_bytes = remote_rows * row_bytes[op];
+    res.logical_bytes = logical_rows * logical_row[op];
+    res.remote_gbps = res.remote_bytes / 2 / res.median_us / 1e3;
+    res.logical_gbps = res.logical_bytes / 2 / res.median_us / 1e3;
+    res.of_copy = res.remote_gbps / one_gbps;
+    res.of_bidir = res.remote_gbps / both_gbps;
+    results.push_back(res);
+  }
+  std::printf("\npeer copy of %.1f MB: one direction %.1f us (%.0f GB/s), both at once %.1f us (%.0f GB/s each)\n",
+              copy_bytes / 1e6, median(copy_one_us), one_gbps, median(copy_both_us), both_gbps);
+  std::printf(
+      "\n| op | median us | min us | remote MB | remote GB/s/dir | logical GB/s/rank | of 1-way copy | of 2-way copy "
+      "|\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const Result& r : results)
+    std::printf("| %s | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f%% | %.0f%% |\n", r.op.c_str(), r.median_us, r.min_us,
+                r.remote_bytes / 1e6, r.remote_gbps, r.logical_gbps, 100 * r.of_copy, 100 * r.of_bidir);
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (!f) {
+      std::perror(json_path.c_str());
+      return 1;
+    }
+    std::fprintf(
+        f,
+        "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, \"sms\": %d,\n",
+        prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms);
+    std::fprintf(f,
+                 "  \"seed\": %llu,\n  \"runs\": %d,\n  \"peer_copy_one_way_gbps\": %.1f,\n  "
+                 "\"peer_copy_two_way_gbps\": %.1f,\n",
+                 static_cast<unsigned long long>(seed), runs, one_gbps, both_gbps);
+    std::fprintf(f, "  \"results\": [\n");
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(
+          f,
+          "    {\"op\": \"%s\", \"median_us\": %.3f, \"min_us\": %.3f, \"remote_bytes\": %.0f, \"logical_bytes\": "
+          "%.0f, \"remote_gbps_per_direction\": %.1f, \"logical_gbps_per_rank\": %.1f, \"of_one_way_copy\": %.3f, "
+          "\"of_two_way_copy\": %.3f}%s\n",
+          r.op.c_str(), r.median_us, r.min_us, r.remote_bytes, r.logical_bytes, r.remote_gbps, r.logical_gbps,
+          r.of_copy, r.of_bidir, i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
+
+#endif  // EPMOE_HAVE_CUDA

@@ -1,0 +1,690 @@
+// cuda-ipc normal mode: the host side (argument checks, buffer mapping, streams, events, the host read
+// of the counts). Kernels: cuda_ipc_kernels.cu. Protocol: cuda_ipc.hpp and docs/cuda_ipc_design.md.
+#include "transport/cuda_ipc.hpp"
+
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+#include <epmoe/quant.hpp>
+
+#include <algorithm>
+
+namespace epmoe {
+
+namespace {
+constexpr std::int64_t kFieldSlack = 16;  // each field array starts on a 16-byte boundary
+std::int64_t dispatch_row_bytes(std::int64_t x_row, std::int64_t scale_row, int K) {
+  return x_row + scale_row + 12 * static_cast<std::int64_t>(K) + 4;  // x, scales, int64 ids, f32 weights, src
+}
+std::int64_t combine_row_bytes(std::int64_t H, int K) { return 2 * H + 4 * static_cast<std::int64_t>(K); }
+}  // namespace
+
+std::int64_t cuda_ipc_normal_size_hint(std::int64_t max_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                       int num_topk) {
+  EPMOE_CHECK_ARG(max_tokens_per_rank >= 0, "max_tokens_per_rank", ">= 0", max_tokens_per_rank);
+  EPMOE_CHECK_ARG(hidden > 0, "hidden", "> 0", hidden);
+  EPMOE_CHECK_ARG(num_ranks >= 1, "num_ranks", ">= 1", num_ranks);
+  EPMOE_CHECK_ARG(num_topk >= 0 && num_topk <= 32, "num_topk", "0..32", num_topk);
+  // A bf16 dispatch row is the largest row of either op (fp8 + scales is smaller for H >= 4).
+  const std::int64_t row = std::max(dispatch_row_bytes(2 * hidden, 0, num_topk), combine_row_bytes(hidden, num_topk));
+  return max_tokens_per_rank * num_ranks * row + 5 * kFieldSlack;
+}
+
+}  // namespace epmoe
+
+#if !defined(EPMOE_HAVE_CUDA)
+
+namespace epmoe {
+std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, const BufferOptions&, std::uint64_t) {
+  raise(ErrorCode::unsupported, "backend cuda_ipc needs a CUDA build of epmoe (this one is CPU-only)");
+}
+}  // namespace epmoe
+
+#else
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.hpp"
+#include "layout/cuda_util.cuh"
+#include "transport/cuda_ipc_kernels.hpp"
+
+namespace epmoe {
+
+namespace {
+
+using cuda_util::DeviceGuard;
+namespace ipc = cuda_ipc;
+
+constexpr int kMaxTopk = 32;
+constexpr std::string_view kSetupPhase = "cuda_ipc setup";
+constexpr std::string_view kDispatchPhase = "cuda_ipc normal dispatch";
+constexpr std::string_view kCombinePhase = "cuda_ipc normal combine";
+
+enum class ScaleFormat : std::int64_t { none = 0, float32 = 1, ue8m0 = 2 };
+
+std::int64_t align16(std::int64_t v) { return (v + 15) / 16 * 16; }
+
+/// Field arrays of `capacity` rows each, one after the other, 16-byte aligned.
+ipc::DataLayout make_layout(std::int64_t data_bytes, std::int64_t x_row, std::int64_t scale_row, int K, bool src) {
+  const std::int64_t per_row = x_row + scale_row + 12 * static_cast<std::int64_t>(K) + (src ? 4 : 0);
+  ipc::DataLayout L;
+  L.capacity = std::max<std::int64_t>(0, (data_bytes - 5 * kFieldSlack) / per_row);
+  std::int64_t off = 0;
+  L.x_off = static_cast<std::size_t>(off);
+  off += align16(L.capacity * x_row);
+  L.scale_off = static_cast<std::size_t>(off);
+  off += align16(L.capacity * scale_row);
+  L.idx_off = static_cast<std::size_t>(off);
+  off += align16(L.capacity * 8 * K);
+  L.w_off = static_cast<std::size_t>(off);
+  off += align16(L.capacity * 4 * K);
+  L.src_off = static_cast<std::size_t>(off);
+  return L;
+}
+
+const char* phase_name(int phase) {
+  switch (phase) {
+    case ipc::kPhaseDispatchNotify:
+      return "dispatch count exchange";
+    case ipc::kPhaseDispatchData:
+      return "dispatch data";
+    case ipc::kPhaseCombineNotify:
+      return "combine handshake";
+    case ipc::kPhaseCombineData:
+      return "combine data";
+    case ipc::kPhaseCachedNotify:
+      return "cached dispatch handshake";
+    default:
+      return "unknown phase";
+  }
+}
+
+class CudaEvent final : public EventImpl {
+ public:
+  CudaEvent(int device, cudaStream_t stream) : device_(device) {
+    DeviceGuard guard(Device::cuda(device));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  void current_stream_wait() const override {
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), event_, 0));
+  }
+  bool done() const override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return false;
+    EPMOE_CUDA_CHECK(e);
+    return true;
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  int device_;
+  cudaEvent_t event_{};
+};
+
+void check_device_tensor(const TensorView& t, const char* name, int device) {
+  EPMOE_CHECK_ARG(t.device.is_cuda() && t.device.index == device, name,
+                  fmt::format("a tensor on cuda:{} (this rank's device)", device), describe(t));
+  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor",
+                  fmt::format("{} with strides {}", describe(t), t.strides));
+  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "a null data pointer");
+}
+
+void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape, int device) {
+  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}{}", dtype_name(dtype), shape), "None");
+  EPMOE_CHECK_ARG(t.dtype == dtype && t.shape == shape, name, fmt::format("{}{}", dtype_name(dtype), shape),
+                  describe(t));
+  check_device_tensor(t, name, device);
+}
+
+class CudaIpcNormalImpl final : public CudaIpcNormal {
+ public:
+  CudaIpcNormalImpl(std::shared_ptr<Group> group, const BufferOptions& o, std::uint64_t buffer_id)
+      : group_(std::move(group)), buffer_id_(buffer_id) {
+    Group& g = *group_;
+    R_ = g.size();
+    me_ = g.rank();
+    EPMOE_CHECK_ARG(R_ <= ipc::kMaxRanks, "group", fmt::format("at most {} ranks (one NVLink host)", ipc::kMaxRanks),
+                    R_);
+    blocks_ = o.num_sms == 0 ? ipc::kDefaultBlocks : o.num_sms;
+    EPMOE_CHECK_ARG(blocks_ >= 1 && blocks_ <= ipc::kMaxBlocks, "options.num_sms",
+                    fmt::format("0 (default {}) or 1..{}", ipc::kDefaultBlocks, ipc::kMaxBlocks), o.num_sms);
+    EPMOE_CHECK_ARG(o.num_nvl_bytes > 0, "options.num_nvl_bytes",
+                    "> 0 bytes (Buffer::get_normal_nvl_size_hint gives the size for a token count)", o.num_nvl_bytes);
+    int count = 0;
+    EPMOE_CUDA_CHECK(cudaGetDeviceCount(&count));
+    device_ = o.device >= 0 ? o.device : (count > 0 ? me_ % count : 0);
+    EPMOE_CHECK_ARG(device_ < count, "options.device", fmt::format("a device index < {}", count), device_);
+    data_bytes_ = o.num_nvl_bytes;
+    const std::array<Setting, 2> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_}};
+    g.check_agreement(settings, kSetupPhase);
+
+    DeviceGuard guard(Device::cuda(device_));
+    int sms = 0;
+    EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+    recv_blocks_ = std::max(1, sms);
+    const std::size_t total = ipc::kControlBytes + static_cast<std::size_t>(data_bytes_);
+    if (cudaMalloc(&base_, total) != cudaSuccess) {
+      cudaGetLastError();
+      raise(ErrorCode::out_of_memory, "rank {}: cudaMalloc of the {}-byte cuda_ipc buffer on cuda:{} failed", me_,
+            total, device_);
+    }
+    EPMOE_CUDA_CHECK(cudaMemset(base_, 0, ipc::kControlBytes));
+    EPMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can learn the address
+    EPMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(ipc::HostRecord),
+                                   cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(static_cast<void*>(host_), 0, sizeof(ipc::HostRecord));
+    EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
+    EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&notified_, cudaEventDisableTiming));
+    map_peers();
+    timeout_ns_ = static_cast<long long>(g.timeout_s() * 1e9);
+  }
+
+  ~CudaIpcNormalImpl() override {
+    // No collective here: once this rank's stream is idle, no peer writes into this buffer any more
+    // (every peer op needs this rank's handshake first).
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    if (comm_) cudaStreamSynchronize(comm_);
+    for (void* p : opened_) cudaIpcCloseMemHandle(p);
+    if (notified_) cudaEventDestroy(notified_);
+    if (comm_) cudaStreamDestroy(comm_);
+    if (host_) cudaFreeHost(host_);
+    if (base_) cudaFree(base_);
+    cudaSetDevice(previous);
+  }
+
+  int device() const override { return device_; }
+
+  DispatchResult dispatch(const DispatchArgs& a) override;
+  CombineResult combine(const CombineArgs& a) override;
+
+ private:
+  struct PeerInfo {
+    std::int64_t pid;
+    std::int64_t device;
+    std::uint64_t ptr;
+    std::int64_t has_handle;
+    cudaIpcMemHandle_t handle;
+  };
+
+  void map_peers() {
+    PeerInfo mine{};
+    mine.pid = static_cast<std::int64_t>(::getpid());
+    mine.device = device_;
+    mine.ptr = reinterpret_cast<std::uint64_t>(base_);
+    mine.has_handle = cudaIpcGetMemHandle(&mine.handle, base_) == cudaSuccess ? 1 : 0;
+    if (!mine.has_handle) cudaGetLastError();
+    std::vector<PeerInfo> all(static_cast<std::size_t>(R_));
+    group_->all_gather(&mine, all.data(), sizeof(PeerInfo), kSetupPhase);
+    for (int r = 0; r < R_; ++r) {
+      const PeerInfo& p = all[static_cast<std::size_t>(r)];
+      if (r == me_) {
+        peers_[r] = base_;
+      } else if (p.pid == mine.pid) {  // one process drives both GPUs: plain peer access
+        if (p.device != device_) {
+          int can = 0;
+          EPMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, static_cast<int>(p.device)));
+          if (!can)
+            raise(ErrorCode::unsupported, "rank {}: cuda:{} cannot access cuda:{} (rank {}) as a peer", me_, device_,
+                  p.device, r);
+          const cudaError_t e = cudaDeviceEnablePeerAccess(static_cast<int>(p.device), 0);
+          if (e == cudaErrorPeerAccessAlreadyEnabled)
+            cudaGetLastError();
+          else
+            EPMOE_CUDA_CHECK(e);
+        }
+        peers_[r] = reinterpret_cast<void*>(p.ptr);
+      } else {
+        if (!p.has_handle)
+          raise(ErrorCode::unsupported, "rank {}: rank {} could not export a CUDA IPC handle of its buffer", me_, r);
+        void* q = nullptr;
+        EPMOE_CUDA_CHECK(cudaIpcOpenMemHandle(&q, p.handle, cudaIpcMemLazyEnablePeerAccess));
+        opened_.push_back(q);
+        peers_[r] = q;
+      }
+    }
+    group_->barrier(kSetupPhase);
+  }
+
+  ipc::Common common(std::uint64_t seq) const {
+    ipc::Common c;
+    for (int r = 0; r < R_; ++r) c.peers[r] = peers_[r];
+    c.rank = me_;
+    c.num_ranks = R_;
+    c.seq = seq;
+    c.timeout_ns = timeout_ns_;
+    c.host = host_dev_;
+    return c;
+  }
+
+  /// Raises if an earlier fault broke the buffer, or a kernel recorded an error since the last call.
+  void check_state() {
+    if (!unusable_.empty())
+      raise(ErrorCode::unusable, "rank {}: this cuda_ipc buffer is unusable after an earlier fault ({}); re-create it",
+            me_, unusable_);
+    raise_device_error();
+  }
+
+  void raise_device_error() {
+    volatile ipc::HostRecord* h = host_;
+    const int code = h->error_code;
+    if (code == ipc::kErrNone) return;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const int rank = h->error_rank, peer = h->error_peer, phase = h->error_phase;
+    const long long value = h->error_value;
+    const std::string where = fmt::format("rank {}, peer {}, phase '{}', op {}", rank, peer, phase_name(phase),
+                                          static_cast<unsigned long long>(h->error_seq));
+    if (code == ipc::kErrTimeout) {
+      unusable_ = "device timeout: " + where;
+      raise(ErrorCode::timeout,
+            "rank {}: timed out after {} s on the device waiting for rank {} ({}; the flag read {})", me_,
+            static_cast<double>(timeout_ns_) / 1e9, peer, where, value);
+    }
+    // Input errors every rank detects alike: the op was abandoned on every rank; the buffer stays usable.
+    h->error_code = ipc::kErrNone;
+    reset_claim();
+    if (code == ipc::kErrWorstTokens)
+      throw_invalid_argument("num_worst_tokens",
+                             fmt::format("at least the rows every rank receives (rank {} receives {})", peer, value),
+                             "fewer (" + where + ")");
+    if (code == ipc::kErrCapacity)
+      raise(ErrorCode::out_of_memory,
+            "rank {}: num_nvl_bytes too small: rank {} receives {} rows ({}); see "
+            "Buffer::get_normal_nvl_size_hint",
+            me_, peer, value, where);
+    raise(ErrorCode::invalid_argument, "rank {}: rank {} would receive more than 2^31 - 1 rows ({})", me_, peer, where);
+  }
+
+  void reset_claim() {
+    auto* ctrl = static_cast<ipc::Control*>(base_);
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(&ctrl->claim, 0, sizeof(int), comm_));
+  }
+
+  /// Makes the communication stream wait for previous_event, or else for the caller's current stream.
+  void enter(const Event* previous) {
+    if (previous && previous->backend()) {
+      const auto* ev = dynamic_cast<const CudaEvent*>(previous->backend());
+      EPMOE_CHECK_ARG(ev != nullptr, "previous_event", "an event of a cuda_ipc buffer", "another backend's event");
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, ev->get(), 0));
+    } else if (!previous) {
+      CudaEvent caller(device_, cuda_util::to_cuda(current_stream()));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller.get(), 0));
+    }
+  }
+
+  /// async_finish: an event on the communication stream; else the caller's stream waits for it.
+  Event leave(bool async_finish) {
+    auto ev = std::make_shared<CudaEvent>(device_, comm_);
+    if (async_finish) return Event::from_backend(ev);
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), ev->get(), 0));
+    return Event{};
+  }
+
+  /// Host wait for the count exchange, with the group's timeout (plus a margin for the device's own).
+  void wait_notified(std::string_view phase) {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns_) + std::chrono::seconds(5);
+    for (;;) {
+      const cudaError_t e = cudaEventQuery(notified_);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) EPMOE_CUDA_CHECK(e);
+      if (std::chrono::steady_clock::now() > deadline) {
+        unusable_ = fmt::format("host timeout in {}", phase);
+        raise(ErrorCode::timeout, "rank {}: timed out on the host in '{}' waiting for the count exchange", me_, phase);
+      }
+      std::this_thread::yield();
+    }
+    raise_device_error();
+  }
+
+  std::shared_ptr<Group> group_;
+  std::uint64_t buffer_id_;
+  int R_ = 0, me_ = 0, device_ = 0, blocks_ = 0, recv_blocks_ = 1;
+  std::int64_t data_bytes_ = 0;
+  void* base_ = nullptr;
+  void* peers_[ipc::kMaxRanks] = {};
+  std::vector<void*> opened_;
+  ipc::HostRecord* host_ = nullptr;
+  ipc::HostRecord* host_dev_ = nullptr;
+  cudaStream_t comm_ = nullptr;
+  cudaEvent_t notified_ = nullptr;
+  std::uint64_t seq_ = 0;  // ops so far (equal on every rank: every op is collective)
+  long long timeout_ns_ = 0;
+  std::string unusable_;
+};
+
+DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
+  check_state();
+  const int R = R_, me = me_, dev = device_;
+  // ---- validate everything locally ----
+  const TensorView& x = a.x;
+  EPMOE_CHECK_ARG(x.defined(), "x", "a bfloat16 or float8_e4m3fn [T, H] tensor", "None");
+  EPMOE_CHECK_ARG(x.dtype == DType::bf16 || x.dtype == DType::fp8_e4m3, "x", "dtype bfloat16 or float8_e4m3fn",
+                  describe(x));
+  EPMOE_CHECK_ARG(x.ndim() == 2, "x", "a 2-d [T, H] tensor", describe(x));
+  check_device_tensor(x, "x", dev);
+  const bool fp8 = x.dtype == DType::fp8_e4m3;
+  const std::int64_t T = x.size(0), H = x.size(1);
+  EPMOE_CHECK_ARG(T <= INT32_MAX, "x", "at most 2^31 - 1 tokens (int32 token indices)", T);
+  const int h_align = fp8 ? 16 : 8;
+  EPMOE_CHECK_ARG(
+      H > 0 && H % h_align == 0, "x",
+      fmt::format("hidden size (dimension 1) a positive multiple of {} for {}", h_align, dtype_name(x.dtype)), H);
+  ScaleFormat scale_format = ScaleFormat::none;
+  std::int64_t scale_cols = 0;
+  if (fp8) {
+    const std::int64_t groups = num_scale_groups(H);
+    EPMOE_CHECK_ARG(a.x_scales.defined(), "x_scales",
+                    fmt::format("float32 [T, {}] or UE8M0 int32 [T, {}] scales with fp8 x", groups, (groups + 3) / 4),
+                    "None");
+    EPMOE_CHECK_ARG(a.x_scales.dtype == DType::fp32 || a.x_scales.dtype == DType::int32, "x_scales",
+                    "dtype float32 or int32 (UE8M0)", describe(a.x_scales));
+    scale_format = a.x_scales.dtype == DType::fp32 ? ScaleFormat::float32 : ScaleFormat::ue8m0;
+    scale_cols = scale_format == ScaleFormat::float32 ? groups : (groups + 3) / 4;
+    check_tensor(a.x_scales, "x_scales", a.x_scales.dtype, Shape{T, scale_cols}, dev);
+  } else {
+    EPMOE_CHECK_ARG(!a.x_scales.defined(), "x_scales", "None with bfloat16 x", describe(a.x_scales));
+  }
+  const bool cached = a.handle != nullptr;
+  const bool has_topk = a.topk_idx.defined();
+  const bool has_weights = a.topk_weights.defined();
+  int K = 0;
+  if (cached) {
+    const NormalHandle* h = a.handle;
+    EPMOE_CHECK_ARG(h->defined(), "handle", "the handle of a dispatch of this buffer", "an empty handle");
+    EPMOE_CHECK_ARG(h->buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
+                    fmt::format("a handle of buffer {}", h->buffer_id));
+    EPMOE_CHECK_ARG(h->num_tokens == T, "x", fmt::format("{} rows, as in the handle's dispatch", h->num_tokens), T);
+  } else {
+    EPMOE_CHECK_ARG(has_topk, "topk_idx", "an int64 or int32 [T, K] tensor (required unless a handle is given)",
+                    "None");
+  }
+  if (has_topk) {
+    const TensorView& t = a.topk_idx;
+    EPMOE_CHECK_ARG(t.dtype == DType::int64 || t.dtype == DType::int32, "topk_idx", "dtype int64 or int32",
+                    describe(t));
+    EPMOE_CHECK_ARG(t.ndim() == 2 && t.size(0) == T, "topk_idx", fmt::format("a [{}, K] tensor", T), describe(t));
+    EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kMaxTopk, "topk_idx",
+                    fmt::format("K (dimension 1) in 1..{} in normal mode", kMaxTopk), t.size(1));
+    check_device_tensor(t, "topk_idx", dev);
+    K = static_cast<int>(t.size(1));
+  }
+  if (has_weights) {
+    EPMOE_CHECK_ARG(has_topk, "topk_weights", "None when topk_idx is not given", describe(a.topk_weights));
+    check_tensor(a.topk_weights, "topk_weights", DType::fp32, Shape{T, K}, dev);
+  }
+  int E = 0, alignment = 1, worst = 0;
+  if (cached) {
+    E = a.handle->num_experts;
+    alignment = a.handle->expert_alignment;
+    worst = a.handle->num_worst_tokens;
+    EPMOE_CHECK_ARG(a.expert_alignment == 1 || a.expert_alignment == alignment, "expert_alignment",
+                    fmt::format("1 or the handle's {} (a cached dispatch keeps the handle's counts)", alignment),
+                    a.expert_alignment);
+    EPMOE_CHECK_ARG(a.num_worst_tokens == 0 || a.num_worst_tokens == worst, "num_worst_tokens",
+                    fmt::format("0 or the handle's {} (a cached dispatch keeps the handle's rows)", worst),
+                    a.num_worst_tokens);
+  } else {
+    EPMOE_CHECK_ARG(a.num_tokens_per_expert.defined(), "num_tokens_per_expert", "int32[E] from get_dispatch_layout",
+                    "None");
+    E = static_cast<int>(a.num_tokens_per_expert.ndim() == 1 ? a.num_tokens_per_expert.size(0) : 0);
+    check_tensor(a.num_tokens_per_expert, "num_tokens_per_expert", DType::int32, Shape{E}, dev);
+    EPMOE_CHECK_ARG(E >= R && E % R == 0, "num_tokens_per_expert",
+                    fmt::format("E (its length) a positive multiple of the {} ranks", R), E);
+    EPMOE_CHECK_ARG(E / R <= ipc::kMaxLocalExperts, "num_tokens_per_expert",
+                    fmt::format("at most {} experts per rank ({} ranks)", ipc::kMaxLocalExperts, R), E);
+    check_tensor(a.num_tokens_per_rank, "num_tokens_per_rank", DType::int32, Shape{R}, dev);
+    check_tensor(a.is_token_in_rank, "is_token_in_rank", DType::boolean, Shape{T, R}, dev);
+    EPMOE_CHECK_ARG(a.expert_alignment >= 1, "expert_alignment", ">= 1", a.expert_alignment);
+    EPMOE_CHECK_ARG(a.num_worst_tokens >= 0, "num_worst_tokens", ">= 0", a.num_worst_tokens);
+    alignment = a.expert_alignment;
+    worst = a.num_worst_tokens;
+  }
+  const int E_local = E / R;
+  const std::size_t x_row = static_cast<std::size_t>(H) * dtype_size(x.dtype);
+  const std::size_t scale_row = static_cast<std::size_t>(scale_cols) * 4;
+  const ipc::DataLayout L =
+      make_layout(data_bytes_, static_cast<std::int64_t>(x_row), static_cast<std::int64_t>(scale_row), K, !cached);
+  if (worst > L.capacity)
+    raise(ErrorCode::out_of_memory,
+          "rank {}: num_worst_tokens = {} rows do not fit num_nvl_bytes = {} ({} rows of {} "
+          "bytes fit; Buffer::get_normal_nvl_size_hint gives the size)",
+          me, worst, data_bytes_, L.capacity,
+          dispatch_row_bytes(static_cast<std::int64_t>(x_row), static_cast<std::int64_t>(scale_row), K));
+
+  // ---- settings that must agree (a host all-gather; see the design note on moving it in-band) ----
+  const std::array<Setting, 9> settings = {Setting{"hidden", H},
+                                           Setting{"x dtype", static_cast<std::int64_t>(x.dtype)},
+                                           Setting{"num_topk (0 = no topk_idx)", K},
+                                           Setting{"num_experts", E},
+                                           Setting{"x_scales format", static_cast<std::int64_t>(scale_format)},
+                                           Setting{"expert_alignment", alignment},
+                                           Setting{"num_worst_tokens", worst},
+                                           Setting{"cached dispatch (handle given)", cached},
+                                           Setting{"topk_weights given", has_weights}};
+  group_->check_agreement(settings, kDispatchPhase);
+
+  DeviceGuard guard(Device::cuda(dev));
+  const cudaStream_t s = comm_;
+  enter(a.previous_event);
+  const std::uint64_t seq = ++seq_;
+  const ipc::Common c = common(seq);
+  const Device gpu = Device::cuda(dev);
+
+  Tensor pm, expert_counts, send_pos, in_rank;
+  std::int64_t num_recv = -1;
+  if (cached) {
+    pm = a.handle->rank_prefix_matrix;
+    send_pos = a.handle->send_pos;
+    ipc::NotifyArgs n;
+    n.phase = ipc::kPhaseCachedNotify;
+    ipc::launch_notify(c, n, s);
+    if (worst == 0) num_recv = a.handle->num_recv_tokens;
+  } else {
+    pm = Tensor::empty(DType::int32, {R, R}, gpu);
+    expert_counts = Tensor::empty(DType::int32, {E_local}, gpu);
+    ipc::NotifyArgs n;
+    n.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
+    n.per_expert = static_cast<const std::int32_t*>(a.num_tokens_per_expert.data);
+    n.experts_per_rank = E_local;
+    n.alignment = alignment;
+    n.recv_capacity = worst > 0 ? worst : L.capacity;
+    n.worst = worst > 0;
+    n.pm_out = pm.ptr<std::int32_t>();
+    n.expert_out = expert_counts.ptr<std::int32_t>();
+    n.phase = ipc::kPhaseDispatchNotify;
+    ipc::launch_notify(c, n, s);
+    if (worst == 0) {  // the one host read of normal mode
+      EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
+      wait_notified(kDispatchPhase);
+      num_recv = host_->pm[(R - 1) * R + me];
+    }
+    // The handle keeps its own copy of the routing (the caller may reuse its layout tensors).
+    in_rank = Tensor::empty(DType::boolean, {T, R}, gpu);
+    if (T > 0)
+      EPMOE_CUDA_CHECK(
+          cudaMemcpyAsync(in_rank.data(), a.is_token_in_rank.data, in_rank.nbytes(), cudaMemcpyDeviceToDevice, s));
+    send_pos = Tensor::empty(DType::int32, {T, R}, gpu);
+    ipc::SendPosArgs sp;
+    sp.in_rank = in_rank.ptr<bool>();
+    sp.pm = pm.ptr<std::int32_t>();
+    sp.T = T;
+    sp.send_pos = send_pos.ptr<std::int32_t>();
+    ipc::launch_send_pos(c, sp, s);
+  }
+  const std::int64_t rows = worst > 0 ? worst : num_recv;
+
+  DispatchResult out;
+  out.recv_x = Tensor::empty(x.dtype, {rows, H}, gpu);
+  if (fp8) out.recv_x_scales = Tensor::empty(a.x_scales.dtype, {rows, scale_cols}, gpu);
+  if (has_topk) out.recv_topk_idx = Tensor::empty(DType::int64, {rows, K}, gpu);
+  if (has_weights) out.recv_topk_weights = Tensor::empty(DType::fp32, {rows, K}, gpu);
+  Tensor recv_src;
+  if (!cached) recv_src = Tensor::empty(DType::int32, {rows}, gpu);
+
+  ipc::DispatchSendArgs sa;
+  sa.x = x.data;
+  sa.x_row = x_row;
+  sa.scales = fp8 ? a.x_scales.data : nullptr;
+  sa.scale_row = scale_row;
+  sa.topk_idx = has_topk ? a.topk_idx.data : nullptr;
+  sa.idx64 = has_topk && a.topk_idx.dtype == DType::int64;
+  sa.K = K;
+  sa.weights = has_weights ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+  sa.T = T;
+  sa.send_pos = send_pos.ptr<std::int32_t>();
+  sa.experts_per_rank = E_local;
+  sa.write_src = !cached;
+  sa.layout = L;
+  ipc::launch_dispatch_send(c, sa, blocks_, s);
+
+  ipc::DispatchRecvArgs ra;
+  ra.pm = pm.ptr<std::int32_t>();
+  ra.rows = rows;
+  ra.x_row = x_row;
+  ra.scale_row = scale_row;
+  ra.K = K;
+  ra.recv_x = out.recv_x.data();
+  ra.recv_scales = fp8 ? out.recv_x_scales.data() : nullptr;
+  ra.recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
+  ra.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
+  ra.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
+  ra.layout = L;
+  ipc::launch_dispatch_recv(c, ra, recv_blocks_, blocks_, s);
+
+  if (cached) {
+    out.handle = *a.handle;
+  } else {
+    NormalHandle& h = out.handle;
+    h.rank_prefix_matrix = pm;
+    h.is_token_in_rank = in_rank;
+    h.send_pos = send_pos;
+    h.recv_src_idx = recv_src;
+    h.num_recv_tokens_per_expert = expert_counts;
+    h.num_tokens = T;
+    h.num_recv_tokens = num_recv;  // -1 with num_worst_tokens: known on the device only
+    h.num_recv_rows = rows;
+    h.hidden = H;
+    h.num_experts = E;
+    h.expert_alignment = alignment;
+    h.num_worst_tokens = worst;
+    h.buffer_id = buffer_id_;
+  }
+  if (worst == 0) {
+    if (cached) {
+      out.num_recv_tokens_per_expert_list.resize(static_cast<std::size_t>(E_local));
+      EPMOE_CUDA_CHECK(cudaMemcpy(out.num_recv_tokens_per_expert_list.data(),
+                                  a.handle->num_recv_tokens_per_expert.data(),
+                                  sizeof(std::int32_t) * static_cast<std::size_t>(E_local), cudaMemcpyDeviceToHost));
+    } else {
+      out.num_recv_tokens_per_expert_list.assign(host_->expert_counts, host_->expert_counts + E_local);
+    }
+  }
+  out.event = leave(a.async_finish);
+  return out;
+}
+
+CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
+  check_state();
+  const int R = R_, dev = device_;
+  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a dispatch of this buffer",
+                  "an empty handle");
+  const NormalHandle& h = *a.handle;
+  EPMOE_CHECK_ARG(h.buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
+                  fmt::format("a handle of buffer {}", h.buffer_id));
+  const TensorView& x = a.x;
+  EPMOE_CHECK_ARG(x.defined(), "x", fmt::format("a bfloat16 [{}, H] tensor", h.num_recv_rows), "None");
+  EPMOE_CHECK_ARG(x.dtype == DType::bf16, "x", "dtype bfloat16", describe(x));
+  EPMOE_CHECK_ARG(x.ndim() == 2 && x.size(0) == h.num_recv_rows, "x",
+                  fmt::format("[{}, H]: one row per row of the dispatch's recv_x", h.num_recv_rows), describe(x));
+  const std::int64_t T = h.num_tokens, H = x.size(1);
+  EPMOE_CHECK_ARG(H > 0 && H % 8 == 0, "x", "hidden size (dimension 1) a positive multiple of 8", H);
+  check_device_tensor(x, "x", dev);
+  const bool has_w = a.topk_weights.defined();
+  int K = 0;
+  if (has_w) {
+    const TensorView& w = a.topk_weights;
+    EPMOE_CHECK_ARG(w.dtype == DType::fp32 && w.ndim() == 2 && w.size(0) == h.num_recv_rows, "topk_weights",
+                    fmt::format("float32[{}, K]", h.num_recv_rows), describe(w));
+    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kMaxTopk, "topk_weights",
+                    fmt::format("K (dimension 1) in 1..{}", kMaxTopk), w.size(1));
+    check_device_tensor(w, "topk_weights", dev);
+    K = static_cast<int>(w.size(1));
+  }
+  if (a.bias_0.defined()) check_tensor(a.bias_0, "bias_0", DType::bf16, Shape{T, H}, dev);
+  if (a.bias_1.defined()) check_tensor(a.bias_1, "bias_1", DType::bf16, Shape{T, H}, dev);
+  const std::array<Setting, 2> settings = {Setting{"hidden", H}, Setting{"topk_weights K (0 = not given)", K}};
+  group_->check_agreement(settings, kCombinePhase);
+
+  // Combine rows: x then weights, `capacity` rows each.
+  ipc::DataLayout L;
+  L.capacity = std::max<std::int64_t>(0, (data_bytes_ - 5 * kFieldSlack) / combine_row_bytes(H, K));
+  L.x_off = 0;
+  L.w_off = static_cast<std::size_t>(align16(L.capacity * 2 * H));
+
+  DeviceGuard guard(Device::cuda(dev));
+  const cudaStream_t s = comm_;
+  enter(a.previous_event);
+  const std::uint64_t seq = ++seq_;
+  const ipc::Common c = common(seq);
+  const Device gpu = Device::cuda(dev);
+
+  CombineResult out;
+  out.combined_x = Tensor::empty(DType::bf16, {T, H}, gpu);
+  if (has_w) out.combined_topk_weights = Tensor::empty(DType::fp32, {T, K}, gpu);
+
+  ipc::NotifyArgs n;
+  n.phase = ipc::kPhaseCombineNotify;
+  ipc::launch_notify(c, n, s);
+
+  ipc::CombineSendArgs sa;
+  sa.x = x.data;
+  sa.x_row = static_cast<std::size_t>(H) * 2;
+  sa.weights = has_w ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+  sa.K = K;
+  sa.pm = h.rank_prefix_matrix.ptr<std::int32_t>();
+  sa.layout = L;
+  ipc::launch_combine_send(c, sa, blocks_, s);
+
+  ipc::CombineReduceArgs ra;
+  ra.send_pos = h.send_pos.ptr<std::int32_t>();
+  ra.pm = h.rank_prefix_matrix.ptr<std::int32_t>();
+  ra.T = T;
+  ra.H = H;
+  ra.K = K;
+  ra.bias_0 = a.bias_0.defined() ? a.bias_0.data : nullptr;
+  ra.bias_1 = a.bias_1.defined() ? a.bias_1.data : nullptr;
+  ra.out = out.combined_x.data();
+  ra.out_w = has_w ? out.combined_topk_weights.ptr<float>() : nullptr;
+  ra.layout = L;
+  ipc::launch_combine_reduce(c, ra, recv_blocks_, blocks_, s);
+  (void)R;
+  out.event = leave(a.async_finish);
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group> group, const BufferOptions& options,
+                                                    std::uint64_t buffer_id) {
+  EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
+  return std::make_unique<CudaIpcNormalImpl>(std::move(group), options, buffer_id);
+}
+
+}  // namespace epmoe
+
+#endif  // EPMOE_HAVE_CUDA

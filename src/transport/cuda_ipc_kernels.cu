@@ -1,0 +1,498 @@
+// Kernels of the cuda-ipc normal mode: count exchange (notify), send positions, dispatch send/receive,
+// combine send/reduce. Protocol and layout: cuda_ipc.hpp and docs/cuda_ipc_design.md.
+//
+// Memory ordering: a block's rows are written with plain stores to the peer's memory; after a
+// __syncthreads one thread per destination issues __threadfence_system and a st.release.sys of the op's
+// sequence number into the destination's done flag. The receiver polls its own flags with
+// ld.acquire.sys, then __syncthreads, then reads the rows with ld.global.cg (L2, never a stale L1 line).
+// Every spin has a %globaltimer deadline: on expiry the first failing thread records (code, rank, peer,
+// phase) in the host-mapped record and the kernel returns (no trap: that would poison the context).
+#include <epmoe/dtype.hpp>
+
+#include "layout/cuda_util.cuh"
+#include "transport/cuda_ipc_kernels.hpp"
+
+namespace epmoe::cuda_ipc {
+
+namespace {
+
+constexpr int kThreads = 512;  // 16 warps per data block
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
+__device__ __forceinline__ char* data_region(void* base) { return static_cast<char*>(base) + kControlBytes; }
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<long long>(t);
+}
+
+/// Records the first error of this rank's buffer in the host-mapped record (later errors are dropped).
+__device__ void report(const Common& c, int code, int peer, int phase, long long value) {
+  Control* mine = control(c.peers[c.rank]);
+  if (atomicCAS(&mine->claim, 0, 1) != 0) return;
+  volatile HostRecord* h = c.host;
+  h->error_rank = c.rank;
+  h->error_peer = peer;
+  h->error_phase = phase;
+  h->error_value = value;
+  h->error_seq = c.seq;
+  __threadfence_system();
+  h->error_code = code;
+  __threadfence_system();
+}
+
+/// Spins until *p >= seq; false (and an error recorded) after the timeout.
+__device__ bool wait_geq(const unsigned long long* p, const Common& c, int peer, int phase) {
+  if (ld_acquire_sys(p) >= c.seq) return true;
+  const long long start = now_ns();
+  while (ld_acquire_sys(p) < c.seq) {
+    if (now_ns() - start > c.timeout_ns) {
+      report(c, kErrTimeout, peer, phase, static_cast<long long>(ld_acquire_sys(p)));
+      return false;
+    }
+  }
+  return true;
+}
+
+/// Every thread of the block: waits for done[s][b] == seq from every source s and sender block b.
+__device__ bool wait_all_done(const Common& c, int sender_blocks, int phase) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  Control* mine = control(c.peers[c.rank]);
+  for (int i = threadIdx.x; i < c.num_ranks * sender_blocks; i += blockDim.x) {
+    const int s = i / sender_blocks, b = i % sender_blocks;
+    if (!wait_geq(&mine->done[s][b], c, s, phase)) ok = 0;
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+/// After this block's rows: one thread per destination publishes done[me][block] = seq there.
+__device__ void signal_done(const Common& c) {
+  __syncthreads();
+  if (threadIdx.x < c.num_ranks) {
+    __threadfence_system();
+    st_release_sys(&control(c.peers[threadIdx.x])->done[c.rank][blockIdx.x], c.seq);
+  }
+}
+
+__device__ __forceinline__ bool aborted(const Common& c) {
+  return *reinterpret_cast<volatile unsigned long long*>(&control(c.peers[c.rank])->abort_seq) == c.seq;
+}
+
+// ---- notify: the count exchange (or a bare handshake) ----
+
+__global__ void __launch_bounds__(1024)
+    notify_kernel(const __grid_constant__ Common c, const __grid_constant__ NotifyArgs a) {
+  const int R = c.num_ranks, me = c.rank, par = static_cast<int>(c.seq & 1);
+  const int El = a.experts_per_rank;
+  __shared__ int ok, bad, bad_peer;
+  __shared__ long long bad_value;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    bad = kErrNone;
+  }
+  if (a.per_rank) {
+    for (int d = 0; d < R; ++d) {
+      NotifySlot* slot = &control(c.peers[d])->slots[par][me];
+      for (int i = threadIdx.x; i < R; i += blockDim.x) slot->counts[i] = a.per_rank[i];
+      for (int i = threadIdx.x; i < El; i += blockDim.x) slot->expert_counts[i] = a.per_expert[d * El + i];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    __threadfence_system();
+    st_release_sys(&control(c.peers[threadIdx.x])->slots[par][me].tag, c.seq);
+    if (!wait_geq(&control(c.peers[me])->slots[par][threadIdx.x].tag, c, threadIdx.x, a.phase)) ok = 0;
+  }
+  __syncthreads();
+  Control* mine = control(c.peers[me]);
+  if (!ok) {
+    if (threadIdx.x == 0) mine->abort_seq = c.seq;
+    return;
+  }
+  if (!a.per_rank) return;
+
+  __shared__ std::int32_t pm[kMaxRanks * kMaxRanks];
+  if (threadIdx.x < R) {
+    const int d = threadIdx.x;
+    long long acc = 0;
+    for (int s = 0; s < R; ++s) {
+      acc += *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].counts[d]);
+      if (acc > 0x7fffffffLL) {
+        bad = kErrOverflow;
+        bad_peer = d;
+        bad_value = acc;
+        acc = 0x7fffffffLL;
+      }
+      pm[s * R + d] = static_cast<std::int32_t>(acc);
+    }
+    if (acc > a.recv_capacity) {  // the same on every rank: every rank aborts
+      bad = a.worst ? kErrWorstTokens : kErrCapacity;
+      bad_peer = d;
+      bad_value = acc;
+    }
+  }
+  __syncthreads();
+  if (bad != kErrNone) {
+    if (threadIdx.x == 0) {
+      report(c, bad, bad_peer, a.phase, bad_value);
+      mine->abort_seq = c.seq;
+    }
+    return;
+  }
+  volatile HostRecord* h = c.host;
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+    a.pm_out[i] = pm[i];
+    h->pm[i] = pm[i];
+  }
+  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    long long n = 0;
+    for (int s = 0; s < R; ++s) n += *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].expert_counts[e]);
+    n = (n + a.alignment - 1) / a.alignment * a.alignment;
+    const std::int32_t v = static_cast<std::int32_t>(n > 0x7fffffffLL ? 0x7fffffffLL : n);
+    a.expert_out[e] = v;
+    h->expert_counts[e] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    h->seq = c.seq;
+  }
+}
+
+// ---- send positions: send_pos[t, d] = before(me, d) + (tokens t' < t sent to d), or -1 ----
+
+__global__ void __launch_bounds__(1024)
+    send_pos_kernel(const __grid_constant__ Common c, const __grid_constant__ SendPosArgs a) {
+  const int R = c.num_ranks, d = blockIdx.x, me = c.rank;
+  if (aborted(c)) return;
+  const std::int64_t T = a.T;
+  const std::int64_t chunk = (T + blockDim.x - 1) / blockDim.x;
+  const std::int64_t t0 = static_cast<std::int64_t>(threadIdx.x) * chunk;
+  const std::int64_t t1 = t0 + chunk < T ? t0 + chunk : T;
+  int count = 0;
+  for (std::int64_t t = t0; t < t1; ++t) count += a.in_rank[t * R + d] ? 1 : 0;
+  // Exclusive block scan of `count` (warp shuffles, then the warp totals).
+  __shared__ int warp_total[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = count;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x / 32;
+    int v = lane < nw ? warp_total[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (lane < nw) warp_total[lane] = v;  // inclusive over warps
+  }
+  __syncthreads();
+  int pos = incl - count + (warp > 0 ? warp_total[warp - 1] : 0);
+  pos += me > 0 ? a.pm[(me - 1) * R + d] : 0;
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const bool in = a.in_rank[t * R + d];
+    a.send_pos[t * R + d] = in ? pos : -1;
+    pos += in ? 1 : 0;
+  }
+}
+
+// ---- dispatch: each source writes its rows straight into each destination's region ----
+
+__global__ void __launch_bounds__(kThreads)
+    dispatch_send_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs a) {
+  const int R = c.num_ranks, lane = threadIdx.x & 31;
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  const DataLayout& L = a.layout;
+  const int nvec = static_cast<int>(a.x_row / 16);
+  const int nscale = static_cast<int>(a.scale_row / 4);
+  if (!aborted(c)) {
+    for (std::int64_t t = warp; t < a.T; t += num_warps) {
+      const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
+      int pos[kMaxRanks];
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
+        if (d >= R) pos[d] = -1;
+        if (pos[d] >= L.capacity) {  // only a cached dispatch with another row size can get here
+          if (lane == 0) report(c, kErrCapacity, d, kPhaseDispatchData, pos[d]);
+          pos[d] = -1;
+        }
+      }
+      // x: 16-byte vectors, four in flight per lane, each stored to every destination.
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + t * a.x_row);
+      for (int i0 = lane; i0 < nvec; i0 += 32 * 4) {
+        int4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + u * 32 < nvec) v[u] = __ldg(src + i0 + u * 32);
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (pos[d] < 0) continue;
+          int4* dst = reinterpret_cast<int4*>(data_region(c.peers[d]) + L.x_off + pos[d] * a.x_row);
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            if (i0 + u * 32 < nvec) dst[i0 + u * 32] = v[u];
+        }
+      }
+      if (a.scales) {
+        const std::int32_t* ss =
+            reinterpret_cast<const std::int32_t*>(static_cast<const char*>(a.scales) + t * a.scale_row);
+        for (int i = lane; i < nscale; i += 32) {
+          const std::int32_t v = ss[i];
+          for (int d = 0; d < R; ++d)
+            if (pos[d] >= 0)
+              reinterpret_cast<std::int32_t*>(data_region(c.peers[d]) + L.scale_off + pos[d] * a.scale_row)[i] = v;
+        }
+      }
+      if (a.topk_idx && lane < a.K) {
+        const long long id = a.idx64 ? static_cast<const long long*>(a.topk_idx)[t * a.K + lane]
+                                     : static_cast<const std::int32_t*>(a.topk_idx)[t * a.K + lane];
+        const float w = a.weights ? a.weights[t * a.K + lane] : 0.0f;
+        for (int d = 0; d < R; ++d) {
+          if (pos[d] < 0) continue;
+          const long long local = id - static_cast<long long>(d) * a.experts_per_rank;
+          const bool mine = local >= 0 && local < a.experts_per_rank;
+          char* base = data_region(c.peers[d]);
+          reinterpret_cast<long long*>(base + L.idx_off)[static_cast<std::int64_t>(pos[d]) * a.K + lane] =
+              mine ? local : -1;
+          if (a.weights)
+            reinterpret_cast<float*>(base + L.w_off)[static_cast<std::int64_t>(pos[d]) * a.K + lane] = mine ? w : 0.0f;
+        }
+      }
+      if (a.write_src && lane < R && pos[lane] >= 0)
+        reinterpret_cast<std::int32_t*>(data_region(c.peers[lane]) + L.src_off)[pos[lane]] =
+            static_cast<std::int32_t>(t);
+    }
+  }
+  signal_done(c);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    dispatch_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchRecvArgs a,
+                         int sender_blocks) {
+  if (!wait_all_done(c, sender_blocks, kPhaseDispatchData) || aborted(c)) return;
+  const int R = c.num_ranks, lane = threadIdx.x & 31;
+  std::int64_t n = a.pm[(R - 1) * R + c.rank];
+  if (n > a.layout.capacity) {  // only a cached dispatch with larger rows than its handle's can get here
+    if (blockIdx.x == 0 && threadIdx.x == 0) report(c, kErrCapacity, c.rank, kPhaseDispatchData, n);
+    n = a.layout.capacity;
+  }
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  const char* base = data_region(c.peers[c.rank]);
+  const DataLayout& L = a.layout;
+  const int nvec = static_cast<int>(a.x_row / 16), nscale = static_cast<int>(a.scale_row / 4);
+  for (std::int64_t r = warp; r < a.rows; r += num_warps) {
+    const bool valid = r < n;
+    int4* dx = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.x_row);
+    const int4* sx = reinterpret_cast<const int4*>(base + L.x_off + r * a.x_row);
+    for (int i0 = lane; i0 < nvec; i0 += 32 * 4) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + u * 32 < nvec) v[u] = valid ? __ldcg(sx + i0 + u * 32) : make_int4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
+    }
+    if (a.recv_scales) {
+      const std::int32_t* ss = reinterpret_cast<const std::int32_t*>(base + L.scale_off + r * a.scale_row);
+      std::int32_t* ds = reinterpret_cast<std::int32_t*>(static_cast<char*>(a.recv_scales) + r * a.scale_row);
+      for (int i = lane; i < nscale; i += 32) ds[i] = valid ? __ldcg(ss + i) : 0;
+    }
+    if (lane < a.K) {
+      if (a.recv_idx)
+        a.recv_idx[r * a.K + lane] =
+            valid ? __ldcg(reinterpret_cast<const long long*>(base + L.idx_off) + r * a.K + lane) : -1;
+      if (a.recv_w)
+        a.recv_w[r * a.K + lane] =
+            valid ? __ldcg(reinterpret_cast<const float*>(base + L.w_off) + r * a.K + lane) : 0.0f;
+    }
+    if (a.recv_src && lane == 0)
+      a.recv_src[r] = valid ? __ldcg(reinterpret_cast<const std::int32_t*>(base + L.src_off) + r) : -1;
+  }
+}
+
+// ---- combine: expert ranks write rows back into the token rank's slots; the token rank reduces ----
+
+/// off[s] = rows rank s receives back from ranks before `me`; before[s] = pm[s-1][me]. (Shared arrays.)
+__device__ void combine_offsets(const Common& c, const std::int32_t* pm, int me_as_dst, std::int32_t* off) {
+  const int R = c.num_ranks;
+  if (threadIdx.x < R) {
+    const int s = threadIdx.x;
+    std::int32_t o = 0;
+    for (int d = 0; d < me_as_dst; ++d) o += pm[s * R + d] - (s > 0 ? pm[(s - 1) * R + d] : 0);
+    off[s] = o;
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads)
+    combine_send_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs a) {
+  const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
+  __shared__ std::int32_t off[kMaxRanks];
+  combine_offsets(c, a.pm, me, off);
+  const DataLayout& L = a.layout;
+  if (!aborted(c)) {
+    const std::int64_t n = a.pm[(R - 1) * R + me];
+    const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+    const int nvec = static_cast<int>(a.x_row / 16);
+    for (std::int64_t r = warp; r < n; r += num_warps) {
+      int s = 0;
+      while (r >= a.pm[s * R + me]) ++s;
+      const std::int64_t j = r - (s > 0 ? a.pm[(s - 1) * R + me] : 0);
+      const std::int64_t row = off[s] + j;
+      if (row >= L.capacity) {
+        if (lane == 0) report(c, kErrCapacity, s, kPhaseCombineData, row);
+        continue;
+      }
+      char* base = data_region(c.peers[s]);
+      const int4* sx = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + r * a.x_row);
+      int4* dx = reinterpret_cast<int4*>(base + L.x_off + row * a.x_row);
+      for (int i0 = lane; i0 < nvec; i0 += 32 * 4) {
+        int4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + u * 32 < nvec) v[u] = __ldg(sx + i0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
+      }
+      if (a.weights && lane < a.K)
+        reinterpret_cast<float*>(base + L.w_off)[row * a.K + lane] = a.weights[r * a.K + lane];
+    }
+  }
+  signal_done(c);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    combine_reduce_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineReduceArgs a,
+                          int sender_blocks) {
+  if (!wait_all_done(c, sender_blocks, kPhaseCombineData) || aborted(c)) return;
+  const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
+  // off[d] = rows returned by ranks before d (this rank's send counts, ascending d); before[d] = pm[me-1][d].
+  __shared__ std::int32_t off[kMaxRanks], before[kMaxRanks];
+  if (threadIdx.x == 0) {
+    std::int32_t o = 0;
+    for (int d = 0; d < R; ++d) {
+      const std::int32_t b = me > 0 ? a.pm[(me - 1) * R + d] : 0;
+      off[d] = o;
+      before[d] = b;
+      o += a.pm[me * R + d] - b;
+    }
+  }
+  __syncthreads();
+  const char* base = data_region(c.peers[me]);
+  const DataLayout& L = a.layout;
+  const std::size_t x_row = static_cast<std::size_t>(a.H) * 2;
+  const int nvec = static_cast<int>(x_row / 16);
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  for (std::int64_t t = warp; t < a.T; t += num_warps) {
+    const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
+    std::int64_t row[kMaxRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      const int p = __shfl_sync(0xffffffffu, my_pos, d);
+      row[d] = (d < R && p >= 0) ? static_cast<std::int64_t>(off[d]) + (p - before[d]) : -1;
+    }
+    for (int i = lane; i < nvec; i += 32) {
+      float acc[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        if (row[d] < 0) continue;
+        const int4 v = __ldcg(reinterpret_cast<const int4*>(base + L.x_off + row[d] * x_row) + i);
+        const unsigned w[4] = {static_cast<unsigned>(v.x), static_cast<unsigned>(v.y), static_cast<unsigned>(v.z),
+                               static_cast<unsigned>(v.w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] & 0xffffu)}));
+          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] >> 16)}));
+        }
+      }
+      const void* biases[2] = {a.bias_0, a.bias_1};
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        if (!biases[b]) continue;
+        const int4 v = __ldg(reinterpret_cast<const int4*>(static_cast<const char*>(biases[b]) + t * x_row) + i);
+        const unsigned w[4] = {static_cast<unsigned>(v.x), static_cast<unsigned>(v.y), static_cast<unsigned>(v.z),
+                               static_cast<unsigned>(v.w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] & 0xffffu)}));
+          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] >> 16)}));
+        }
+      }
+      unsigned packed[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        packed[j] = static_cast<unsigned>(float_to_bf16(acc[2 * j]).bits) |
+                    (static_cast<unsigned>(float_to_bf16(acc[2 * j + 1]).bits) << 16);
+      reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * x_row)[i] =
+          make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                    static_cast<int>(packed[3]));
+    }
+    if (a.out_w && lane < a.K) {
+      float s = 0.0f;
+      for (int d = 0; d < R; ++d)
+        if (row[d] >= 0) s = __fadd_rn(s, __ldcg(reinterpret_cast<const float*>(base + L.w_off) + row[d] * a.K + lane));
+      a.out_w[t * a.K + lane] = s;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s) {
+  notify_kernel<<<1, 1024, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s) {
+  if (a.T == 0) return;
+  send_pos_kernel<<<c.num_ranks, 1024, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s) {
+  dispatch_send_kernel<<<blocks, kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks, int sender_blocks, cudaStream_t s) {
+  dispatch_recv_kernel<<<blocks, kThreads, 0, s>>>(c, a, sender_blocks);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s) {
+  combine_send_kernel<<<blocks, kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_combine_reduce(const Common& c, const CombineReduceArgs& a, int blocks, int sender_blocks, cudaStream_t s) {
+  combine_reduce_kernel<<<blocks, kThreads, 0, s>>>(c, a, sender_blocks);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epmoe::cuda_ipc

@@ -1,0 +1,151 @@
+// Kernels of the cuda-ipc normal mode (CUDA builds only): the buffer layout they share with the host
+// class, their parameter records and thin launchers. No fmt here (this header is included by the .cu).
+// The protocol is described in cuda_ipc.hpp and docs/cuda_ipc_design.md.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace epmoe::cuda_ipc {
+
+inline constexpr int kMaxRanks = 8;            // one NVLink host
+inline constexpr int kMaxLocalExperts = 1024;  // SPEC 1
+inline constexpr int kMaxBlocks = 64;          // data-kernel blocks (BufferOptions::num_sms)
+inline constexpr int kDefaultBlocks = 16;
+
+/// The count packet one rank writes into each peer's control region (one slot per source rank and
+/// parity). `tag` is written last, with release semantics, and equals the op's sequence number.
+struct NotifySlot {
+  unsigned long long tag;
+  unsigned long long pad;
+  std::int32_t counts[kMaxRanks];                // tokens the source sends to each rank
+  std::int32_t expert_counts[kMaxLocalExperts];  // (token, expert) entries for the receiver's experts
+};
+
+/// Control region at the start of every rank's mapped buffer. Peers write slots and done flags; the
+/// owner alone uses `claim` and `abort_seq` (device-scope words).
+struct Control {
+  NotifySlot slots[2][kMaxRanks];                  // [seq & 1][source]
+  unsigned long long done[kMaxRanks][kMaxBlocks];  // [source][block] = seq once that block's rows are written
+  unsigned long long abort_seq;                    // = seq when this rank's notify found an error
+  int claim;                                       // first error wins the host record
+};
+inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
+
+/// Error codes written into HostRecord::error_code.
+enum : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3, kErrOverflow = 4 };
+/// Phases named in HostRecord::error_phase.
+enum : int {
+  kPhaseDispatchNotify = 0,
+  kPhaseDispatchData = 1,
+  kPhaseCombineNotify = 2,
+  kPhaseCombineData = 3,
+  kPhaseCachedNotify = 4
+};
+
+/// Host-mapped record (cudaHostAlloc mapped) the kernels report to: the count exchange's result for
+/// the host read, and the first error.
+struct HostRecord {
+  std::int32_t pm[kMaxRanks * kMaxRanks];        // rank_prefix_matrix of the last notify
+  std::int32_t expert_counts[kMaxLocalExperts];  // aligned receive counts per local expert
+  unsigned long long seq;                        // op whose pm / counts these are
+  int error_code, error_rank, error_peer, error_phase;
+  long long error_value;
+  unsigned long long error_seq;
+};
+
+/// What every kernel of an op needs.
+struct Common {
+  void* peers[kMaxRanks];  ///< every rank's buffer base as mapped in this process (own included)
+  int rank = 0, num_ranks = 0;
+  unsigned long long seq = 0;  ///< the op's sequence number (equal on all ranks)
+  long long timeout_ns = 0;
+  HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
+};
+
+/// Where the fields of a data op live inside the data region (bytes from the data region's start),
+/// and how many rows each field holds. Equal on every rank (same bytes, same settings).
+struct DataLayout {
+  std::size_t x_off = 0, scale_off = 0, idx_off = 0, w_off = 0, src_off = 0;
+  std::int64_t capacity = 0;
+};
+
+struct NotifyArgs {
+  const std::int32_t* per_rank = nullptr;    ///< [R] this rank's send counts; null: handshake only
+  const std::int32_t* per_expert = nullptr;  ///< [E]
+  int experts_per_rank = 0;
+  int alignment = 1;
+  std::int64_t recv_capacity = 0;      ///< rows any rank may receive (num_worst_tokens, else the region's)
+  bool worst = false;                  ///< recv_capacity is num_worst_tokens (error kErrWorstTokens)
+  std::int32_t* pm_out = nullptr;      ///< device [R, R]
+  std::int32_t* expert_out = nullptr;  ///< device [E_local]
+  int phase = kPhaseDispatchNotify;
+};
+
+struct SendPosArgs {
+  const bool* in_rank = nullptr;  ///< [T, R]
+  const std::int32_t* pm = nullptr;
+  std::int64_t T = 0;
+  std::int32_t* send_pos = nullptr;  ///< [T, R] out
+};
+
+struct DispatchSendArgs {
+  const void* x = nullptr;
+  std::size_t x_row = 0;  ///< bytes, a multiple of 16
+  const void* scales = nullptr;
+  std::size_t scale_row = 0;  ///< bytes, a multiple of 4
+  const void* topk_idx = nullptr;
+  bool idx64 = true;
+  int K = 0;
+  const float* weights = nullptr;
+  std::int64_t T = 0;
+  const std::int32_t* send_pos = nullptr;  ///< [T, R] absolute rows in each destination
+  int experts_per_rank = 0;
+  bool write_src = true;
+  DataLayout layout;
+};
+
+struct DispatchRecvArgs {
+  const std::int32_t* pm = nullptr;  ///< device [R, R]
+  std::int64_t rows = 0;             ///< output rows (Nrecv or num_worst_tokens)
+  std::size_t x_row = 0, scale_row = 0;
+  int K = 0;
+  void* recv_x = nullptr;
+  void* recv_scales = nullptr;
+  std::int64_t* recv_idx = nullptr;
+  float* recv_w = nullptr;
+  std::int32_t* recv_src = nullptr;  ///< null for a cached dispatch
+  DataLayout layout;
+};
+
+struct CombineSendArgs {
+  const void* x = nullptr;  ///< bf16 [rows, H]
+  std::size_t x_row = 0;
+  const float* weights = nullptr;  ///< [rows, K] or null
+  int K = 0;
+  const std::int32_t* pm = nullptr;
+  DataLayout layout;  ///< x_off / w_off / capacity of the combine rows
+};
+
+struct CombineReduceArgs {
+  const std::int32_t* send_pos = nullptr;  ///< [T, R]
+  const std::int32_t* pm = nullptr;
+  std::int64_t T = 0, H = 0;
+  int K = 0;
+  const void* bias_0 = nullptr;  ///< bf16 [T, H] or null
+  const void* bias_1 = nullptr;
+  void* out = nullptr;     ///< bf16 [T, H]
+  float* out_w = nullptr;  ///< [T, K] or null
+  DataLayout layout;
+};
+
+void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s);
+void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
+void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);
+void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks, int sender_blocks, cudaStream_t s);
+void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s);
+void launch_combine_reduce(const Common& c, const CombineReduceArgs& a, int blocks, int sender_blocks, cudaStream_t s);
+
+}  // namespace epmoe::cuda_ipc

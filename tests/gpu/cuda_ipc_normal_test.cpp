@@ -1,0 +1,448 @@
+// cuda_ipc normal mode against the threads backend, bit for bit (SPEC 13): the same random inputs go
+// through a threads Buffer on CPU ranks and through a cuda_ipc Buffer on 2 GPUs (one process, thread
+// rank r on cuda:r, peer access); recv_x, scales, local ids, weights, the expert counts, every field of
+// the handle, cached dispatch, combined_x and combined_topk_weights must be identical. Skipped with
+// fewer than 2 GPUs. Covers T in {1, 128, 4096} (different T on each rank), H in {2048, 2880, 7168},
+// bf16 and fp8 with float32 or UE8M0 scales, int32 ids, a zero-token rank, all ids -1, one expert
+// taking every token, num_worst_tokens, expert_alignment, async_finish, biases, bad arguments.
+#include <gtest/gtest.h>
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/layout.hpp>
+#include <epmoe/quant.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "gpu/gpu_util.hpp"
+#include "support/random.hpp"
+
+namespace epmoe {
+namespace {
+
+constexpr int kRanks = 2;
+
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+#define REQUIRE_TWO_GPUS() \
+  if (gpu_count() < kRanks) GTEST_SKIP() << "cuda_ipc tests need " << kRanks << " GPUs, found " << gpu_count()
+
+std::shared_ptr<Group> borrow(Group& g) {
+  return std::shared_ptr<Group>(&g, [](Group*) {});
+}
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+/// Contiguous copy of a host tensor on cuda:device.
+Tensor to_gpu(const TensorView& host, int device) {
+  Tensor d = Tensor::empty(host.dtype, host.shape, Device::cuda(device));
+  if (host.numel() > 0) cuda_ok(cudaMemcpy(d.data(), host.data, host.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+/// Host copy of a device tensor, after the whole device is idle (undefined stays undefined).
+Tensor to_cpu(const Tensor& dev) {
+  if (!dev.defined()) return {};
+  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  Tensor h = Tensor::empty(dev.dtype(), dev.shape());
+  if (dev.numel() > 0) cuda_ok(cudaMemcpy(h.data(), dev.data(), dev.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+  return h;
+}
+
+struct Case {
+  std::vector<std::int64_t> T = {64, 48};
+  std::int64_t H = 2048;
+  int K = 8;
+  int E = 256;
+  bool fp8 = false;
+  bool ue8m0 = false;
+  bool int32_idx = false;
+  double p_minus_one = 0.1;
+  int only_expert = -1;
+  int all_minus_one_rank = -1;
+  int worst = 0;
+  int alignment = 1;
+  bool cached = false;
+  bool bias = true;
+  bool combine_weights = true;
+  bool async = false;
+  std::string name() const {
+    std::ostringstream os;
+    os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
+       << (fp8 ? ue8m0 ? " fp8/ue8m0" : " fp8/f32" : " bf16") << (int32_idx ? " int32 ids" : "")
+       << " p(-1)=" << p_minus_one << " only_expert=" << only_expert << " all-1 rank=" << all_minus_one_rank
+       << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "");
+    return os.str();
+  }
+};
+
+struct RankIn {
+  Tensor x, scales, idx, w, x2, scales2, b0, b1;  // host
+  std::uint64_t seed = 0;
+};
+
+struct RankOut {
+  std::map<std::string, Tensor> t;  // host tensors, compared by name
+  std::vector<int> list;
+  std::int64_t num_recv = 0, rows = 0;
+  Tensor comb_x, comb_w;  // combine inputs, made by the CPU run (their rows come from its dispatch)
+};
+
+Tensor random_x(std::mt19937_64& rng, std::int64_t T, std::int64_t H, bool fp8) {
+  Tensor x = Tensor::empty(fp8 ? DType::fp8_e4m3 : DType::bf16, {T, H});
+  gputest::fill_random(rng(), x, 4.0f);
+  return x;
+}
+
+Tensor random_scales(std::mt19937_64& rng, std::int64_t T, std::int64_t H, bool ue8m0) {
+  const std::int64_t g = num_scale_groups(H);
+  Tensor s = Tensor::empty(ue8m0 ? DType::int32 : DType::fp32, {T, ue8m0 ? (g + 3) / 4 : g});
+  gputest::fill_random(rng(), s, 1.0f);
+  return s;
+}
+
+std::vector<RankIn> make_inputs(const Case& c, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<RankIn> in(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    RankIn& i = in[static_cast<std::size_t>(r)];
+    const std::int64_t T = c.T[static_cast<std::size_t>(r)];
+    i.seed = rng();
+    i.x = random_x(rng, T, c.H, c.fp8);
+    if (c.fp8) i.scales = random_scales(rng, T, c.H, c.ue8m0);
+    test::RoutingOptions ro;
+    ro.p_minus_one = r == c.all_minus_one_rank ? 1.0 : c.p_minus_one;
+    ro.only_expert = c.only_expert;
+    Tensor idx = test::random_topk_idx(rng, T, c.K, c.E, ro);
+    i.w = test::random_topk_weights(rng, idx);
+    if (c.int32_idx) {
+      i.idx = Tensor::empty(DType::int32, idx.shape());
+      for (std::int64_t j = 0; j < idx.numel(); ++j)
+        i.idx.ptr<std::int32_t>()[j] = static_cast<std::int32_t>(idx.ptr<std::int64_t>()[j]);
+    } else {
+      i.idx = idx;
+    }
+    if (c.cached) {
+      i.x2 = random_x(rng, T, c.H, c.fp8);
+      if (c.fp8) i.scales2 = random_scales(rng, T, c.H, c.ue8m0);
+    }
+    if (c.bias) {
+      i.b0 = test::random_bf16(rng, T, c.H, 2.0f);
+      i.b1 = test::random_bf16(rng, T, c.H, 2.0f);
+    }
+  }
+  return in;
+}
+
+void keep_dispatch(RankOut& o, const DispatchResult& d, bool on_gpu, const std::string& prefix) {
+  auto host = [&](const Tensor& t) { return on_gpu ? to_cpu(t) : t; };
+  o.t[prefix + "recv_x"] = host(d.recv_x);
+  if (d.recv_x_scales.defined()) o.t[prefix + "recv_x_scales"] = host(d.recv_x_scales);
+  if (d.recv_topk_idx.defined()) o.t[prefix + "recv_topk_idx"] = host(d.recv_topk_idx);
+  if (d.recv_topk_weights.defined()) o.t[prefix + "recv_topk_weights"] = host(d.recv_topk_weights);
+}
+
+/// Runs the case on R ranks: through the threads backend (gpu = false) or cuda_ipc (gpu = true).
+std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vector<RankOut>* cpu_out, bool gpu) {
+  std::vector<RankOut> out(kRanks);
+  const std::int64_t max_t = *std::max_element(c.T.begin(), c.T.end());
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    const RankIn& i = in[static_cast<std::size_t>(r)];
+    RankOut& o = out[static_cast<std::size_t>(r)];
+    BufferOptions opts;
+    if (gpu) {
+      cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+      opts.backend = Backend::cuda_ipc;
+      opts.device = r;
+      opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_t, c.H, kRanks, c.K);
+    } else {
+      opts.backend = Backend::threads;
+    }
+    Buffer buf(borrow(g), opts);
+    auto put = [&](const Tensor& t) -> Tensor { return gpu && t.defined() ? to_gpu(t, r) : t; };
+    const Tensor x = put(i.x), scales = put(i.scales), idx = put(i.idx), w = put(i.w);
+    const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
+    DispatchArgs a;
+    a.x = x;
+    if (scales.defined()) a.x_scales = scales;
+    a.topk_idx = idx;
+    a.topk_weights = w;
+    a.num_tokens_per_rank = layout.num_tokens_per_rank;
+    a.is_token_in_rank = layout.is_token_in_rank;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    a.expert_alignment = c.alignment;
+    a.num_worst_tokens = c.worst;
+    a.async_finish = c.async;
+    DispatchResult d = buf.dispatch(a);
+    if (c.async) d.event.current_stream_wait();
+    keep_dispatch(o, d, gpu, "");
+    const NormalHandle& h = d.handle;
+    auto host = [&](const Tensor& t) { return gpu ? to_cpu(t) : t; };
+    o.t["handle.rank_prefix_matrix"] = host(h.rank_prefix_matrix);
+    o.t["handle.is_token_in_rank"] = host(h.is_token_in_rank);
+    o.t["handle.send_pos"] = host(h.send_pos);
+    o.t["handle.recv_src_idx"] = host(h.recv_src_idx);
+    o.t["handle.num_recv_tokens_per_expert"] = host(h.num_recv_tokens_per_expert);
+    o.list = d.num_recv_tokens_per_expert_list;
+    o.num_recv = h.num_recv_tokens;
+    o.rows = h.num_recv_rows;
+
+    if (c.cached) {
+      const Tensor x2 = put(i.x2), s2 = put(i.scales2);
+      DispatchArgs b;
+      b.x = x2;
+      if (s2.defined()) b.x_scales = s2;
+      b.topk_idx = idx;
+      b.topk_weights = w;
+      b.handle = &h;
+      const DispatchResult dc = buf.dispatch(b);
+      keep_dispatch(o, dc, gpu, "cached.");
+    }
+
+    // Combine inputs: made on the CPU run (rows known there), reused by the GPU run.
+    if (!gpu) {
+      std::mt19937_64 rng(i.seed);
+      o.comb_x = Tensor::empty(DType::bf16, {h.num_recv_rows, c.H});
+      gputest::fill_random(rng(), o.comb_x, 3.0f);
+      if (c.combine_weights) o.comb_w = test::random_f32(rng, h.num_recv_rows, c.K, 0.0f, 1.0f);
+    }
+    const RankOut& src = gpu ? (*cpu_out)[static_cast<std::size_t>(r)] : o;
+    const Tensor cx = put(src.comb_x), cw = put(src.comb_w), b0 = put(i.b0), b1 = put(i.b1);
+    CombineArgs ca;
+    ca.x = cx;
+    ca.handle = &h;
+    if (cw.defined()) ca.topk_weights = cw;
+    if (b0.defined()) ca.bias_0 = b0;
+    if (b1.defined()) ca.bias_1 = b1;
+    ca.async_finish = c.async;
+    const CombineResult cr = buf.combine(ca);
+    if (c.async) cr.event.current_stream_wait();
+    o.t["combined_x"] = host(cr.combined_x);
+    if (cr.combined_topk_weights.defined()) o.t["combined_topk_weights"] = host(cr.combined_topk_weights);
+    if (gpu) cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  });
+  return out;
+}
+
+void check_case(const Case& c) {
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(c.name() + " seed " + std::to_string(seed));
+  const std::vector<RankIn> in = make_inputs(c, seed);
+  std::vector<RankOut> cpu = run(c, in, nullptr, false);
+  const std::vector<RankOut> gpu = run(c, in, &cpu, true);
+  for (int r = 0; r < kRanks; ++r) {
+    const RankOut& want = cpu[static_cast<std::size_t>(r)];
+    const RankOut& got = gpu[static_cast<std::size_t>(r)];
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(want.rows, got.rows);
+    EXPECT_EQ(want.list, got.list);
+    if (c.worst == 0)
+      EXPECT_EQ(want.num_recv, got.num_recv);
+    else
+      EXPECT_EQ(got.num_recv, -1);  // known on the device only
+    for (const auto& [name, t] : want.t) {
+      const auto it = got.t.find(name);
+      ASSERT_TRUE(it != got.t.end()) << name << " missing from the cuda_ipc results";
+      if (name == "handle.recv_src_idx" && c.worst > 0) {
+        // cuda_ipc keeps num_worst_tokens rows, the padding -1.
+        const Tensor& g = it->second;
+        ASSERT_EQ(g.numel(), c.worst);
+        const auto n = t.numel();
+        EXPECT_EQ(std::memcmp(t.data(), g.data(), static_cast<std::size_t>(n) * 4), 0) << name;
+        for (std::int64_t j = n; j < g.numel(); ++j) EXPECT_EQ(g.ptr<std::int32_t>()[j], -1) << name << " row " << j;
+        continue;
+      }
+      EXPECT_TRUE(gputest::same_bits(t, it->second)) << name;
+    }
+  }
+}
+
+TEST(GpuCudaIpcNormal, Bf16MatchesThreadsBackendAcrossSizes) {
+  REQUIRE_TWO_GPUS();
+  const std::vector<std::int64_t> Ts =
+      gputest::quick() ? std::vector<std::int64_t>{1, 128} : std::vector<std::int64_t>{1, 128, 4096};
+  for (std::int64_t T : Ts)
+    for (std::int64_t H : gputest::hidden_sizes()) {
+      Case c;
+      c.T = {T, std::max<std::int64_t>(1, T / 2 + 3)};
+      c.H = H;
+      check_case(c);
+    }
+}
+
+TEST(GpuCudaIpcNormal, Fp8WithFloatAndUe8m0ScalesMatches) {
+  REQUIRE_TWO_GPUS();
+  for (bool ue8m0 : {false, true})
+    for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}}) {
+      Case c;
+      c.fp8 = true;
+      c.ue8m0 = ue8m0;
+      c.H = H;
+      c.T = {gputest::quick() ? 128 : 4096, 100};
+      check_case(c);
+    }
+}
+
+TEST(GpuCudaIpcNormal, ZeroTokenRankAllMinusOneAndOneExpert) {
+  REQUIRE_TWO_GPUS();
+  Case zero;
+  zero.T = {128, 0};
+  check_case(zero);
+  Case none;
+  none.all_minus_one_rank = 0;
+  check_case(none);
+  Case every;
+  every.p_minus_one = 0.0;
+  every.only_expert = 200;  // on rank 1
+  every.T = {128, 77};
+  check_case(every);
+}
+
+TEST(GpuCudaIpcNormal, NumWorstTokensPadsLikeThreadsBackend) {
+  REQUIRE_TWO_GPUS();
+  for (bool fp8 : {false, true}) {
+    Case c;
+    c.fp8 = fp8;
+    c.T = {128, 90};
+    c.worst = 128 + 90 + 5;
+    check_case(c);
+  }
+}
+
+TEST(GpuCudaIpcNormal, CachedDispatchMovesNewRows) {
+  REQUIRE_TWO_GPUS();
+  for (bool fp8 : {false, true}) {
+    Case c;
+    c.fp8 = fp8;
+    c.ue8m0 = fp8;
+    c.cached = true;
+    c.T = {200, 130};
+    check_case(c);
+  }
+}
+
+TEST(GpuCudaIpcNormal, Int32IdsAlignmentAsyncAndSmallK) {
+  REQUIRE_TWO_GPUS();
+  Case c;
+  c.int32_idx = true;
+  c.alignment = 16;
+  c.async = true;
+  c.T = {256, 300};
+  check_case(c);
+  Case k1;
+  k1.K = 1;
+  k1.E = 64;
+  k1.bias = false;
+  k1.combine_weights = false;
+  check_case(k1);
+  Case k32;
+  k32.K = 32;
+  k32.E = 64;
+  k32.H = 2880;
+  check_case(k32);
+}
+
+TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
+  REQUIRE_TWO_GPUS();
+  // Several dispatch/combine rounds on one buffer: the handshake must keep the data region safe.
+  const std::uint64_t seed = test::fresh_seed();
+  Case c;
+  c.T = {512, 384};
+  const std::vector<RankIn> in = make_inputs(c, seed);
+  std::vector<RankOut> cpu = run(c, in, nullptr, false);
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = r;
+    o.num_sms = 4;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, c.H, kRanks, c.K);
+    Buffer buf(borrow(g), o);
+    const RankIn& i = in[static_cast<std::size_t>(r)];
+    const Tensor x = to_gpu(i.x, r), idx = to_gpu(i.idx, r), w = to_gpu(i.w, r);
+    const Tensor cx = to_gpu(cpu[static_cast<std::size_t>(r)].comb_x, r);
+    const Tensor b0 = to_gpu(i.b0, r), b1 = to_gpu(i.b1, r), cw = to_gpu(cpu[static_cast<std::size_t>(r)].comb_w, r);
+    for (int round = 0; round < 5; ++round) {
+      const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
+      DispatchArgs a;
+      a.x = x;
+      a.topk_idx = idx;
+      a.topk_weights = w;
+      a.num_tokens_per_rank = layout.num_tokens_per_rank;
+      a.is_token_in_rank = layout.is_token_in_rank;
+      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      const DispatchResult d = buf.dispatch(a);
+      CombineArgs ca;
+      ca.x = cx;
+      ca.handle = &d.handle;
+      ca.topk_weights = cw;
+      ca.bias_0 = b0;
+      ca.bias_1 = b1;
+      const CombineResult cr = buf.combine(ca);
+      const Tensor got_x = to_cpu(d.recv_x), got_c = to_cpu(cr.combined_x);
+      const RankOut& ref = cpu[static_cast<std::size_t>(r)];
+      if (!gputest::same_bits(ref.t.at("recv_x"), got_x) || !gputest::same_bits(ref.t.at("combined_x"), got_c))
+        throw std::runtime_error("rank " + std::to_string(r) + " round " + std::to_string(round) + " differs (seed " +
+                                 std::to_string(seed) + ")");
+    }
+  });
+}
+
+TEST(GpuCudaIpcNormal, RejectsHostTensorsBeforeAnyCommunication) {
+  REQUIRE_TWO_GPUS();
+  const auto errors = run_thread_ranks_collect(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = r;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(16, 128, kRanks, 4);
+    Buffer buf(borrow(g), o);
+    std::mt19937_64 rng(test::fresh_seed());
+    const Tensor x = test::random_bf16(rng, 16, 128);  // host memory: rejected
+    const Tensor idx = test::random_topk_idx(rng, 16, 4, 16);
+    const DispatchLayout layout = get_dispatch_layout(idx, 16, kRanks);
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = idx;
+    a.num_tokens_per_rank = layout.num_tokens_per_rank;
+    a.is_token_in_rank = layout.is_token_in_rank;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    buf.dispatch(a);
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(errors[static_cast<std::size_t>(r)] != nullptr) << "rank " << r;
+    try {
+      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("x"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(GpuCudaIpcNormal, SizeHintCoversTheWorstCase) {
+  // Hand-made: R * T rows of a bf16 dispatch row (2H + 12K + 4 bytes) plus 80 bytes of field alignment.
+  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(4096, 7168, 2, 8), 4096LL * 2 * (2 * 7168 + 12 * 8 + 4) + 80);
+  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(0, 7168, 2, 8), 80);
+}
+
+}  // namespace
+}  // namespace epmoe
