@@ -63,6 +63,10 @@ class ThreadWorld {
   int size() const;
   /// The group of rank `rank`, in [0, size()).
   std::shared_ptr<Group> group(int rank);
+  /// Marks the world broken because rank `rank` failed (`reason`): ranks waiting in, or later entering,
+  /// a collective or a signal wait throw ErrorCode::unusable naming that rank at once, instead of
+  /// waiting out their timeout.
+  void abort(int rank, std::string_view reason);
 
   struct State;  // shared by the world's groups and transports
 
@@ -74,7 +78,11 @@ class ThreadWorld {
 /// Returns one exception_ptr per rank (null where the rank returned normally).
 std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
                                                          double timeout_s = default_timeout_s());
-/// As run_thread_ranks_collect, then rethrows the lowest rank's exception, if any.
+/// The exception worth reporting among per-rank results: the lowest rank's root cause (an error that is
+/// not a timeout or unusable, which are what the other ranks see of a failed one), else the lowest
+/// rank's exception; null when every rank succeeded.
+std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors);
+/// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any.
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s = default_timeout_s());
 
 }  // namespace epmoe

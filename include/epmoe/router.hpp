@@ -40,7 +40,9 @@ struct GroupedTopkOptions {
 /// otherwise the group max; keep `topk_group` groups (ties: lower group), then the top K experts in
 /// them (ties: lower id). Weights are the unbiased scores, renormalised if asked, times
 /// routed_scaling_factor. Errors: E % num_expert_group != 0, topk_group > num_expert_group,
-/// K > topk_group * E / num_expert_group, bias of the wrong shape or dtype.
+/// K > topk_group * E / num_expert_group, bias of the wrong shape or dtype, a bias with groups of
+/// one expert (no top-2). With a bias, ids come in descending biased-score (selection) order, which
+/// may differ from the order of the returned (unbiased) weights.
 TopkResult grouped_topk(const TensorView& logits, const GroupedTopkOptions& options);
 
 /// The same on an explicit stream (stream.hpp): logits on CUDA are routed asynchronously on `stream`;

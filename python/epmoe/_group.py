@@ -45,8 +45,9 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
     """Runs ``fn(group)`` once per rank, each on its own thread, and returns their results by rank.
 
     The ranks form one threads-backend group (shared memory). Every collective releases the GIL, so the
-    ranks progress together. If any rank raises, the exception of the lowest failing rank is re-raised
-    after all ranks have finished (ranks still waiting for the failed one give up after `timeout_s`,
+    ranks progress together. If any rank raises, the root cause is re-raised after all ranks have
+    finished: the lowest rank's error that is not a timeout or 'unusable', else the lowest rank's
+    (ranks still waiting for the failed one give up after `timeout_s`,
     default epmoe.default_timeout_s(), 100 s unless EPMOE_TIMEOUT_S says otherwise).
 
     Errors: epmoe.Error('invalid_argument') for num_ranks < 1 or timeout_s <= 0.

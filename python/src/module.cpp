@@ -133,8 +133,8 @@ void bind_group(nb::module_& m) {
           }
           for (auto& t : threads) t.join();
         }
-        for (auto& e : errors)
-          if (e) std::rethrow_exception(e);  // the lowest failing rank's exception
+        // The root cause (not the timeouts other ranks saw of it), else the lowest failing rank's.
+        if (auto e = first_root_cause(errors)) std::rethrow_exception(e);
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

@@ -92,6 +92,32 @@ std::shared_ptr<Group> ThreadWorld::group(int rank) {
   return std::make_shared<ThreadGroup>(state_, rank);
 }
 
+void ThreadWorld::abort(int rank, std::string_view reason) {
+  std::lock_guard lock(state_->mutex);
+  if (!state_->broken) {
+    state_->broken = true;
+    state_->broken_reason = fmt::format("rank {} failed: {}", rank, reason);
+  }
+  state_->aborted.store(true);
+  state_->cv.notify_all();
+}
+
+std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors) {
+  std::exception_ptr first;
+  for (const auto& e : errors) {
+    if (!e) continue;
+    if (!first) first = e;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (err.code() != ErrorCode::timeout && err.code() != ErrorCode::unusable) return e;
+    } catch (...) {
+      return e;
+    }
+  }
+  return first;
+}
+
 std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g) {
   auto* tg = dynamic_cast<ThreadGroup*>(&g);
   return tg ? tg->state() : nullptr;
@@ -119,8 +145,7 @@ std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const st
 }
 
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s) {
-  for (auto& e : run_thread_ranks_collect(num_ranks, fn, timeout_s))
-    if (e) std::rethrow_exception(e);
+  if (auto e = first_root_cause(run_thread_ranks_collect(num_ranks, fn, timeout_s))) std::rethrow_exception(e);
 }
 
 }  // namespace epmoe

@@ -98,6 +98,11 @@ class ThreadsTransport final : public Transport {
     for (int spins = 0;; ++spins) {
       if (s.load(std::memory_order_acquire) >= value) return;
       if (spins > 64) {
+        if (state_->aborted.load(std::memory_order_relaxed)) {
+          std::lock_guard lock(state_->mutex);
+          raise(ErrorCode::unusable, "rank {}: gave up waiting for peer {} in phase '{}': {}", group_->rank(), peer, phase,
+                state_->broken_reason);
+        }
         if (deadline.expired())
           throw_timeout(group_->rank(), peer, phase, group_->timeout_s(),
                         fmt::format("signal slot {} is {}, expected >= {}", slot, s.load(), value));

@@ -3,6 +3,7 @@
 
 #include <epmoe/group.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -21,9 +22,9 @@ struct ThreadWorld::State {
   std::uint64_t generation = 0;  // completed barriers
   int count = 0;                 // ranks arrived at the current barrier
   std::vector<bool> arrived;
-  std::vector<std::string> phase_of;  // unused placeholder for diagnostics
   bool broken = false;
   std::string broken_reason;
+  std::atomic<bool> aborted{false};  // set with broken by ThreadWorld::abort; read by spinning waiters
 
   // Scratch for small collectives and for publishing pointers to peers (one slot per rank).
   std::vector<std::vector<std::byte>> slots;

@@ -13,7 +13,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; every other parse error is a bad argument: 2, as the README says.
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
   }
   try {
     if (app.got_subcommand("run")) return run();

@@ -53,6 +53,7 @@ struct RunConfig {
   double tolerance = 1e-2;
   std::string json;
   std::string backend = "threads";
+  bool topk_given = false;  // --topk on the command line (it must then match a replayed trace's K)
 };
 
 using Clock = std::chrono::steady_clock;
@@ -281,13 +282,13 @@ std::vector<RankResult> launch_threads(const RunConfig& c, Shared& sh) {
     threads.emplace_back([&, r] {
       try {
         results[static_cast<std::size_t>(r)] = run_rank(world.group(r), sh);
-      } catch (...) {
+      } catch (const std::exception& e) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
+        world.abort(r, e.what());  // the other ranks stop waiting for this one at once
       }
     });
   for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  if (auto e = first_root_cause(errors)) std::rethrow_exception(e);
   return results;
 }
 
@@ -308,12 +309,24 @@ int run(RunConfig c) {
   }
 #endif
   const Activation act = parse_activation(c.activation);
-  if (c.mode != "normal" && c.mode != "low-latency")
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--mode': expected normal or low-latency, got {}", c.mode));
-  if (c.dispatch_dtype != "bf16" && c.dispatch_dtype != "fp8")
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--dispatch-dtype': expected bf16 or fp8, got {}", c.dispatch_dtype));
-  if (c.ranks < 1 || c.experts % c.ranks != 0)
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--ranks': expected a divisor of --experts ({}), got {}", c.experts, c.ranks));
+  auto bad = [](std::string_view flag, std::string_view expected, auto actual) {
+    throw Error(ErrorCode::invalid_argument,
+                fmt::format("epmoe: invalid argument '{}': expected {}, got {}", flag, expected, actual));
+  };
+  if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
+  if (c.experts < 1) bad("--experts", ">= 1", c.experts);
+  if (c.experts % c.ranks != 0) bad("--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
+  if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
+  if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
+  if (c.intermediate < 1) bad("--intermediate", ">= 1", c.intermediate);
+  if (c.topk < 1 || c.topk > c.experts) bad("--topk", fmt::format("in [1, --experts ({})]", c.experts), c.topk);
+  if (c.check_tokens < 1) bad("--check-tokens", ">= 1", c.check_tokens);
+  if (!(c.tolerance > 0) || !std::isfinite(c.tolerance)) bad("--tolerance", "a positive finite number", c.tolerance);
+  if (c.layer < 0) bad("--layer", ">= 0", c.layer);
+  if (c.offset < 0) bad("--offset", ">= 0", c.offset);
+  if (c.chunk_size < 0) bad("--chunk-size", ">= 0", c.chunk_size);
+  if (c.iters < 1) bad("--iters", ">= 1", c.iters);
+  if (!c.json.empty() && !std::ofstream(c.json, std::ios::app)) bad("--json", "a writable file", c.json);
 
   if (root)
     fmt::print("epmoe {} run: {} CPU ranks ({}), T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n",
@@ -323,6 +336,15 @@ int run(RunConfig c) {
   const bool replay = !c.routing.empty();
   if (replay) {
     trace = load_routing_trace(c.routing, c.domain);
+    if (c.layer >= trace.num_layers()) bad("--layer", fmt::format("in [0, {})", trace.num_layers()), c.layer);
+    if (c.experts % trace.num_experts != 0)
+      bad("--experts", fmt::format("a multiple of the trace's {} experts", trace.num_experts), c.experts);
+    if (c.topk_given && c.topk != trace.num_topk())
+      bad("--topk", fmt::format("the trace's K = {} (or nothing) with --routing", trace.num_topk()), c.topk);
+    c.topk = trace.num_topk();
+    if (root && c.offset + c.ranks * c.tokens > trace.num_tokens())
+      fmt::print("note: tokens [{}, {}) wrap around the trace's {} recorded tokens\n", c.offset,
+                 c.offset + c.ranks * c.tokens, trace.num_tokens());
     if (root)
       fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
                trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
@@ -404,11 +426,14 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
                         {"ranks", c.ranks}, {"tokens_per_rank", c.tokens}, {"hidden", c.hidden},
                         {"num_experts", c.experts}, {"num_topk", c.topk}, {"intermediate", c.intermediate},
                         {"mode", c.mode}, {"dispatch_dtype", c.dispatch_dtype}, {"activation", c.activation},
-                        {"experts", c.experts_impl}, {"seed", c.seed}, {"routing", c.routing},
+                        {"experts_impl", c.experts_impl}, {"seed", c.seed}, {"routing", c.routing},
                         {"domain", replay ? trace->domain : ""}, {"layer", c.layer}, {"offset", c.offset},
                         {"iters", c.iters}, {"phases", jphases}, {"relative_l2_error", rel},
                         {"tokens_checked", checked}, {"tolerance", c.tolerance}, {"pass", pass}};
-    std::ofstream(c.json) << j.dump(2) << "\n";
+    std::ofstream out(c.json);
+    out << j.dump(2) << "\n";
+    out.close();
+    if (!out) throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--json': expected a writable file, got {}", c.json));
     fmt::print("wrote {}\n", c.json);
   }
   return pass ? 0 : 1;
@@ -438,11 +463,14 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
   cmd->add_option("--offset", c.offset, "first token of --routing (rank r takes [offset + r*T, offset + (r+1)*T))")->capture_default_str();
   cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
-  cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (SPEC 13)")->capture_default_str();
   cmd->add_option("--json", c.json, "also write the results as JSON to this file");
-  return [config] { return run(*config); };
+  return [config, cmd] {
+    config->topk_given = cmd->count("--topk") > 0;
+    return run(*config);
+  };
 }
 
 }  // namespace epmoe::cli
