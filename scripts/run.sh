@@ -5,5 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 epmoe_install_apt
-epmoe_build release >/dev/null
+echo "epmoe: building (the first build takes a few minutes; log in build/run-build.log)" >&2
+mkdir -p "$ROOT/build"
+epmoe_build release >"$ROOT/build/run-build.log" 2>&1 || { tail -30 "$ROOT/build/run-build.log" >&2; exit 1; }
 exec "$ROOT/build/release/tools/epmoe" run "$@"
