@@ -1,5 +1,6 @@
 // cuda-ipc normal mode: the host side (argument checks, buffer mapping, streams, events, the host read
 // of the counts). Kernels: cuda_ipc_kernels.cu. Protocol: cuda_ipc.hpp and docs/cuda_ipc_design.md.
+#include "transport/normal_args.hpp"
 #include "transport/cuda_ipc.hpp"
 
 #include "core/check.hpp"
@@ -65,12 +66,10 @@ namespace {
 using cuda_util::DeviceGuard;
 namespace ipc = cuda_ipc;
 
-constexpr int kMaxTopk = 32;
 constexpr std::string_view kSetupPhase = "cuda_ipc setup";
 constexpr std::string_view kDispatchPhase = "cuda_ipc normal dispatch";
 constexpr std::string_view kCombinePhase = "cuda_ipc normal combine";
 
-enum class ScaleFormat : std::int64_t { none = 0, float32 = 1, ue8m0 = 2 };
 
 std::int64_t align16(std::int64_t v) { return (v + 15) / 16 * 16; }
 
@@ -134,18 +133,11 @@ class CudaEvent final : public EventImpl {
 };
 
 void check_device_tensor(const TensorView& t, const char* name, int device) {
-  EPMOE_CHECK_ARG(t.device.is_cuda() && t.device.index == device, name,
-                  fmt::format("a tensor on cuda:{} (this rank's device)", device), describe(t));
-  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor",
-                  fmt::format("{} with strides {}", describe(t), t.strides));
-  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "a null data pointer");
+  check_tensor_on(t, name, Device::cuda(device));
 }
 
 void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape, int device) {
-  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}{}", dtype_name(dtype), shape), "None");
-  EPMOE_CHECK_ARG(t.dtype == dtype && t.shape == shape, name, fmt::format("{}{}", dtype_name(dtype), shape),
-                  describe(t));
-  check_device_tensor(t, name, device);
+  epmoe::check_tensor(t, name, dtype, shape, Device::cuda(device));
 }
 
 class CudaIpcNormalImpl final : public CudaIpcNormal {
@@ -371,89 +363,12 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   check_state();
   const int R = R_, me = me_, dev = device_;
   // ---- validate everything locally ----
+  const DispatchSpec spec = check_dispatch_args(a, R, buffer_id_, Device::cuda(dev));
   const TensorView& x = a.x;
-  EPMOE_CHECK_ARG(x.defined(), "x", "a bfloat16 or float8_e4m3fn [T, H] tensor", "None");
-  EPMOE_CHECK_ARG(x.dtype == DType::bf16 || x.dtype == DType::fp8_e4m3, "x", "dtype bfloat16 or float8_e4m3fn",
-                  describe(x));
-  EPMOE_CHECK_ARG(x.ndim() == 2, "x", "a 2-d [T, H] tensor", describe(x));
-  check_device_tensor(x, "x", dev);
-  const bool fp8 = x.dtype == DType::fp8_e4m3;
-  const std::int64_t T = x.size(0), H = x.size(1);
-  EPMOE_CHECK_ARG(T <= INT32_MAX, "x", "at most 2^31 - 1 tokens (int32 token indices)", T);
-  const int h_align = fp8 ? 16 : 8;
-  EPMOE_CHECK_ARG(
-      H > 0 && H % h_align == 0, "x",
-      fmt::format("hidden size (dimension 1) a positive multiple of {} for {}", h_align, dtype_name(x.dtype)), H);
-  ScaleFormat scale_format = ScaleFormat::none;
-  std::int64_t scale_cols = 0;
-  if (fp8) {
-    const std::int64_t groups = num_scale_groups(H);
-    EPMOE_CHECK_ARG(a.x_scales.defined(), "x_scales",
-                    fmt::format("float32 [T, {}] or UE8M0 int32 [T, {}] scales with fp8 x", groups, (groups + 3) / 4),
-                    "None");
-    EPMOE_CHECK_ARG(a.x_scales.dtype == DType::fp32 || a.x_scales.dtype == DType::int32, "x_scales",
-                    "dtype float32 or int32 (UE8M0)", describe(a.x_scales));
-    scale_format = a.x_scales.dtype == DType::fp32 ? ScaleFormat::float32 : ScaleFormat::ue8m0;
-    scale_cols = scale_format == ScaleFormat::float32 ? groups : (groups + 3) / 4;
-    check_tensor(a.x_scales, "x_scales", a.x_scales.dtype, Shape{T, scale_cols}, dev);
-  } else {
-    EPMOE_CHECK_ARG(!a.x_scales.defined(), "x_scales", "None with bfloat16 x", describe(a.x_scales));
-  }
-  const bool cached = a.handle != nullptr;
-  const bool has_topk = a.topk_idx.defined();
-  const bool has_weights = a.topk_weights.defined();
-  int K = 0;
-  if (cached) {
-    const NormalHandle* h = a.handle;
-    EPMOE_CHECK_ARG(h->defined(), "handle", "the handle of a dispatch of this buffer", "an empty handle");
-    EPMOE_CHECK_ARG(h->buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
-                    fmt::format("a handle of buffer {}", h->buffer_id));
-    EPMOE_CHECK_ARG(h->num_tokens == T, "x", fmt::format("{} rows, as in the handle's dispatch", h->num_tokens), T);
-  } else {
-    EPMOE_CHECK_ARG(has_topk, "topk_idx", "an int64 or int32 [T, K] tensor (required unless a handle is given)",
-                    "None");
-  }
-  if (has_topk) {
-    const TensorView& t = a.topk_idx;
-    EPMOE_CHECK_ARG(t.dtype == DType::int64 || t.dtype == DType::int32, "topk_idx", "dtype int64 or int32",
-                    describe(t));
-    EPMOE_CHECK_ARG(t.ndim() == 2 && t.size(0) == T, "topk_idx", fmt::format("a [{}, K] tensor", T), describe(t));
-    EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kMaxTopk, "topk_idx",
-                    fmt::format("K (dimension 1) in 1..{} in normal mode", kMaxTopk), t.size(1));
-    check_device_tensor(t, "topk_idx", dev);
-    K = static_cast<int>(t.size(1));
-  }
-  if (has_weights) {
-    EPMOE_CHECK_ARG(has_topk, "topk_weights", "None when topk_idx is not given", describe(a.topk_weights));
-    check_tensor(a.topk_weights, "topk_weights", DType::fp32, Shape{T, K}, dev);
-  }
-  int E = 0, alignment = 1, worst = 0;
-  if (cached) {
-    E = a.handle->num_experts;
-    alignment = a.handle->expert_alignment;
-    worst = a.handle->num_worst_tokens;
-    EPMOE_CHECK_ARG(a.expert_alignment == 1 || a.expert_alignment == alignment, "expert_alignment",
-                    fmt::format("1 or the handle's {} (a cached dispatch keeps the handle's counts)", alignment),
-                    a.expert_alignment);
-    EPMOE_CHECK_ARG(a.num_worst_tokens == 0 || a.num_worst_tokens == worst, "num_worst_tokens",
-                    fmt::format("0 or the handle's {} (a cached dispatch keeps the handle's rows)", worst),
-                    a.num_worst_tokens);
-  } else {
-    EPMOE_CHECK_ARG(a.num_tokens_per_expert.defined(), "num_tokens_per_expert", "int32[E] from get_dispatch_layout",
-                    "None");
-    E = static_cast<int>(a.num_tokens_per_expert.ndim() == 1 ? a.num_tokens_per_expert.size(0) : 0);
-    check_tensor(a.num_tokens_per_expert, "num_tokens_per_expert", DType::int32, Shape{E}, dev);
-    EPMOE_CHECK_ARG(E >= R && E % R == 0, "num_tokens_per_expert",
-                    fmt::format("E (its length) a positive multiple of the {} ranks", R), E);
-    EPMOE_CHECK_ARG(E / R <= ipc::kMaxLocalExperts, "num_tokens_per_expert",
-                    fmt::format("at most {} experts per rank ({} ranks)", ipc::kMaxLocalExperts, R), E);
-    check_tensor(a.num_tokens_per_rank, "num_tokens_per_rank", DType::int32, Shape{R}, dev);
-    check_tensor(a.is_token_in_rank, "is_token_in_rank", DType::boolean, Shape{T, R}, dev);
-    EPMOE_CHECK_ARG(a.expert_alignment >= 1, "expert_alignment", ">= 1", a.expert_alignment);
-    EPMOE_CHECK_ARG(a.num_worst_tokens >= 0, "num_worst_tokens", ">= 0", a.num_worst_tokens);
-    alignment = a.expert_alignment;
-    worst = a.num_worst_tokens;
-  }
+  const bool fp8 = spec.fp8, cached = spec.cached, has_topk = spec.has_topk, has_weights = spec.has_weights;
+  const std::int64_t T = spec.T, H = spec.H, scale_cols = spec.scale_cols;
+  const ScaleFormat scale_format = spec.scale_format;
+  const int K = spec.K, E = spec.E, alignment = spec.alignment, worst = spec.worst;
   const int E_local = E / R;
   const std::size_t x_row = static_cast<std::size_t>(H) * dtype_size(x.dtype);
   const std::size_t scale_row = static_cast<std::size_t>(scale_cols) * 4;
@@ -620,8 +535,8 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
     const TensorView& w = a.topk_weights;
     EPMOE_CHECK_ARG(w.dtype == DType::fp32 && w.ndim() == 2 && w.size(0) == h.num_recv_rows, "topk_weights",
                     fmt::format("float32[{}, K]", h.num_recv_rows), describe(w));
-    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kMaxTopk, "topk_weights",
-                    fmt::format("K (dimension 1) in 1..{}", kMaxTopk), w.size(1));
+    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kNormalMaxTopk, "topk_weights",
+                    fmt::format("K (dimension 1) in 1..{}", kNormalMaxTopk), w.size(1));
     check_device_tensor(w, "topk_weights", dev);
     K = static_cast<int>(w.size(1));
   }

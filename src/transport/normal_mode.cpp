@@ -1,5 +1,6 @@
 // Normal (high-throughput) mode over Transport::exchange; the protocol is described in normal_mode.hpp.
 #include "transport/normal_mode.hpp"
+#include "transport/normal_args.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
@@ -87,36 +88,15 @@ Tensor OutputPool::empty(DType dtype, Shape shape) {
 
 namespace {
 
-constexpr int kMaxTopk = 32;                 // SPEC 1, normal mode
-constexpr std::int64_t kMaxLocalExperts = 1024;  // SPEC 1
 constexpr std::string_view kDispatchPhase = "normal dispatch";
 constexpr std::string_view kCombinePhase = "normal combine";
 
-enum class ScaleFormat : std::int64_t { none = 0, float32 = 1, ue8m0 = 2 };
+// ---- argument checks (all local, before any communication); the dispatch's own are in normal_args ----
 
-// ---- argument checks (all local, before any communication) ----
-
-void check_host_tensor(const TensorView& t, const char* name) {
-  EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor (this backend moves host memory)", describe(t));
-  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("{} with strides {}", describe(t), t.strides));
-  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "a null data pointer");
-}
+void check_host_tensor(const TensorView& t, const char* name) { check_tensor_on(t, name, Device::cpu()); }
 
 void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape) {
-  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}{}", dtype_name(dtype), shape), "None");
-  EPMOE_CHECK_ARG(t.dtype == dtype && t.shape == shape, name, fmt::format("{}{}", dtype_name(dtype), shape),
-                  describe(t));
-  check_host_tensor(t, name);
-}
-
-/// topk_idx: int64 or int32 [T, K] with K in 1..32; returns K.
-int check_topk_idx(const TensorView& t, std::int64_t T) {
-  EPMOE_CHECK_ARG(t.dtype == DType::int64 || t.dtype == DType::int32, "topk_idx", "dtype int64 or int32", describe(t));
-  EPMOE_CHECK_ARG(t.ndim() == 2 && t.size(0) == T, "topk_idx", fmt::format("a [{}, K] tensor", T), describe(t));
-  EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kMaxTopk, "topk_idx",
-                  fmt::format("K (dimension 1) in 1..{} in normal mode", kMaxTopk), t.size(1));
-  check_host_tensor(t, "topk_idx");
-  return static_cast<int>(t.size(1));
+  epmoe::check_tensor(t, name, dtype, shape, Device::cpu());
 }
 
 /// First position where two equally shaped int32/bool tensors differ, compared as `T`; -1 if none.
@@ -232,85 +212,13 @@ DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
   const int R = group.size(), me = group.rank();
 
   // ---- validate everything locally ----
+  const DispatchSpec spec = check_dispatch_args(a, R, buffer_id_, Device::cpu());
+  if (spec.cached) check_handle(a.handle, buffer_id_, R);
   const TensorView& x = a.x;
-  EPMOE_CHECK_ARG(x.defined(), "x", "a bfloat16 or float8_e4m3fn [T, H] tensor", "None");
-  EPMOE_CHECK_ARG(x.dtype == DType::bf16 || x.dtype == DType::fp8_e4m3, "x", "dtype bfloat16 or float8_e4m3fn",
-                  describe(x));
-  EPMOE_CHECK_ARG(x.ndim() == 2, "x", "a 2-d [T, H] tensor", describe(x));
-  check_host_tensor(x, "x");
-  const bool fp8 = x.dtype == DType::fp8_e4m3;
-  const std::int64_t T = x.size(0), H = x.size(1);
-  EPMOE_CHECK_ARG(T <= INT32_MAX, "x", "at most 2^31 - 1 tokens (int32 token indices)", T);
-  const int h_align = fp8 ? 16 : 8;  // rows of whole 16-byte vectors (SPEC 1)
-  EPMOE_CHECK_ARG(H > 0 && H % h_align == 0, "x",
-                  fmt::format("hidden size (dimension 1) a positive multiple of {} for {}", h_align, dtype_name(x.dtype)),
-                  H);
-
-  ScaleFormat scale_format = ScaleFormat::none;
-  std::int64_t scale_cols = 0;
-  if (fp8) {
-    const std::int64_t groups = num_scale_groups(H);
-    EPMOE_CHECK_ARG(a.x_scales.defined(), "x_scales",
-                    fmt::format("float32[{}, {}] or UE8M0 int32[{}, {}] with float8 x", T, groups, T, (groups + 3) / 4),
-                    "None");
-    if (a.x_scales.dtype == DType::fp32) {
-      scale_format = ScaleFormat::float32;
-      scale_cols = groups;
-    } else {
-      EPMOE_CHECK_ARG(a.x_scales.dtype == DType::int32, "x_scales", "dtype float32 or int32 (UE8M0)",
-                      describe(a.x_scales));
-      scale_format = ScaleFormat::ue8m0;
-      scale_cols = (groups + 3) / 4;
-    }
-    check_tensor(a.x_scales, "x_scales", a.x_scales.dtype, Shape{T, scale_cols});
-  } else {
-    EPMOE_CHECK_ARG(!a.x_scales.defined(), "x_scales", "None with bfloat16 x", describe(a.x_scales));
-  }
-
-  const bool cached = a.handle != nullptr;
-  const bool has_topk = a.topk_idx.defined();
-  const bool has_weights = a.topk_weights.defined();
-  int K = 0;
-  if (cached) {
-    check_handle(a.handle, buffer_id_, R);
-    EPMOE_CHECK_ARG(a.handle->num_tokens == T, "x", fmt::format("{} rows, as in the handle's dispatch", a.handle->num_tokens),
-                    T);
-  } else {
-    EPMOE_CHECK_ARG(has_topk, "topk_idx", "an int64 or int32 [T, K] tensor (required unless a handle is given)", "None");
-  }
-  if (has_topk) K = check_topk_idx(a.topk_idx, T);
-  if (has_weights) {
-    EPMOE_CHECK_ARG(has_topk, "topk_weights", "None when topk_idx is not given", describe(a.topk_weights));
-    check_tensor(a.topk_weights, "topk_weights", DType::fp32, Shape{T, K});
-  }
-
-  int E = 0, alignment = 1, worst = 0;
-  if (cached) {
-    E = a.handle->num_experts;
-    alignment = a.handle->expert_alignment;
-    worst = a.handle->num_worst_tokens;
-    EPMOE_CHECK_ARG(a.expert_alignment == 1 || a.expert_alignment == alignment, "expert_alignment",
-                    fmt::format("1 or the handle's {} (a cached dispatch keeps the handle's counts)", alignment),
-                    a.expert_alignment);
-    EPMOE_CHECK_ARG(a.num_worst_tokens == 0 || a.num_worst_tokens == worst, "num_worst_tokens",
-                    fmt::format("0 or the handle's {} (a cached dispatch keeps the handle's rows)", worst),
-                    a.num_worst_tokens);
-  } else {
-    EPMOE_CHECK_ARG(a.num_tokens_per_expert.defined(), "num_tokens_per_expert", "int32[E] from get_dispatch_layout",
-                    "None");
-    E = static_cast<int>(a.num_tokens_per_expert.ndim() == 1 ? a.num_tokens_per_expert.size(0) : 0);
-    check_tensor(a.num_tokens_per_expert, "num_tokens_per_expert", DType::int32, Shape{E});
-    EPMOE_CHECK_ARG(E >= R && E % R == 0, "num_tokens_per_expert",
-                    fmt::format("E (its length) a positive multiple of the {} ranks", R), E);
-    EPMOE_CHECK_ARG(E / R <= kMaxLocalExperts, "num_tokens_per_expert",
-                    fmt::format("at most {} experts per rank ({} ranks)", kMaxLocalExperts, R), E);
-    check_tensor(a.num_tokens_per_rank, "num_tokens_per_rank", DType::int32, Shape{R});
-    check_tensor(a.is_token_in_rank, "is_token_in_rank", DType::boolean, Shape{T, R});
-    EPMOE_CHECK_ARG(a.expert_alignment >= 1, "expert_alignment", ">= 1", a.expert_alignment);
-    EPMOE_CHECK_ARG(a.num_worst_tokens >= 0, "num_worst_tokens", ">= 0", a.num_worst_tokens);
-    alignment = a.expert_alignment;
-    worst = a.num_worst_tokens;
-  }
+  const bool fp8 = spec.fp8, cached = spec.cached, has_topk = spec.has_topk, has_weights = spec.has_weights;
+  const std::int64_t T = spec.T, H = spec.H, scale_cols = spec.scale_cols;
+  const ScaleFormat scale_format = spec.scale_format;
+  const int K = spec.K, E = spec.E, alignment = spec.alignment, worst = spec.worst;
   const int E_local = E / R;
   if (has_topk) {
     // Recomputing the layout checks every id (naming the first bad one and its position).
@@ -535,8 +443,8 @@ CombineResult NormalMode::combine(const CombineArgs& a) {
     const TensorView& w = a.topk_weights;
     EPMOE_CHECK_ARG(w.dtype == DType::fp32 && w.ndim() == 2 && w.size(0) == h.num_recv_rows, "topk_weights",
                     fmt::format("float32[{}, K]", h.num_recv_rows), describe(w));
-    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kMaxTopk, "topk_weights",
-                    fmt::format("K (dimension 1) in 1..{}", kMaxTopk), w.size(1));
+    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kNormalMaxTopk, "topk_weights",
+                    fmt::format("K (dimension 1) in 1..{}", kNormalMaxTopk), w.size(1));
     check_host_tensor(w, "topk_weights");
     K = static_cast<int>(w.size(1));
   }

@@ -1,0 +1,114 @@
+#include "transport/normal_args.hpp"
+
+#include <epmoe/quant.hpp>
+
+#include <climits>
+
+#include "core/check.hpp"
+
+namespace epmoe {
+
+void check_tensor_on(const TensorView& t, const char* name, Device device) {
+  EPMOE_CHECK_ARG(t.device == device, name,
+                  device.is_cpu() ? std::string("a CPU tensor (this backend moves host memory)")
+                                  : fmt::format("a tensor on cuda:{} (this rank's device)", device.index),
+                  describe(t));
+  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("{} with strides {}", describe(t), t.strides));
+  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "a null data pointer");
+}
+
+void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape, Device device) {
+  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}{}", dtype_name(dtype), shape), "None");
+  EPMOE_CHECK_ARG(t.dtype == dtype && t.shape == shape, name, fmt::format("{}{}", dtype_name(dtype), shape),
+                  describe(t));
+  check_tensor_on(t, name, device);
+}
+
+DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buffer_id, Device device) {
+  DispatchSpec s;
+  const TensorView& x = a.x;
+  EPMOE_CHECK_ARG(x.defined(), "x", "a bfloat16 or float8_e4m3fn [T, H] tensor", "None");
+  EPMOE_CHECK_ARG(x.dtype == DType::bf16 || x.dtype == DType::fp8_e4m3, "x", "dtype bfloat16 or float8_e4m3fn",
+                  describe(x));
+  EPMOE_CHECK_ARG(x.ndim() == 2, "x", "a 2-d [T, H] tensor", describe(x));
+  check_tensor_on(x, "x", device);
+  s.fp8 = x.dtype == DType::fp8_e4m3;
+  s.T = x.size(0);
+  s.H = x.size(1);
+  EPMOE_CHECK_ARG(s.T <= INT32_MAX, "x", "at most 2^31 - 1 tokens (int32 token indices)", s.T);
+  const int h_align = s.fp8 ? 16 : 8;  // rows of whole 16-byte vectors (SPEC 1)
+  EPMOE_CHECK_ARG(s.H > 0 && s.H % h_align == 0, "x",
+                  fmt::format("hidden size (dimension 1) a positive multiple of {} for {}", h_align, dtype_name(x.dtype)),
+                  s.H);
+
+  if (s.fp8) {
+    const std::int64_t groups = num_scale_groups(s.H);
+    EPMOE_CHECK_ARG(a.x_scales.defined(), "x_scales",
+                    fmt::format("float32[{}, {}] or UE8M0 int32[{}, {}] with float8 x", s.T, groups, s.T, (groups + 3) / 4),
+                    "None");
+    EPMOE_CHECK_ARG(a.x_scales.dtype == DType::fp32 || a.x_scales.dtype == DType::int32, "x_scales",
+                    "dtype float32 or int32 (UE8M0)", describe(a.x_scales));
+    s.scale_format = a.x_scales.dtype == DType::fp32 ? ScaleFormat::float32 : ScaleFormat::ue8m0;
+    s.scale_cols = s.scale_format == ScaleFormat::float32 ? groups : (groups + 3) / 4;
+    check_tensor(a.x_scales, "x_scales", a.x_scales.dtype, Shape{s.T, s.scale_cols}, device);
+  } else {
+    EPMOE_CHECK_ARG(!a.x_scales.defined(), "x_scales", "None with bfloat16 x", describe(a.x_scales));
+  }
+
+  s.cached = a.handle != nullptr;
+  s.has_topk = a.topk_idx.defined();
+  s.has_weights = a.topk_weights.defined();
+  if (s.cached) {
+    const NormalHandle* h = a.handle;
+    EPMOE_CHECK_ARG(h->defined(), "handle", "the handle of a dispatch of this buffer", "an empty handle");
+    EPMOE_CHECK_ARG(h->buffer_id == buffer_id, "handle", fmt::format("a handle of this buffer (id {})", buffer_id),
+                    fmt::format("a handle of buffer {}", h->buffer_id));
+    EPMOE_CHECK_ARG(h->num_tokens == s.T, "x", fmt::format("{} rows, as in the handle's dispatch", h->num_tokens), s.T);
+  } else {
+    EPMOE_CHECK_ARG(s.has_topk, "topk_idx", "an int64 or int32 [T, K] tensor (required unless a handle is given)",
+                    "None");
+  }
+  if (s.has_topk) {
+    const TensorView& t = a.topk_idx;
+    EPMOE_CHECK_ARG(t.dtype == DType::int64 || t.dtype == DType::int32, "topk_idx", "dtype int64 or int32", describe(t));
+    EPMOE_CHECK_ARG(t.ndim() == 2 && t.size(0) == s.T, "topk_idx", fmt::format("a [{}, K] tensor", s.T), describe(t));
+    EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kNormalMaxTopk, "topk_idx",
+                    fmt::format("K (dimension 1) in 1..{} in normal mode", kNormalMaxTopk), t.size(1));
+    check_tensor_on(t, "topk_idx", device);
+    s.K = static_cast<int>(t.size(1));
+  }
+  if (s.has_weights) {
+    EPMOE_CHECK_ARG(s.has_topk, "topk_weights", "None when topk_idx is not given", describe(a.topk_weights));
+    check_tensor(a.topk_weights, "topk_weights", DType::fp32, Shape{s.T, s.K}, device);
+  }
+
+  if (s.cached) {
+    s.E = a.handle->num_experts;
+    s.alignment = a.handle->expert_alignment;
+    s.worst = a.handle->num_worst_tokens;
+    EPMOE_CHECK_ARG(a.expert_alignment == 1 || a.expert_alignment == s.alignment, "expert_alignment",
+                    fmt::format("1 or the handle's {} (a cached dispatch keeps the handle's counts)", s.alignment),
+                    a.expert_alignment);
+    EPMOE_CHECK_ARG(a.num_worst_tokens == 0 || a.num_worst_tokens == s.worst, "num_worst_tokens",
+                    fmt::format("0 or the handle's {} (a cached dispatch keeps the handle's rows)", s.worst),
+                    a.num_worst_tokens);
+  } else {
+    EPMOE_CHECK_ARG(a.num_tokens_per_expert.defined(), "num_tokens_per_expert", "int32[E] from get_dispatch_layout",
+                    "None");
+    s.E = static_cast<int>(a.num_tokens_per_expert.ndim() == 1 ? a.num_tokens_per_expert.size(0) : 0);
+    check_tensor(a.num_tokens_per_expert, "num_tokens_per_expert", DType::int32, Shape{s.E}, device);
+    EPMOE_CHECK_ARG(s.E >= R && s.E % R == 0, "num_tokens_per_expert",
+                    fmt::format("E (its length) a positive multiple of the {} ranks", R), s.E);
+    EPMOE_CHECK_ARG(s.E / R <= kNormalMaxLocalExperts, "num_tokens_per_expert",
+                    fmt::format("at most {} experts per rank ({} ranks)", kNormalMaxLocalExperts, R), s.E);
+    check_tensor(a.num_tokens_per_rank, "num_tokens_per_rank", DType::int32, Shape{R}, device);
+    check_tensor(a.is_token_in_rank, "is_token_in_rank", DType::boolean, Shape{s.T, R}, device);
+    EPMOE_CHECK_ARG(a.expert_alignment >= 1, "expert_alignment", ">= 1", a.expert_alignment);
+    EPMOE_CHECK_ARG(a.num_worst_tokens >= 0, "num_worst_tokens", ">= 0", a.num_worst_tokens);
+    s.alignment = a.expert_alignment;
+    s.worst = a.num_worst_tokens;
+  }
+  return s;
+}
+
+}  // namespace epmoe

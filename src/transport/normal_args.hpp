@@ -1,0 +1,43 @@
+// Checks of normal-mode dispatch arguments, shared by every backend (the CPU transports through
+// normal_mode.cpp, and cuda_ipc), so each argument has one rule and one message.
+#pragma once
+
+#include <epmoe/buffer.hpp>
+
+#include <cstdint>
+
+namespace epmoe {
+
+inline constexpr int kNormalMaxTopk = 32;                   // SPEC 1: K in 1..32 in normal mode
+inline constexpr std::int64_t kNormalMaxLocalExperts = 1024;  // SPEC 1: E_local <= 1024
+
+/// How fp8 scales travel: none (bf16 rows), float32 [T, G], or UE8M0 int32 [T, ceil(G/4)].
+enum class ScaleFormat : std::int64_t { none = 0, float32 = 1, ue8m0 = 2 };
+
+/// The shape of one dispatch, read off its checked arguments.
+struct DispatchSpec {
+  std::int64_t T = 0, H = 0;
+  bool fp8 = false;
+  ScaleFormat scale_format = ScaleFormat::none;
+  std::int64_t scale_cols = 0;  ///< columns of x_scales (0 for bf16)
+  bool cached = false, has_topk = false, has_weights = false;
+  int K = 0;          ///< 0 when topk_idx is not given (cached dispatch)
+  int E = 0;          ///< from num_tokens_per_expert, or the handle when cached
+  int alignment = 1;  ///< expert_alignment in effect (the handle's when cached)
+  int worst = 0;      ///< num_worst_tokens in effect (the handle's when cached)
+};
+
+/// A tensor on `device`, contiguous, with data. Errors name `name`.
+void check_tensor_on(const TensorView& t, const char* name, Device device);
+/// As check_tensor_on, with an exact dtype and shape.
+void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape, Device device);
+
+/// Checks everything about a dispatch that needs no peer and no id values (SPEC 4, 11): x (bf16, or
+/// fp8 with float32 or UE8M0 scales), H alignment, topk_idx/topk_weights, the layout tensors' dtypes
+/// and shapes, E a multiple of `num_ranks` with E_local <= 1024, alignment and num_worst_tokens, and
+/// for a cached dispatch that the handle is one of buffer `buffer_id` for the same T and that the
+/// settings agree with it. Every tensor must be on `device`.
+/// Errors: ErrorCode::invalid_argument naming the argument, the expected and the actual value.
+DispatchSpec check_dispatch_args(const DispatchArgs& a, int num_ranks, std::uint64_t buffer_id, Device device);
+
+}  // namespace epmoe
