@@ -9,6 +9,7 @@
 // rank (so the collectives stay matched); the time of an iteration is the slowest rank's.
 // Counters, per rank: logical_GBps = received row bytes (own rows included, DeepEP's convention) per
 // second; remote_GBps = the bytes that came from other ranks per second.
+// BM_threads_normal_mode: the same dispatch/combine on the threads backend (R threads inside rank 0).
 // BM_low_latency: T = Tmax = 128 per rank, the decode shape; dispatch (bf16 or fp8) and combine.
 #include <benchmark/benchmark.h>
 
@@ -18,6 +19,7 @@
 
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
+#include <epmoe/group.hpp>
 #include <epmoe/mpi.hpp>
 
 #include <algorithm>
@@ -25,6 +27,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -64,8 +68,9 @@ struct Inputs {
   std::int64_t rows_sent = 0, rows_received = 0, remote_rows_received = 0;
 };
 
-Inputs make_inputs(std::int64_t T, std::int64_t H) {
-  const int R = world_size(), me = world_rank();
+/// Rank `me`'s inputs out of R ranks, without the receive counts (no MPI): the threads-backend
+/// benchmark rebuilds every rank's inputs in one process from this.
+Inputs make_rank_inputs(std::int64_t T, std::int64_t H, int me, int R) {
   Inputs in;
   in.T = T;
   in.H = H;
@@ -99,6 +104,12 @@ Inputs make_inputs(std::int64_t T, std::int64_t H) {
       if (to[static_cast<std::size_t>(d)])
         in.tokens_to[static_cast<std::size_t>(d)].push_back(static_cast<std::int32_t>(t));
   }
+  return in;
+}
+
+Inputs make_inputs(std::int64_t T, std::int64_t H) {
+  const int R = world_size(), me = world_rank();
+  Inputs in = make_rank_inputs(T, H, me, R);
   // Rows received: the count from every source (one small all-to-all, outside the timing).
   std::vector<int> send_counts(static_cast<std::size_t>(R)), recv_counts(static_cast<std::size_t>(R));
   for (int d = 0; d < R; ++d) {
@@ -250,6 +261,63 @@ void BM_normal_mode(benchmark::State& state) {
                static_cast<double>(in.remote_rows_received) * static_cast<double>(row_bytes));
 }
 
+/// The same dispatch/combine on the threads backend, in the same run: MPI rank 0 runs R thread ranks,
+/// thread r with MPI rank r's inputs; the other processes wait. mode: 0 = dispatch, 1 = combine.
+void BM_threads_normal_mode(benchmark::State& state) {
+  const std::int64_t T = state.range(0), H = state.range(1);
+  const int R = world_size();
+  const std::size_t iters = static_cast<std::size_t>(state.max_iterations);
+  std::vector<double> seconds(iters, 0.0);
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(R), 0), remote(static_cast<std::size_t>(R), 0);
+  if (world_rank() == 0) {
+    std::mutex mutex;
+    epmoe::run_thread_ranks(R, [&](epmoe::Group& g) {
+      const int r = g.rank();
+      const Inputs in = make_rank_inputs(T, H, r, R);
+      std::shared_ptr<epmoe::Group> group(std::shared_ptr<epmoe::Group>{}, &g);
+      epmoe::Buffer buffer(group);
+      epmoe::TensorView x(const_cast<std::uint16_t*>(in.x.data()), epmoe::DType::bf16, {T, H});
+      epmoe::TensorView topk_idx(const_cast<std::int64_t*>(in.topk_idx.data()), epmoe::DType::int64, {T, kTopK});
+      epmoe::TensorView topk_weights(const_cast<float*>(in.topk_weights.data()), epmoe::DType::fp32, {T, kTopK});
+      const epmoe::DispatchLayout layout = buffer.get_dispatch_layout(topk_idx, kExperts);
+      epmoe::DispatchArgs args;
+      args.x = x;
+      args.topk_idx = topk_idx;
+      args.topk_weights = topk_weights;
+      args.num_tokens_per_rank = layout.num_tokens_per_rank;
+      args.is_token_in_rank = layout.is_token_in_rank;
+      args.num_tokens_per_expert = layout.num_tokens_per_expert;
+      epmoe::DispatchResult result = buffer.dispatch(args);  // warm-up (fills the output pool)
+      rows[static_cast<std::size_t>(r)] = result.handle.num_recv_tokens;
+      const auto* prefix = result.handle.rank_prefix_matrix.ptr<std::int32_t>();  // [s][d], inclusive over s
+      const std::int64_t own = prefix[r * R + r] - (r > 0 ? prefix[(r - 1) * R + r] : 0);
+      remote[static_cast<std::size_t>(r)] = result.handle.num_recv_tokens - own;
+      epmoe::CombineArgs cargs;
+      cargs.x = result.recv_x;
+      cargs.handle = &result.handle;
+      for (std::size_t i = 0; i < iters; ++i) {
+        g.barrier("bench threads");
+        const auto start = std::chrono::steady_clock::now();
+        if (state.range(2) == 0) {
+          result = buffer.dispatch(args);
+          cargs.x = result.recv_x;
+          cargs.handle = &result.handle;
+        } else {
+          benchmark::DoNotOptimize(buffer.combine(cargs).combined_x.data());
+        }
+        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::lock_guard lock(mutex);
+        seconds[i] = std::max(seconds[i], t);
+      }
+    });
+  }
+  std::size_t i = 0;
+  for (auto _ : state) state.SetIterationTime(std::max(seconds[i++], 1e-9));
+  const std::size_t row_bytes = static_cast<std::size_t>(H) * 2;
+  set_counters(state, static_cast<double>(rows[0]) * static_cast<double>(row_bytes),
+               static_cast<double>(remote[0]) * static_cast<double>(row_bytes));
+}
+
 /// Low-latency dispatch (fp8 or bf16) + combine (bf16) over MPI windows, Tmax = T. mode: 0 = dispatch
 /// bf16, 1 = dispatch fp8, 2 = combine. Logical bytes: one row per (token, expert) received, as DeepEP
 /// counts them; remote: the same for the rows from other ranks.
@@ -319,6 +387,7 @@ void shapes(benchmark::internal::Benchmark* b, std::vector<std::int64_t> extra) 
 BENCHMARK(BM_plain_alltoallv)->ArgNames({"T", "H", "_"})->Apply([](auto* b) { shapes(b, {0}); });
 BENCHMARK(BM_exchange)->ArgNames({"T", "H", "datatype"})->Apply([](auto* b) { shapes(b, {0, 1}); });
 BENCHMARK(BM_normal_mode)->ArgNames({"T", "H", "combine"})->Apply([](auto* b) { shapes(b, {0, 1}); });
+BENCHMARK(BM_threads_normal_mode)->ArgNames({"T", "H", "combine"})->Apply([](auto* b) { shapes(b, {0, 1}); });
 BENCHMARK(BM_low_latency)
     ->ArgNames({"T", "H", "mode"})
     ->Args({128, 7168, 0})
