@@ -297,7 +297,7 @@ TEST(MoELayer, ReplaysRealOlmoeRoutingInBothModes) {
   for (const char* domain : {"general", "coding"}) {
     const RoutingTrace trace = load_routing_trace(dir, domain);
     for (int layer : {0, 15}) {
-      Problem p = make_problem(rng, 4, 64, 8, 96, 128, 32);
+      Problem p = make_problem(rng, 4, 64, 8, 256, 128, 32);  // a few hundred tokens per rank
       for (int r = 0; r < 4; ++r) {
         const auto routed = replay_routing(trace, layer, 0, r, p.T, 64);
         p.topk_idx[static_cast<std::size_t>(r)] = routed.topk_idx;
