@@ -1,44 +1,105 @@
 """Groups: what a Buffer's ranks are made of.
 
-``as_group`` turns whatever the caller hands to ``Buffer(group, ...)`` into an epmoe ``Group``. Today
-that is a Group from :func:`epmoe.run_thread_ranks` (threads backend). The adapters for a
-``torch.distributed.ProcessGroup`` (GPU backends) and an ``mpi4py`` communicator plug in here, so the
-Buffer itself never changes.
+``as_group`` turns whatever the caller hands to ``Buffer(group, ...)`` into an epmoe ``Group``:
+
+- an epmoe ``Group`` from :func:`epmoe.run_thread_ranks` (threads backend, CPU ranks as threads);
+- a ``torch.distributed.ProcessGroup`` (gloo, nccl or a mixed "cpu:gloo,cuda:nccl" group): one process
+  per rank, the layout of DeepEP and the engines on it;
+- an ``mpi4py`` communicator (``comm=``): one process per rank under mpirun.
+
+The last two become a Group whose collectives are one all-gather of bytes through the caller's runtime
+(``epmoe._ext.Group.from_all_gather``): only control data crosses it (the cuda_ipc backend's IPC handles
+at construction and its per-call settings check); tokens move over NVLink. Such a group's waits are the
+runtime's own (torch.distributed's timeout; mpi4py has none), not epmoe's ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, List, Optional
 
 from . import _ext
-from ._tensor import invalid_argument, unsupported
+from ._tensor import invalid_argument
 
 Group = _ext.Group
 
 
 def _is_torch_process_group(obj: Any) -> bool:
-    t = type(obj)
-    return t.__module__.startswith("torch") and t.__name__ in ("ProcessGroup", "ProcessGroupNCCL", "ProcessGroupGloo")
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    dist = getattr(torch, "distributed", None)
+    process_group = getattr(dist, "ProcessGroup", None) if dist is not None else None
+    return process_group is not None and isinstance(obj, process_group)
+
+
+def _is_mpi4py_comm(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] == "mpi4py" and hasattr(obj, "Allgather")
+
+
+def torch_all_gather(group: Any) -> Callable[[bytes, str], bytes]:
+    """The all-gather of bytes over a torch.distributed ProcessGroup: uint8 tensors through
+    ``dist.all_gather``, on the CPU for a group with gloo, else on the current CUDA device (nccl)."""
+    import torch
+    import torch.distributed as dist
+
+    size = group.size()
+    backend = str(dist.get_backend(group)).lower()
+    on_cpu = "gloo" in backend or "nccl" not in backend
+
+    def all_gather(data: bytes, phase: str) -> bytes:
+        n = len(data)
+        if n == 0:  # every rank passes the same length: nothing to exchange anywhere
+            return b""
+        device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        send = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        out = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(size)]
+        dist.all_gather(out, send, group=group)
+        return torch.cat(out).cpu().numpy().tobytes()
+
+    return all_gather
+
+
+def mpi4py_all_gather(comm: Any) -> Callable[[bytes, str], bytes]:
+    """The all-gather of bytes over an mpi4py communicator (``comm.Allgather`` of uint8 buffers)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    size = comm.Get_size()
+
+    def all_gather(data: bytes, phase: str) -> bytes:
+        send = np.frombuffer(data, dtype=np.uint8)
+        recv = np.empty(len(data) * size, dtype=np.uint8)
+        comm.Allgather([send, MPI.BYTE], [recv, MPI.BYTE])
+        return recv.tobytes()
+
+    return all_gather
 
 
 def as_group(group: Any, comm: Any = None) -> Group:
-    """The epmoe Group for `group` (or `comm` when `group` is None).
+    """The epmoe Group for `group` (or for `comm` when `group` is None).
 
-    Errors (epmoe.Error): invalid_argument for anything that is not a group; unsupported for a torch
-    ProcessGroup or an mpi4py communicator, which need the GPU / MPI adapters of a later release.
+    Arguments:
+        group: an epmoe ``Group``, a ``torch.distributed.ProcessGroup``, or None.
+        comm: an ``mpi4py.MPI.Comm`` (used when `group` is None).
+
+    Errors (epmoe.Error 'invalid_argument'): both None; `group` of another type; `comm` that is not an
+    mpi4py communicator.
     """
     if isinstance(group, Group):
         return group
     if group is None and comm is None:
-        raise invalid_argument("group", "an epmoe.Group (from epmoe.run_thread_ranks)", "None (and comm is None)")
+        raise invalid_argument("group", "an epmoe.Group, a torch.distributed.ProcessGroup, or comm=", "None "
+                               "(and comm is None)")
     if group is None:
-        raise unsupported("Buffer(comm=...): mpi4py communicators are not supported by the Python package yet "
-                          "(the C++ MPI backend is; the Python adapter will come with it)")
+        if not _is_mpi4py_comm(comm):
+            raise invalid_argument("comm", "an mpi4py communicator (mpi4py.MPI.Comm)",
+                                   f"an object of type {type(comm).__name__}")
+        return Group.from_all_gather(comm.Get_rank(), comm.Get_size(), "mpi4py", mpi4py_all_gather(comm))
     if _is_torch_process_group(group):
-        raise unsupported("Buffer(group=torch ProcessGroup): torch.distributed groups arrive with the GPU "
-                          "(cuda-ipc) backend; on CPU use epmoe.run_thread_ranks")
-    raise invalid_argument("group", "an epmoe.Group (from epmoe.run_thread_ranks)", f"an object of type "
-                           f"{type(group).__name__}")
+        return Group.from_all_gather(group.rank(), group.size(), "torch", torch_all_gather(group))
+    raise invalid_argument("group", "an epmoe.Group (from epmoe.run_thread_ranks) or a torch.distributed."
+                           "ProcessGroup", f"an object of type {type(group).__name__}")
 
 
 def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Optional[float] = None) -> List[Any]:

@@ -1,10 +1,16 @@
 """Tensors and errors at the boundary to epmoe._ext.
 
+Tensors cross by DLPack (nanobind's ndarray): NumPy arrays, torch tensors (CPU or CUDA) and CuPy arrays
+come in; outputs are made in the caller's framework (torch in, torch out; CuPy in, CuPy out; else
+NumPy), on the inputs' device, without a copy.
+
 NumPy has no bfloat16 or fp8 of its own; epmoe uses ml_dtypes' ``bfloat16`` and ``float8_e4m3fn``.
 DLPack cannot carry those NumPy dtypes, so such arrays travel to C++ as a same-width unsigned view
 plus a dtype tag (``(x.view(np.uint16), "bfloat16")``); the C++ side returns them the same way and
-re-views them as ml_dtypes arrays. The caller only ever sees ml_dtypes arrays. Frameworks that have
-the dtypes (PyTorch) pass their tensors unchanged through DLPack; outputs then use that framework.
+re-views them as ml_dtypes arrays. CuPy arrays are handled alike (a CuPy without ml_dtypes support
+gets uint16 / uint8 views back). torch.bfloat16 crosses as itself; torch.float8_e4m3fn crosses as a
+uint8 view with a tag both ways (torch's DLPack float8 support is recent) and comes back as
+torch.float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -27,19 +33,67 @@ def is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "__dlpack__")
 
 
+def is_cupy(x: Any) -> bool:
+    """True for a cupy.ndarray (checked without importing CuPy)."""
+    return type(x).__module__.split(".")[0] == "cupy" and hasattr(x, "__dlpack__")
+
+
+def is_cuda(x: Any) -> bool:
+    """True for a torch tensor on a CUDA device or a CuPy array."""
+    if is_torch(x):
+        return x.device.type == "cuda"
+    return is_cupy(x)
+
+
 def framework_of(*tensors: Any) -> str:
-    """'torch' when any of the tensors is a torch.Tensor, else 'numpy' (the framework outputs are made in)."""
-    return "torch" if any(is_torch(t) for t in tensors if t is not None) else "numpy"
+    """The framework outputs are made in: 'torch' when any tensor is a torch.Tensor, else 'cupy' when any
+    is a CuPy array, else 'numpy'."""
+    present = [t for t in tensors if t is not None]
+    if any(is_torch(t) for t in present):
+        return "torch"
+    if any(is_cupy(t) for t in present):
+        return "cupy"
+    return "numpy"
+
+
+def current_stream(*tensors: Any) -> Optional[int]:
+    """The caller's CUDA stream (cudaStream_t as an int) for work on these tensors: torch's current stream
+    on the first CUDA tensor's device, or CuPy's current stream; None when no tensor is on a GPU."""
+    for t in tensors:
+        if t is None:
+            continue
+        if is_torch(t) and t.device.type == "cuda":
+            import torch
+            return int(torch.cuda.current_stream(t.device).cuda_stream)
+        if is_cupy(t):
+            import cupy
+            return int(cupy.cuda.get_current_stream().ptr)
+    return None
+
+
+def _torch_arg(x: Any) -> Any:
+    import torch
+    x = x.detach()  # DLPack refuses tensors that require grad; epmoe never differentiates
+    if x.dtype == torch.float8_e4m3fn:
+        # Older torch cannot export float8 through DLPack: a same-width view plus a tag always works.
+        return (x.view(torch.uint8), "float8_e4m3fn")
+    return x
 
 
 def arg(x: Any) -> Any:
-    """What _ext accepts for a tensor argument: None, an array, or (integer view, dtype name)."""
+    """What _ext accepts for a tensor argument: None, an array, or (integer view, dtype name).
+
+    NumPy and CuPy arrays of ml_dtypes' bfloat16 / float8_e4m3fn travel as same-width unsigned views with
+    a tag; torch tensors travel by DLPack (float8 as a uint8 view with a tag)."""
     if x is None:
         return None
-    if isinstance(x, np.ndarray):
-        if x.dtype == BFLOAT16:
+    if is_torch(x):
+        return _torch_arg(x)
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and hasattr(x, "view") and (isinstance(x, np.ndarray) or is_cupy(x)):
+        if dtype == BFLOAT16:
             return (x.view(np.uint16), "bfloat16")
-        if x.dtype == FLOAT8_E4M3FN:
+        if dtype == FLOAT8_E4M3FN:
             return (x.view(np.uint8), "float8_e4m3fn")
     return x
 

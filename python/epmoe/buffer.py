@@ -5,63 +5,119 @@ DeepEP commit 567632d), so an engine switches by changing its import::
 
     from epmoe import Buffer, Config, EventOverlap     # instead of: from deep_ep import ...
 
-Where epmoe's rules are wider or stricter the method docstrings say so. Tensors: NumPy arrays (bf16
-and fp8 as ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``) on the CPU backends; outputs are
-NumPy arrays. Every error is an ``epmoe.Error`` whose message names the argument, what was expected
-and what came, raised before any communication.
+Where epmoe's rules are wider or stricter the method docstrings say so. Every error is an
+``epmoe.Error`` whose message names the argument, what was expected and what came, raised before any
+communication.
 
-DeepEP arguments that are accepted but have no effect on the CPU backends: ``num_nvl_bytes``,
-``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
-``config``, ``allocate_on_comm_stream``, ``async_finish`` (CPU work is complete on return; the event
-is complete), ``previous_event`` (CPU events are complete), ``num_tokens_per_rdma_rank`` (one level of
-ranks), ``zero_copy``, ``use_logfmt`` (combine always sends bf16, which is exact where LogFMT rounds),
-``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` (checked, never updated).
+Two layouts:
 
-Not supported (epmoe.Error 'unsupported'): ``enable_shrink=True`` and the mask-buffer methods
-(rank masking is a fault-tolerance feature of DeepEP's NVSHMEM path), ``comm=`` (mpi4py), a torch
-``ProcessGroup`` as ``group`` (comes with the GPU backend), ``get_comm_stream`` and
-``get_local_buffer_tensor`` (no streams or registered buffer on CPU).
+- GPU (DeepEP's): one process per GPU, ``Buffer(group)`` with a ``torch.distributed.ProcessGroup`` (gloo
+  or nccl) or ``Buffer(None, comm=mpi4py_comm)``, torch (or CuPy) CUDA tensors. Normal mode runs on the
+  cuda_ipc backend (NVLink, one host; ``num_nvl_bytes`` must hold the largest call:
+  ``Buffer.get_normal_nvl_size_hint``). Work is ordered after torch's current stream (or
+  ``previous_event``); ``async_finish=True`` returns a CUDA event, else the current stream waits.
+  Low-latency mode has no GPU transport yet: on such a buffer it raises epmoe.Error 'unsupported'.
+- CPU: ranks as threads of one process (``epmoe.run_thread_ranks``), NumPy arrays (bf16 / fp8 as
+  ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``) or torch CPU tensors, both modes. Every call
+  is complete when it returns and its event is complete.
+
+Outputs are made in the inputs' framework (torch in, torch out; NumPy in, NumPy out) and on their device.
+
+DeepEP arguments accepted without effect: ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
+``allow_mnnvl``, ``use_fabric`` (RDMA / NVSHMEM settings), ``config`` (epmoe's kernels have their own
+sizing; ``Buffer.num_sms`` set by ``set_num_sms`` is used as the cuda_ipc block count), 
+``num_tokens_per_rdma_rank`` (one level of ranks), ``zero_copy``, ``use_logfmt`` (combine always sends
+bf16, exact where LogFMT rounds), ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats``
+(checked, never updated). On the CPU layout also ``num_nvl_bytes``, ``previous_event``, ``async_finish``
+and ``allocate_on_comm_stream`` (work is complete on return). ``allocate_on_comm_stream`` on the GPU is
+checked as DeepEP does (needs previous_event and async_finish); outputs are not stream-ordered
+allocations there, so it changes nothing else.
+
+Not supported (epmoe.Error 'unsupported'): ``enable_shrink=True`` and the mask-buffer methods (rank
+masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``get_comm_stream`` and
+``get_local_buffer_tensor`` (the cuda_ipc stream and buffer are internal); low-latency calls on a
+buffer over a torch / mpi4py group (no GPU low-latency transport yet); more than one host (no RDMA).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+import sys
+
 import numpy as np
 
 from . import _ext
 from ._group import as_group
-from ._tensor import BFLOAT16, arg, describe, framework_of, invalid_argument, unsupported
+from ._tensor import BFLOAT16, arg, current_stream, describe, framework_of, invalid_argument, is_cuda, unsupported
 
 Event = _ext.Event
+
+
+def _torch_cuda() -> Any:
+    """torch.cuda when torch is imported and a GPU is usable, else None (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch.cuda if torch.cuda.is_available() else None
+    except Exception:  # a broken CUDA setup: treat as no GPU
+        return None
+
+
+def _current_stream_handle() -> Optional[int]:
+    """torch's current CUDA stream on the current device (cudaStream_t as an int), else CuPy's, else None."""
+    cuda = _torch_cuda()
+    if cuda is not None and cuda.is_initialized():
+        return int(cuda.current_stream().cuda_stream)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        return int(cupy.cuda.get_current_stream().ptr)
+    return None
 
 
 class EventOverlap:
     """An event (DeepEP's ``EventOverlap``), for overlapping communication with computation.
 
-    On the CPU backends every operation is complete when it returns, so the event is always complete:
-    ``current_stream_wait()`` returns at once and the ``with`` form just runs its body.
+    The event is one of: an ``epmoe._ext.Event`` (a CUDA event on the cuda_ipc buffer's communication
+    stream after ``async_finish=True``; otherwise already complete), a ``torch.cuda.Event`` (from
+    ``Buffer.capture()`` or an async ``get_dispatch_layout``), or None.
+
+    ``current_stream_wait()`` makes torch's current CUDA stream (CuPy's when torch is not in use) wait for
+    it, without blocking the host; CPU events return at once. ``with event: ...`` runs the body, then
+    waits the same way (DeepEP's overlap idiom).
 
     Attributes:
-        event: the ``epmoe._ext.Event`` (or None).
-        extra_tensors: tensors kept alive with the event (DeepEP uses them instead of record_stream).
+        event: the event, or None.
+        extra_tensors: tensors kept alive with the event: the inputs of an async_finish call (the
+            communication stream may still read them; DeepEP uses record_stream for this).
     """
 
-    def __init__(self, event: Optional[Event] = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
+    def __init__(self, event: Any = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
 
     def current_stream_wait(self) -> None:
-        """Makes the current stream wait for the event (no-op on CPU)."""
-        if self.event is not None:
-            self.event.current_stream_wait()
+        """Makes the current stream wait for the event (no-op for a complete or absent event)."""
+        event = self.event
+        if event is None:
+            return
+        if isinstance(event, Event):
+            if event.is_cuda:
+                event.current_stream_wait(_current_stream_handle())
+            return
+        # A torch.cuda.Event.
+        cuda = _torch_cuda()
+        if cuda is not None:
+            cuda.current_stream().wait_event(event)
+        else:
+            event.synchronize()
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
+        self.current_stream_wait()
 
 
 class Config:
@@ -159,13 +215,32 @@ class LowLatencyHandle(tuple):
         return obj
 
 
-def _event_of(previous_event: Optional[EventOverlap]) -> Optional[Event]:
+def _event_of(previous_event: Optional[EventOverlap]) -> Any:
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise invalid_argument("previous_event", "None or an EventOverlap", describe(previous_event))
     return getattr(previous_event, "event", None)
 
 
 def _check_config(config: Any) -> None:
     if config is not None and not isinstance(config, Config):
         raise invalid_argument("config", "None or an epmoe.Config", f"an object of type {type(config).__name__}")
+
+
+def _check_allocate_on_comm_stream(tensors: Tuple[Any, ...], previous_event: Any, async_finish: bool,
+                                   allocate_on_comm_stream: bool) -> None:
+    """DeepEP's rule, on GPU tensors: allocate_on_comm_stream needs previous_event and async_finish."""
+    event = _event_of(previous_event)
+    if allocate_on_comm_stream and (event is None or not async_finish) and any(
+            t is not None and is_cuda(t) for t in tensors):
+        raise invalid_argument("allocate_on_comm_stream", "previous_event and async_finish=True with it (as DeepEP "
+                               "requires)", f"previous_event={'None' if event is None else 'set'}, "
+                               f"async_finish={async_finish}")
+
+
+def _check_low_latency_on_cpu(name: str, x: Any) -> None:
+    if x is not None and is_cuda(x):
+        raise unsupported(f"low-latency mode runs on CPU ranks only (no GPU low-latency transport yet): '{name}' "
+                          f"is a CUDA tensor")
 
 
 def _check_cost_stats(name: str, stats: Any, num_ranks: int) -> None:
@@ -199,17 +274,22 @@ class Buffer:
     """
 
     num_sms: int = 20
+    _num_sms_set: bool = False  # set_num_sms was called: the cuda_ipc kernels use that many blocks
 
     def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm: Any = None) -> None:
+                 enable_shrink: bool = False, comm: Any = None, *, backend: Optional[str] = None,
+                 device: Optional[int] = None) -> None:
         """Creates this rank's buffer. Collective: every rank of the group calls it.
 
         Arguments:
-            group: an ``epmoe.Group`` (from ``epmoe.run_thread_ranks``). A torch ``ProcessGroup`` comes with
-                the GPU backend (today: epmoe.Error 'unsupported').
-            num_nvl_bytes: normal-mode staging bytes (GPU backends; ignored on CPU). >= 0.
+            group: a ``torch.distributed.ProcessGroup`` (one process per GPU; gloo, nccl or mixed), an
+                ``epmoe.Group`` (from ``epmoe.run_thread_ranks``), or None with `comm`.
+            num_nvl_bytes: normal-mode buffer bytes of the cuda_ipc backend (> 0 there; the largest call
+                must fit, else that call raises epmoe.Error 'out_of_memory' naming the bytes needed:
+                ``Buffer.get_normal_nvl_size_hint(max_tokens_per_rank, hidden, num_ranks, num_topk)``;
+                ignored on CPU). >= 0.
             num_rdma_bytes: low-latency buffer bytes per rank; 0 = sized on the first low-latency call;
                 a positive size smaller than ``get_low_latency_rdma_size_hint`` is an error at that call
                 (it says how many bytes are needed). >= 0.
@@ -218,14 +298,38 @@ class Buffer:
                 settings of DeepEP; accepted, no effect.
             explicitly_destroy: if True, ``destroy()`` must be called to release the buffer.
             enable_shrink: rank masking; not supported (True raises epmoe.Error 'unsupported').
-            comm: an mpi4py communicator instead of `group`; not supported yet.
+            comm: an mpi4py communicator instead of `group` (one process per GPU).
+            backend (epmoe, keyword only): None / 'auto' picks 'cuda_ipc' for a torch or mpi4py group and the
+                group's own CPU backend ('threads' or 'mpi') for an epmoe Group; 'cuda_ipc' with thread
+                ranks puts rank r on cuda:r in one process.
+            device (epmoe, keyword only): this rank's CUDA device for cuda_ipc; None = torch's current
+                device when torch has initialised CUDA, else rank % visible devices.
+
+        Errors (epmoe.Error): invalid_argument (a bad group, negative sizes, num_nvl_bytes == 0 with
+        cuda_ipc, an unknown backend); unsupported (enable_shrink, a torch / mpi4py group without a CUDA
+        build or GPU, more ranks than one host holds); rank_mismatch (num_nvl_bytes or num_sms differ
+        across ranks); out_of_memory (the device buffer cannot be allocated).
         """
-        native_group = as_group(group, comm)
         if enable_shrink:
             raise unsupported("Buffer(enable_shrink=True): rank masking is not supported")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, (int, np.integer)) or value < 0:
                 raise invalid_argument(name, "an int >= 0", repr(value))
+        if backend not in (None, "auto", "threads", "mpi", "cuda_ipc"):
+            raise invalid_argument("backend", "None, 'auto', 'threads', 'mpi' or 'cuda_ipc'", repr(backend))
+        native_group = as_group(group, comm)
+        native_backend = native_group.backend
+        if backend in (None, "auto"):
+            backend = "auto" if native_backend in ("threads", "mpi") else "cuda_ipc"
+        if backend == "cuda_ipc" and not (_ext.built_with_cuda() and _ext.cuda_device_count() > 0):
+            raise unsupported(f"Buffer over a '{native_backend}' group needs the cuda_ipc backend, and this "
+                              f"{'build has no CUDA' if not _ext.built_with_cuda() else 'machine has no visible GPU'}"
+                              " (CPU ranks: epmoe.run_thread_ranks, or the MPI backend)")
+        if device is None:
+            cuda = _torch_cuda()
+            device = int(cuda.current_device()) if backend == "cuda_ipc" and cuda is not None else -1
+        elif not isinstance(device, (int, np.integer)) or device < 0:
+            raise invalid_argument("device", "None or a CUDA device index >= 0", repr(device))
         self.rank = native_group.rank()
         self.group_size = native_group.size()
         self.group = group
@@ -234,8 +338,12 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = False
-        self.runtime = _ext.Buffer(native_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode)
-        self._combine_scratch: Optional[np.ndarray] = None
+        self.backend = backend
+        self.native_group = native_group
+        self._side_stream: Any = None
+        self.runtime = _ext.Buffer(native_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+                                   backend, int(device), Buffer._num_sms_for_kernels())
+        self._combine_scratch: Any = None
 
     # ---------------------------------------------------------------- life cycle and static helpers
 
@@ -257,11 +365,31 @@ class Buffer:
         if not isinstance(new_num_sms, (int, np.integer)) or new_num_sms <= 0 or new_num_sms % 2 != 0:
             raise invalid_argument("new_num_sms", "an even int > 0", repr(new_num_sms))
         Buffer.num_sms = int(new_num_sms)
+        Buffer._num_sms_set = True
+
+    @staticmethod
+    def _num_sms_for_kernels() -> int:
+        """Blocks per cuda_ipc data kernel: Buffer.num_sms once set_num_sms was called (at most 64), else 0
+        (the backend's tuned default)."""
+        return min(int(Buffer.num_sms), 64) if Buffer._num_sms_set else 0
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream (CPU: already complete)."""
+        """An event on torch's current CUDA stream (a ``torch.cuda.Event``) when torch uses a GPU; else an
+        already complete event. Pass it as ``previous_event`` to order a call after the work captured."""
+        cuda = _torch_cuda()
+        if cuda is not None and cuda.is_initialized():
+            event = cuda.Event()
+            event.record(cuda.current_stream())
+            return EventOverlap(event)
         return EventOverlap(Event())
+
+    @staticmethod
+    def get_normal_nvl_size_hint(max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int) -> int:
+        """``num_nvl_bytes`` a cuda_ipc buffer needs so that any normal-mode call of up to
+        `max_tokens_per_rank` tokens per rank (bf16 or fp8 rows of `hidden`, `num_topk` ids) fits, whatever
+        the routing (epmoe; DeepEP sizes its ring buffers with Config.get_nvl_buffer_size_hint instead)."""
+        return _ext.Buffer.get_normal_nvl_size_hint(max_tokens_per_rank, hidden, num_ranks, num_topk)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -273,13 +401,44 @@ class Buffer:
                                                           num_experts)
 
     def get_comm_stream(self) -> Any:
-        """The communication stream (GPU backends). CPU: epmoe.Error 'unsupported'."""
-        raise unsupported("get_comm_stream: the CPU backends have no streams")
+        """DeepEP's communication stream: epmoe.Error 'unsupported' (the cuda_ipc stream is internal; order
+        work with events: async_finish / previous_event / EventOverlap.current_stream_wait)."""
+        raise unsupported("get_comm_stream: epmoe's communication stream is internal (use the events)")
 
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Any:
-        """The raw registered buffer (GPU backends). CPU: epmoe.Error 'unsupported'."""
-        raise unsupported("get_local_buffer_tensor: the CPU backends have no registered buffer to expose")
+        """DeepEP's raw registered buffer: epmoe.Error 'unsupported' (epmoe's buffers are internal)."""
+        raise unsupported("get_local_buffer_tensor: epmoe's communication buffers are internal")
+
+    def _enter(self, tensors: Tuple[Any, ...], previous_event: Optional[EventOverlap], async_finish: bool,
+               allocate_on_comm_stream: bool) -> Tuple[Any, Optional[int], Optional[Callable[[], None]]]:
+        """Stream and event arguments of one call: (the epmoe Event to pass as previous_event or None, the
+        caller's stream handle or None, a function to run after the call or None).
+
+        A ``torch.cuda.Event`` (from capture) as previous_event: a side stream waits for it and is handed
+        down as the caller's stream, so the communication stream waits for that event only (DeepEP's
+        meaning); without async_finish, torch's current stream then waits for the side stream."""
+        event = _event_of(previous_event)
+        _check_allocate_on_comm_stream(tensors, previous_event, async_finish, allocate_on_comm_stream)
+        gpu = [t for t in tensors if t is not None and is_cuda(t)]
+        stream = current_stream(*gpu)
+        if event is None or isinstance(event, Event):
+            return event, stream, None
+        if not gpu or not hasattr(gpu[0], "device"):  # CPU work (or CuPy): wait on the host
+            event.synchronize()
+            return None, stream, None
+        import torch
+        device = gpu[0].device
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=device)
+        side = self._side_stream
+        side.wait_event(event)
+
+        def after() -> None:
+            if not async_finish:
+                torch.cuda.current_stream(device).wait_stream(side)
+
+        return None, int(side.cuda_stream), after
 
     @staticmethod
     def _unpack_bias(bias: Any) -> Tuple[Any, Any]:
@@ -314,22 +473,35 @@ class Buffer:
         """Where each token goes (SPEC 3). Local: no communication.
 
         Arguments:
-            topk_idx: int64 (or int32) [T, K], global expert ids in [-1, num_experts); -1 = no expert.
+            topk_idx: int64 (or int32) [T, K], global expert ids in [-1, num_experts); -1 = no expert. On a
+                GPU the layout is computed on torch's current stream (after previous_event).
             num_experts: E, a positive multiple of the group size, E / R <= 1024.
+            previous_event: an EventOverlap to wait for first (GPU: the current stream waits for it).
+            async_finish: GPU: also return a torch.cuda.Event recorded after the layout kernels.
+            allocate_on_comm_stream: checked as DeepEP does (needs previous_event and async_finish).
 
         Returns:
             num_tokens_per_rank: int32 [R], tokens sent to each rank (a token counts once per rank).
             num_tokens_per_rdma_rank: None (one level of ranks).
             num_tokens_per_expert: int32 [E].
             is_token_in_rank: bool [T, R].
-            event: a complete EventOverlap.
+            event: an EventOverlap (complete on CPU).
 
         Errors: epmoe.Error('invalid_argument') for a bad dtype/shape, E % R != 0, an id outside [-1, E)
-        (naming the first one and its [t, k]).
+        (naming the first one and its [t, k]; CPU and debug GPU checks).
         """
+        # The layout runs on the caller's stream itself: that stream waits for previous_event first.
+        _check_allocate_on_comm_stream((topk_idx,), previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         per_rank, per_expert, in_rank = self.runtime.get_dispatch_layout(arg(topk_idx), num_experts,
-                                                                         framework_of(topk_idx))
-        return per_rank, None, per_expert, in_rank, EventOverlap(Event())
+                                                                         framework_of(topk_idx),
+                                                                         current_stream(topk_idx))
+        event: Any = Event()
+        if async_finish and is_cuda(topk_idx) and _torch_cuda() is not None and hasattr(topk_idx, "device"):
+            event = _torch_cuda().Event()
+            event.record(_torch_cuda().current_stream(topk_idx.device))
+        return per_rank, None, per_expert, in_rank, EventOverlap(event)
 
     def dispatch(self, x: Union[Any, Tuple[Any, Any]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Any = None, num_tokens_per_rdma_rank: Any = None,
@@ -354,8 +526,14 @@ class Buffer:
             topk_weights: float32 [T, K] (optional).
             expert_alignment: >= 1; each local expert's count is rounded up to a multiple of it.
             num_worst_tokens: > 0 pads the outputs to this many rows (padded rows have topk_idx -1) and
-                returns an empty count list, as DeepEP does.
-            config, previous_event, async_finish, allocate_on_comm_stream: accepted; no effect on CPU.
+                returns an empty count list, as DeepEP does (GPU: no host synchronisation).
+            config: accepted (see the module docstring).
+            previous_event: GPU: the communication stream waits for this event instead of torch's current
+                stream. CPU: no effect.
+            async_finish: GPU: return at once with a CUDA event (event.current_stream_wait() before using the
+                outputs; the inputs are kept alive in event.extra_tensors); else torch's current stream
+                waits for the communication stream. CPU: no effect.
+            allocate_on_comm_stream: GPU: needs previous_event and async_finish (as DeepEP).
 
         Returns:
             recv_x: [Nrecv, H] of x's dtype (a tuple (recv_x, recv_x_scales) for fp8 input). One row per
@@ -365,11 +543,12 @@ class Buffer:
             recv_topk_weights: float32 [Nrecv, K], 0 where the id is -1 (None for a cached dispatch).
             num_recv_tokens_per_expert_list: E_local ints, aligned (None for a cached dispatch).
             handle: a DispatchHandle for combine (None for a cached dispatch).
-            event: a complete EventOverlap.
+            event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
 
-        Errors: epmoe.Error — invalid_argument for any bad argument (before any exchange, on this rank);
-        rank_mismatch when settings differ across ranks (H, dtype, K, E, alignment; on every rank);
-        timeout when a rank does not arrive.
+        Errors: epmoe.Error — invalid_argument for any bad argument (before any exchange, on this rank;
+        GPU: a CPU tensor, a tensor on another device); rank_mismatch when settings differ across ranks
+        (H, dtype, K, E, alignment; on every rank); out_of_memory (GPU: num_nvl_bytes too small, names the
+        bytes needed); timeout when a rank does not arrive (GPU: the buffer is unusable afterwards).
         """
         _check_config(config)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
@@ -378,14 +557,19 @@ class Buffer:
             if not isinstance(handle, DispatchHandle):
                 raise invalid_argument("handle", "None or the handle returned by dispatch", describe(handle))
             native_handle = handle.native
+        inputs = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+        native_event, stream, after = self._enter(inputs, previous_event, async_finish, allocate_on_comm_stream)
         recv_x, recv_scales, recv_idx, recv_w, counts, new_handle, event, arrays = self.runtime.dispatch(
             arg(x), arg(x_scales), arg(topk_idx), arg(topk_weights), arg(num_tokens_per_rank),
             arg(is_token_in_rank), arg(num_tokens_per_expert), native_handle, expert_alignment, num_worst_tokens,
-            _event_of(previous_event), async_finish, allocate_on_comm_stream, framework_of(x))
+            native_event, async_finish, allocate_on_comm_stream, framework_of(x), stream)
+        if after is not None:
+            after()
+        overlap = EventOverlap(event, inputs if event.is_cuda else None)
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         if handle is not None:
-            return recv, None, None, None, None, EventOverlap(event)
-        return recv, recv_idx, recv_w, counts, DispatchHandle(new_handle, arrays), EventOverlap(event)
+            return recv, None, None, None, None, overlap
+        return recv, recv_idx, recv_w, counts, DispatchHandle(new_handle, arrays), overlap
 
     def combine(self, x: Any, handle: Tuple, topk_weights: Any = None,
                 bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
@@ -399,25 +583,29 @@ class Buffer:
             handle: the DispatchHandle of that dispatch.
             topk_weights: optional float32 [rows, K]; their per-token sum comes back.
             bias: None, a bfloat16 [T, H] or a tuple of two, added after the sum.
-            config, previous_event, async_finish, allocate_on_comm_stream: accepted; no effect on CPU.
+            config, previous_event, async_finish, allocate_on_comm_stream: as for dispatch.
 
         Returns:
             combined_x: bfloat16 [T, H] = sum over destination ranks (ascending) in float32, plus the
-                biases, rounded to bf16 once (bit-reproducible).
+                biases, rounded to bf16 once (bit-reproducible, the same bits on CPU and GPU).
             combined_topk_weights: float32 [T, K] or None.
-            event: a complete EventOverlap.
+            event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
 
         Errors: epmoe.Error('invalid_argument') for a handle of another buffer, rows != the handle's, bad
-        dtypes or shapes (before any exchange).
+        dtypes, shapes or devices (before any exchange); timeout as for dispatch.
         """
         _check_config(config)
         if not isinstance(handle, DispatchHandle):
             raise invalid_argument("handle", "the handle returned by dispatch", describe(handle))
         bias_0, bias_1 = Buffer._unpack_bias(bias)
+        inputs = (x, topk_weights, bias_0, bias_1)
+        native_event, stream, after = self._enter(inputs, previous_event, async_finish, allocate_on_comm_stream)
         combined, combined_w, event = self.runtime.combine(
-            arg(x), handle.native, arg(topk_weights), arg(bias_0), arg(bias_1), _event_of(previous_event),
-            async_finish, allocate_on_comm_stream, framework_of(x))
-        return combined, combined_w, EventOverlap(event)
+            arg(x), handle.native, arg(topk_weights), arg(bias_0), arg(bias_1), native_event, async_finish,
+            allocate_on_comm_stream, framework_of(x), stream)
+        if after is not None:
+            after()
+        return combined, combined_w, EventOverlap(event, inputs if event.is_cuda else None)
 
     # DeepEP's explicit internode entry points: one level of ranks here, so they are dispatch/combine.
     internode_dispatch = dispatch
@@ -468,6 +656,7 @@ class Buffer:
         out_of_memory (num_rdma_bytes too small: says how much is needed), timeout.
         """
         _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
+        _check_low_latency_on_cpu("x", x)
         recv_x, scales, count, src_info, layout_range, native, event, hook = self.runtime.low_latency_dispatch(
             arg(x), arg(topk_idx), None, num_max_dispatch_tokens_per_rank, num_experts,
             arg(cumulative_local_expert_recv_stats), use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
@@ -501,6 +690,7 @@ class Buffer:
             hook: the receive half with return_recv_hook, else None.
         """
         _check_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size)
+        _check_low_latency_on_cpu("x", x)
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
         combined, event, hook = self.runtime.low_latency_combine(
@@ -516,9 +706,16 @@ class Buffer:
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
         tmax, hidden, num_experts = handle[2], handle[3], handle[4]
         shape = (num_experts // self.group_size, self.group_size * tmax, hidden)
-        if self._combine_scratch is None or self._combine_scratch.shape != shape:
-            self._combine_scratch = np.zeros(shape, dtype=BFLOAT16)
-        return self._combine_scratch
+        torch_out = framework_of(handle[0]) == "torch"
+        scratch = self._combine_scratch
+        if scratch is None or tuple(scratch.shape) != shape or (framework_of(scratch) == "torch") != torch_out:
+            if torch_out:
+                import torch
+                scratch = torch.zeros(shape, dtype=torch.bfloat16)
+            else:
+                scratch = np.zeros(shape, dtype=BFLOAT16)
+            self._combine_scratch = scratch
+        return scratch
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Rank masking (DeepEP's shrink mode): not supported (epmoe.Error 'unsupported')."""

@@ -5,12 +5,17 @@
 
 #include <epmoe/error.hpp>
 
+#include <epmoe/stream.hpp>
+
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <cstring>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -88,6 +93,19 @@ struct PyRecvHook {
   }
 };
 
+// A caller's CUDA stream handle (torch.cuda.current_stream().cuda_stream), or None: the legacy default stream.
+Stream stream_of(std::optional<std::uintptr_t> handle) {
+  return Stream{handle ? reinterpret_cast<void*>(*handle) : nullptr};
+}
+
+Backend parse_backend(std::string_view name) {
+  if (name == "auto") return Backend::automatic;
+  if (name == "threads") return Backend::threads;
+  if (name == "mpi") return Backend::mpi;
+  if (name == "cuda_ipc") return Backend::cuda_ipc;
+  throw_invalid_argument("backend", "'auto', 'threads', 'mpi' or 'cuda_ipc'", fmt::format("'{}'", name));
+}
+
 Buffer& buf(PyBuffer& b) {
   if (!b.buffer) throw Error(ErrorCode::unusable, "epmoe: this Buffer was destroyed (Buffer.destroy())");
   return *b.buffer;
@@ -96,10 +114,21 @@ Buffer& buf(PyBuffer& b) {
 }  // namespace
 
 void bind_buffer(nb::module_& m) {
-  nb::class_<Event>(m, "Event", "Completion of an operation (CPU backends: already complete).")
+  nb::class_<Event>(m, "Event",
+                    "Completion of an operation: a CUDA event of a cuda_ipc buffer (async_finish=True), else "
+                    "already complete.")
       .def(nb::init<>())
       .def("done", &Event::done)
-      .def("current_stream_wait", &Event::current_stream_wait);
+      .def_prop_ro("is_cuda", [](const Event& e) { return e.backend() != nullptr; })
+      .def(
+          "current_stream_wait",
+          [](const Event& e, std::optional<std::uintptr_t> stream) {
+            StreamGuard guard(stream_of(stream));
+            e.current_stream_wait();
+          },
+          nb::arg("stream").none() = nb::none(),
+          "Makes `stream` (a cudaStream_t as an int; None: the legacy default stream) wait for the event. "
+          "No-op for a complete event.");
 
   nb::class_<NormalHandle>(m, "NormalHandle", "What combine and a cached dispatch need from a normal-mode dispatch.")
       .def_ro("num_tokens", &NormalHandle::num_tokens)
@@ -125,12 +154,15 @@ void bind_buffer(nb::module_& m) {
       .def(
           "__init__",
           [](PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std::int64_t num_rdma_bytes,
-             bool low_latency_mode) {
+             bool low_latency_mode, std::string_view backend, int device, int num_sms) {
             if (!group.group) throw_invalid_argument("group", "an epmoe Group", "None");
             BufferOptions o;
+            o.backend = parse_backend(backend);
             o.num_nvl_bytes = num_nvl_bytes;
             o.num_rdma_bytes = num_rdma_bytes;
             o.low_latency_mode = low_latency_mode;
+            o.device = device;
+            o.num_sms = num_sms;
             std::shared_ptr<Buffer> b;
             {
               nb::gil_scoped_release release;
@@ -139,34 +171,41 @@ void bind_buffer(nb::module_& m) {
             new (self) PyBuffer{std::move(b)};
           },
           nb::arg("group"), nb::arg("num_nvl_bytes") = 0, nb::arg("num_rdma_bytes") = 0,
-          nb::arg("low_latency_mode") = false)
+          nb::arg("low_latency_mode") = false, nb::arg("backend") = "auto", nb::arg("device") = -1,
+          nb::arg("num_sms") = 0)
       .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
       .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
       .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })
+      .def_static("get_normal_nvl_size_hint", &Buffer::get_normal_nvl_size_hint, nb::arg("max_tokens_per_rank"),
+                  nb::arg("hidden"), nb::arg("num_ranks"), nb::arg("num_topk"))
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
                   nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_ranks"),
                   nb::arg("num_experts"))
       .def(
           "get_dispatch_layout",
-          [](PyBuffer& b, nb::handle topk_idx, int num_experts, std::string_view framework) {
+          [](PyBuffer& b, nb::handle topk_idx, int num_experts, std::string_view framework,
+             std::optional<std::uintptr_t> stream) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             const TensorView idx = arg(topk_idx, "topk_idx", in);
             DispatchLayout l;
             {
               nb::gil_scoped_release release;
+              StreamGuard guard(stream_of(stream));
               l = buf(b).get_dispatch_layout(idx, num_experts);
             }
             return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
                                   to_py(l.is_token_in_rank, fw));
           },
-          nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("framework") = "numpy")
+          nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("framework") = "numpy",
+          nb::arg("stream").none() = nb::none())
       .def(
           "dispatch",
           [](PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
              nb::handle num_tokens_per_rank, nb::handle is_token_in_rank, nb::handle num_tokens_per_expert,
              const NormalHandle* handle, int expert_alignment, int num_worst_tokens, const Event* previous_event,
-             bool async_finish, bool allocate_on_comm_stream, std::string_view framework) {
+             bool async_finish, bool allocate_on_comm_stream, std::string_view framework,
+             std::optional<std::uintptr_t> stream) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             DispatchArgs a;
@@ -186,11 +225,13 @@ void bind_buffer(nb::module_& m) {
             DispatchResult r;
             {
               nb::gil_scoped_release release;
+              StreamGuard guard(stream_of(stream));
               r = buf(b).dispatch(a);
             }
             const NormalHandle& h = r.handle;
-            nb::tuple handle_arrays = nb::make_tuple(to_py(h.rank_prefix_matrix, fw), to_py(h.recv_src_idx, fw),
-                                                     to_py(h.is_token_in_rank, fw), to_py(h.send_pos, fw));
+            nb::tuple handle_arrays =
+                nb::make_tuple(to_py_or_none(h.rank_prefix_matrix, fw), to_py_or_none(h.recv_src_idx, fw),
+                               to_py_or_none(h.is_token_in_rank, fw), to_py_or_none(h.send_pos, fw));
             nb::list counts;
             for (int c : r.num_recv_tokens_per_expert_list) counts.append(c);
             return nb::make_tuple(to_py(r.recv_x, fw), to_py_or_none(r.recv_x_scales, fw),
@@ -202,12 +243,12 @@ void bind_buffer(nb::module_& m) {
           nb::arg("num_tokens_per_expert").none(), nb::arg("handle").none(), nb::arg("expert_alignment") = 1,
           nb::arg("num_worst_tokens") = 0, nb::arg("previous_event").none() = nb::none(),
           nb::arg("async_finish") = false, nb::arg("allocate_on_comm_stream") = false,
-          nb::arg("framework") = "numpy")
+          nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
       .def(
           "combine",
           [](PyBuffer& b, nb::handle x, const NormalHandle* handle, nb::handle topk_weights, nb::handle bias_0,
              nb::handle bias_1, const Event* previous_event, bool async_finish, bool allocate_on_comm_stream,
-             std::string_view framework) {
+             std::string_view framework, std::optional<std::uintptr_t> stream) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             CombineArgs a;
@@ -222,6 +263,7 @@ void bind_buffer(nb::module_& m) {
             CombineResult r;
             {
               nb::gil_scoped_release release;
+              StreamGuard guard(stream_of(stream));
               r = buf(b).combine(a);
             }
             return nb::make_tuple(to_py(r.combined_x, fw), to_py_or_none(r.combined_topk_weights, fw),
@@ -229,7 +271,8 @@ void bind_buffer(nb::module_& m) {
           },
           nb::arg("x"), nb::arg("handle").none(), nb::arg("topk_weights").none(), nb::arg("bias_0").none(),
           nb::arg("bias_1").none(), nb::arg("previous_event").none() = nb::none(), nb::arg("async_finish") = false,
-          nb::arg("allocate_on_comm_stream") = false, nb::arg("framework") = "numpy")
+          nb::arg("allocate_on_comm_stream") = false, nb::arg("framework") = "numpy",
+          nb::arg("stream").none() = nb::none())
       .def(
           "clean_low_latency_buffer",
           [](PyBuffer& b, int tmax, std::int64_t hidden, int num_experts) {

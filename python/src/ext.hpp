@@ -23,9 +23,9 @@ namespace epmoe::py {
 
 namespace nb = nanobind;
 
-/// Which array type outputs are made as: NumPy (+ ml_dtypes) or PyTorch (via DLPack).
-enum class Framework { numpy, torch };
-/// "numpy" or "torch"; anything else is invalid_argument naming 'framework'.
+/// Which array type outputs are made as: NumPy (+ ml_dtypes), PyTorch or CuPy (via DLPack).
+enum class Framework { numpy, torch, cupy };
+/// "numpy", "torch" or "cupy"; anything else is invalid_argument naming 'framework'.
 Framework parse_framework(std::string_view name);
 
 /// Keeps the converted arrays of one call alive while the call's TensorViews are in use.
@@ -49,6 +49,11 @@ nb::object to_py(const Tensor& t, Framework fw);
 nb::object view_to_py(const TensorView& v, nb::handle owner, Framework fw);
 /// None when `t` is undefined, else to_py(t, fw).
 nb::object to_py_or_none(const Tensor& t, Framework fw);
+
+/// A Group whose collectives call `all_gather(data: bytes, phase: str) -> bytes` (every rank's `data`,
+/// rank-major; every rank passes the same length) under the GIL. `backend` names it ("torch", "mpi4py").
+/// Errors: invalid_argument for size < 1, rank outside [0, size), a reserved backend name.
+std::shared_ptr<Group> make_callback_group(int rank, int size, std::string backend, nb::callable all_gather);
 
 /// Python-side Group: a shared_ptr to the C++ group.
 struct PyGroup {

@@ -7,6 +7,7 @@
 
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -53,7 +54,8 @@ void bind_errors(nb::module_& m) {
 void bind_group(nb::module_& m) {
   nb::class_<PyGroup>(m, "Group",
                       "The ranks of one expert-parallel group (epmoe::Group): rank(), size() and small collectives. "
-                      "Made by run_thread_ranks (threads backend); later also from a torch ProcessGroup.")
+                      "Made by run_thread_ranks (threads backend), or by as_group from a torch ProcessGroup or an "
+                      "mpi4py communicator.")
       .def("rank", [](const PyGroup& g) { return g.group->rank(); })
       .def("size", [](const PyGroup& g) { return g.group->size(); })
       .def_prop_ro("backend", [](const PyGroup& g) { return std::string(g.group->backend()); })
@@ -96,6 +98,37 @@ void bind_group(nb::module_& m) {
             return out;
           },
           nb::arg("data"), nb::arg("phase") = "python all_gather_bytes")
+      .def_static(
+          "from_all_gather",
+          [](int rank, int size, std::string backend, nb::callable all_gather) {
+            return PyGroup{make_callback_group(rank, size, std::move(backend), std::move(all_gather))};
+          },
+          nb::arg("rank"), nb::arg("size"), nb::arg("backend"), nb::arg("all_gather"),
+          "A Group over ranks of another runtime (torch.distributed, mpi4py): every collective calls "
+          "all_gather(data: bytes, phase: str) -> bytes, which returns every rank's data rank-major (each rank "
+          "passes the same length). Use epmoe.as_group(torch_group) / as_group(None, comm=...) instead.")
+      .def(
+          "broadcast_bytes",
+          [](PyGroup& g, nb::bytes data, int root, const std::string& phase) {
+            std::string buf(data.c_str(), data.size());
+            {
+              nb::gil_scoped_release release;
+              g.group->broadcast(buf.data(), buf.size(), root, phase);
+            }
+            return nb::bytes(buf.data(), buf.size());
+          },
+          nb::arg("data"), nb::arg("root"), nb::arg("phase") = "python broadcast_bytes",
+          "root's `data` on every rank (every rank passes the same length).")
+      .def(
+          "check_agreement",
+          [](PyGroup& g, const std::vector<std::pair<std::string, std::int64_t>>& settings, const std::string& phase) {
+            std::vector<Setting> s;
+            for (const auto& [name, value] : settings) s.push_back(Setting{name, value});
+            nb::gil_scoped_release release;
+            g.group->check_agreement(s, phase);
+          },
+          nb::arg("settings"), nb::arg("phase") = "python check_agreement",
+          "Compares (name, int) settings across ranks; a mismatch raises epmoe.Error('rank_mismatch') on every rank.")
       .def("__repr__", [](const PyGroup& g) {
         return fmt::format("epmoe.Group(backend='{}', rank={}, size={})", g.group->backend(), g.group->rank(),
                            g.group->size());

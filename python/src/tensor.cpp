@@ -70,16 +70,17 @@ std::optional<DType> dtype_from_name(std::string_view name) {
   return std::nullopt;
 }
 
-// What a DType travels as: the real DLPack type (PyTorch), or for NumPy the unsigned integer of the
-// same width when NumPy lacks the type (re-viewed as ml_dtypes afterwards).
+// What a DType travels as: the real DLPack type where the framework takes it, else the unsigned integer
+// of the same width, re-viewed afterwards (view_to_py): NumPy and CuPy lack bfloat16 and fp8 (re-viewed
+// as ml_dtypes), and PyTorch's DLPack import of float8 is too recent to rely on (re-viewed as
+// torch.float8_e4m3fn).
 dl::dtype dlpack_of(DType t, Framework fw) {
   const auto code = [](dl::dtype_code c, int bits) {
     return dl::dtype{static_cast<std::uint8_t>(c), static_cast<std::uint8_t>(bits), 1};
   };
   switch (t) {
     case DType::bf16: return fw == Framework::torch ? code(dl::dtype_code::Bfloat, 16) : code(dl::dtype_code::UInt, 16);
-    case DType::fp8_e4m3:
-      return fw == Framework::torch ? code(dl::dtype_code::Float8_E4M3FN, 8) : code(dl::dtype_code::UInt, 8);
+    case DType::fp8_e4m3: return code(dl::dtype_code::UInt, 8);
     case DType::fp16: return code(dl::dtype_code::Float, 16);
     case DType::fp32: return code(dl::dtype_code::Float, 32);
     case DType::int8: return code(dl::dtype_code::Int, 8);
@@ -123,7 +124,8 @@ constexpr const char* kSupported =
 Framework parse_framework(std::string_view name) {
   if (name == "numpy") return Framework::numpy;
   if (name == "torch") return Framework::torch;
-  throw_invalid_argument("framework", "'numpy' or 'torch'", fmt::format("'{}'", name));
+  if (name == "cupy") return Framework::cupy;
+  throw_invalid_argument("framework", "'numpy', 'torch' or 'cupy'", fmt::format("'{}'", name));
 }
 
 void GilDecref::operator()(nb::object* p) const {
@@ -220,17 +222,32 @@ nb::object view_to_py(const TensorView& v, nb::handle owner, Framework fw) {
   }
   const dl::dtype dt = dlpack_of(v.dtype, fw);
   const int device_type = v.device.is_cuda() ? kDLCUDA : kDLCPU;
+  const bool reviewed = v.dtype == DType::fp8_e4m3 || (v.dtype == DType::bf16 && fw != Framework::torch);
   if (fw == Framework::torch) {
     nb::ndarray<nb::pytorch> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type,
                                v.device.index);
-    return nb::cast(a, nb::rv_policy::reference);
+    nb::object out = nb::cast(a, nb::rv_policy::reference);
+    if (reviewed) out = out.attr("view")(nb::module_::import_("torch").attr("float8_e4m3fn"));
+    return out;
+  }
+  if (fw == Framework::cupy) {
+    nb::ndarray<nb::cupy> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type, v.device.index);
+    nb::object out = nb::cast(a, nb::rv_policy::reference);
+    if (reviewed) {
+      // CuPy builds without ml_dtypes support keep the same-width unsigned view (documented in epmoe/_tensor.py).
+      try {
+        out = out.attr("view")(ml_dtype(v.dtype));
+      } catch (nb::python_error&) {
+      }
+    }
+    return out;
   }
   if (v.device.is_cuda())
     throw Error(ErrorCode::unsupported,
-                "epmoe: a CUDA tensor cannot be returned as a NumPy array (pass torch tensors for the GPU path)");
+                "epmoe: a CUDA tensor cannot be returned as a NumPy array (pass torch or CuPy tensors for the GPU path)");
   nb::ndarray<nb::numpy> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type, 0);
   nb::object out = nb::cast(a, nb::rv_policy::reference);
-  if (v.dtype == DType::bf16 || v.dtype == DType::fp8_e4m3) out = out.attr("view")(ml_dtype(v.dtype));
+  if (reviewed) out = out.attr("view")(ml_dtype(v.dtype));
   return out;
 }
 

@@ -48,11 +48,18 @@ DEEPEP_V1 = {
 }
 
 
+# epmoe's own additions: keyword-only, after DeepEP's parameters, so no DeepEP call can reach them.
+EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None}}
+
+
 @pytest.mark.parametrize("method", sorted(DEEPEP_V1))
 def test_buffer_signatures_match_deepep_v1(method):
     params = [p for p in inspect.signature(getattr(epmoe.Buffer, method)).parameters.values() if p.name != "self"]
-    got = [p.name if p.default is inspect.Parameter.empty else (p.name, p.default) for p in params]
+    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    got = [p.name if p.default is inspect.Parameter.empty else (p.name, p.default) for p in positional]
     assert got == DEEPEP_V1[method]
+    extras = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert extras == EPMOE_KEYWORD_ONLY.get(method, {})
 
 
 def test_config_and_event_overlap_signatures():

@@ -52,12 +52,27 @@ Buffer::Buffer(std::shared_ptr<Group> group, BufferOptions options) : impl_(std:
   impl_->group = group;
   // cuda_ipc moves normal mode over NVLink; the group's own transport still serves low-latency mode.
   const bool ipc = options.backend == Backend::cuda_ipc;
-  impl_->transport = make_transport(group, ipc ? Backend::automatic : options.backend);
+  // A group of another kind (e.g. one adapted from Python's torch.distributed) has no CPU transport: with
+  // cuda_ipc it still serves normal mode (the group only bootstraps), and low-latency calls are unsupported.
+  const std::string_view kind = group->backend();
+  const bool cpu_transport = !ipc || kind == "threads" || kind == "mpi";
+  if (cpu_transport) impl_->transport = make_transport(group, ipc ? Backend::automatic : options.backend);
   impl_->id = next_buffer_id();
   if (ipc) impl_->cuda_ipc = make_cuda_ipc_normal(group, options, impl_->id);
+  if (!impl_->transport) return;
   impl_->normal = std::make_unique<NormalMode>(*impl_->transport, impl_->id);
   impl_->low_latency = std::make_unique<LowLatencyMode>(*impl_->transport, impl_->id, options.num_rdma_bytes);
 }
+
+namespace {
+// Low-latency mode runs on the group's CPU transport, which only threads and MPI groups have.
+void require_low_latency(const std::unique_ptr<LowLatencyMode>& ll, const Group& group) {
+  if (!ll)
+    raise(ErrorCode::unsupported,
+          "low-latency mode needs a CPU transport, which a '{}' group does not have (use a threads or MPI group)",
+          group.backend());
+}
+}  // namespace
 
 Buffer::~Buffer() = default;
 
@@ -85,12 +100,15 @@ CombineResult Buffer::combine(const CombineArgs& args) {
   return impl_->cuda_ipc ? impl_->cuda_ipc->combine(args) : impl_->normal->combine(args);
 }
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
+  require_low_latency(impl_->low_latency, *impl_->group);
   return impl_->low_latency->dispatch(args);
 }
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
+  require_low_latency(impl_->low_latency, *impl_->group);
   return impl_->low_latency->combine(args);
 }
 void Buffer::clean_low_latency_buffer(int tmax, std::int64_t hidden, int num_experts) {
+  require_low_latency(impl_->low_latency, *impl_->group);
   impl_->low_latency->clean(tmax, hidden, num_experts);
 }
 

@@ -1,0 +1,209 @@
+"""torch tensors through DLPack on the CPU (thread ranks), and torch.distributed groups as epmoe Groups.
+
+Skipped where torch is not installed (CI installs no torch: see requirements-dev.txt). The Buffer
+scenarios of ep_scenarios.py run with torch CPU tensors and must give torch outputs bit-identical to the
+NumPy path on the same inputs; the group adapter is checked with two processes over gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+import epmoe
+from conftest import BF16, FP8, TIMEOUT_S, fp8_quantize_ref, nice_bf16, random_topk_idx
+from ep_scenarios import CASES, assert_same, make_inputs, reference_outputs, run_rank, torch_converters
+
+torch = pytest.importorskip("torch")
+
+
+def fresh_seed(name: str) -> int:
+    seed = int(os.environ.get("EPMOE_TEST_SEED", random.SystemRandom().randrange(2**32)))
+    print(f"[{name}] seed={seed} (EPMOE_TEST_SEED={seed} reproduces it)")
+    return seed
+
+
+@pytest.mark.parametrize("variant", ["sync", "async", "previous_event", "positional"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_torch_cpu_tensors_match_the_numpy_path(case, variant):
+    seed = fresh_seed(f"{case.name}-{variant}")
+    inputs = make_inputs(case, seed)
+    ref = reference_outputs(case, inputs, TIMEOUT_S)
+    to_torch, to_numpy = torch_converters("cpu")
+
+    def rank_main(group):
+        r = group.rank()
+        return run_rank(epmoe.Buffer(group), case, inputs[r], r, to_torch, to_numpy, variant)
+
+    got = epmoe.run_thread_ranks(case.R, rank_main, timeout_s=TIMEOUT_S)
+    for r in range(case.R):
+        assert_same(got[r], ref[r], f"{case.name}/{variant} rank {r} (seed {seed})")
+
+
+def test_torch_dtypes_cross_both_ways(rng):
+    to_torch, _ = torch_converters("cpu")
+    x = nice_bf16(rng, (6, 256))
+    q, scales = fp8_quantize_ref(x)
+
+    # fp8 quantization of a torch bf16 tensor returns torch float8_e4m3fn (crossing DLPack as a uint8 view)
+    out_q, out_s = epmoe.quantize_fp8(to_torch(x))
+    assert out_q.dtype == torch.float8_e4m3fn and out_s.dtype == torch.float32
+    np.testing.assert_array_equal(out_q.view(torch.uint8).numpy(), q.view(np.uint8))
+    np.testing.assert_array_equal(out_s.numpy(), scales)
+    # and back: a torch fp8 tensor in, torch bf16 out
+    deq = epmoe.dequantize_fp8(out_q, out_s)
+    assert isinstance(deq, torch.Tensor) and deq.dtype == torch.bfloat16
+    # a tensor that requires grad is accepted (epmoe never differentiates)
+    idx = to_torch(random_topk_idx(rng, 6, 2, 8))
+    logits = torch.randn(6, 8, requires_grad=True)
+    w, i = epmoe.topk_softmax(logits, 2)
+    assert isinstance(w, torch.Tensor) and isinstance(i, torch.Tensor) and tuple(i.shape) == (6, 2)
+    assert idx.dtype == torch.int64
+
+
+def test_torch_low_latency_round_trip_matches_numpy(rng):
+    R, E, T, H, K, tmax = 2, 8, 5, 256, 2, 8
+    xs = [nice_bf16(rng, (T, H)) for _ in range(R)]
+    idxs = [random_topk_idx(rng, T, K, E) for _ in range(R)]
+    ws = [rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32) for _ in range(R)]
+    to_torch, to_numpy = torch_converters("cpu")
+
+    def rank_main(group, torch_in):
+        r = group.rank()
+        conv = to_torch if torch_in else (lambda a: a)
+        back = to_numpy if torch_in else (lambda a: a)
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        (rx, rs), count, handle, ev, hook = buf.low_latency_dispatch(conv(xs[r]), conv(idxs[r]), tmax, E,
+                                                                     return_recv_hook=True)
+        hook()
+        nxt = buf.get_next_low_latency_combine_buffer(handle)
+        assert (framework := type(nxt).__module__.split(".")[0]) == ("torch" if torch_in else "numpy"), framework
+        c = back(count)
+        deq = np.zeros(rx.shape, np.float32)  # rows past count[e] are undefined: leave them 0
+        for e in range(len(c)):
+            deq[e, :c[e]] = back(rx)[e, :c[e]].astype(np.float32) * back(rs)[e, :c[e]].repeat(128, axis=-1)[:, :H]
+        y = conv(deq.astype(BF16))
+        out, ev, _ = buf.low_latency_combine(y, conv(idxs[r]), conv(ws[r]), handle)
+        return back(rx), back(rs), back(count), back(out)
+
+    ref = epmoe.run_thread_ranks(R, lambda g: rank_main(g, False), timeout_s=TIMEOUT_S)
+    got = epmoe.run_thread_ranks(R, lambda g: rank_main(g, True), timeout_s=TIMEOUT_S)
+    for r in range(R):
+        count = ref[r][2]
+        np.testing.assert_array_equal(got[r][2], count)
+        for e in range(len(count)):  # only the first count[e] rows of each expert are defined
+            np.testing.assert_array_equal(got[r][0][e, :count[e]].view(np.uint8), ref[r][0][e, :count[e]].view(np.uint8))
+            np.testing.assert_array_equal(got[r][1][e, :count[e]], ref[r][1][e, :count[e]])
+        np.testing.assert_array_equal(got[r][3].view(np.uint16), ref[r][3].view(np.uint16))
+
+
+def test_a_callback_group_runs_every_collective():
+    """Group.from_all_gather (what the torch / mpi4py adapters build on), driven by thread ranks."""
+    R = 3
+
+    def rank_main(threads_group):
+        calls = []
+
+        def all_gather(data, phase):
+            calls.append(phase)
+            return b"".join(threads_group.all_gather_bytes(data))
+
+        g = epmoe.Group.from_all_gather(threads_group.rank(), R, "test", all_gather)
+        assert (g.rank(), g.size(), g.backend) == (threads_group.rank(), R, "test")
+        g.barrier("b")
+        gathered = g.all_gather_bytes(bytes([g.rank()]) * (g.rank() + 2))
+        root = g.broadcast_bytes(bytes([10 + g.rank()] * 3), 1)
+        g.check_agreement([("hidden", 256), ("topk", 8)])
+        with pytest.raises(epmoe.Error) as mismatch:
+            g.check_agreement([("hidden", 256 + (g.rank() == 2))], "mismatch phase")
+        return gathered, root, mismatch.value.code, str(mismatch.value), calls
+
+    for r, (gathered, root, code, msg, calls) in enumerate(epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)):
+        assert gathered == [bytes([s]) * (s + 2) for s in range(R)]
+        assert root == bytes([11] * 3)
+        assert code == "rank_mismatch" and "hidden" in msg
+        assert "b" in calls and "mismatch phase" in calls
+
+
+def test_a_failing_all_gather_names_rank_and_phase():
+    def broken(data, phase):
+        raise RuntimeError("peer went away")
+
+    g = epmoe.Group.from_all_gather(0, 2, "test", broken)
+    with pytest.raises(epmoe.Error) as e:
+        g.barrier("my phase")
+    assert e.value.code == "internal"
+    assert "rank 0" in str(e.value) and "my phase" in str(e.value) and "peer went away" in str(e.value)
+    with pytest.raises(epmoe.Error) as again:  # the group is unusable afterwards
+        g.barrier("next")
+    assert again.value.code == "unusable"
+    short = epmoe.Group.from_all_gather(0, 2, "test", lambda data, phase: data)  # returns 1 rank's bytes
+    with pytest.raises(epmoe.Error, match=r"returned 1 bytes, expected 2 \(2 ranks x 1 bytes\)"):
+        short.barrier("short phase")
+    for bad in (dict(rank=2, size=2), dict(rank=0, size=0)):
+        with pytest.raises(epmoe.Error, match="invalid argument"):
+            epmoe.Group.from_all_gather(backend="test", all_gather=broken, **bad)
+    with pytest.raises(epmoe.Error, match="'backend'"):
+        epmoe.Group.from_all_gather(0, 1, "threads", broken)
+
+
+def _gloo_worker(rank, world, init_file, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        g = epmoe.as_group(dist.group.WORLD)
+        out = {"repr": (g.rank(), g.size(), g.backend)}
+        g.barrier()
+        out["gathered"] = g.all_gather_bytes(bytes([rank + 1]) * (3 + rank))
+        out["bcast"] = g.broadcast_bytes(bytes([rank] * 5), 0)
+        try:
+            g.check_agreement([("num_experts", 64 + rank)])
+            out["mismatch"] = None
+        except epmoe.Error as e:
+            out["mismatch"] = (e.code, str(e))
+        g2 = epmoe.as_group(dist.group.WORLD)
+        try:
+            epmoe.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+            out["buffer"] = None
+        except epmoe.Error as e:
+            out["buffer"] = (e.code, str(e))
+        g2.barrier()
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_process_group_over_gloo_is_an_epmoe_group(tmp_path):
+    import torch.multiprocessing as mp
+    world = 2
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.spawn(_gloo_worker, args=(world, str(tmp_path / "init"), results), nprocs=world, join=True)
+    for rank in range(world):
+        out = results[rank]
+        assert out["repr"] == (rank, world, "torch")
+        assert out["gathered"] == [bytes([s + 1]) * (3 + s) for s in range(world)]
+        assert out["bcast"] == bytes([0] * 5)
+        assert out["mismatch"][0] == "rank_mismatch" and "num_experts" in out["mismatch"][1]
+        if not (epmoe.built_with_cuda() and epmoe._ext.cuda_device_count() > 0):
+            # No GPU: a process group cannot drive the CPU transports, which live in one process or MPI.
+            assert out["buffer"][0] == "unsupported" and "cuda_ipc" in out["buffer"][1]
+
+
+def test_buffer_rejects_bad_groups_and_backends():
+    with pytest.raises(epmoe.Error, match="'comm'"):
+        epmoe.Buffer(None, comm=object())
+
+    def rank_main(group):
+        with pytest.raises(epmoe.Error, match="'backend'"):
+            epmoe.Buffer(group, backend="nvshmem")
+        with pytest.raises(epmoe.Error, match="'device'"):
+            epmoe.Buffer(group, backend="threads", device=-2)
+        buf = epmoe.Buffer(group, backend="threads")
+        assert buf.backend == "threads"
+        return True
+
+    assert all(epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S))
