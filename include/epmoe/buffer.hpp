@@ -86,6 +86,19 @@ struct BufferOptions {
   int num_sms = 0;
 };
 
+/// The tunables of BufferOptions as a JSON object (src/transport/buffer_config.cpp), e.g. {"num_sms": 16}:
+/// what `epmoe tune` writes and `epmoe run/bench --config` read. Fields: num_sms (0..64). Keys starting
+/// with '_' are notes (the tuner's measurements) and are ignored. Only the fields present are set in
+/// `options`; the rest keep their values. Errors (invalid_argument, message naming `source` and the
+/// field): text that is not a JSON object, an unknown field (the known ones are listed), a value of the
+/// wrong type or out of range.
+void apply_buffer_config_json(std::string_view json_text, BufferOptions& options, std::string_view source = "config");
+/// Reads the file at `path` and applies it as apply_buffer_config_json does. Errors: unreadable file
+/// (invalid_argument naming the path), then as above.
+void load_buffer_config(const std::string& path, BufferOptions& options);
+/// The tunables of `options` as a JSON object (2-space indented), readable by apply_buffer_config_json.
+std::string buffer_config_json(const BufferOptions& options);
+
 /// What combine (and a cached dispatch) needs from a normal-mode dispatch.
 struct NormalHandle {
   Tensor rank_prefix_matrix;  ///< int32 [R, R]: [s][d] = tokens ranks 0..s send to rank d

@@ -12,4 +12,12 @@ namespace epmoe::cli {
 /// Returns the callback that runs it (exit code 0 on PASS, 1 on FAIL).
 std::function<int()> add_run_command(CLI::App& app);
 
+/// `epmoe bench`: dispatch/combine over a sweep of T beside a peer-copy (memcpy on CPU) floor and NCCL;
+/// table on stdout, progress on stderr, JSON with --json.
+std::function<int()> add_bench_command(CLI::App& app);
+
+/// `epmoe tune`: num_sms sweep of the cuda_ipc backend on the GPUs; writes the best config JSON.
+/// Refuses (ErrorCode::unsupported, exit 2) without CUDA GPUs.
+std::function<int()> add_tune_command(CLI::App& app);
+
 }  // namespace epmoe::cli

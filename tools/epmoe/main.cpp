@@ -10,6 +10,8 @@ int main(int argc, char** argv) {
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts dispatch, experts and combine"};
   app.require_subcommand(1);
   auto run = epmoe::cli::add_run_command(app);
+  auto bench = epmoe::cli::add_bench_command(app);
+  auto tune = epmoe::cli::add_tune_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -19,6 +21,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("run")) return run();
+    if (app.got_subcommand("bench")) return bench();
+    if (app.got_subcommand("tune")) return tune();
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;

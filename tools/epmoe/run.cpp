@@ -1,6 +1,9 @@
 // `epmoe run`: the main job. A full expert-parallel MoE layer over R ranks:
 //   router (or replayed routing) -> dispatch -> experts -> combine
 // timed per phase and checked against the float64 reference (SPEC 13).
+// On GPUs (--device auto finds them; cuda forces): one rank per GPU, the router, the layout, the fp8
+// quantization and the experts (make_cuda_experts) on the rank's GPU, dispatch and combine through the
+// cuda_ipc backend. On CPU ranks: the threads or MPI transport and the BLAS experts.
 #include <epmoe/buffer.hpp>
 #include <epmoe/experts.hpp>
 #include <epmoe/group.hpp>
@@ -27,6 +30,7 @@
 #include <thread>
 
 #include "commands.hpp"
+#include "common.hpp"
 
 namespace epmoe::cli {
 namespace {
@@ -41,7 +45,7 @@ struct RunConfig {
   std::string mode = "normal";
   std::string dispatch_dtype = "bf16";
   std::string activation = "silu";
-  std::string experts_impl = "blas";
+  std::string experts_impl = "auto";
   std::uint64_t seed = 2024;
   std::string routing;
   std::string domain = "general";
@@ -53,25 +57,14 @@ struct RunConfig {
   double tolerance = 1e-2;
   std::string json;
   std::string backend = "threads";
+  std::string device = "auto";
+  std::string config;       // --config: BufferOptions tunables (JSON)
   bool topk_given = false;  // --topk on the command line (it must then match a replayed trace's K)
+  bool ranks_given = false;
+  // Resolved by run():
+  DeviceKind kind = DeviceKind::cpu;
+  BufferOptions buffer_options;
 };
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-// Deterministic bf16 fill, uniform in [-scale, scale): one splitmix64 stream per (seed, id), cheap
-// enough that every rank (thread or process) regenerates the same hundreds of MiB in a moment.
-void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull ^ (id + 0x632BE59BD9B4E019ull);
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    p[i] = float_to_bf16((2.0f * u - 1.0f) * scale);
-  }
-}
 
 struct Model {
   Tensor w1, w2;  // all E experts: [E, 2N or N, H], [E, H, N]
@@ -122,6 +115,162 @@ struct Shared {
   Activation activation;
 };
 
+// Compares the output of evenly spaced tokens with the float64 reference computed from the inputs the
+// experts actually saw (the fp8 round trip included). All tensors on the CPU.
+void check_reference(RankResult& res, const RunConfig& c, const Shared& sh, const Tensor& hidden, const TopkResult& routing,
+                     const Tensor& output, bool fp8) {
+  const std::int64_t T = c.tokens, H = c.hidden;
+  const std::int64_t S = std::min<std::int64_t>(T, c.check_tokens);
+  if (S <= 0) return;
+  const int K = static_cast<int>(routing.topk_idx.size(1));
+  Tensor xs = Tensor::empty(DType::bf16, {S, H}), ids = Tensor::empty(DType::int64, {S, K}),
+         ws = Tensor::empty(DType::fp32, {S, K});
+  std::vector<std::int64_t> picked(static_cast<std::size_t>(S));
+  for (std::int64_t s = 0; s < S; ++s) {
+    const std::int64_t t = s * T / S;
+    picked[static_cast<std::size_t>(s)] = t;
+    std::copy_n(hidden.ptr<bf16_t>() + t * H, H, xs.ptr<bf16_t>() + s * H);
+    std::copy_n(routing.topk_idx.ptr<std::int64_t>() + t * K, K, ids.ptr<std::int64_t>() + s * K);
+    std::copy_n(routing.topk_weights.ptr<float>() + t * K, K, ws.ptr<float>() + s * K);
+  }
+  Tensor seen = xs;
+  if (fp8) {
+    const Fp8Tensor q = quantize_fp8(xs);
+    seen = dequantize_fp8(q.data, q.scales, DType::bf16);
+  }
+  ExpertsInputs in;
+  in.hidden = seen;
+  in.w1 = sh.model->w1;
+  in.w2 = sh.model->w2;
+  in.topk_idx = ids;
+  in.topk_weights = ws;
+  in.activation = sh.activation;
+  const std::vector<double> ref = reference_experts_f64(in);
+  for (std::int64_t s = 0; s < S; ++s)
+    for (std::int64_t h = 0; h < H; ++h) {
+      const double got = bf16_to_float(output.ptr<bf16_t>()[picked[static_cast<std::size_t>(s)] * H + h]);
+      const double want = ref[static_cast<std::size_t>(s * H + h)];
+      if (!std::isfinite(got)) res.finite = false;
+      res.err_num += (got - want) * (got - want);
+      res.err_den += want * want;
+    }
+  res.checked = S;
+}
+
+// Inputs of one rank, the same on CPU and GPU runs (so both check against the same reference).
+Tensor rank_hidden(const RunConfig& c, int rank) {
+  Tensor hidden = Tensor::empty(DType::bf16, {c.tokens, c.hidden});
+  fill_bf16(hidden.ptr<bf16_t>(), c.tokens * c.hidden, c.seed, 3000000 + static_cast<std::uint64_t>(rank), 1.0f);
+  return hidden;
+}
+Tensor rank_logits(const RunConfig& c, int rank) {
+  Tensor logits = Tensor::empty(DType::fp32, {c.tokens, c.experts});
+  std::mt19937_64 rng(c.seed * 31 + static_cast<std::uint64_t>(rank));
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (std::int64_t i = 0; i < logits.numel(); ++i) logits.ptr<float>()[i] = d(rng);
+  return logits;
+}
+
+// One rank on its GPU: router, layout, fp8 quantization and experts on the device, dispatch and combine
+// through the cuda_ipc backend. Phases are timed on the host with a device synchronisation at the end of
+// each (so they add up to the layer's time, as on CPU ranks).
+RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int device) {
+  const RunConfig& c = *sh.config;
+  cuda_set_device(device);
+  const int R = group->size(), rank = group->rank();
+  const int E_local = c.experts / R;
+  const std::int64_t T = c.tokens, H = c.hidden;
+  const bool fp8 = c.dispatch_dtype == "fp8";
+  RankResult res;
+
+  const Tensor hidden_h = rank_hidden(c, rank);
+  const Tensor hidden = to_device(hidden_h, device), logits = to_device(rank_logits(c, rank), device);
+  const Tensor w1 = to_device(expert_slice(sh.model->w1, rank * E_local, E_local), device);
+  const Tensor w2 = to_device(expert_slice(sh.model->w2, rank * E_local, E_local), device);
+
+  BufferOptions bo = c.buffer_options;
+  bo.backend = Backend::cuda_ipc;
+  bo.device = device;
+  bo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, R, c.topk);
+  Buffer buffer(group, bo);
+  ExpertsConfig ec;
+  ec.format = ActivationFormat::standard;
+  ec.reduce = true;  // [M, H], weighted and summed over the row's local experts: what combine sends back
+  const std::shared_ptr<Experts> experts = make_cuda_experts(ec);
+
+  Tensor output;
+  TopkResult routing;
+  for (int it = 0; it < c.iters; ++it) {
+    group->barrier("run.iteration");
+    const auto t0 = Clock::now();
+    if (sh.trace) {
+      auto r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
+      routing = {to_device(r.topk_weights, device), to_device(r.topk_idx, device)};
+    } else {
+      routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
+    }
+    cuda_sync_device();
+    res.router_s.push_back(seconds_since(t0));
+
+    group->barrier("run.dispatch");
+    const auto t1 = Clock::now();
+    const DispatchLayout layout = buffer.get_dispatch_layout(routing.topk_idx, c.experts);
+    DispatchArgs a;
+    Fp8Tensor q;
+    if (fp8) {
+      q = quantize_fp8(hidden);
+      a.x = q.data;
+      a.x_scales = q.scales;
+    } else {
+      a.x = hidden;
+    }
+    a.topk_idx = routing.topk_idx;
+    a.topk_weights = routing.topk_weights;
+    a.num_tokens_per_rank = layout.num_tokens_per_rank;
+    a.is_token_in_rank = layout.is_token_in_rank;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    const DispatchResult d = buffer.dispatch(a);
+    const Tensor recv = fp8 ? dequantize_fp8(d.recv_x, d.recv_x_scales, DType::bf16) : d.recv_x;
+    cuda_sync_device();
+    res.dispatch_s.push_back(seconds_since(t1));
+
+    const auto t2 = Clock::now();
+    const std::int64_t M = recv.size(0);
+    const Tensor fused = Tensor::empty(DType::bf16, {M, H}, Device::cuda(device));
+    const std::int64_t chunk = c.chunk_size > 0 ? c.chunk_size : std::max<std::int64_t>(M, 1);
+    for (std::int64_t b = 0; b < M; b += chunk) {
+      const std::int64_t e = std::min(M, b + chunk);
+      ExpertsInputs in;
+      in.hidden = recv.view().slice_rows(b, e);
+      in.w1 = w1;
+      in.w2 = w2;
+      in.topk_idx = d.recv_topk_idx.view().slice_rows(b, e);  // local ids or -1
+      in.topk_weights = d.recv_topk_weights.view().slice_rows(b, e);
+      in.activation = sh.activation;
+      experts->apply(in, fused.view().slice_rows(b, e));
+    }
+    cuda_sync_device();
+    res.experts_s.push_back(seconds_since(t2));
+
+    group->barrier("run.combine");
+    const auto t3 = Clock::now();
+    CombineArgs ca;
+    ca.x = fused;
+    ca.handle = &d.handle;
+    output = buffer.combine(ca).combined_x;
+    cuda_sync_device();
+    res.combine_s.push_back(seconds_since(t3));
+
+    const double elt = fp8 ? 1.0 + 4.0 / 128 : 2.0;
+    res.dispatch_bytes = static_cast<double>(M) * static_cast<double>(H) * elt;
+    res.combine_bytes = static_cast<double>(M) * static_cast<double>(H) * 2.0;
+    if (rank == 0) fmt::print(stderr, "  iteration {}/{} done\n", it + 1, c.iters);
+  }
+  const TopkResult routing_h{to_host(routing.topk_weights), to_host(routing.topk_idx)};
+  check_reference(res, c, sh, hidden_h, routing_h, to_host(output), fp8);
+  return res;
+}
+
 RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
   const RunConfig& c = *sh.config;
   const int R = group->size(), rank = group->rank();
@@ -130,19 +279,13 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
   RankResult res;
 
   // Inputs of this rank.
-  Tensor hidden = Tensor::empty(DType::bf16, {T, H});
-  fill_bf16(hidden.ptr<bf16_t>(), T * H, c.seed, 3000000 + static_cast<std::uint64_t>(rank), 1.0f);
-  Tensor logits = Tensor::empty(DType::fp32, {T, c.experts});
-  {
-    std::mt19937_64 rng(c.seed * 31 + static_cast<std::uint64_t>(rank));
-    std::normal_distribution<float> d(0.0f, 1.0f);
-    for (std::int64_t i = 0; i < logits.numel(); ++i) logits.ptr<float>()[i] = d(rng);
-  }
+  const Tensor hidden = rank_hidden(c, rank);
+  const Tensor logits = rank_logits(c, rank);
 
   const bool low_latency = c.mode == "low-latency";
   PrepareFinalizeOptions po;
   po.dispatch_dtype = c.dispatch_dtype == "fp8" ? DispatchDtype::fp8 : DispatchDtype::bf16;
-  auto buffer = std::make_shared<Buffer>(group);
+  auto buffer = std::make_shared<Buffer>(group, c.buffer_options);
   auto pf = low_latency ? make_low_latency_prepare_finalize(buffer, static_cast<int>(T), po)
                         : make_normal_prepare_finalize(buffer, po);
   ExpertsConfig ec;
@@ -204,43 +347,7 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
     if (rank == 0) fmt::print(stderr, "  iteration {}/{} done\n", it + 1, c.iters);
   }
 
-  // Reference check on evenly spaced tokens, from the inputs the experts actually saw.
-  const std::int64_t S = std::min<std::int64_t>(T, c.check_tokens);
-  if (S > 0) {
-    const int K = static_cast<int>(routing.topk_idx.size(1));
-    Tensor xs = Tensor::empty(DType::bf16, {S, H}), ids = Tensor::empty(DType::int64, {S, K}),
-           ws = Tensor::empty(DType::fp32, {S, K});
-    std::vector<std::int64_t> picked(static_cast<std::size_t>(S));
-    for (std::int64_t s = 0; s < S; ++s) {
-      const std::int64_t t = s * T / S;
-      picked[static_cast<std::size_t>(s)] = t;
-      std::copy_n(hidden.ptr<bf16_t>() + t * H, H, xs.ptr<bf16_t>() + s * H);
-      std::copy_n(routing.topk_idx.ptr<std::int64_t>() + t * K, K, ids.ptr<std::int64_t>() + s * K);
-      std::copy_n(routing.topk_weights.ptr<float>() + t * K, K, ws.ptr<float>() + s * K);
-    }
-    Tensor seen = xs;
-    if (po.dispatch_dtype == DispatchDtype::fp8) {
-      const Fp8Tensor q = quantize_fp8(xs);
-      seen = dequantize_fp8(q.data, q.scales, DType::bf16);
-    }
-    ExpertsInputs in;
-    in.hidden = seen;
-    in.w1 = sh.model->w1;
-    in.w2 = sh.model->w2;
-    in.topk_idx = ids;
-    in.topk_weights = ws;
-    in.activation = sh.activation;
-    const std::vector<double> ref = reference_experts_f64(in);
-    for (std::int64_t s = 0; s < S; ++s)
-      for (std::int64_t h = 0; h < H; ++h) {
-        const double got = bf16_to_float(output.ptr<bf16_t>()[picked[static_cast<std::size_t>(s)] * H + h]);
-        const double want = ref[static_cast<std::size_t>(s * H + h)];
-        if (!std::isfinite(got)) res.finite = false;
-        res.err_num += (got - want) * (got - want);
-        res.err_den += want * want;
-      }
-    res.checked = S;
-  }
+  check_reference(res, c, sh, hidden, routing, output, po.dispatch_dtype == DispatchDtype::fp8);
   return res;
 }
 
@@ -281,7 +388,8 @@ std::vector<RankResult> launch_threads(const RunConfig& c, Shared& sh) {
   for (int r = 0; r < c.ranks; ++r)
     threads.emplace_back([&, r] {
       try {
-        results[static_cast<std::size_t>(r)] = run_rank(world.group(r), sh);
+        results[static_cast<std::size_t>(r)] =
+            c.kind == DeviceKind::cuda ? run_rank_gpu(world.group(r), sh, r) : run_rank(world.group(r), sh);
       } catch (const std::exception& e) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
         world.abort(r, e.what());  // the other ranks stop waiting for this one at once
@@ -309,10 +417,26 @@ int run(RunConfig c) {
   }
 #endif
   const Activation act = parse_activation(c.activation);
-  auto bad = [](std::string_view flag, std::string_view expected, auto actual) {
-    throw Error(ErrorCode::invalid_argument,
-                fmt::format("epmoe: invalid argument '{}': expected {}, got {}", flag, expected, actual));
-  };
+  // CPU or GPU ranks: auto takes the GPUs when there are any (normal mode: the cuda_ipc backend has no
+  // low-latency path yet, so low-latency runs stay on CPU ranks).
+  if (c.device == "cuda" && c.mode != "normal")
+    bad("--mode", "normal with --device cuda (the cuda_ipc backend runs normal mode; use --device cpu)", c.mode);
+  c.kind = resolve_device(c.device, c.mode == "normal");
+  int gpus = 0;
+  if (c.kind == DeviceKind::cuda) {
+    gpus = cuda_device_count();
+    if (c.experts_impl == "auto") c.experts_impl = "cuda";
+    if (c.experts_impl != "cuda")
+      bad("--experts-impl", "cuda or auto on GPU ranks (or --device cpu)", c.experts_impl);
+    if (c.backend == "threads") {
+      if (!c.ranks_given) c.ranks = gpus;  // one rank per local GPU
+      if (c.ranks > gpus) bad("--ranks", fmt::format("at most the {} visible GPUs (one rank per GPU)", gpus), c.ranks);
+    }
+  } else {
+    if (c.experts_impl == "auto") c.experts_impl = "blas";
+    if (c.experts_impl == "cuda") bad("--experts-impl", "blas or reference on CPU ranks (cuda needs --device cuda)", c.experts_impl);
+  }
+  apply_config_flag(c.config, c.buffer_options);
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
   if (c.experts % c.ranks != 0) bad("--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
@@ -328,10 +452,16 @@ int run(RunConfig c) {
   if (c.iters < 1) bad("--iters", ">= 1", c.iters);
   if (!c.json.empty() && !std::ofstream(c.json, std::ios::app)) bad("--json", "a writable file", c.json);
 
-  if (root)
-    fmt::print("epmoe {} run: {} CPU ranks ({}), T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n",
-             version(), c.ranks, c.backend, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype,
-             c.activation, c.experts_impl);
+  if (root) {
+    const std::string where =
+        c.kind == DeviceKind::cuda
+            ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
+                          c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
+            : fmt::format("{} CPU ranks ({})", c.ranks, c.backend);
+    fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
+               where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
+               c.experts_impl);
+  }
   RoutingTrace trace;
   const bool replay = !c.routing.empty();
   if (replay) {
@@ -365,7 +495,8 @@ int run(RunConfig c) {
 #if defined(EPMOE_HAVE_MPI)
   // One rank per process (mpirun -np R): every rank gathers every result and returns the same code.
   auto& group = mpi_group;
-  const std::vector<double> mine = pack(run_rank(group, sh));
+  const std::vector<double> mine = pack(c.kind == DeviceKind::cuda ? run_rank_gpu(group, sh, group->rank() % gpus)
+                                                                    : run_rank(group, sh));
   std::vector<double> all(mine.size() * static_cast<std::size_t>(group->size()));
   group->all_gather(mine.data(), all.data(), mine.size() * sizeof(double), "run.results");
   std::vector<RankResult> results;
@@ -423,6 +554,9 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
 
   if (!c.json.empty()) {
     nlohmann::json j = {{"command", "run"}, {"version", std::string(version())}, {"backend", c.backend},
+                        {"device", c.kind == DeviceKind::cuda ? "cuda" : "cpu"},
+                        {"transport", c.kind == DeviceKind::cuda ? "cuda_ipc" : c.backend},
+                        {"buffer_config", nlohmann::json::parse(buffer_config_json(c.buffer_options))},
                         {"ranks", c.ranks}, {"tokens_per_rank", c.tokens}, {"hidden", c.hidden},
                         {"num_experts", c.experts}, {"num_topk", c.topk}, {"intermediate", c.intermediate},
                         {"mode", c.mode}, {"dispatch_dtype", c.dispatch_dtype}, {"activation", c.activation},
@@ -445,7 +579,8 @@ std::function<int()> add_run_command(CLI::App& app) {
   auto config = std::make_shared<RunConfig>();
   CLI::App* cmd = app.add_subcommand("run", "Run a full expert-parallel MoE layer and check it against the float64 reference");
   auto& c = *config;
-  cmd->add_option("--ranks", c.ranks, "expert-parallel ranks (threads backend; with mpi, mpirun's -np)")->capture_default_str();
+  cmd->add_option("--ranks", c.ranks, "expert-parallel ranks (threads backend; with mpi, mpirun's -np; on GPUs: all of them)")
+      ->capture_default_str();
   cmd->add_option("--backend", c.backend, "threads (ranks are threads of this process) or mpi (one rank per process, under mpirun)")
       ->check(CLI::IsMember({"threads", "mpi"}))->capture_default_str();
   cmd->add_option("-t,--tokens", c.tokens, "tokens per rank")->capture_default_str();
@@ -456,7 +591,11 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--mode", c.mode, "normal or low-latency")->check(CLI::IsMember({"normal", "low-latency"}))->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
   cmd->add_option("--activation", c.activation, "silu, gelu, swigluoai, silu_no_mul, gelu_no_mul, relu2_no_mul")->capture_default_str();
-  cmd->add_option("--experts-impl", c.experts_impl, "blas (fast) or reference (float64)")->check(CLI::IsMember({"blas", "reference"}))->capture_default_str();
+  cmd->add_option("--experts-impl", c.experts_impl, "auto (cuda on GPUs, blas on CPU), blas, reference (float64) or cuda")
+      ->check(CLI::IsMember({"auto", "blas", "reference", "cuda"}))->capture_default_str();
+  cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
+  cmd->add_option("--config", c.config, "BufferOptions tunables as JSON (what `epmoe tune` writes), e.g. {\"num_sms\": 16}");
   cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")->capture_default_str();
   cmd->add_option("--routing", c.routing, "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file");
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory")->capture_default_str();
@@ -469,6 +608,7 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--json", c.json, "also write the results as JSON to this file");
   return [config, cmd] {
     config->topk_given = cmd->count("--topk") > 0;
+    config->ranks_given = cmd->count("--ranks") > 0;
     return run(*config);
   };
 }

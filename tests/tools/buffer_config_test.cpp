@@ -1,0 +1,102 @@
+// BufferOptions from JSON (buffer.hpp: apply_buffer_config_json, load_buffer_config, buffer_config_json):
+// hand-made files, each expectation written from the documented fields and ranges.
+#include <gtest/gtest.h>
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "support/random.hpp"
+
+namespace epmoe {
+namespace {
+
+// The message of the invalid_argument that `fn` throws ("" when it throws nothing).
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    return e.what();
+  }
+  return "";
+}
+
+TEST(BufferConfig, SetsOnlyTheFieldsPresent) {
+  std::mt19937_64 rng(test::fresh_seed());
+  BufferOptions o;
+  o.num_nvl_bytes = 12345;
+  o.device = 1;
+  const int sms = static_cast<int>(rng() % 64) + 1;
+  apply_buffer_config_json("{\"num_sms\": " + std::to_string(sms) + "}", o);
+  EXPECT_EQ(o.num_sms, sms);
+  EXPECT_EQ(o.num_nvl_bytes, 12345);  // not a tunable: untouched
+  EXPECT_EQ(o.device, 1);
+  apply_buffer_config_json("{}", o);
+  EXPECT_EQ(o.num_sms, sms);
+}
+
+TEST(BufferConfig, IgnoresNotesStartingWithUnderscore) {
+  BufferOptions o;
+  apply_buffer_config_json(R"({"num_sms": 24, "_tune": {"results": [1, 2]}, "_comment": "x"})", o);
+  EXPECT_EQ(o.num_sms, 24);
+}
+
+TEST(BufferConfig, UnknownFieldIsNamedWithTheKnownOnes) {
+  BufferOptions o;
+  o.num_sms = 8;
+  const std::string msg = error_of([&] { apply_buffer_config_json(R"({"num_sms": 16, "num_smz": 4})", o, "cfg.json"); });
+  EXPECT_NE(msg.find("cfg.json:num_smz"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unknown field"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("num_sms"), std::string::npos) << msg;
+  EXPECT_EQ(o.num_sms, 8);  // a bad file changes nothing, not even its good fields
+}
+
+TEST(BufferConfig, WrongTypeAndRangeAreNamed) {
+  BufferOptions o;
+  std::string msg = error_of([&] { apply_buffer_config_json(R"({"num_sms": "16"})", o, "c.json"); });
+  EXPECT_NE(msg.find("'c.json:num_sms'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("an integer in [0, 64]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("string"), std::string::npos) << msg;
+  msg = error_of([&] { apply_buffer_config_json(R"({"num_sms": 65})", o, "c.json"); });
+  EXPECT_NE(msg.find("got 65"), std::string::npos) << msg;
+  msg = error_of([&] { apply_buffer_config_json(R"({"num_sms": -1})", o, "c.json"); });
+  EXPECT_NE(msg.find("got -1"), std::string::npos) << msg;
+  msg = error_of([&] { apply_buffer_config_json(R"({"num_sms": 8.5})", o, "c.json"); });
+  EXPECT_NE(msg.find("8.5"), std::string::npos) << msg;
+  EXPECT_EQ(o.num_sms, 0);
+}
+
+TEST(BufferConfig, NotAnObjectOrNotJson) {
+  BufferOptions o;
+  std::string msg = error_of([&] { apply_buffer_config_json("[16]", o, "c.json"); });
+  EXPECT_NE(msg.find("'c.json'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("a JSON array"), std::string::npos) << msg;
+  msg = error_of([&] { apply_buffer_config_json("{\"num_sms\": ", o, "c.json"); });
+  EXPECT_NE(msg.find("not JSON"), std::string::npos) << msg;
+}
+
+TEST(BufferConfig, FileRoundTrip) {
+  std::mt19937_64 rng(test::fresh_seed());
+  BufferOptions o;
+  o.num_sms = static_cast<int>(rng() % 64) + 1;
+  const std::string text = buffer_config_json(o);
+  EXPECT_EQ(text, "{\n  \"num_sms\": " + std::to_string(o.num_sms) + "\n}");
+  const std::string path = ::testing::TempDir() + "epmoe_buffer_config_test.json";
+  std::ofstream(path) << text;
+  BufferOptions back;
+  load_buffer_config(path, back);
+  EXPECT_EQ(back.num_sms, o.num_sms);
+  std::remove(path.c_str());
+  const std::string msg = error_of([&] { load_buffer_config(path, back); });
+  EXPECT_NE(msg.find("'config'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace epmoe

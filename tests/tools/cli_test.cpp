@@ -1,0 +1,268 @@
+// The `epmoe` command line, run as a process (EPMOE_CLI_PATH): the CPU/GPU choice of `run`, --config
+// files, `bench` on CPU ranks (a tiny sweep whose JSON is checked against the documented byte formulas),
+// `tune` refusing without GPUs, bad flags named in the error, and scripts/plot_bench.py when matplotlib
+// is installed. GPU behaviour is checked where GPUs exist (the same tests, other expectations).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+
+#if defined(EPMOE_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+#include "support/random.hpp"
+
+namespace {
+
+struct CliResult {
+  int code = -1;
+  std::string out, err;
+};
+
+std::string test_name() { return ::testing::UnitTest::GetInstance()->current_test_info()->name(); }
+
+// A path in the test's temporary directory, unique per test (ctest runs tests in parallel).
+std::string temp_path(const std::string& leaf) { return ::testing::TempDir() + "epmoe_cli_" + test_name() + "_" + leaf; }
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+CliResult run_cli(const std::string& args) {
+  const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
+  const std::string cmd = std::string("'") + EPMOE_CLI_PATH + "' " + args + " >'" + o + "' 2>'" + e + "'";
+  const int status = std::system(cmd.c_str());
+  CliResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(o);
+  r.err = slurp(e);
+  return r;
+}
+
+int gpu_count() {
+#if defined(EPMOE_HAVE_CUDA)
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+#else
+  return 0;
+#endif
+}
+
+template <class... Args>
+std::string fmt_args(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return s.str();
+}
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  return nlohmann::json::parse(in);
+}
+
+const std::string kTinyRun = "--tokens 16 --hidden 128 --intermediate 64 --experts 8 --topk 2 --iters 1 --check-tokens 4";
+
+TEST(Cli, HelpListsTheCommandsAndFlags) {
+  const CliResult top = run_cli("--help");
+  EXPECT_EQ(top.code, 0);
+  for (const char* s : {"run", "bench", "tune"}) EXPECT_NE(top.out.find(s), std::string::npos) << s << "\n" << top.out;
+  const CliResult run = run_cli("run --help");
+  for (const char* s : {"--device", "--config"}) EXPECT_NE(run.out.find(s), std::string::npos) << s;
+  const CliResult bench = run_cli("bench --help");
+  for (const char* s : {"--tokens-min", "--tokens-max", "--hidden", "--topk", "--experts", "--runs", "--json", "--config"})
+    EXPECT_NE(bench.out.find(s), std::string::npos) << s;
+  const CliResult tune = run_cli("tune --help");
+  for (const char* s : {"--sms", "--objective", "--output"}) EXPECT_NE(tune.out.find(s), std::string::npos) << s;
+}
+
+TEST(Cli, RunWithoutDeviceFlagPicksGpusWhenPresentElseCpuRanks) {
+  const CliResult r = run_cli("run " + kTinyRun);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  if (gpu_count() > 0)
+    EXPECT_NE(r.out.find(std::to_string(gpu_count()) + " GPU ranks"), std::string::npos) << r.out;
+  else
+    EXPECT_NE(r.out.find("CPU ranks"), std::string::npos) << r.out;
+}
+
+TEST(Cli, RunDeviceCudaWithoutGpuNamesTheFlag) {
+  if (gpu_count() > 0) GTEST_SKIP() << "GPUs present";
+  const CliResult r = run_cli("run --device cuda " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--device'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("got cuda"), std::string::npos) << r.err;
+}
+
+TEST(Cli, RunDeviceCpuLowLatencyAndBadDevice) {
+  const CliResult r = run_cli("run --device cpu --mode low-latency --ranks 2 " + kTinyRun);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("2 CPU ranks"), std::string::npos) << r.out;
+  const CliResult b = run_cli("run --device tpu " + kTinyRun);
+  EXPECT_EQ(b.code, 2);
+  EXPECT_NE(b.err.find("--device"), std::string::npos) << b.err;
+}
+
+TEST(Cli, RunConfigIsAppliedAndRecorded) {
+  std::mt19937_64 rng(epmoe::test::fresh_seed());
+  const int sms = static_cast<int>(rng() % 64) + 1;
+  const std::string cfg = temp_path("cfg.json"), out = temp_path("run.json");
+  write_file(cfg, "{\"num_sms\": " + std::to_string(sms) + ", \"_note\": \"hand-made\"}");
+  const CliResult r = run_cli("run --device cpu --ranks 2 --config '" + cfg + "' --json '" + out + "' " + kTinyRun);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const nlohmann::json j = read_json(out);
+  EXPECT_EQ(j["buffer_config"]["num_sms"], sms);
+  EXPECT_EQ(j["device"], "cpu");
+  EXPECT_EQ(j["pass"], true);
+}
+
+TEST(Cli, RunConfigBadFieldsAreNamed) {
+  const std::string cfg = temp_path("cfg.json");
+  write_file(cfg, R"({"num_sms": 16, "warp_count": 3})");
+  CliResult r = run_cli("run --device cpu --config '" + cfg + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("warp_count"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("unknown field"), std::string::npos) << r.err;
+  write_file(cfg, R"({"num_sms": 100})");
+  r = run_cli("run --device cpu --config '" + cfg + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("num_sms"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("got 100"), std::string::npos) << r.err;
+  r = run_cli("run --device cpu --config '" + temp_path("missing.json") + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--config'"), std::string::npos) << r.err;
+  r = run_cli("bench --device cpu --config '" + cfg + "' --tokens-max 2 --hidden 128 --experts 8 --topk 2 --runs 1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("num_sms"), std::string::npos) << r.err;
+}
+
+// Row bytes as bench.cpp's header defines them (written here from that text).
+double dispatch_row(double H, double K, bool fp8) {
+  return (fp8 ? H + 4 * std::ceil(H / 128) : 2 * H) + 8 * K + 4 * K + 4;
+}
+
+TEST(Cli, BenchOnCpuRanksWritesTheSweepAsJson) {
+  std::mt19937_64 rng(epmoe::test::fresh_seed());
+  const std::uint64_t seed = rng() | 1;
+  const int H = 128, K = 2, E = 8, R = 2;
+  const std::string out = temp_path("bench.json");
+  const CliResult r = run_cli(fmt_args("bench --device cpu --ranks 2 --tokens-min 2 --tokens-max 8 --hidden ", H, " --topk ", K,
+                                       " --experts ", E, " --runs 3 --warmup 1 --seed ", seed, " --json '", out, "'"));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("[3/3] T=8"), std::string::npos) << r.err;  // progress on stderr
+  EXPECT_NE(r.out.find("dispatch_fp8"), std::string::npos) << r.out;
+  const nlohmann::json j = read_json(out);
+  EXPECT_EQ(j["command"], "bench");
+  EXPECT_EQ(j["device"], "cpu");
+  EXPECT_EQ(j["floor"], "memcpy");
+  EXPECT_EQ(j["ranks"], R);
+  EXPECT_EQ(j["seed"], seed);
+  const std::set<std::string> want_ops = {"dispatch_bf16", "dispatch_fp8", "combine_bf16",
+                                          "ll_dispatch_bf16", "ll_dispatch_fp8", "ll_combine_bf16"};
+  std::map<std::int64_t, std::map<std::string, nlohmann::json>> by_t;
+  for (const auto& s : j["results"]) by_t[s["tokens"].get<std::int64_t>()][s["op"].get<std::string>()] = s;
+  ASSERT_EQ(by_t.size(), 3u);
+  for (const auto& [T, ops] : by_t) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    EXPECT_TRUE(T == 2 || T == 4 || T == 8);
+    std::set<std::string> got;
+    for (const auto& [op, s] : ops) {
+      got.insert(op);
+      EXPECT_GT(s["median_us"].get<double>(), 0.0) << op;
+      EXPECT_LE(s["min_us"].get<double>(), s["median_us"].get<double>()) << op;
+      EXPECT_GE(s["floor_us"].get<double>(), 0.0) << op;
+      EXPECT_TRUE(s["nccl_us"].is_null()) << op;
+      EXPECT_NEAR(s["gb_per_s"].get<double>(), s["remote_bytes"].get<double>() / s["median_us"].get<double>() / 1e3,
+                  1e-9 + 1e-9 * s["gb_per_s"].get<double>())
+          << op;
+    }
+    EXPECT_EQ(got, want_ops);
+    // Rows crossing ranks: a token goes once to the other rank, or not at all.
+    const double rows = ops.at("dispatch_bf16")["remote_bytes"].get<double>() / dispatch_row(H, K, false);
+    EXPECT_EQ(rows, std::floor(rows));
+    EXPECT_GE(rows, 0);
+    EXPECT_LE(rows, static_cast<double>(R * T));
+    EXPECT_DOUBLE_EQ(ops.at("dispatch_fp8")["remote_bytes"].get<double>(), rows * dispatch_row(H, K, true));
+    EXPECT_DOUBLE_EQ(ops.at("combine_bf16")["remote_bytes"].get<double>(), rows * 2 * H);
+    EXPECT_DOUBLE_EQ(ops.at("ll_dispatch_bf16")["remote_bytes"].get<double>(), rows * 2 * H);
+    EXPECT_DOUBLE_EQ(ops.at("ll_dispatch_fp8")["remote_bytes"].get<double>(), rows * (H + 4 * std::ceil(H / 128.0)));
+    const double pairs = ops.at("ll_combine_bf16")["remote_bytes"].get<double>() / (2 * H);
+    EXPECT_GE(pairs, rows);
+    EXPECT_LE(pairs, K * rows);
+  }
+}
+
+TEST(Cli, BenchModesAndBadFlags) {
+  const std::string out = temp_path("bench.json");
+  CliResult r = run_cli("bench --device cpu --modes normal --tokens-min 4 --tokens-max 7 --hidden 64 --experts 4 --topk 1 "
+                        "--runs 2 --warmup 0 --no-floors --json '" + out + "'");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const nlohmann::json j = read_json(out);
+  ASSERT_EQ(j["results"].size(), 3u);  // T = 4 only, three normal-mode ops
+  for (const auto& s : j["results"]) {
+    EXPECT_EQ(s["tokens"], 4);
+    EXPECT_EQ(s["mode"], "normal");
+    EXPECT_TRUE(s["floor_us"].is_null());
+  }
+  const std::string tiny = " --device cpu --tokens-max 2 ";
+  for (const auto& [args, flag] : std::map<std::string, std::string>{
+           {"--hidden 64 --experts 4 --topk 1 --runs 1 --tokens-min 4", "'--tokens-max'"},
+           {"--hidden 64 --experts 4 --topk 1 --runs 1 --tokens-min 0", "'--tokens-min'"},
+           {"--hidden 64 --experts 4 --topk 1 --runs 1 --modes fast", "'--modes'"},
+           {"--hidden 100 --experts 4 --topk 1 --runs 1", "'--hidden'"},
+           {"--hidden 64 --experts 5 --topk 1 --runs 1", "'--experts'"},
+           {"--hidden 64 --experts 4 --topk 5 --runs 1", "'--topk'"},
+           {"--hidden 64 --experts 4 --topk 1 --runs 0", "'--runs'"}}) {
+    r = run_cli("bench" + tiny + " " + args);
+    EXPECT_EQ(r.code, 2) << args;
+    EXPECT_NE(r.err.find(flag), std::string::npos) << args << ": " << r.err;
+  }
+}
+
+TEST(Cli, TuneRefusesWithoutGpus) {
+  CliResult r = run_cli("tune --device cpu");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("needs CUDA GPUs"), std::string::npos) << r.err;
+  if (gpu_count() > 0) return;
+  r = run_cli("tune --tokens 8 --output '" + temp_path("tune.json") + "'");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("needs CUDA GPUs"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(temp_path("tune.json")));
+}
+
+TEST(Cli, PlotScriptRendersThePng) {
+  std::string python = std::string(EPMOE_SOURCE_DIR) + "/build/venv/bin/python";
+  if (!std::filesystem::exists(python)) python = "python3";
+  if (std::system(("'" + python + "' -c 'import matplotlib' >/dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << "matplotlib is not installed (pip install -r scripts/requirements-plot.txt)";
+  const std::string json = temp_path("bench.json"), png = temp_path("bench.png");
+  std::filesystem::remove(png);
+  const CliResult r = run_cli("bench --device cpu --tokens-max 4 --hidden 64 --experts 4 --topk 2 --runs 2 --json '" + json + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string cmd = "'" + python + "' '" + EPMOE_SOURCE_DIR + "/scripts/plot_bench.py' '" + json + "' -o '" + png + "' >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const std::string bytes = slurp(png);
+  ASSERT_GT(bytes.size(), 1000u);
+  EXPECT_EQ(bytes.substr(0, 4), "\x89PNG");
+}
+
+}  // namespace

@@ -1,0 +1,773 @@
+// `epmoe bench`: dispatch and combine timed over a sweep of T (powers of two), beside a floor that moves
+// the same bytes without epmoe (GPU: cudaMemcpyPeerAsync, every direction at once; CPU: memcpy on every
+// rank at once) and, on GPUs when NCCL is there, an NCCL all-to-all-v of the same rows.
+// `epmoe tune`: the same normal-mode measurement on the GPUs for each num_sms of a list; writes the best
+// BufferOptions tunables as JSON (buffer.hpp: apply_buffer_config_json).
+//
+// Method (as bench/gpu_normal_mode.cpp): per op, `warmup` untimed runs then `runs` timed ones; a run is
+// a barrier of all ranks then one call, timed on each rank (GPU: CUDA events on the caller's stream around
+// the call, after an L2 flush and a device synchronisation; CPU: wall clock); a run's time is the
+// slowest rank's; the median over runs is reported.
+// Remote bytes: what crosses ranks, all ranks and directions together, counted as the payload rows:
+//   normal dispatch: per (token, other rank it goes to) one row of x (bf16 2H, or fp8 H + 4 ceil(H/128)
+//     scale bytes) + K int64 ids + K f32 weights + an int32 source index (the cuda_ipc layout);
+//   normal combine: per such row 2H (bf16 x back);
+//   low-latency dispatch: per (token, other rank) the x row (bf16 or fp8 + scales);
+//   low-latency combine: per (token, k) pair whose expert is on another rank, 2H.
+// GB/s = remote bytes / median time (aggregate over ranks). The floor and NCCL move exactly the bytes each
+// rank sends to each other rank in the op (NCCL: remote chunks only; the local rows are not part of it).
+#include <epmoe/buffer.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/layout.hpp>
+#include <epmoe/quant.hpp>
+#include <epmoe/version.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "commands.hpp"
+#include "common.hpp"
+#include "nccl.hpp"
+
+#if defined(EPMOE_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace epmoe::cli {
+namespace {
+
+struct BenchConfig {
+  std::int64_t tokens_min = 1, tokens_max = 16384, ll_tokens_max = 128, hidden = 7168;
+  int topk = 8, experts = 256, runs = 50, warmup = 5, ranks = 2;
+  bool ranks_given = false;
+  std::string device = "auto", json, config, modes = "normal,low-latency";
+  std::uint64_t seed = 0;  // 0: a fresh seed, printed
+  bool floors = true;
+  // tune
+  std::int64_t tokens = 4096;
+  std::string sms_list = "4,8,12,16,20,24,32", objective = "max", dispatch_dtype = "bf16", output = "epmoe_tune.json";
+  // resolved
+  DeviceKind kind = DeviceKind::cpu;
+  BufferOptions options;
+};
+
+struct Sample {
+  std::string mode, op;
+  std::int64_t tokens = 0;
+  int num_sms = 0;
+  double median_us = 0, min_us = 0, remote_bytes = 0;
+  double floor_us = -1, nccl_us = -1;  // < 0: not measured
+};
+
+double gbps(double bytes, double us) { return us > 0 ? bytes / us / 1e3 : 0.0; }
+
+// Bytes of one row of `op` (see the header comment).
+double row_bytes(std::string_view op, std::int64_t H, int K) {
+  const double G = static_cast<double>(num_scale_groups(H)), h = static_cast<double>(H), meta = 12.0 * K + 4;
+  if (op == "dispatch_bf16") return 2 * h + meta;
+  if (op == "dispatch_fp8") return h + 4 * G + meta;
+  if (op == "ll_dispatch_fp8") return h + 4 * G;
+  return 2 * h;  // combine_bf16, ll_dispatch_bf16, ll_combine_bf16
+}
+bool per_pair(std::string_view op) { return op == "ll_combine_bf16"; }
+
+// Per destination rank: rows (a token counts once per rank) and (token, k) pairs of this rank's routing.
+struct Counts {
+  std::vector<std::int64_t> rows, pairs;
+};
+Counts count_routing(const Tensor& idx, int E, int R) {
+  const std::int64_t T = idx.size(0), K = idx.size(1);
+  const int E_local = E / R;
+  Counts c{std::vector<std::int64_t>(static_cast<std::size_t>(R)), std::vector<std::int64_t>(static_cast<std::size_t>(R))};
+  std::vector<char> seen(static_cast<std::size_t>(R));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::fill(seen.begin(), seen.end(), 0);
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t e = idx.ptr<std::int64_t>()[t * K + k];
+      if (e < 0) continue;
+      const auto d = static_cast<std::size_t>(e / E_local);
+      ++c.pairs[d];
+      if (!seen[d]) ++c.rows[d], seen[d] = 1;
+    }
+  }
+  return c;
+}
+
+// Every rank's counts: [source][destination].
+struct Matrix {
+  std::vector<std::int64_t> rows, pairs;  // R x R
+  int R = 0;
+  std::int64_t at(const std::vector<std::int64_t>& m, int s, int d) const { return m[static_cast<std::size_t>(s * R + d)]; }
+  // Units of `op` (rows or pairs) that source s sends to destination d.
+  std::int64_t units(std::string_view op, int s, int d) const { return at(per_pair(op) ? pairs : rows, s, d); }
+  double remote_units(std::string_view op) const {
+    double n = 0;
+    for (int s = 0; s < R; ++s)
+      for (int d = 0; d < R; ++d)
+        if (s != d) n += static_cast<double>(units(op, s, d));
+    return n;
+  }
+};
+Matrix gather_counts(Group& g, const Counts& mine) {
+  const int R = g.size();
+  std::vector<std::int64_t> send(mine.rows);
+  send.insert(send.end(), mine.pairs.begin(), mine.pairs.end());
+  std::vector<std::int64_t> all(send.size() * static_cast<std::size_t>(R));
+  g.all_gather(send.data(), all.data(), send.size() * sizeof(std::int64_t), "bench.counts");
+  Matrix m;
+  m.R = R;
+  for (int s = 0; s < R; ++s) {
+    const auto* p = all.data() + static_cast<std::size_t>(s) * send.size();
+    m.rows.insert(m.rows.end(), p, p + R);
+    m.pairs.insert(m.pairs.end(), p + R, p + 2 * R);
+  }
+  return m;
+}
+
+// The slowest rank per run, then the median (and min) over runs, on every rank.
+class Collector {
+ public:
+  explicit Collector(int R) : t_(static_cast<std::size_t>(R)) {}
+  std::pair<double, double> reduce(Group& g, std::vector<double> mine) {
+    t_[static_cast<std::size_t>(g.rank())] = std::move(mine);
+    g.barrier("bench.collect");
+    std::vector<double> slow(t_[0].size(), 0.0);
+    for (const auto& v : t_)
+      for (std::size_t i = 0; i < slow.size() && i < v.size(); ++i) slow[i] = std::max(slow[i], v[i]);
+    g.barrier("bench.collected");  // no rank overwrites its entry before every rank has read them all
+    return {median(slow), slow.empty() ? 0.0 : *std::min_element(slow.begin(), slow.end())};
+  }
+
+ private:
+  std::vector<std::vector<double>> t_;
+};
+
+// Deterministic host inputs of rank r at T.
+struct HostInputs {
+  Tensor x, idx, w;
+};
+HostInputs host_inputs(const BenchConfig& c, std::uint64_t seed, int r, std::int64_t T) {
+  const std::uint64_t id = static_cast<std::uint64_t>(r) * 1000003ull + static_cast<std::uint64_t>(T);
+  HostInputs in;
+  in.x = Tensor::empty(DType::bf16, {T, c.hidden});
+  fill_bf16(in.x.ptr<bf16_t>(), T * c.hidden, seed, id, 1.0f);
+  in.idx = random_topk(T, c.topk, c.experts, seed ^ (id * 0x9E3779B97F4A7C15ull));
+  in.w = Tensor::empty(DType::fp32, {T, c.topk});
+  std::mt19937_64 rng(seed + id);
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (std::int64_t i = 0; i < in.w.numel(); ++i) in.w.ptr<float>()[i] = u(rng);
+  return in;
+}
+
+std::vector<std::int64_t> sweep(const BenchConfig& c) {
+  std::vector<std::int64_t> Ts;
+  for (std::int64_t t = 1; t <= c.tokens_max; t *= 2)
+    if (t >= c.tokens_min) Ts.push_back(t);
+  return Ts;
+}
+
+void print_header() {
+  fmt::print("{:>6} {:<16} {:>11} {:>11} {:>9} | {:>10} {:>9} {:>8} | {:>10} {:>9}\n", "T", "op", "median us", "remote MB",
+             "GB/s", "floor us", "GB/s", "of floor", "nccl us", "GB/s");
+}
+void print_sample(const Sample& s) {
+  const double g = gbps(s.remote_bytes, s.median_us);
+  const std::string floor =
+      s.floor_us >= 0 ? fmt::format("{:>10.2f} {:>9.1f} {:>7.0f}%", s.floor_us, gbps(s.remote_bytes, s.floor_us),
+                                    s.median_us > 0 ? 100.0 * s.floor_us / s.median_us : 0.0)
+                      : fmt::format("{:>10} {:>9} {:>8}", "-", "-", "-");
+  const std::string nccl = s.nccl_us >= 0 ? fmt::format("{:>10.2f} {:>9.1f}", s.nccl_us, gbps(s.remote_bytes, s.nccl_us))
+                                          : fmt::format("{:>10} {:>9}", "-", "-");
+  fmt::print("{:>6} {:<16} {:>11.2f} {:>11.3f} {:>9.1f} | {} | {}\n", s.tokens, s.op, s.median_us, s.remote_bytes / 1e6, g,
+             floor, nccl);
+  std::fflush(stdout);
+}
+
+nlohmann::json sample_json(const Sample& s) {
+  nlohmann::json j = {{"mode", s.mode},
+                      {"op", s.op},
+                      {"tokens", s.tokens},
+                      {"num_sms", s.num_sms},
+                      {"median_us", s.median_us},
+                      {"min_us", s.min_us},
+                      {"remote_bytes", s.remote_bytes},
+                      {"gb_per_s", gbps(s.remote_bytes, s.median_us)}};
+  j["floor_us"] = s.floor_us >= 0 ? nlohmann::json(s.floor_us) : nlohmann::json(nullptr);
+  j["floor_gb_per_s"] = s.floor_us >= 0 ? nlohmann::json(gbps(s.remote_bytes, s.floor_us)) : nlohmann::json(nullptr);
+  j["nccl_us"] = s.nccl_us >= 0 ? nlohmann::json(s.nccl_us) : nlohmann::json(nullptr);
+  j["nccl_gb_per_s"] = s.nccl_us >= 0 ? nlohmann::json(gbps(s.remote_bytes, s.nccl_us)) : nlohmann::json(nullptr);
+  return j;
+}
+
+void write_json(const std::string& path, const nlohmann::json& j, std::string_view flag) {
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  out.close();
+  if (!out) bad(flag, "a writable file", path);
+}
+
+// ---------------------------------------------------------------------------------------------- CPU ranks
+
+void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64_t seed, Collector& col,
+              const std::function<void(const Sample&)>& emit) {
+  const int R = g->size(), r = g->rank();
+  const bool normal = c.modes.find("normal") != std::string::npos;
+  const bool ll = c.modes.find("low-latency") != std::string::npos && c.topk <= 16;
+  const std::vector<std::int64_t> Ts = sweep(c);
+  for (std::size_t i = 0; i < Ts.size(); ++i) {
+    const std::int64_t T = Ts[i];
+    const auto t_start = Clock::now();
+    if (r == 0) fmt::print(stderr, "[{}/{}] T={}: ", i + 1, Ts.size(), T);
+    const HostInputs in = host_inputs(c, seed, r, T);
+    const Matrix m = gather_counts(*g, count_routing(in.idx, c.experts, R));
+
+    // Floor: this rank's remote bytes of the op, memcpy'd while every other rank does the same.
+    double floor_bytes = 0;
+    for (const char* op : {"dispatch_bf16", "ll_combine_bf16"}) {  // the largest row op and the pair op
+      double mine = 0;
+      for (int d = 0; d < R; ++d)
+        if (d != r) mine += static_cast<double>(m.units(op, r, d)) * row_bytes(op, c.hidden, c.topk);
+      floor_bytes = std::max(floor_bytes, mine);
+    }
+    std::vector<char> src(c.floors ? static_cast<std::size_t>(floor_bytes) + 64 : 0, 1), dst(src.size(), 0);
+    auto timed = [&](const std::function<void()>& setup, const std::function<void()>& fn) {
+      std::vector<double> us;
+      for (int k = 0; k < c.warmup + c.runs; ++k) {
+        if (setup) setup();
+        g->barrier("bench.run");
+        const auto t0 = Clock::now();
+        fn();
+        if (k >= c.warmup) us.push_back(seconds_since(t0) * 1e6);
+      }
+      return col.reduce(*g, std::move(us));
+    };
+    auto measure = [&](const char* mode, const char* op, const std::function<void()>& setup, const std::function<void()>& fn) {
+      Sample s;
+      s.mode = mode;
+      s.op = op;
+      s.tokens = T;
+      std::tie(s.median_us, s.min_us) = timed(setup, fn);
+      s.remote_bytes = m.remote_units(op) * row_bytes(op, c.hidden, c.topk);
+      if (c.floors) {
+        double mine = 0;
+        for (int d = 0; d < R; ++d)
+          if (d != r) mine += static_cast<double>(m.units(op, r, d)) * row_bytes(op, c.hidden, c.topk);
+        const auto bytes = std::min(src.size(), static_cast<std::size_t>(mine));
+        s.floor_us = timed({}, [&] { std::memcpy(dst.data(), src.data(), bytes); }).first;
+      }
+      if (r == 0) {
+        fmt::print(stderr, "{} ", op);
+        emit(s);
+      }
+    };
+
+    if (normal) {
+      Buffer buf(g, c.options);
+      const DispatchLayout layout = buf.get_dispatch_layout(in.idx, c.experts);
+      const Fp8Tensor q = quantize_fp8(in.x);
+      DispatchArgs a;
+      a.x = in.x;
+      a.topk_idx = in.idx;
+      a.topk_weights = in.w;
+      a.num_tokens_per_rank = layout.num_tokens_per_rank;
+      a.is_token_in_rank = layout.is_token_in_rank;
+      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      DispatchResult keep;
+      measure("normal", "dispatch_bf16", {}, [&] { keep = buf.dispatch(a); });
+      DispatchArgs a8 = a;
+      a8.x = q.data;
+      a8.x_scales = q.scales;
+      measure("normal", "dispatch_fp8", {}, [&] { buf.dispatch(a8); });
+      Tensor cx = Tensor::empty(DType::bf16, {keep.handle.num_recv_rows, c.hidden});
+      fill_bf16(cx.ptr<bf16_t>(), cx.numel(), seed, 7, 1.0f);
+      CombineArgs ca;
+      ca.x = cx;
+      ca.handle = &keep.handle;
+      measure("normal", "combine_bf16", {}, [&] { buf.combine(ca); });
+    }
+    if (ll && T <= c.ll_tokens_max) {
+      BufferOptions lo = c.options;
+      lo.low_latency_mode = true;
+      lo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(static_cast<int>(T), c.hidden, R, c.experts);
+      Buffer buf(g, lo);
+      LowLatencyDispatchArgs la;
+      la.x = in.x;
+      la.topk_idx = in.idx;
+      la.topk_weights = in.w;
+      la.num_max_dispatch_tokens_per_rank = static_cast<int>(T);
+      la.num_experts = c.experts;
+      la.use_fp8 = false;
+      measure("low-latency", "ll_dispatch_bf16", {}, [&] { buf.low_latency_dispatch(la); });
+      LowLatencyDispatchArgs la8 = la;
+      la8.use_fp8 = true;
+      measure("low-latency", "ll_dispatch_fp8", {}, [&] { buf.low_latency_dispatch(la8); });
+      // Each combine needs a handle from the call just before it (two-buffer rule): an untimed dispatch.
+      LowLatencyDispatchResult d;
+      LowLatencyCombineArgs ca;
+      measure(
+          "low-latency", "ll_combine_bf16",
+          [&] {
+            d = buf.low_latency_dispatch(la);
+            ca.x = d.packed_recv_x;
+            ca.topk_idx = in.idx;
+            ca.topk_weights = in.w;
+            ca.handle = &d.handle;
+          },
+          [&] { buf.low_latency_combine(ca); });
+    }
+    if (r == 0) fmt::print(stderr, "({:.1f} s)\n", seconds_since(t_start));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- GPU ranks
+
+#if defined(EPMOE_HAVE_CUDA)
+
+// Per rank, for the whole command: events, an L2 flush buffer, peer streams, NCCL.
+struct GpuContext {
+  int device = 0;
+  cudaEvent_t start = nullptr, stop = nullptr, fork = nullptr;
+  std::vector<cudaStream_t> streams;  // one per peer: the peer copies of a rank run at once
+  std::vector<cudaEvent_t> joins;
+  void* flush = nullptr;
+  std::size_t flush_bytes = std::size_t{256} << 20;
+  std::unique_ptr<NcclComm> nccl;
+
+  GpuContext(Group& g, bool want_nccl) : device(g.rank()) {
+    cuda_set_device(device);
+    cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+    cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+    cuda_check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreate");
+    for (int p = 0; p < g.size(); ++p) {
+      cudaStream_t s = nullptr;
+      cudaEvent_t e = nullptr;
+      cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      streams.push_back(s);
+      joins.push_back(e);
+      if (p != device) {
+        const cudaError_t pe = cudaDeviceEnablePeerAccess(p, 0);
+        if (pe != cudaSuccess && pe != cudaErrorPeerAccessAlreadyEnabled) cuda_check(pe, "cudaDeviceEnablePeerAccess");
+        cudaGetLastError();
+      }
+    }
+    cuda_check(cudaMalloc(&flush, flush_bytes), "cudaMalloc (L2 flush)");
+    if (want_nccl && nccl_available()) nccl = std::make_unique<NcclComm>(g);
+  }
+  ~GpuContext() {
+    cudaDeviceSynchronize();
+    nccl.reset();
+    for (auto s : streams) cudaStreamDestroy(s);
+    for (auto e : joins) cudaEventDestroy(e);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaEventDestroy(fork);
+    cudaFree(flush);
+  }
+  GpuContext(const GpuContext&) = delete;
+  GpuContext& operator=(const GpuContext&) = delete;
+};
+
+// Device memory freed at scope exit.
+struct DeviceBytes {
+  void* p = nullptr;
+  explicit DeviceBytes(std::size_t n) { cuda_check(cudaMalloc(&p, std::max<std::size_t>(n, 256)), "cudaMalloc"); }
+  ~DeviceBytes() { cudaFree(p); }
+  DeviceBytes(const DeviceBytes&) = delete;
+  DeviceBytes& operator=(const DeviceBytes&) = delete;
+};
+
+// One normal-mode point on the GPUs: dispatch bf16, dispatch fp8, combine bf16 (those in `ops`) at T with
+// `options`, with floors (peer copies, NCCL) when `floors`. Collective; returns the samples on every rank.
+std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuContext& ctx, const BenchConfig& c,
+                              std::uint64_t seed, std::int64_t T, const BufferOptions& options,
+                              const std::vector<std::string>& ops, bool floors, Collector& col, bool progress) {
+  const int R = g.size(), r = g.rank(), dev = ctx.device;
+  const HostInputs hin = host_inputs(c, seed, r, T);
+  const Matrix m = gather_counts(g, count_routing(hin.idx, c.experts, R));
+  BufferOptions bo = options;
+  bo.backend = Backend::cuda_ipc;
+  bo.device = dev;
+  bo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, c.hidden, R, c.topk);
+  Buffer buf(gp, bo);
+  const Tensor x = to_device(hin.x, dev), idx = to_device(hin.idx, dev), w = to_device(hin.w, dev);
+  const Fp8Tensor q = quantize_fp8(x);
+  const DispatchLayout layout = buf.get_dispatch_layout(idx, c.experts);
+  cuda_sync_device();
+
+  auto timed = [&](const std::function<void()>& fn) {
+    std::vector<double> us;
+    for (int k = 0; k < c.warmup + c.runs; ++k) {
+      cuda_check(cudaMemsetAsync(ctx.flush, k & 0xff, ctx.flush_bytes, nullptr), "L2 flush");
+      cuda_sync_device();
+      g.barrier("bench.run");
+      cuda_check(cudaEventRecord(ctx.start, nullptr), "cudaEventRecord");
+      fn();
+      cuda_check(cudaEventRecord(ctx.stop, nullptr), "cudaEventRecord");
+      cuda_check(cudaEventSynchronize(ctx.stop), "cudaEventSynchronize");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, ctx.start, ctx.stop), "cudaEventElapsedTime");
+      if (k >= c.warmup) us.push_back(ms * 1000.0);
+    }
+    return col.reduce(g, std::move(us));
+  };
+
+  // Floor buffers: chunk p of src goes to rank p; chunk s of each rank's dst receives from rank s.
+  const std::size_t chunk = static_cast<std::size_t>(static_cast<double>(T) * row_bytes("dispatch_bf16", c.hidden, c.topk)) + 256;
+  std::optional<DeviceBytes> src, dst;
+  std::vector<void*> dsts(static_cast<std::size_t>(R));
+  if (floors) {
+    src.emplace(chunk * static_cast<std::size_t>(R));
+    dst.emplace(chunk * static_cast<std::size_t>(R));
+    cuda_check(cudaMemset(src->p, 1, chunk * static_cast<std::size_t>(R)), "cudaMemset");
+    void* mine = dst->p;
+    g.all_gather(&mine, dsts.data(), sizeof(void*), "bench.floor_buffers");
+  }
+
+  DispatchArgs a;
+  a.x = x;
+  a.topk_idx = idx;
+  a.topk_weights = w;
+  a.num_tokens_per_rank = layout.num_tokens_per_rank;
+  a.is_token_in_rank = layout.is_token_in_rank;
+  a.num_tokens_per_expert = layout.num_tokens_per_expert;
+  DispatchResult keep;
+  Tensor cx;
+  std::vector<Sample> out;
+  auto want = [&](const char* op) { return std::find(ops.begin(), ops.end(), op) != ops.end(); };
+  for (const char* op : {"dispatch_bf16", "dispatch_fp8", "combine_bf16"}) {
+    const bool combine = std::string_view(op) == "combine_bf16";
+    if (!want(op) && !(std::string_view(op) == "dispatch_bf16" && want("combine_bf16"))) continue;
+    Sample s;
+    s.mode = "normal";
+    s.op = op;
+    s.tokens = T;
+    s.num_sms = options.num_sms;
+    if (std::string_view(op) == "dispatch_bf16") {
+      std::tie(s.median_us, s.min_us) = timed([&] { keep = buf.dispatch(a); });
+    } else if (std::string_view(op) == "dispatch_fp8") {
+      DispatchArgs a8 = a;
+      a8.x = q.data;
+      a8.x_scales = q.scales;
+      std::tie(s.median_us, s.min_us) = timed([&] { buf.dispatch(a8); });
+    } else {
+      Tensor hx = Tensor::empty(DType::bf16, {keep.handle.num_recv_rows, c.hidden});
+      fill_bf16(hx.ptr<bf16_t>(), hx.numel(), seed, 11 + static_cast<std::uint64_t>(r), 1.0f);
+      cx = to_device(hx, dev);
+      CombineArgs ca;
+      ca.x = cx;
+      ca.handle = &keep.handle;
+      std::tie(s.median_us, s.min_us) = timed([&] { buf.combine(ca); });
+    }
+    if (!want(op)) continue;  // dispatch_bf16 ran only to make the combine's handle
+    const double rb = row_bytes(op, c.hidden, c.topk);
+    s.remote_bytes = m.remote_units(op) * rb;
+    if (floors) {
+      std::vector<std::size_t> send(static_cast<std::size_t>(R)), recv(send.size()), off(send.size());
+      for (int p = 0; p < R; ++p) {
+        const auto q2 = static_cast<std::size_t>(p);
+        off[q2] = q2 * chunk;
+        send[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(op, r, p)) * rb));
+        recv[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(op, p, r)) * rb));
+      }
+      // Peer copies, every direction at once: one stream per peer, forked from and joined to the caller's.
+      s.floor_us = timed([&] {
+                     cuda_check(cudaEventRecord(ctx.fork, nullptr), "cudaEventRecord");
+                     for (int p = 0; p < R; ++p) {
+                       const auto q2 = static_cast<std::size_t>(p);
+                       if (send[q2] == 0) continue;
+                       cuda_check(cudaStreamWaitEvent(ctx.streams[q2], ctx.fork, 0), "cudaStreamWaitEvent");
+                       cuda_check(cudaMemcpyPeerAsync(static_cast<char*>(dsts[q2]) + static_cast<std::size_t>(r) * chunk, p,
+                                                      static_cast<char*>(src->p) + off[q2], dev, send[q2], ctx.streams[q2]),
+                                  "cudaMemcpyPeerAsync");
+                       cuda_check(cudaEventRecord(ctx.joins[q2], ctx.streams[q2]), "cudaEventRecord");
+                       cuda_check(cudaStreamWaitEvent(nullptr, ctx.joins[q2], 0), "cudaStreamWaitEvent");
+                     }
+                   }).first;
+      if (ctx.nccl)
+        s.nccl_us = timed([&] { ctx.nccl->all_to_all_v(src->p, send, off, dst->p, recv, off, nullptr); }).first;
+    }
+    if (progress && r == 0) fmt::print(stderr, "{} ", op);
+    out.push_back(s);
+  }
+  cuda_sync_device();
+  g.barrier("bench.point_done");  // every rank done with the peers' floor buffers before they are freed
+  return out;
+}
+
+void gpu_bench_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64_t seed, Collector& col,
+                    const std::function<void(const Sample&)>& emit) {
+  GpuContext ctx(*g, c.floors);
+  const std::vector<std::int64_t> Ts = sweep(c);
+  for (std::size_t i = 0; i < Ts.size(); ++i) {
+    const auto t0 = Clock::now();
+    if (g->rank() == 0) fmt::print(stderr, "[{}/{}] T={}: ", i + 1, Ts.size(), Ts[i]);
+    const auto samples = gpu_point(*g, g, ctx, c, seed, Ts[i], c.options, {"dispatch_bf16", "dispatch_fp8", "combine_bf16"},
+                                   c.floors, col, true);
+    if (g->rank() == 0) {
+      fmt::print(stderr, "({:.1f} s)\n", seconds_since(t0));
+      for (const auto& s : samples) emit(s);
+    }
+  }
+}
+
+#endif  // EPMOE_HAVE_CUDA
+
+// ---------------------------------------------------------------------------------------------- commands
+
+std::uint64_t fresh_seed(std::uint64_t s) {
+  return s != 0 ? s : (static_cast<std::uint64_t>(std::random_device{}()) << 32 | std::random_device{}()) | 1;
+}
+
+void check_shape(const BenchConfig& c, int R) {
+  if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
+  if (c.experts < 1) bad("--experts", ">= 1", c.experts);
+  if (c.experts % R != 0) bad("--experts", fmt::format("a multiple of the {} ranks", R), c.experts);
+  if (c.experts / R > 1024) bad("--experts", fmt::format("at most 1024 per rank ({} ranks)", R), c.experts);
+  if (c.topk < 1 || c.topk > std::min(32, c.experts)) bad("--topk", fmt::format("in [1, {}]", std::min(32, c.experts)), c.topk);
+  if (c.runs < 1) bad("--runs", ">= 1", c.runs);
+  if (c.warmup < 0) bad("--warmup", ">= 0", c.warmup);
+}
+
+int gpu_ranks(const BenchConfig& c) {
+  const int n = cuda_device_count();
+  if (!c.ranks_given) return n;
+  if (c.ranks < 1 || c.ranks > n) bad("--ranks", fmt::format("in [1, {}] (one rank per visible GPU)", n), c.ranks);
+  return c.ranks;
+}
+
+int bench(BenchConfig c) {
+  std::set<std::string> modes;
+  {
+    std::stringstream ss(c.modes);
+    for (std::string m; std::getline(ss, m, ',');) {
+      if (m != "normal" && m != "low-latency") bad("--modes", "a comma-separated subset of normal,low-latency", c.modes);
+      modes.insert(m);
+    }
+    if (modes.empty()) bad("--modes", "a comma-separated subset of normal,low-latency", c.modes);
+  }
+  c.kind = resolve_device(c.device);
+  apply_config_flag(c.config, c.options);
+  const int R = c.kind == DeviceKind::cuda ? gpu_ranks(c) : c.ranks;
+  if (R < 1) bad("--ranks", ">= 1", R);
+  c.ranks = R;
+  check_shape(c, R);
+  if (c.tokens_min < 1) bad("--tokens-min", ">= 1", c.tokens_min);
+  if (c.tokens_max < c.tokens_min || c.tokens_max > (1 << 20))
+    bad("--tokens-max", fmt::format("in [--tokens-min ({}), 1048576]", c.tokens_min), c.tokens_max);
+  if (sweep(c).empty())
+    bad("--tokens-max", fmt::format("a range holding a power of two (--tokens-min {})", c.tokens_min), c.tokens_max);
+  if (c.ll_tokens_max < 1) bad("--ll-tokens-max", ">= 1", c.ll_tokens_max);
+  if (!c.json.empty() && !std::ofstream(c.json, std::ios::app)) bad("--json", "a writable file", c.json);
+  const std::uint64_t seed = fresh_seed(c.seed);
+  const bool gpu = c.kind == DeviceKind::cuda;
+  const std::string nccl = gpu ? nccl_status() : "n/a on CPU ranks";
+
+  fmt::print("epmoe {} bench: {} {} ranks ({}), H={}, K={}, E={}, T in {}..{} (powers of two), {} runs after {} warm-up, seed {}\n",
+             version(), R, gpu ? "GPU" : "CPU", gpu ? fmt::format("cuda_ipc, {} x {}", R, device_name(0)) : "threads",
+             c.hidden, c.topk, c.experts, sweep(c).front(), sweep(c).back(), c.runs, c.warmup, seed);
+  fmt::print("floor: {}; nccl: {}; buffer config: {}\n",
+             gpu ? "cudaMemcpyPeerAsync of the same bytes, every direction at once" : "memcpy of the same bytes on every rank at once",
+             nccl, nlohmann::json::parse(buffer_config_json(c.options)).dump());
+  if (gpu && modes.count("low-latency"))
+    fmt::print("low-latency: skipped on GPU ranks (the cuda_ipc backend has no low-latency path yet; --device cpu measures it)\n");
+  if (!gpu && modes.count("low-latency")) {
+    if (c.topk > 16)
+      fmt::print("low-latency: skipped (K = {} > 16)\n", c.topk);
+    else
+      fmt::print("low-latency: T <= {} (--ll-tokens-max; its buffers grow with E_local * R * T * H)\n", c.ll_tokens_max);
+  }
+  print_header();
+
+  nlohmann::json j = {{"command", "bench"},
+                      {"version", std::string(version())},
+                      {"device", gpu ? "cuda" : "cpu"},
+                      {"device_name", device_name(gpu ? 0 : -1)},
+                      {"transport", gpu ? "cuda_ipc" : "threads"},
+                      {"ranks", R},
+                      {"hidden", c.hidden},
+                      {"num_topk", c.topk},
+                      {"num_experts", c.experts},
+                      {"runs", c.runs},
+                      {"warmup", c.warmup},
+                      {"seed", seed},
+                      {"routing", "uniform random top-K of E per token"},
+                      {"buffer_config", nlohmann::json::parse(buffer_config_json(c.options))},
+                      {"floor", gpu ? "peer_copy" : "memcpy"},
+                      {"nccl", nccl},
+                      {"gb_per_s", "remote bytes (all ranks, all directions) / median time"},
+                      {"results", nlohmann::json::array()}};
+  std::mutex mutex;
+  auto emit = [&](const Sample& s) {
+    std::lock_guard<std::mutex> lock(mutex);
+    print_sample(s);
+    j["results"].push_back(sample_json(s));
+    if (!c.json.empty()) write_json(c.json, j, "--json");  // after every point, so a cut-short run keeps its figures
+  };
+  BenchConfig run_c = c;
+  if (!modes.count("normal")) run_c.modes = "low-latency";
+  if (!modes.count("low-latency")) run_c.modes = "normal";
+  Collector col(R);
+  if (gpu) {
+#if defined(EPMOE_HAVE_CUDA)
+    if (modes.count("normal"))
+      launch_ranks(R, [&](const std::shared_ptr<Group>& g) { gpu_bench_rank(g, run_c, seed, col, emit); });
+#endif
+  } else {
+    launch_ranks(R, [&](const std::shared_ptr<Group>& g) { cpu_rank(g, run_c, seed, col, emit); });
+  }
+  if (!c.json.empty()) {
+    write_json(c.json, j, "--json");
+    fmt::print("wrote {}\n", c.json);
+  }
+  return 0;
+}
+
+int tune(BenchConfig c) {
+  std::string why;
+  if (c.device == "cpu" || cuda_device_count(&why) == 0)
+    throw Error(ErrorCode::unsupported,
+                fmt::format("epmoe: tune: num_sms is a setting of the cuda_ipc backend and needs CUDA GPUs; {}",
+                            c.device == "cpu" ? "--device cpu was given" : why));
+  c.kind = DeviceKind::cuda;
+  apply_config_flag(c.config, c.options);
+  const int R = gpu_ranks(c);
+  c.ranks = R;
+  check_shape(c, R);
+  if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
+  std::vector<int> sms;
+  {
+    std::stringstream ss(c.sms_list);
+    for (std::string v; std::getline(ss, v, ',');) {
+      std::size_t used = 0;
+      int n = -1;
+      try {
+        n = std::stoi(v, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != v.size() || n < 1 || n > 64) bad("--sms", "a comma-separated list of integers in [1, 64]", c.sms_list);
+      sms.push_back(n);
+    }
+    if (sms.empty()) bad("--sms", "a comma-separated list of integers in [1, 64]", c.sms_list);
+  }
+  if (c.objective != "max" && c.objective != "sum" && c.objective != "dispatch" && c.objective != "combine")
+    bad("--objective", "max, sum, dispatch or combine", c.objective);
+  if (!std::ofstream(c.output, std::ios::app)) bad("--output", "a writable file", c.output);
+  const std::uint64_t seed = fresh_seed(c.seed);
+  const std::string dop = c.dispatch_dtype == "fp8" ? "dispatch_fp8" : "dispatch_bf16";
+  fmt::print("epmoe {} tune: {} GPU ranks ({} x {}), T={} H={} K={} E={}, num_sms in {{{}}}, objective {} of {} and combine, "
+             "{} runs after {} warm-up, seed {}\n",
+             version(), R, R, device_name(0), c.tokens, c.hidden, c.topk, c.experts, c.sms_list, c.objective, dop, c.runs,
+             c.warmup, seed);
+  struct Row {
+    int sms;
+    double dispatch_us, combine_us, objective;
+  };
+  std::vector<Row> rows;
+#if defined(EPMOE_HAVE_CUDA)
+  Collector col(R);
+  launch_ranks(R, [&](const std::shared_ptr<Group>& g) {
+    GpuContext ctx(*g, false);
+    for (std::size_t i = 0; i < sms.size(); ++i) {
+      const auto t0 = Clock::now();
+      if (g->rank() == 0) fmt::print(stderr, "[{}/{}] num_sms={}: ", i + 1, sms.size(), sms[i]);
+      BufferOptions o = c.options;
+      o.num_sms = sms[i];
+      const auto samples = gpu_point(*g, g, ctx, c, seed, c.tokens, o, {dop, "combine_bf16"}, false, col, true);
+      if (g->rank() == 0) {
+        Row row{sms[i], 0, 0, 0};
+        for (const auto& s : samples) (s.op == dop ? row.dispatch_us : row.combine_us) = s.median_us;
+        row.objective = c.objective == "max"        ? std::max(row.dispatch_us, row.combine_us)
+                        : c.objective == "sum"      ? row.dispatch_us + row.combine_us
+                        : c.objective == "dispatch" ? row.dispatch_us
+                                                    : row.combine_us;
+        rows.push_back(row);
+        fmt::print(stderr, "({:.1f} s)\n", seconds_since(t0));
+      }
+    }
+  });
+#endif
+  if (rows.empty()) throw Error(ErrorCode::internal, "epmoe: tune: no measurement was made");
+  const auto best = std::min_element(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.objective < b.objective; });
+  fmt::print("\n{:>8} {:>14} {:>14} {:>14}\n", "num_sms", fmt::format("{} us", dop), "combine us", c.objective + " us");
+  for (const auto& row : rows)
+    fmt::print("{:>8} {:>14.1f} {:>14.1f} {:>14.1f}{}\n", row.sms, row.dispatch_us, row.combine_us, row.objective,
+               &row == &*best ? "  <- best" : "");
+  BufferOptions chosen = c.options;
+  chosen.num_sms = best->sms;
+  nlohmann::json j = nlohmann::json::parse(buffer_config_json(chosen));
+  nlohmann::json tried = nlohmann::json::array();
+  for (const auto& row : rows)
+    tried.push_back({{"num_sms", row.sms}, {dop + "_us", row.dispatch_us}, {"combine_bf16_us", row.combine_us}, {"objective_us", row.objective}});
+  j["_tune"] = {{"version", std::string(version())}, {"device_name", device_name(0)}, {"ranks", R}, {"tokens", c.tokens},
+                {"hidden", c.hidden}, {"num_topk", c.topk}, {"num_experts", c.experts}, {"runs", c.runs}, {"seed", seed},
+                {"objective", c.objective}, {"dispatch", dop}, {"results", tried}};
+  write_json(c.output, j, "--output");
+  fmt::print("best num_sms = {} ({} {:.1f} us); wrote {}\n", best->sms, c.objective, best->objective, c.output);
+  return 0;
+}
+
+void add_shape_options(CLI::App* cmd, BenchConfig& c) {
+  cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
+  cmd->add_option("-k,--topk", c.topk, "experts per token K")->capture_default_str();
+  cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of the ranks)")->capture_default_str();
+  cmd->add_option("--runs", c.runs, "timed runs per point (median reported)")->capture_default_str();
+  cmd->add_option("--warmup", c.warmup, "untimed runs before them")->capture_default_str();
+  cmd->add_option("--ranks", c.ranks, "ranks (CPU: threads; GPU: default all visible GPUs, one rank each)")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of inputs and routing (0: a fresh one, printed)")->capture_default_str();
+  cmd->add_option("--config", c.config, "BufferOptions tunables as JSON (what `epmoe tune` writes)");
+}
+
+}  // namespace
+
+std::function<int()> add_bench_command(CLI::App& app) {
+  auto config = std::make_shared<BenchConfig>();
+  auto& c = *config;
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "Time dispatch and combine over T = powers of two, beside a peer-copy (or memcpy) floor and NCCL");
+  cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank)")->capture_default_str();
+  cmd->add_option("--tokens-max", c.tokens_max, "largest T")->capture_default_str();
+  cmd->add_option("--ll-tokens-max", c.ll_tokens_max, "largest T of the low-latency sweep (CPU ranks)")->capture_default_str();
+  cmd->add_option("--modes", c.modes, "normal,low-latency or one of them")->capture_default_str();
+  cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
+  cmd->add_flag("!--no-floors", c.floors, "skip the peer-copy/memcpy floors and NCCL");
+  cmd->add_option("--json", c.json, "write the results as JSON (scripts/plot_bench.py plots it)");
+  add_shape_options(cmd, c);
+  return [config, cmd] {
+    config->ranks_given = cmd->count("--ranks") > 0;
+    return bench(*config);
+  };
+}
+
+std::function<int()> add_tune_command(CLI::App& app) {
+  auto config = std::make_shared<BenchConfig>();
+  auto& c = *config;
+  c.runs = 20;
+  CLI::App* cmd = app.add_subcommand("tune", "Sweep num_sms of the cuda_ipc backend on the GPUs and write the best config JSON");
+  cmd->add_option("-t,--tokens", c.tokens, "tokens per rank T")->capture_default_str();
+  cmd->add_option("--sms", c.sms_list, "num_sms values to try (comma-separated)")->capture_default_str();
+  cmd->add_option("--objective", c.objective, "max (of dispatch and combine), sum, dispatch or combine")->capture_default_str();
+  cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
+  cmd->add_option("-o,--output", c.output, "where to write the best config")->capture_default_str();
+  cmd->add_option("--device", c.device, "auto or cuda (cpu: refused, num_sms is a GPU setting)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
+  add_shape_options(cmd, c);
+  return [config, cmd] {
+    config->ranks_given = cmd->count("--ranks") > 0;
+    return tune(*config);
+  };
+}
+
+}  // namespace epmoe::cli

@@ -1,0 +1,147 @@
+#include "common.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include <epmoe/group.hpp>
+
+#if defined(EPMOE_HAVE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace epmoe::cli {
+
+int cuda_device_count(std::string* why) {
+#if defined(EPMOE_HAVE_CUDA)
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" state
+    if (why) *why = fmt::format("no CUDA device is visible (cudaGetDeviceCount: {})", cudaGetErrorString(e));
+    return 0;
+  }
+  if (n == 0 && why) *why = "no CUDA device is visible (cudaGetDeviceCount: 0)";
+  return n;
+#else
+  if (why) *why = "this epmoe was built without CUDA";
+  return 0;
+#endif
+}
+
+std::string device_name(int device) {
+  if (device < 0) return "cpu";
+#if defined(EPMOE_HAVE_CUDA)
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, device) == cudaSuccess) return p.name;
+#endif
+  return fmt::format("cuda:{}", device);
+}
+
+DeviceKind resolve_device(std::string_view choice, bool cuda_allowed, std::string_view flag) {
+  if (choice == "cpu") return DeviceKind::cpu;
+  std::string why;
+  const int n = cuda_device_count(&why);
+  if (choice == "cuda") {
+    if (n == 0) bad(flag, fmt::format("cpu or auto here ({})", why), choice);
+    return DeviceKind::cuda;
+  }
+  if (choice != "auto") bad(flag, "auto, cpu or cuda", choice);
+  return n > 0 && cuda_allowed ? DeviceKind::cuda : DeviceKind::cpu;
+}
+
+void apply_config_flag(const std::string& path, BufferOptions& options) {
+  if (path.empty()) return;
+  if (!std::filesystem::is_regular_file(path)) bad("--config", "a readable JSON file of BufferOptions fields", path);
+  load_buffer_config(path, options);
+}
+
+void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull ^ (id + 0x632BE59BD9B4E019ull);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = float_to_bf16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+Tensor random_topk(std::int64_t T, int K, int E, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Tensor h = Tensor::empty(DType::int64, {T, K});
+  std::vector<int> ids(static_cast<std::size_t>(E));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int k = 0; k < K; ++k) {  // partial Fisher-Yates: K distinct experts
+      std::uniform_int_distribution<int> pick(k, E - 1);
+      std::swap(ids[static_cast<std::size_t>(k)], ids[static_cast<std::size_t>(pick(rng))]);
+      h.ptr<std::int64_t>()[t * K + k] = ids[static_cast<std::size_t>(k)];
+    }
+  }
+  return h;
+}
+
+void launch_ranks(int num_ranks, const std::function<void(const std::shared_ptr<Group>&)>& fn) {
+  ThreadWorld world(num_ranks);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < num_ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(world.group(r));
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        world.abort(r, e.what());
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (auto e = first_root_cause(errors)) std::rethrow_exception(e);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+#if defined(EPMOE_HAVE_CUDA)
+void cuda_check(int status, const char* what) {
+  if (status != cudaSuccess)
+    throw Error(ErrorCode::internal, fmt::format("epmoe: {}: {}", what, cudaGetErrorString(static_cast<cudaError_t>(status))));
+}
+void cuda_set_device(int device) { cuda_check(cudaSetDevice(device), "cudaSetDevice"); }
+void cuda_sync_device() { cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+Tensor to_device(const TensorView& host, int device) {
+  if (!host.defined()) return {};
+  EPMOE_ASSERT(host.device.is_cpu() && host.is_contiguous());
+  Tensor d = Tensor::empty(host.dtype, host.shape, Device::cuda(device));
+  if (host.numel() > 0) cuda_check(cudaMemcpy(d.data(), host.data, host.nbytes(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  return d;
+}
+Tensor to_host(const TensorView& dev) {
+  if (!dev.defined()) return {};
+  EPMOE_ASSERT(dev.is_contiguous());
+  cuda_sync_device();
+  Tensor h = Tensor::empty(dev.dtype, dev.shape);
+  if (dev.numel() > 0) cuda_check(cudaMemcpy(h.data(), dev.data, dev.nbytes(), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  return h;
+}
+#else
+namespace {
+[[noreturn]] void no_cuda() { throw Error(ErrorCode::unsupported, "epmoe: this epmoe was built without CUDA"); }
+}  // namespace
+void cuda_check(int status, const char* what) {
+  if (status != 0) throw Error(ErrorCode::internal, fmt::format("epmoe: {}: error {}", what, status));
+}
+void cuda_set_device(int) { no_cuda(); }
+void cuda_sync_device() { no_cuda(); }
+Tensor to_device(const TensorView&, int) { no_cuda(); }
+Tensor to_host(const TensorView&) { no_cuda(); }
+#endif
+
+}  // namespace epmoe::cli

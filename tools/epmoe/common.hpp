@@ -1,0 +1,67 @@
+// Helpers shared by the `epmoe` subcommands: flag errors, the CPU/GPU choice, deterministic inputs,
+// host <-> device copies and timing. The CUDA parts compile to stubs in builds without CUDA.
+#pragma once
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
+#include <epmoe/tensor.hpp>
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace epmoe::cli {
+
+/// Throws invalid_argument "epmoe: invalid argument 'FLAG': expected EXPECTED, got ACTUAL" (exit code 2).
+template <class T>
+[[noreturn]] void bad(std::string_view flag, std::string_view expected, const T& actual) {
+  throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '{}': expected {}, got {}", flag, expected, actual));
+}
+
+/// Where the ranks of a command run.
+enum class DeviceKind { cpu, cuda };
+
+/// CUDA devices visible to this process: 0 in a build without CUDA or when cudaGetDeviceCount fails
+/// (no driver, no device). `why` (optional) receives the reason when it is 0.
+int cuda_device_count(std::string* why = nullptr);
+/// "NVIDIA H200" (or "cpu" for -1).
+std::string device_name(int device);
+
+/// --device auto|cpu|cuda: auto is cuda when a CUDA device is visible (and `cuda_allowed`, e.g. the mode
+/// has a GPU path), cpu otherwise. cuda without a device throws invalid_argument naming `flag` and why.
+DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std::string_view flag = "--device");
+
+/// Reads BufferOptions' tunables from --config PATH (empty: nothing), naming the flag on a bad file.
+void apply_config_flag(const std::string& path, BufferOptions& options);
+
+/// Deterministic bf16 fill, uniform in [-scale, scale): one splitmix64 stream per (seed, id).
+void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale);
+
+/// Uniform top-K of E without repeats per token (seeded), int64 [T, K] on the CPU.
+Tensor random_topk(std::int64_t T, int K, int E, std::uint64_t seed);
+
+/// Runs fn(group of rank r) on R threads of one ThreadWorld; a rank that throws aborts the world (the
+/// others stop waiting at once) and the root cause is rethrown after every thread joined.
+void launch_ranks(int num_ranks, const std::function<void(const std::shared_ptr<Group>&)>& fn);
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double median(std::vector<double> v);
+
+// CUDA helpers (they throw ErrorCode::unsupported in builds without CUDA).
+void cuda_set_device(int device);
+void cuda_sync_device();
+/// Contiguous copy of a CPU tensor on cuda:device (undefined stays undefined).
+Tensor to_device(const TensorView& host, int device);
+/// Contiguous CPU copy of a CUDA tensor, after the device is idle.
+Tensor to_host(const TensorView& dev);
+/// Throws ErrorCode::internal naming `what` when `status` (a cudaError_t) is not cudaSuccess.
+void cuda_check(int status, const char* what);
+
+}  // namespace epmoe::cli
