@@ -82,6 +82,26 @@ enum class WeightAndReduce : std::uint8_t {
 /// "none", "contiguous", "naive_batched" or "delegate".
 std::string_view weight_and_reduce_name(WeightAndReduce w);
 
+/// Number formats of the expert weights and of the activations the GEMMs read.
+enum class ExpertsQuant : std::uint8_t {
+  /// bf16 weights; bf16 (or float32) activations (the default).
+  none,
+  /// DeepSeek-V3's fp8 format (the DeepSeek-V3 checkpoints' "weight_block_size": [128, 128]; vLLM's
+  /// block-quantized fused MoE, DeepGEMM's m-grouped fp8 GEMMs):
+  ///   w1 float8_e4m3fn [E_local, 2N or N, H] with float32 w1_scales [E_local, ceil(rows / 128), ceil(H / 128)],
+  ///   w2 float8_e4m3fn [E_local, H, N] with float32 w2_scales [E_local, ceil(H / 128), ceil(N / 128)]:
+  ///   weight value = fp8 value * the scale of its 128x128 block (edge blocks may be partial);
+  ///   activations float8_e4m3fn with one float32 scale per token and group of 128 hidden channels (SPEC 6,
+  ///   quant.hpp): either given (hidden fp8 + hidden_scales, as a normal-mode fp8 dispatch delivers them) or
+  ///   quantized by the experts from bf16/float32 hidden (SPEC 6 in float32, after the router weight with
+  ///   apply_router_weight_on_input); the activation output is quantized the same way (1 x 128 groups of
+  ///   the N channels) before the second GEMM, as vLLM and DeepGEMM do. Output bfloat16.
+  ///   H % 16 == 0 and N % 16 == 0 (SPEC 1's fp8 rows).
+  fp8_block,
+};
+/// "none" or "fp8_block".
+std::string_view experts_quant_name(ExpertsQuant q);
+
 /// How an Experts object is set up.
 struct ExpertsConfig {
   ActivationFormat format = ActivationFormat::standard;
@@ -89,6 +109,9 @@ struct ExpertsConfig {
   /// false -> output [M, K, H], unweighted per (token, k) (WeightAndReduce::contiguous).
   /// Ignored for batched_experts, whose output is always per slot (WeightAndReduce::delegate).
   bool reduce = true;
+  /// Weight/activation number format (make_reference_experts and make_cuda_experts support fp8_block; the
+  /// BLAS experts take bf16 weights only).
+  ExpertsQuant quant = ExpertsQuant::none;
 };
 
 /// Arguments of one Experts::apply call (vLLM's FusedMoEPermuteExpertsUnpermute.apply). All tensors
@@ -114,6 +137,12 @@ struct ExpertsInputs {
   TensorView expert_map;
   /// batched_experts: int32 [E_local], 0 <= count <= max_tokens (vLLM's expert_num_tokens).
   TensorView expert_num_tokens;
+  /// ExpertsQuant::fp8_block only. hidden_scales: float32 [M, ceil(H/128)] (standard) or
+  /// [E_local, max_tokens, ceil(H/128)] (batched) when hidden is float8_e4m3fn, else None.
+  /// w1_scales / w2_scales: float32 per-128x128-block scales of w1 / w2 (shapes at ExpertsQuant::fp8_block).
+  TensorView hidden_scales;
+  TensorView w1_scales;
+  TensorView w2_scales;
   /// Standard format with K == 1 only: hidden[m] is multiplied by topk_weights[m, 0] before the MLP
   /// and the output is not weighted again. K > 1, or the batched_experts format (which has no router
   /// weights: its producer applies them), is an error.
@@ -175,6 +204,9 @@ class Experts {
 
 /// The float64 reference: per (token, k) slot, g = w1[e] @ x, a = act(g), y = w2[e] @ a, all in
 /// double (bf16/fp32 inputs convert exactly); the weighted sum over k in double; one round to bf16.
+/// With ExpertsQuant::fp8_block (src/experts/reference_fp8.cpp): weights dequantized exactly in double (fp8
+/// value * block scale), the input as the GEMMs see it (fp8 hidden dequantized per group; bf16/fp32 hidden
+/// quantized by SPEC 6 in float32 first), and act(g), rounded to float32, quantized by SPEC 6 before w2.
 std::unique_ptr<Experts> make_reference_experts(const ExpertsConfig& config = {});
 
 /// The fast CPU path on OpenBLAS: per local expert, gather its tokens (up to 512 rows at a time) into
@@ -209,7 +241,18 @@ std::vector<double> reference_experts_f64(const ExpertsInputs& in, const Experts
 ///     can be captured in a CUDA graph (call apply once on the thread before capturing: that creates
 ///     the cuBLAS handle). Counts outside [0, max_tokens] are clamped there (they cannot be checked
 ///     without a synchronisation). Rows past each count are left untouched.
-/// Restrictions on CUDA: H % 8 == 0 and N % 8 == 0 (16-byte rows), 16-byte-aligned data pointers.
+/// ExpertsQuant::fp8_block (src/experts/cuda_experts_fp8.cpp): DeepSeek-V3's format on cuBLASLt's
+///   block-scaled fp8 GEMMs (cuBLAS >= 12.9 on Hopper; weights as A with 128x128 float32 block scales,
+///   activations as B with 1x128 float32 group scales, float32 accumulation, no fast accumulation). Per layer
+///   one GEMM per non-empty local expert; gemm1 writes float32, one kernel applies the activation and
+///   quantizes the result per 1x128 group (SPEC 6), gemm2 writes bf16. A bf16/fp32 hidden is quantized first
+///   (SPEC 6, with the router weight folded in for apply_router_weight_on_input). Standard: as above, with
+///   one synchronisation (expert row counts; segments padded to 4 rows); BatchedExperts: no synchronisation,
+///   every slab's rows (rounded up to 4) through the GEMMs, CUDA-graph capturable. Measured against
+///   reference_experts_f64 with the same config (which models the same quantizations), SPEC 13's relative
+///   L2 <= 1e-2. Errors as above, plus the fp8 argument errors of ExpertsQuant::fp8_block (naming
+///   w1_scales, w2_scales, hidden_scales, ...) and unsupported when cuBLASLt offers no such GEMM.
+/// Restrictions on CUDA: H % 8 == 0 and N % 8 == 0 (16-byte rows; fp8: % 16), 16-byte-aligned data pointers.
 /// Errors: as Experts::apply, with "a CUDA tensor on the weights' device" for the device; unsupported in
 /// builds without CUDA (make_cuda_experts itself raises then).
 std::unique_ptr<Experts> make_cuda_experts(const ExpertsConfig& config = {});

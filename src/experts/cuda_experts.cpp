@@ -31,6 +31,7 @@
 
 #include "core/cuda_check.hpp"
 #include "experts/cuda_experts.hpp"
+#include "experts/cuda_experts_fp8.hpp"
 #include "layout/cuda.hpp"
 #endif
 
@@ -657,6 +658,8 @@ const char* gemm_mode_name(GemmMode mode) {
 }
 
 std::unique_ptr<Experts> make_cuda_experts(const ExpertsConfig& config, GemmMode mode) {
+  // fp8 block-scaled weights run on cuBLASLt (cuda_experts_fp8.cpp); `mode` only concerns the bf16 GEMMs.
+  if (config.quant == ExpertsQuant::fp8_block) return experts_cuda_fp8::make_cuda_experts_fp8(config);
   return std::make_unique<CudaExperts>(config, mode);
 }
 

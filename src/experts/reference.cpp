@@ -5,6 +5,7 @@
 #include <epmoe/experts.hpp>
 
 #include "core/check.hpp"
+#include "experts/fp8.hpp"
 #include "experts/problem.hpp"
 
 #include <vector>
@@ -99,10 +100,12 @@ class ReferenceExperts final : public Experts {
 }  // namespace
 
 std::unique_ptr<Experts> make_reference_experts(const ExpertsConfig& config) {
+  if (config.quant == ExpertsQuant::fp8_block) return experts_fp8::make_reference_experts_fp8(config);
   return std::make_unique<ReferenceExperts>(config);
 }
 
 std::vector<double> reference_experts_f64(const ExpertsInputs& in, const ExpertsConfig& config) {
+  if (config.quant == ExpertsQuant::fp8_block) return experts_fp8::reference_experts_fp8_f64(in, config);
   return compute(check_experts_inputs(in, config));
 }
 
