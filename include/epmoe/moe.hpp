@@ -5,6 +5,7 @@
 
 #include <epmoe/buffer.hpp>
 #include <epmoe/experts.hpp>
+#include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
 #include <functional>
@@ -27,6 +28,9 @@ struct PrepareInputs {
   int global_num_experts = 0;
   /// K == 1 only: the token is scaled by its weight before dispatch and combine applies no weight.
   bool apply_router_weight_on_input = false;
+  /// Optional bfloat16 [T, H], contiguous, on hidden's device: where combine_b writes its result (the no-EP
+  /// prepare/finalize on CUDA writes straight into it, so a CUDA graph can own the output buffer).
+  TensorView output;
 };
 
 /// What prepare hands to the experts (the expert side). Activations arrive dequantized to bfloat16
@@ -109,6 +113,10 @@ class WorkspaceCache {
   /// A bfloat16/float32 workspace named `name` of micro-batch `micro_batch`, at least `shape` big
   /// (returned as exactly `shape`); contents undefined.
   TensorView get(int micro_batch, std::string_view name, DType dtype, Shape shape);
+  /// The same on `device`. On CUDA the memory comes from Tensor::empty(dtype, shape, device) on the calling
+  /// thread's current stream; a workspace that must grow while that stream is being captured in a CUDA graph
+  /// raises unsupported (run the same shapes once before capturing).
+  TensorView get(int micro_batch, std::string_view name, DType dtype, Shape shape, Device device);
   std::size_t bytes() const;
 
  private:
@@ -134,6 +142,9 @@ struct MoEForwardArgs {
   int global_num_experts = 0;
   TensorView expert_map;    ///< reserved: with expert parallelism the map is implied by the rank
   bool apply_router_weight_on_input = false;
+  /// Optional bfloat16 [T, H] on hidden's device: the result is written there and MoEForwardResult::output
+  /// views it (needed to capture forward in a CUDA graph: nothing is allocated then).
+  TensorView output;
 };
 
 struct MoEForwardResult {
@@ -170,6 +181,51 @@ class MoELayer {
   MoELayerOptions options_;
   std::vector<std::int64_t> last_chunk_rows_;
 };
+
+/// Settings of the no-EP prepare/finalize beyond PrepareFinalizeOptions.
+struct NoEpOptions {
+  /// standard: the tokens go to the experts as they are, with their top-k ids. batched_experts: each
+  /// (token, k) choice is copied into slot i of slab e of [E, max_tokens, H], i = the token's rank among the
+  /// tokens choosing e (token order), counts in expert_num_tokens; finalize is NaiveBatched.
+  ActivationFormat format = ActivationFormat::standard;
+  /// batched_experts: slab rows. 0 = T (no choice can be dropped). Choices past it are dropped and flagged
+  /// (cuda::check_moe_faults raises out_of_memory naming the expert and the count needed); on the CPU they
+  /// are an error at once.
+  std::int64_t max_tokens_per_expert = 0;
+  /// Where CUDA buffers come from (made when null): everything prepare/finalize needs on a GPU is taken from
+  /// here, so after one eager call of the same shapes a call can be captured in a CUDA graph.
+  std::shared_ptr<WorkspaceCache> workspaces;
+  int micro_batch = 0;
+};
+
+/// make_no_ep_prepare_finalize in either format. On CUDA tensors everything runs asynchronously on the
+/// calling thread's current stream (stream.hpp) with no host synchronisation; with a batched format and a
+/// caller-given PrepareInputs::output, the whole prepare -> experts -> finalize sequence can be captured in
+/// a CUDA graph. Ids outside [-1, E) are skipped there and flagged (cuda::check_moe_faults).
+/// Errors: max_tokens_per_expert < 0; format standard with max_tokens_per_expert set.
+std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options,
+                                                              const NoEpOptions& no_ep);
+
+namespace cuda {
+/// SPEC 11 on one GPU: faults the MoE kernels (no-EP prepare/finalize) raise in host-mapped memory
+/// (cudaHostAlloc, mapped), one record per device, so the host reads them with no synchronisation and no
+/// copy, also after CUDA-graph replays. The first bad id itself ([t, k] and value) is kept in the device
+/// word that cuda::check_invalid_ids() reads.
+struct MoEFaults {
+  bool invalid_id = false;   ///< a topk_idx entry outside [-1, E) was skipped
+  bool overflow = false;     ///< a batched slab got more choices than max_tokens_per_expert (some dropped)
+  int overflow_expert = -1;  ///< one such expert
+  int overflow_count = 0;    ///< the choices it received
+  int overflow_limit = 0;    ///< max_tokens_per_expert
+};
+/// Reads the current device's record without waiting: kernels still running may raise more later.
+MoEFaults peek_moe_faults();
+/// Turns the current device's record into an error and clears it: a bad id -> invalid_argument naming
+/// topk_idx, the bound, the first bad value and its [t, k] (as the CPU reports it; this waits for `stream`
+/// to read the detail); an overflow -> out_of_memory naming the expert, the count and the limit. Returns at
+/// once, without synchronising, when nothing is flagged. A no-op in builds without CUDA.
+void check_moe_faults(Stream stream = {});
+}  // namespace cuda
 
 /// SGLang-style mode resolution: `auto` picks normal when the batch holds prefill tokens and
 /// low-latency otherwise; a switch from normal to low-latency cleans the low-latency buffer.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <epmoe/experts.hpp>
+#include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
 namespace epmoe {
@@ -16,5 +17,20 @@ void weight_and_reduce_contiguous(const TensorView& fused, const TensorView& top
 /// out[m] = sum over the token's local experts, in k order, of w[m,k] * fused[e, slot], in float32.
 void weight_and_reduce_naive_batched(const TensorView& fused, const TensorView& topk_weights,
                                      const TensorView& topk_idx, int first_expert, const TensorView& out);
+
+// The CUDA twins (weight_and_reduce.cu, CUDA builds only), asynchronous on `stream`, every tensor on one
+// device and contiguous, H % 8 == 0 with 16-byte-aligned rows (checked by the caller). Same arithmetic as the
+// CPU: float32 products rounded, then added in k order (no fused multiply-add), one bf16 rounding, so the
+// bits equal the CPU's. Every row of `out` is written (zeros for a row without an expert).
+
+/// Contiguous on CUDA: as weight_and_reduce_contiguous.
+void weight_and_reduce_contiguous_cuda(const TensorView& fused, const TensorView& topk_weights,
+                                       const TensorView& topk_idx, const TensorView& out, Stream stream);
+
+/// NaiveBatched on CUDA, given where each choice sits: slot_of int32 [M, K] is the flat row
+/// e * max_tokens + slot of choice (m, k) in fused [E_local, max_tokens, H], or -1 (no local expert,
+/// dropped). The no-EP prepare computes it in the order weight_and_reduce_naive_batched assumes.
+void weight_and_reduce_naive_batched_cuda(const TensorView& fused, const TensorView& topk_weights,
+                                          const TensorView& slot_of, const TensorView& out, Stream stream);
 
 }  // namespace epmoe
