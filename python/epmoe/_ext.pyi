@@ -1,17 +1,21 @@
 """Type stubs of epmoe._ext, the nanobind extension under the `epmoe` package.
 
 Use the `epmoe` package; these functions take tensors in the boundary form of epmoe/_tensor.py:
-``None``, an array (NumPy int/float/bool, or a DLPack tensor such as torch.Tensor), or for ml_dtypes
-arrays a tuple ``(same-width unsigned view, "bfloat16" | "float8_e4m3fn")``. Outputs are NumPy
-arrays (``framework="numpy"``; bf16 / fp8 come back as ml_dtypes arrays) or torch tensors
-(``framework="torch"``). Every function raises :class:`Error`; for bad arguments the message names
-the argument, what was expected and what came, and nothing has been communicated yet.
+``None``, an array (NumPy int/float/bool, or a DLPack tensor such as torch.Tensor or cupy.ndarray, on
+the CPU or a CUDA device), or for ml_dtypes arrays and torch float8 a tuple ``(same-width unsigned view,
+"bfloat16" | "float8_e4m3fn")``. Outputs are NumPy arrays (``framework="numpy"``; bf16 / fp8 come back
+as ml_dtypes arrays), torch tensors (``framework="torch"``; float8 as torch.float8_e4m3fn) or CuPy arrays
+(``framework="cupy"``), sharing memory with epmoe's result (no copy), on the inputs' device.
+``stream`` arguments are a cudaStream_t as an int (``torch.cuda.current_stream().cuda_stream``), None for
+the legacy default stream; GPU work is ordered after it. Every function raises :class:`Error`; for bad
+arguments the message names the argument, what was expected and what came, and nothing has been
+communicated yet.
 """
 
 from typing import Any, Callable, List, Optional, Tuple
 
 ArrayArg = Any  # None | array | (array, dtype name)
-Array = Any     # numpy.ndarray (or torch.Tensor with framework="torch")
+Array = Any     # numpy.ndarray, torch.Tensor (framework="torch") or cupy.ndarray (framework="cupy")
 
 class Error(RuntimeError):
     """Every failure epmoe reports. ``str(e)``: the C++ message ("epmoe: invalid argument 'x': expected
@@ -30,28 +34,45 @@ def default_timeout_s() -> float:
     """Timeout of every wait between ranks, seconds (EPMOE_TIMEOUT_S overrides 100)."""
 
 class Group:
-    """The ranks of one expert-parallel group (threads backend here)."""
+    """The ranks of one expert-parallel group: threads (run_thread_ranks), or over another runtime's
+    all-gather (from_all_gather: torch.distributed, mpi4py)."""
     timeout_s: float
     """Timeout of this group's waits, seconds (> 0)."""
     @property
     def backend(self) -> str:
-        """'threads' (later: 'mpi', torch process groups)."""
+        """'threads', 'mpi', or the name given to from_all_gather ('torch', 'mpi4py')."""
     def rank(self) -> int: ...
     def size(self) -> int: ...
     def barrier(self, phase: str = "python barrier") -> None:
         """Waits for every rank (GIL released). Errors: timeout naming the missing ranks and the phase."""
     def all_gather_bytes(self, data: bytes, phase: str = "python all_gather_bytes") -> List[bytes]:
         """Every rank's bytes, by rank (lengths may differ). Collective."""
+    def broadcast_bytes(self, data: bytes, root: int, phase: str = "python broadcast_bytes") -> bytes:
+        """`root`'s data on every rank (every rank passes the same length). Errors: root outside [0, size)."""
+    def check_agreement(self, settings: List[Tuple[str, int]], phase: str = "python check_agreement") -> None:
+        """Compares the (name, value) settings across ranks (same names and order everywhere, at most 16);
+        a mismatch raises Error 'rank_mismatch' on every rank naming the setting and both values."""
+    @staticmethod
+    def from_all_gather(rank: int, size: int, backend: str, all_gather: Callable[[bytes, str], bytes]) -> "Group":
+        """A group whose every collective calls ``all_gather(data, phase)``, which must return all ranks'
+        `data` concatenated by rank (each rank passes the same length); called with the GIL held from
+        whichever thread runs the collective. A Python exception or a result of the wrong length raises
+        Error 'internal' naming the rank and phase, and the group is 'unusable' afterwards. Errors:
+        size < 1, rank outside [0, size), backend '', 'threads' or 'mpi'."""
 
 def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Optional[float] = None) -> List[Any]:
     """fn(group) on num_ranks threads of one threads-backend group; returns the results by rank and
     re-raises the lowest failing rank's exception. Errors: num_ranks < 1, timeout_s <= 0."""
 
 class Event:
-    """Completion of an operation; CPU events are complete."""
+    """Completion of an operation: a CUDA event of a cuda_ipc buffer (async_finish=True), else complete."""
     def __init__(self) -> None: ...
     def done(self) -> bool: ...
-    def current_stream_wait(self) -> None: ...
+    @property
+    def is_cuda(self) -> bool:
+        """True for a CUDA event (of the cuda_ipc backend)."""
+    def current_stream_wait(self, stream: Optional[int] = None) -> None:
+        """Makes `stream` wait for the event on the device (no host wait); no-op for a complete event."""
 
 class NormalHandle:
     """What combine and a cached dispatch need (opaque; epmoe.DispatchHandle wraps it)."""
@@ -78,23 +99,30 @@ class RecvHook:
 class Buffer:
     """epmoe::Buffer of one rank. Every method that communicates releases the GIL."""
     def __init__(self, group: Group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False) -> None: ...
+                 low_latency_mode: bool = False, backend: str = "auto", device: int = -1, num_sms: int = 0) -> None:
+        """backend: 'auto' (the group's CPU backend), 'threads', 'mpi' or 'cuda_ipc' (normal mode over
+        NVLink; num_nvl_bytes > 0; device -1 = rank % visible devices; num_sms: blocks per data kernel, 0 =
+        16, at most 64). Collective. Errors: invalid_argument, unsupported (no CUDA in this build),
+        rank_mismatch (num_nvl_bytes / num_sms differ), out_of_memory."""
     def rank(self) -> int: ...
     def num_ranks(self) -> int: ...
     def destroy(self) -> None:
         """Drops the C++ buffer; later calls raise Error 'unusable'."""
     @staticmethod
+    def get_normal_nvl_size_hint(max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int) -> int:
+        """num_nvl_bytes a cuda_ipc buffer needs for normal-mode calls of up to max_tokens_per_rank tokens."""
+    @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """Low-latency buffer bytes per rank (both halves)."""
-    def get_dispatch_layout(self, topk_idx: ArrayArg, num_experts: int,
-                            framework: str = "numpy") -> Tuple[Array, Array, Array]:
+    def get_dispatch_layout(self, topk_idx: ArrayArg, num_experts: int, framework: str = "numpy",
+                            stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
         """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
     def dispatch(self, x: ArrayArg, x_scales: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
                  num_tokens_per_rank: ArrayArg, is_token_in_rank: ArrayArg, num_tokens_per_expert: ArrayArg,
                  handle: Optional[NormalHandle], expert_alignment: int = 1, num_worst_tokens: int = 0,
                  previous_event: Optional[Event] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False, framework: str = "numpy"
+                 allocate_on_comm_stream: bool = False, framework: str = "numpy", stream: Optional[int] = None
                  ) -> Tuple[Array, Optional[Array], Optional[Array], Optional[Array], List[int], NormalHandle, Event,
                             Tuple[Array, Array, Array, Array]]:
         """Normal-mode dispatch (SPEC 4): (recv_x [rows, H], recv_x_scales or None, recv_topk_idx int64
@@ -103,7 +131,7 @@ class Buffer:
         [T, R], send_pos int32 [T, R]))."""
     def combine(self, x: ArrayArg, handle: Optional[NormalHandle], topk_weights: ArrayArg, bias_0: ArrayArg,
                 bias_1: ArrayArg, previous_event: Optional[Event] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False, framework: str = "numpy"
+                allocate_on_comm_stream: bool = False, framework: str = "numpy", stream: Optional[int] = None
                 ) -> Tuple[Array, Optional[Array], Event]:
         """Normal-mode combine (SPEC 4): (combined_x bfloat16 [T, H], combined_topk_weights float32 [T, K]
         or None, event)."""
@@ -206,3 +234,7 @@ class MoELayer:
     def last_chunk_rows(self) -> List[int]: ...
     @property
     def stage(self) -> str: ...
+
+def set_current_stream(stream: Optional[int]) -> Optional[int]:
+    """Sets the calling thread's current CUDA stream for epmoe's functions (cudaStream_t as an int; None:
+    the legacy default stream); returns the previous one (None for the default)."""

@@ -1,15 +1,32 @@
-"""Router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6) on NumPy arrays.
+"""Router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6).
 
-Every function runs on the CPU for NumPy input and returns NumPy arrays (bf16 / fp8 as ml_dtypes).
+Every function takes NumPy arrays (bf16 / fp8 as ml_dtypes), torch tensors or CuPy arrays and returns
+the same framework's arrays on the same device: CPU input runs on the CPU and is done on return; CUDA
+input runs on torch's (or CuPy's) current stream and is ordered like any other work on it.
 Errors are ``epmoe.Error`` naming the argument, what was expected and what came.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import contextlib
+from typing import Any, Iterator, Optional, Tuple
 
 from . import _ext
-from ._tensor import arg, framework_of
+from ._tensor import arg, current_stream, framework_of
+
+
+@contextlib.contextmanager
+def _on_stream(*tensors: Any) -> Iterator[None]:
+    """Runs the block on the caller's CUDA stream when a tensor is on a GPU (epmoe's per-thread stream)."""
+    stream = current_stream(*tensors)
+    if stream is None:
+        yield
+        return
+    previous = _ext.set_current_stream(stream)
+    try:
+        yield
+    finally:
+        _ext.set_current_stream(previous)
 
 FP8_GROUP_SIZE = 128
 """Hidden channels per fp8 scale group."""
@@ -36,12 +53,14 @@ def topk_softmax(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple
     Returns: (topk_weights float32 [T, K], topk_idx int64 [T, K]), in descending weight order.
     Errors: epmoe.Error('invalid_argument') for logits not 2-d float32/bfloat16, K outside 1..E.
     """
-    return _ext.topk_softmax(arg(logits), num_topk, renormalize, framework_of(logits))
+    with _on_stream(logits):
+        return _ext.topk_softmax(arg(logits), num_topk, renormalize, framework_of(logits))
 
 
 def topk_sigmoid(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple[Any, Any]:
     """Sigmoid of each logit, then the K largest (ties: lower expert id). Shapes and errors as topk_softmax."""
-    return _ext.topk_sigmoid(arg(logits), num_topk, renormalize, framework_of(logits))
+    with _on_stream(logits):
+        return _ext.topk_sigmoid(arg(logits), num_topk, renormalize, framework_of(logits))
 
 
 def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: int,
@@ -60,8 +79,9 @@ def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: 
     K > topk_group * E / num_expert_group, a bias of the wrong shape or dtype, scoring_func not
     'softmax'/'sigmoid'.
     """
-    return _ext.grouped_topk(arg(logits), num_topk, num_expert_group, topk_group, scoring_func, renormalize,
-                             float(routed_scaling_factor), arg(e_score_correction_bias), framework_of(logits))
+    with _on_stream(logits):
+        return _ext.grouped_topk(arg(logits), num_topk, num_expert_group, topk_group, scoring_func, renormalize,
+                                 float(routed_scaling_factor), arg(e_score_correction_bias), framework_of(logits))
 
 
 def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tuple[Any, Any, Any]:
@@ -72,7 +92,8 @@ def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tupl
     Errors: epmoe.Error('invalid_argument') for topk_idx not int32/int64 [T, K], E % R != 0, E / R > 1024,
     an id outside [-1, E) (naming it and its [t, k]).
     """
-    return _ext.get_dispatch_layout(arg(topk_idx), num_experts, num_ranks, framework_of(topk_idx))
+    with _on_stream(topk_idx):
+        return _ext.get_dispatch_layout(arg(topk_idx), num_experts, num_ranks, framework_of(topk_idx))
 
 
 def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False) -> Tuple[Any, Any]:
@@ -90,7 +111,8 @@ def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False) -> 
     Errors: epmoe.Error('invalid_argument') for x not 2-d bfloat16/float32, H % 16 != 0, use_ue8m0 without
     round_scale.
     """
-    return _ext.quantize_fp8(arg(x), round_scale, use_ue8m0, framework_of(x))
+    with _on_stream(x):
+        return _ext.quantize_fp8(arg(x), round_scale, use_ue8m0, framework_of(x))
 
 
 def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
@@ -102,7 +124,8 @@ def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
         out_dtype = out_dtype.name
     elif isinstance(out_dtype, type):
         out_dtype = out_dtype.__name__
-    return _ext.dequantize_fp8(arg(q), arg(scales), str(out_dtype), framework_of(q))
+    with _on_stream(q):
+        return _ext.dequantize_fp8(arg(q), arg(scales), str(out_dtype), framework_of(q))
 
 
 def fp8_group_scale(amax: float, round_scale: bool = False) -> float:

@@ -2,6 +2,7 @@
 #include "ext.hpp"
 
 #include <epmoe/error.hpp>
+#include <epmoe/stream.hpp>
 #include <epmoe/timeout.hpp>
 #include <epmoe/version.hpp>
 
@@ -12,6 +13,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <thread>
 
 #include <fmt/format.h>
@@ -184,6 +186,18 @@ NB_MODULE(_ext, m) {
   m.doc() = "epmoe's C++ core (nanobind). Use the `epmoe` package; this module is its implementation.";
   m.def("version", [] { return std::string(epmoe::version()); });
   m.def("built_with_cuda", &epmoe::built_with_cuda);
+  m.def(
+      "set_current_stream",
+      [](std::optional<std::uintptr_t> handle) -> std::optional<std::uintptr_t> {
+        // epmoe's current stream is per thread (stream.hpp); the GIL-released calls run on this thread.
+        const epmoe::Stream previous = epmoe::current_stream();
+        epmoe::stream_detail::current_slot() = epmoe::Stream{handle ? reinterpret_cast<void*>(*handle) : nullptr};
+        if (previous.handle == nullptr) return std::nullopt;
+        return reinterpret_cast<std::uintptr_t>(previous.handle);
+      },
+      nanobind::arg("stream").none(),
+      "Sets the calling thread's current CUDA stream for epmoe's functions (a cudaStream_t as an int; None: the "
+      "legacy default stream) and returns the previous one. epmoe.ops uses it to run on torch's current stream.");
   m.def("cuda_device_count", &epmoe::cuda_device_count);
   m.attr("has_mpi") =
 #if defined(EPMOE_HAVE_MPI)

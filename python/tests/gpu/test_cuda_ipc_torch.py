@@ -91,3 +91,32 @@ def test_thread_ranks_on_two_gpus_in_one_process():
     from gpu_workers import thread_rank_scenarios
     done = thread_rank_scenarios(fresh_seed("thread ranks"))
     assert len(done) == 2 * 6
+
+
+def test_ops_on_cuda_tensors_run_on_the_current_stream_and_match_the_cpu():
+    """Router, layout and fp8 quantization with torch CUDA tensors, issued on a side stream (epmoe must run
+    on torch's current stream, so the results are ready once that stream is synchronised)."""
+    import numpy as np
+    from ep_scenarios import BF16, nice_bf16, torch_converters
+    rng = np.random.default_rng(fresh_seed("ops"))
+    to_gpu, to_numpy = torch_converters("cuda:0")
+    x = nice_bf16(rng, (64, 384))
+    logits = rng.standard_normal((64, 32)).astype(np.float32)
+    idx = np.stack([rng.choice(32, size=4, replace=False) for _ in range(64)]).astype(np.int64)
+    side = torch.cuda.Stream(device=0)
+    with torch.cuda.device(0), torch.cuda.stream(side):
+        xg, lg, ig = to_gpu(x), to_gpu(logits), to_gpu(idx)
+        q, s = epmoe.quantize_fp8(xg)
+        w, i = epmoe.topk_softmax(lg, 4)
+        layout = epmoe.get_dispatch_layout(ig, 32, 4)
+        side.synchronize()
+        assert q.dtype == torch.float8_e4m3fn and q.device == xg.device
+        ref_q, ref_s = epmoe.quantize_fp8(x)
+        np.testing.assert_array_equal(to_numpy(q).view(np.uint8), ref_q.view(np.uint8))
+        np.testing.assert_array_equal(to_numpy(s), ref_s)
+        ref_w, ref_i = epmoe.topk_softmax(logits, 4)
+        np.testing.assert_array_equal(to_numpy(i), ref_i)
+        np.testing.assert_allclose(to_numpy(w), ref_w, rtol=1e-6, atol=1e-7)
+        for g, r in zip(layout, epmoe.get_dispatch_layout(idx, 32, 4)):
+            np.testing.assert_array_equal(to_numpy(g), r)
+    assert x.dtype == BF16
