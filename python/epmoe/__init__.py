@@ -9,11 +9,18 @@
 
     results = epmoe.run_thread_ranks(4, rank_main)
 
-What is here (CPU, NumPy arrays; bf16 / fp8 as ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``):
+On GPUs (one process per GPU, as with DeepEP)::
+
+    buffer = epmoe.Buffer(torch.distributed.group.WORLD, num_nvl_bytes=...)   # torch CUDA tensors in and out
+
+What is here (tensors: NumPy arrays with bf16 / fp8 as ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``,
+torch tensors or CuPy arrays, by DLPack; outputs in the caller's framework and on its device):
 
 - ``Buffer``, ``Config``, ``EventOverlap``: dispatch / combine in normal and low-latency mode with
-  DeepEP's argument names, order, defaults and return tuples.
-- ``run_thread_ranks`` and ``Group``: CPU ranks as threads of one process.
+  DeepEP's argument names, order, defaults and return tuples (normal mode on GPUs through the cuda_ipc
+  backend; low-latency mode on CPU ranks).
+- ``run_thread_ranks`` and ``Group``: CPU ranks as threads of one process; ``as_group`` adapts a
+  ``torch.distributed`` ProcessGroup or an mpi4py communicator.
 - ``topk_softmax``, ``topk_sigmoid``, ``grouped_topk``: routing.
 - ``quantize_fp8``, ``dequantize_fp8``: per-token-group fp8 (round_scale, UE8M0).
 - ``MoELayer`` and the ``make_*`` factories: the modular layer; ``MoEModule`` (torch.nn.Module) when torch

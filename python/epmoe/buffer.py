@@ -422,6 +422,10 @@ class Buffer:
         _check_allocate_on_comm_stream(tensors, previous_event, async_finish, allocate_on_comm_stream)
         gpu = [t for t in tensors if t is not None and is_cuda(t)]
         stream = current_stream(*gpu)
+        if isinstance(event, Event) and not event.is_cuda:
+            # A complete event (a synchronous call's) orders nothing: wait for the caller's stream instead,
+            # as DeepEP does for an EventOverlap without an event.
+            event = None
         if event is None or isinstance(event, Event):
             return event, stream, None
         if not gpu or not hasattr(gpu[0], "device"):  # CPU work (or CuPy): wait on the host

@@ -117,7 +117,8 @@ def run_rank(buf: Any, case: Case, inputs: Dict[str, Any], rank: int, to_fw: Cal
 
     variant: 'sync' (defaults), 'async' (async_finish=True, then event.current_stream_wait()),
     'previous_event' (every call after buf.capture() and the previous call's async event, the `with`
-    form for the last), 'positional' (DeepEP's positional argument order)."""
+    form for the last), 'chained' (synchronous calls, each given the previous call's complete event as
+    previous_event), 'positional' (DeepEP's positional argument order)."""
     x = to_fw(inputs["x"])
     scales = to_fw(inputs["scales"]) if case.fp8 else None
     idx, w = to_fw(inputs["idx"]), to_fw(inputs["w"])
@@ -138,7 +139,7 @@ def run_rank(buf: Any, case: Case, inputs: Dict[str, Any], rank: int, to_fw: Cal
         recv, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
             xin, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx,
             topk_weights=w, expert_alignment=case.alignment, num_worst_tokens=case.worst,
-            previous_event=ev if variant == "previous_event" else None, async_finish=is_async)
+            previous_event=ev if variant in ("previous_event", "chained") else None, async_finish=is_async)
     if is_async:
         ev.current_stream_wait()
     recv_x, recv_scales = recv if case.fp8 else (recv, None)
@@ -149,7 +150,7 @@ def run_rank(buf: Any, case: Case, inputs: Dict[str, Any], rank: int, to_fw: Cal
         out["recv_scales"] = to_np(recv_scales)
     y = to_fw(expert_output(out["recv_x"], rank))
     bias = (to_fw(inputs["bias0"]), to_fw(inputs["bias1"])) if case.bias else None
-    prev = buf.capture() if variant == "previous_event" else None
+    prev = buf.capture() if variant == "previous_event" else ev if variant == "chained" else None
     if variant == "positional":
         combined, combined_w, ev = buf.combine(y, handle, recv_w, bias, None, None, False, False)
     else:

@@ -26,7 +26,7 @@ def fresh_seed(name: str) -> int:
     return seed
 
 
-@pytest.mark.parametrize("variant", ["sync", "async", "previous_event", "positional"])
+@pytest.mark.parametrize("variant", ["sync", "async", "previous_event", "chained", "positional"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_cpu_tensors_match_the_numpy_path(case, variant):
     seed = fresh_seed(f"{case.name}-{variant}")

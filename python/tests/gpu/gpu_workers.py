@@ -19,7 +19,7 @@ from ep_scenarios import (CASES, CASES_BY_NAME, Case, assert_same, make_inputs, 
 # Every scenario runs synchronously; these also run with async_finish, previous_event and DeepEP's
 # positional argument order.
 ALL_VARIANTS = ("bf16", "fp8_float_scales", "cached", "num_worst_tokens", "zero_token_rank")
-VARIANTS = ("sync", "async", "previous_event", "positional")
+VARIANTS = ("sync", "async", "previous_event", "chained", "positional")
 
 
 def nvl_bytes_for(cases: List[Case]) -> int:

@@ -5,9 +5,10 @@ subset) handed to epmoe.Buffer as DeepEP's engines do; each process runs the sce
 tests/gpu/cuda_ipc_normal_test.cpp through the Python API (ep_scenarios.CASES: bf16 at two hidden sizes,
 fp8 with float32 and UE8M0 scales, a zero-token rank, a rank routing nowhere, one expert, num_worst_tokens,
 cached dispatch, int32 ids with expert_alignment and K = 1, K = 32), synchronously, with async_finish,
-with previous_event (torch events from capture() and epmoe's own), and with DeepEP's positional order,
-and compares every output bit for bit with the CPU threads backend on the same inputs. Bad inputs must
-raise epmoe.Error on every rank without a hang. Skipped without torch, a CUDA build or 2 GPUs.
+with previous_event (torch events from capture(), epmoe's CUDA events, and the complete events of
+synchronous calls), and with DeepEP's positional order, and compares every output bit for bit with the
+CPU threads backend on the same inputs. Bad inputs must raise epmoe.Error on every rank without a hang.
+Skipped without torch, a CUDA build or 2 GPUs.
 """
 
 from __future__ import annotations
