@@ -7,10 +7,13 @@
   per rank, the layout of DeepEP and the engines on it;
 - an ``mpi4py`` communicator (``comm=``): one process per rank under mpirun.
 
-The last two become a Group whose collectives are one all-gather of bytes through the caller's runtime
+A torch group becomes a Group whose collectives are one all-gather of bytes through torch.distributed
 (``epmoe._ext.Group.from_all_gather``): only control data crosses it (the cuda_ipc backend's IPC handles
-at construction and its per-call settings check); tokens move over NVLink. Such a group's waits are the
-runtime's own (torch.distributed's timeout; mpi4py has none), not epmoe's ``timeout_s``.
+at construction and its per-call settings check); tokens move over NVLink. Its waits are
+torch.distributed's (its timeout), not epmoe's ``timeout_s``. An mpi4py communicator becomes epmoe's
+native MPI group (backend 'mpi', whose CPU transport also serves both modes on CPU ranks) when this build
+has MPI and mpi4py uses the same MPI library; otherwise the same all-gather adapter over
+``comm.Allgather`` (backend 'mpi4py', no timeout of its own).
 """
 
 from __future__ import annotations
@@ -76,12 +79,22 @@ def mpi4py_all_gather(comm: Any) -> Callable[[bytes, str], bytes]:
     return all_gather
 
 
-def as_group(group: Any, comm: Any = None) -> Group:
+def _same_mpi_library() -> bool:
+    """Whether mpi4py and this extension use one MPI library (so a communicator handle means the same)."""
+    if not getattr(_ext, "has_mpi", False):
+        return False
+    from mpi4py import MPI
+    return MPI.Get_library_version().strip() == _ext.mpi_library_version().strip()
+
+
+def as_group(group: Any, comm: Any = None, native_mpi: bool = True) -> Group:
     """The epmoe Group for `group` (or for `comm` when `group` is None).
 
     Arguments:
         group: an epmoe ``Group``, a ``torch.distributed.ProcessGroup``, or None.
-        comm: an ``mpi4py.MPI.Comm`` (used when `group` is None).
+        comm: an ``mpi4py.MPI.Comm`` (used when `group` is None). Collective over it.
+        native_mpi: use epmoe's own MPI group for `comm` where possible (False: always the all-gather
+            adapter).
 
     Errors (epmoe.Error 'invalid_argument'): both None; `group` of another type; `comm` that is not an
     mpi4py communicator.
@@ -95,6 +108,8 @@ def as_group(group: Any, comm: Any = None) -> Group:
         if not _is_mpi4py_comm(comm):
             raise invalid_argument("comm", "an mpi4py communicator (mpi4py.MPI.Comm)",
                                    f"an object of type {type(comm).__name__}")
+        if native_mpi and _same_mpi_library():
+            return _ext.mpi_group_from_fortran(comm.py2f())
         return Group.from_all_gather(comm.Get_rank(), comm.Get_size(), "mpi4py", mpi4py_all_gather(comm))
     if _is_torch_process_group(group):
         return Group.from_all_gather(group.rank(), group.size(), "torch", torch_all_gather(group))

@@ -16,8 +16,10 @@ Two layouts:
   cuda_ipc backend (NVLink, one host; ``num_nvl_bytes`` must hold the largest call:
   ``Buffer.get_normal_nvl_size_hint``). Work is ordered after torch's current stream (or
   ``previous_event``); ``async_finish=True`` returns a CUDA event, else the current stream waits.
-  Low-latency mode has no GPU transport yet: on such a buffer it raises epmoe.Error 'unsupported'.
-- CPU: ranks as threads of one process (``epmoe.run_thread_ranks``), NumPy arrays (bf16 / fp8 as
+  Low-latency mode has no GPU transport yet: over a torch group it raises epmoe.Error 'unsupported';
+  over an mpi4py communicator that became a native MPI group it runs on CPU tensors.
+- CPU: ranks as threads of one process (``epmoe.run_thread_ranks``), or as MPI processes
+  (``Buffer(None, comm=mpi4py_comm)`` with an MPI build), NumPy arrays (bf16 / fp8 as
   ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``) or torch CPU tensors, both modes. Every call
   is complete when it returns and its event is complete.
 
@@ -299,9 +301,10 @@ class Buffer:
             explicitly_destroy: if True, ``destroy()`` must be called to release the buffer.
             enable_shrink: rank masking; not supported (True raises epmoe.Error 'unsupported').
             comm: an mpi4py communicator instead of `group` (one process per GPU).
-            backend (epmoe, keyword only): None / 'auto' picks 'cuda_ipc' for a torch or mpi4py group and the
-                group's own CPU backend ('threads' or 'mpi') for an epmoe Group; 'cuda_ipc' with thread
-                ranks puts rank r on cuda:r in one process.
+            backend (epmoe, keyword only): None / 'auto' picks the CPU 'threads' backend for thread ranks,
+                and 'cuda_ipc' for a torch or mpi4py group when a GPU is visible (else 'mpi', the CPU
+                transport of an MPI group, where mpi4py and epmoe share the MPI library). 'cuda_ipc' with
+                thread ranks puts rank r on cuda:r in one process; 'mpi' keeps an MPI group on the CPU.
             device (epmoe, keyword only): this rank's CUDA device for cuda_ipc; None = torch's current
                 device when torch has initialised CUDA, else rank % visible devices.
 
@@ -319,12 +322,19 @@ class Buffer:
             raise invalid_argument("backend", "None, 'auto', 'threads', 'mpi' or 'cuda_ipc'", repr(backend))
         native_group = as_group(group, comm)
         native_backend = native_group.backend
+        gpus = _ext.built_with_cuda() and _ext.cuda_device_count() > 0
         if backend in (None, "auto"):
-            backend = "auto" if native_backend in ("threads", "mpi") else "cuda_ipc"
-        if backend == "cuda_ipc" and not (_ext.built_with_cuda() and _ext.cuda_device_count() > 0):
+            # Thread ranks stay on their CPU backend; process groups take the GPUs when there are any, and an
+            # MPI group without GPUs its CPU transport.
+            if native_backend == "threads" or (native_backend == "mpi" and not gpus):
+                backend = "auto"
+            else:
+                backend = "cuda_ipc"
+        if backend == "cuda_ipc" and not gpus:
             raise unsupported(f"Buffer over a '{native_backend}' group needs the cuda_ipc backend, and this "
                               f"{'build has no CUDA' if not _ext.built_with_cuda() else 'machine has no visible GPU'}"
-                              " (CPU ranks: epmoe.run_thread_ranks, or the MPI backend)")
+                              " (CPU ranks: epmoe.run_thread_ranks, or Buffer(None, comm=mpi4py_comm) with an MPI "
+                              "build of epmoe)")
         if device is None:
             cuda = _torch_cuda()
             device = int(cuda.current_device()) if backend == "cuda_ipc" and cuda is not None else -1

@@ -205,6 +205,7 @@ NB_MODULE(_ext, m) {
 #else
       false;
 #endif
+  py::bind_mpi(m);
   py::bind_errors(m);
   py::bind_group(m);
   py::bind_buffer(m);
