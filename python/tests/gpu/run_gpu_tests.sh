@@ -12,7 +12,9 @@
 # call on the same machine.
 #
 # Writes to $OUT: build.log (the pip build), pytest.log, junit.xml, env.txt. Exit status: pytest's (or 1
-# when the build fails).
+# when the build fails). Limits (seconds, so the logs come back inside a 600 s device call): the build
+# EPMOE_BUILD_LIMIT (default 420), pytest EPMOE_PYTEST_LIMIT (default 300). EPMOE_SKIP_BUILD=1 reuses the
+# package a previous call installed in $EPMOE_PY_TARGET (a warm machine), e.g. to re-run the tests alone.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 cd "$ROOT"
@@ -65,24 +67,28 @@ if ! ls /usr/local/cuda/lib64/libcublas.so /usr/local/cuda/lib/libcublas.so >/de
   fi
 fi
 
-echo "== building epmoe (CUDA on) into $TARGET"
-rm -rf "$TARGET"
-t0=$SECONDS
-if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index --no-cache-dir --target "$TARGET" \
-     "${CMAKE_DEFS[@]}" "$ROOT" >"$RESULTS/build.log" 2>&1; then
-  echo "build FAILED after $((SECONDS - t0)) s; the end of $RESULTS/build.log:"
-  tail -40 "$RESULTS/build.log"
-  exit 1
+if [ "${EPMOE_SKIP_BUILD:-0}" = 1 ] && [ -d "$TARGET/epmoe" ]; then
+  echo "== reusing the package in $TARGET (EPMOE_SKIP_BUILD=1)"
+else
+  echo "== building epmoe (CUDA on) into $TARGET"
+  rm -rf "$TARGET"
+  t0=$SECONDS
+  if ! timeout --kill-after=10 "${EPMOE_BUILD_LIMIT:-420}" "$PY" -m pip install --no-build-isolation --no-deps \
+       --no-index --no-cache-dir --target "$TARGET" "${CMAKE_DEFS[@]}" "$ROOT" >"$RESULTS/build.log" 2>&1; then
+    echo "build FAILED (or timed out) after $((SECONDS - t0)) s; the end of $RESULTS/build.log:"
+    tail -40 "$RESULTS/build.log"
+    exit 1
+  fi
+  echo "built in $((SECONDS - t0)) s"
 fi
-echo "built in $((SECONDS - t0)) s"
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import epmoe; print("epmoe", epmoe.__version__, "from", epmoe.__file__, "built_with_cuda", epmoe.built_with_cuda())' \
   | tee -a "$RESULTS/env.txt"
 
 echo "== pytest python/tests (GPU tests included)"
 cd "$RESULTS"  # so no ./epmoe source folder shadows the installed package
-"$PY" -m pytest -v -rs -p no:cacheprovider --junitxml="$RESULTS/junit.xml" "$ROOT/python/tests" \
-  >"$RESULTS/pytest.log" 2>&1
+timeout --kill-after=10 "${EPMOE_PYTEST_LIMIT:-300}" "$PY" -m pytest -v -rs -p no:cacheprovider \
+  --junitxml="$RESULTS/junit.xml" "$ROOT/python/tests" >"$RESULTS/pytest.log" 2>&1
 STATUS=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED" "$RESULTS/pytest.log" | grep -E "gpu/|FAILED|ERROR" | head -40
 tail -5 "$RESULTS/pytest.log"
