@@ -8,6 +8,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -44,9 +45,15 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
+// The binary under test: $EPMOE_CLI when set (a build carried to another machine), else this build's.
+std::string cli_path() {
+  const char* env = std::getenv("EPMOE_CLI");
+  return env && *env ? env : EPMOE_CLI_PATH;
+}
+
 CliResult run_cli(const std::string& args) {
   const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
-  const std::string cmd = std::string("'") + EPMOE_CLI_PATH + "' " + args + " >'" + o + "' 2>'" + e + "'";
+  const std::string cmd = "'" + cli_path() + "' " + args + " >'" + o + "' 2>'" + e + "'";
   const int status = std::system(cmd.c_str());
   CliResult r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -247,6 +254,50 @@ TEST(Cli, TuneRefusesWithoutGpus) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("needs CUDA GPUs"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(temp_path("tune.json")));
+}
+
+TEST(Cli, BenchOnGpusHasPeerCopyFloorsAndNcclStatus) {
+  if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
+  const std::string out = temp_path("bench.json");
+  const CliResult r = run_cli("bench --tokens-min 2 --tokens-max 4 --hidden 128 --experts 8 --topk 2 --runs 3 --warmup 1 "
+                              "--json '" + out + "'");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const nlohmann::json j = read_json(out);
+  EXPECT_EQ(j["device"], "cuda");
+  EXPECT_EQ(j["floor"], "peer_copy");
+  EXPECT_EQ(j["ranks"], gpu_count());
+  const bool nccl = j["nccl"].get<std::string>().find('.') != std::string::npos;  // a version, else why not
+  ASSERT_EQ(j["results"].size(), 6u);  // T = 2, 4; three normal-mode ops (low-latency: no GPU path)
+  for (const auto& s : j["results"]) {
+    EXPECT_EQ(s["mode"], "normal");
+    EXPECT_GT(s["median_us"].get<double>(), 0.0);
+    if (gpu_count() > 1) EXPECT_GT(s["floor_us"].get<double>(), 0.0);
+    EXPECT_EQ(s["nccl_us"].is_null(), !nccl) << s.dump();
+  }
+}
+
+TEST(Cli, TuneOnGpusWritesTheBestConfig) {
+  if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
+  const std::string out = temp_path("tune.json");
+  CliResult r = run_cli("tune --tokens 64 --hidden 128 --experts 8 --topk 2 --sms 4,8 --runs 3 --warmup 1 -o '" + out + "'");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("[2/2] num_sms=8"), std::string::npos) << r.err;
+  const nlohmann::json j = read_json(out);
+  const auto& tried = j["_tune"]["results"];
+  ASSERT_EQ(tried.size(), 2u);
+  // The best is the lowest max(dispatch, combine), recomputed here from the recorded times.
+  int best = -1;
+  double best_v = 1e300;
+  for (const auto& t : tried) {
+    const double v = std::max(t["dispatch_bf16_us"].get<double>(), t["combine_bf16_us"].get<double>());
+    EXPECT_DOUBLE_EQ(t["objective_us"].get<double>(), v);
+    if (v < best_v) best_v = v, best = t["num_sms"].get<int>();
+  }
+  EXPECT_EQ(j["num_sms"], best);
+  // The file is a valid --config.
+  r = run_cli("run --config '" + out + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("num_sms " + std::to_string(best)), std::string::npos) << r.out;
 }
 
 TEST(Cli, PlotScriptRendersThePng) {

@@ -452,7 +452,6 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
   std::vector<Sample> out;
   auto want = [&](const char* op) { return std::find(ops.begin(), ops.end(), op) != ops.end(); };
   for (const char* op : {"dispatch_bf16", "dispatch_fp8", "combine_bf16"}) {
-    const bool combine = std::string_view(op) == "combine_bf16";
     if (!want(op) && !(std::string_view(op) == "dispatch_bf16" && want("combine_bf16"))) continue;
     Sample s;
     s.mode = "normal";

@@ -320,7 +320,12 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
 
     group->barrier("run.dispatch");
     const auto t1 = Clock::now();
-    pf->dispatch_a({args.hidden, args.topk_idx, args.topk_weights, c.experts, false});
+    PrepareInputs pin;
+    pin.hidden = args.hidden;
+    pin.topk_idx = args.topk_idx;
+    pin.topk_weights = args.topk_weights;
+    pin.global_num_experts = c.experts;
+    pf->dispatch_a(pin);
     const PrepareOutput prepared = pf->dispatch_b();
     res.dispatch_s.push_back(seconds_since(t1));
 
@@ -429,7 +434,11 @@ int run(RunConfig c) {
     if (c.experts_impl != "cuda")
       bad("--experts-impl", "cuda or auto on GPU ranks (or --device cpu)", c.experts_impl);
     if (c.backend == "threads") {
-      if (!c.ranks_given) c.ranks = gpus;  // one rank per local GPU
+      if (!c.ranks_given) {  // one rank per local GPU (the most GPUs whose count divides E)
+        c.ranks = gpus;
+        while (c.experts >= 1 && c.ranks > 1 && c.experts % c.ranks != 0) --c.ranks;
+        if (c.ranks < gpus) fmt::print(stderr, "note: {} of the {} GPUs, so that they divide --experts {}\n", c.ranks, gpus, c.experts);
+      }
       if (c.ranks > gpus) bad("--ranks", fmt::format("at most the {} visible GPUs (one rank per GPU)", gpus), c.ranks);
     }
   } else {
