@@ -238,3 +238,10 @@ class MoELayer:
 def set_current_stream(stream: Optional[int]) -> Optional[int]:
     """Sets the calling thread's current CUDA stream for epmoe's functions (cudaStream_t as an int; None:
     the legacy default stream); returns the previous one (None for the default)."""
+
+# Builds with MPI only (has_mpi):
+def mpi_library_version() -> str:
+    """MPI_Get_library_version() of the MPI library this extension links (callable before MPI_Init)."""
+def mpi_group_from_fortran(fortran_handle: int) -> Group:
+    """epmoe's native MPI Group (backend 'mpi') over the communicator with this Fortran handle (mpi4py:
+    comm.py2f()); collective. Only valid when the caller uses the same MPI library (epmoe.as_group checks)."""

@@ -125,9 +125,12 @@ class EventOverlap:
 class Config:
     """Performance tuning of the normal-mode kernels (DeepEP's ``Config``); same constructor.
 
-    The CPU backends accept and ignore it. ``get_nvl_buffer_size_hint`` / ``get_rdma_buffer_size_hint``
-    give epmoe's own estimate of the staging bytes such a configuration needs (what engines use to size
-    ``num_nvl_bytes`` / ``num_rdma_bytes``); the CPU backends need neither.
+    epmoe's backends accept and ignore it. ``get_nvl_buffer_size_hint`` / ``get_rdma_buffer_size_hint``
+    give an estimate of ring-buffer bytes in DeepEP's manner (what engines use to size ``num_nvl_bytes`` /
+    ``num_rdma_bytes``). The cuda_ipc backend sizes for the worst case instead, which a ring estimate may
+    not cover for large batches (a call that does not fit raises epmoe.Error 'out_of_memory' naming the
+    bytes needed): size it with ``Buffer.get_normal_nvl_size_hint(max_tokens_per_rank, hidden, num_ranks,
+    num_topk)``.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
