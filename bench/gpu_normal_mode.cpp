@@ -114,7 +114,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int runs = 100, sms = 0, K = 8, E = 256;
+  int runs = 100, sms = 0, K = 8, E = 256, copy_engine = 1, chunks = 0;
   std::int64_t T = 4096, H = 7168;
   std::string json_path;
   for (int i = 1; i < argc; ++i) {
@@ -131,10 +131,14 @@ int main(int argc, char** argv) {
       E = std::atoi(next());
     else if (!std::strcmp(argv[i], "--sms"))
       sms = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--chunks"))
+      chunks = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--copy-engine"))
+      copy_engine = std::atoi(next());
     else if (!std::strcmp(argv[i], "--json"))
       json_path = next();
     else {
-      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--json PATH]\n",
+      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] [--chunks N] [--json PATH]\n",
                   argv[0]);
       return 2;
     }
@@ -147,8 +151,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
-  std::printf("bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, runs=%d, seed %llu\n", prop.name, kRanks,
-              static_cast<long long>(T), static_cast<long long>(H), K, E, sms, runs,
+  std::printf("bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, runs=%d, seed %llu\n",
+              prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks, runs,
               static_cast<unsigned long long>(seed));
 
   // times[op][rank][run]
@@ -167,6 +171,8 @@ int main(int argc, char** argv) {
     o.backend = Backend::cuda_ipc;
     o.device = r;
     o.num_sms = sms;
+    o.use_copy_engine = copy_engine != 0;
+    o.num_chunks = chunks;
     o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, kRanks, K);
     Buffer buf(std::shared_ptr<Group>(&g, [](Group*) {}), o);
     const std::uint64_t s = seed + 1000003ull * static_cast<std::uint64_t>(r);
@@ -314,8 +320,8 @@ int main(int argc, char** argv) {
     }
     std::fprintf(
         f,
-        "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, \"sms\": %d,\n",
-        prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms);
+        "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, \"sms\": %d, \"copy_engine\": %d, \"chunks\": %d,\n",
+        prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks);
     std::fprintf(f,
                  "  \"seed\": %llu,\n  \"runs\": %d,\n  \"peer_copy_one_way_gbps\": %.1f,\n  "
                  "\"peer_copy_two_way_gbps\": %.1f,\n",

@@ -84,6 +84,16 @@ struct BufferOptions {
   int device = -1;
   /// cuda_ipc: blocks of each data kernel (dispatch send, combine send), 1..64; 0 = 16. Equal on all ranks.
   int num_sms = 0;
+  /// cuda_ipc: move the bulk rows with the copy engines when the host knows the counts (the default path:
+  /// no num_worst_tokens): dispatch gathers each destination's rows locally and the receiver pulls them with
+  /// cudaMemcpyAsync; combine pushes each source's rows with cudaMemcpyAsync. No SM is busy during the NVLink
+  /// transfer, and the copy engines reach the peer rate (SM stores reach ~90% of it, PERF.md). false: SM
+  /// stores only (the path num_worst_tokens always takes). Equal on all ranks.
+  bool use_copy_engine = true;
+  /// cuda_ipc copy-engine path: pipeline stages (1..16; 0 = 4). Each peer's run of rows is moved in this many
+  /// pieces, so gathering (dispatch) or reducing (combine) one piece overlaps the transfer of the next.
+  /// Equal on all ranks.
+  int num_chunks = 0;
 };
 
 /// The tunables of BufferOptions as a JSON object (src/transport/buffer_config.cpp), e.g. {"num_sms": 16}:
@@ -114,6 +124,9 @@ struct NormalHandle {
   int expert_alignment = 1;
   int num_worst_tokens = 0;           ///< what the dispatch was made with (0 = none); a cached dispatch reuses it
   std::uint64_t buffer_id = 0;        ///< the Buffer that made it
+  /// rank_prefix_matrix on the host, row-major [R * R], when the dispatch read it (empty with
+  /// num_worst_tokens): lets combine and a cached dispatch size their copies without a device read.
+  std::vector<std::int32_t> rank_prefix_matrix_host;
   bool defined() const { return buffer_id != 0; }
 };
 

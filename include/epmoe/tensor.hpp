@@ -85,7 +85,13 @@ std::string describe(const TensorView& t);  ///< "bfloat16[4, 128] cpu"
 class Tensor {
  public:
   Tensor() = default;
-  /// Allocates uninitialised storage (64-byte aligned on the host).
+  /// Allocates uninitialised storage: 64-byte aligned on the host; on a CUDA device, stream-ordered from the
+  /// device's memory pool (cudaMallocAsync; freed blocks are kept and reused, like PyTorch's caching
+  /// allocator). A CUDA tensor is allocated on the calling thread's current stream (stream.hpp) and is valid
+  /// for work on that stream, or on streams that wait for it. Its memory returns to the pool on the current
+  /// stream of the thread that drops the last reference: drop a tensor only after the work that uses it was
+  /// enqueued on (or ordered before) that stream, the rule PyTorch's record_stream exists for.
+  /// Errors: out_of_memory naming the size and device; unsupported for a CUDA device in a CPU-only build.
   static Tensor empty(DType dtype, Shape shape, Device device = {});
   static Tensor zeros(DType dtype, Shape shape, Device device = {});
   /// Wraps storage owned elsewhere; `keep_alive` is held as long as the tensor lives.

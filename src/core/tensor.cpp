@@ -82,8 +82,9 @@ std::string describe(const TensorView& t) {
   return fmt::format("{}{} {}", dtype_name(t.dtype), to_string(t.shape), to_string(t.device));
 }
 
-void* device_alloc(std::size_t bytes, Device d);   // cuda/memory.cu, or the stub below
-void device_free(void* p, Device d);
+// core/memory.cu (stream-ordered pool), or the stubs below. device_alloc reports the stream it allocated on.
+void* device_alloc(std::size_t bytes, Device d, void** alloc_stream);
+void device_free(void* p, Device d, void* alloc_stream) noexcept;
 
 Tensor Tensor::empty(DType dtype, Shape shape, Device device) {
   for (int i = 0; i < shape.ndim(); ++i) EPMOE_ASSERT(shape[i] >= 0);
@@ -95,8 +96,9 @@ Tensor Tensor::empty(DType dtype, Shape shape, Device device) {
     if (rounded && !p) raise(ErrorCode::out_of_memory, "host allocation of {} bytes failed", bytes);
     t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   } else {
-    void* p = bytes ? device_alloc(bytes, device) : nullptr;
-    t.storage_ = std::shared_ptr<void>(p, [device](void* q) { if (q) device_free(q, device); });
+    void* stream = nullptr;
+    void* p = bytes ? device_alloc(bytes, device, &stream) : nullptr;
+    t.storage_ = std::shared_ptr<void>(p, [device, stream](void* q) { if (q) device_free(q, device, stream); });
   }
   t.view_ = TensorView(t.storage_.get(), dtype, shape, device);
   return t;
@@ -117,10 +119,10 @@ Tensor Tensor::wrap(TensorView view, std::shared_ptr<void> keep_alive) {
 }
 
 #if !defined(EPMOE_HAVE_CUDA)
-void* device_alloc(std::size_t, Device d) {
+void* device_alloc(std::size_t, Device d, void**) {
   raise(ErrorCode::unsupported, "device {} requested but epmoe was built without CUDA", to_string(d));
 }
-void device_free(void*, Device) {}
+void device_free(void*, Device, void*) noexcept {}
 #endif
 
 }  // namespace epmoe

@@ -30,6 +30,8 @@ constexpr std::int64_t kNoMax = std::numeric_limits<std::int64_t>::max();
 // not here: they are set per run, not tuned.
 const Field kFields[] = {
     {"num_sms", &BufferOptions::num_sms, 0, 64, "blocks of each cuda_ipc data kernel (0 = the default)"},
+    {"use_copy_engine", &BufferOptions::use_copy_engine, 0, 1, "cuda_ipc: bulk rows by copy engine (else SM stores)"},
+    {"num_chunks", &BufferOptions::num_chunks, 0, 16, "cuda_ipc copy-engine pipeline stages (0 = the default)"},
 };
 
 std::string known_fields() {

@@ -6,6 +6,7 @@
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
 #include <epmoe/quant.hpp>
+#include <epmoe/stream.hpp>
 
 #include <algorithm>
 
@@ -44,9 +45,13 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 
 #include <array>
 #include <atomic>
+#include <initializer_list>
 #include <chrono>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,7 +73,6 @@ namespace ipc = cuda_ipc;
 
 constexpr std::string_view kSetupPhase = "cuda_ipc setup";
 constexpr std::string_view kDispatchPhase = "cuda_ipc normal dispatch";
-constexpr std::string_view kCombinePhase = "cuda_ipc normal combine";
 
 
 std::int64_t align16(std::int64_t v) { return (v + 15) / 16 * 16; }
@@ -159,7 +163,13 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     device_ = o.device >= 0 ? o.device : (count > 0 ? me_ % count : 0);
     EPMOE_CHECK_ARG(device_ < count, "options.device", fmt::format("a device index < {}", count), device_);
     data_bytes_ = o.num_nvl_bytes;
-    const std::array<Setting, 2> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_}};
+    use_copy_engine_ = o.use_copy_engine;
+    chunks_ = o.num_chunks == 0 ? ipc::kDefaultChunks : o.num_chunks;
+    EPMOE_CHECK_ARG(chunks_ >= 1 && chunks_ <= ipc::kMaxChunks, "options.num_chunks",
+                    fmt::format("0 (default {}) or 1..{}", ipc::kDefaultChunks, ipc::kMaxChunks), o.num_chunks);
+    const std::array<Setting, 4> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_},
+                                             Setting{"use_copy_engine", o.use_copy_engine ? 1 : 0},
+                                             Setting{"num_chunks", chunks_}};
     g.check_agreement(settings, kSetupPhase);
 
     DeviceGuard guard(Device::cuda(device_));
@@ -179,6 +189,15 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     std::memset(static_cast<void*>(host_), 0, sizeof(ipc::HostRecord));
     EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
     EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; ++i) {
+      EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
+      EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&joined_[i], cudaEventDisableTiming));
+    }
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming));
+    const char* trace = std::getenv("EPMOE_CUDA_IPC_TRACE");
+    trace_ = trace != nullptr && std::string_view(trace) == "1";
+    if (trace_)
+      for (cudaEvent_t& e : trace_ev_) EPMOE_CUDA_CHECK(cudaEventCreate(&e));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&notified_, cudaEventDisableTiming));
     map_peers();
     timeout_ns_ = static_cast<long long>(g.timeout_s() * 1e9);
@@ -191,6 +210,16 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
     if (comm_) cudaStreamSynchronize(comm_);
+    for (int i = 0; i < 2; ++i) {
+      if (side_[i]) cudaStreamSynchronize(side_[i]);
+      if (side_[i]) cudaStreamDestroy(side_[i]);
+      if (joined_[i]) cudaEventDestroy(joined_[i]);
+    }
+    if (forked_) cudaEventDestroy(forked_);
+    if (trace_) {
+      trace_print();
+      for (cudaEvent_t e : trace_ev_) cudaEventDestroy(e);
+    }
     for (void* p : opened_) cudaIpcCloseMemHandle(p);
     if (notified_) cudaEventDestroy(notified_);
     if (comm_) cudaStreamDestroy(comm_);
@@ -280,6 +309,8 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     const long long value = h->error_value;
     const std::string where = fmt::format("rank {}, peer {}, phase '{}', op {}", rank, peer, phase_name(phase),
                                           static_cast<unsigned long long>(h->error_seq));
+    const long long value2 = h->error_value2;
+    const int index = h->error_index;
     if (code == ipc::kErrTimeout) {
       unusable_ = "device timeout: " + where;
       raise(ErrorCode::timeout,
@@ -289,6 +320,14 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     // Input errors every rank detects alike: the op was abandoned on every rank; the buffer stays usable.
     h->error_code = ipc::kErrNone;
     reset_claim();
+    if (code == ipc::kErrSettings) {
+      const auto& names = phase == ipc::kPhaseCombineNotify ? combine_setting_names() : dispatch_setting_names();
+      const std::string name = index >= 0 && index < static_cast<int>(names.size()) ? names[index] : "a setting";
+      raise(ErrorCode::invalid_argument,
+            "rank {}: '{}' differs across ranks: rank {} has {}, rank {} has {} (every rank must call this op with "
+            "the same settings; {})",
+            me_, name, rank, value2, peer, value, where);
+    }
     if (code == ipc::kErrWorstTokens)
       throw_invalid_argument("num_worst_tokens",
                              fmt::format("at least the rows every rank receives (rank {} receives {})", peer, value),
@@ -301,28 +340,125 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     raise(ErrorCode::invalid_argument, "rank {}: rank {} would receive more than 2^31 - 1 rows ({})", me_, peer, where);
   }
 
+  // The settings compared in-band by the notify kernel, in NotifyArgs::settings order.
+  static const std::vector<std::string>& dispatch_setting_names() {
+    static const std::vector<std::string> names = {"hidden",          "x dtype",          "num_topk (0 = no topk_idx)",
+                                                   "num_experts",     "x_scales format",  "expert_alignment",
+                                                   "num_worst_tokens", "cached dispatch (handle given)",
+                                                   "topk_weights given"};
+    return names;
+  }
+  static const std::vector<std::string>& combine_setting_names() {
+    static const std::vector<std::string> names = {"hidden", "topk_weights K (0 = not given)",
+                                                   "num_worst_tokens of the handle"};
+    return names;
+  }
+  static void set_settings(ipc::NotifyArgs& n, std::initializer_list<long long> values) {
+    n.num_settings = 0;
+    for (long long v : values) n.settings[n.num_settings++] = v;
+  }
+
+  /// The copy-engine path needs the counts on the host and staging room on every rank (the same decision
+  /// on every rank: pm is the same matrix everywhere). `combine`: rows each rank receives back.
+  bool copy_engine_fits(const std::vector<std::int32_t>& pm, std::int64_t capacity, bool combine) const {
+    if (!use_copy_engine_ || pm.empty()) return false;
+    const int R = R_;
+    for (int r = 0; r < R; ++r) {
+      std::int64_t rows = 0;
+      for (int d = 0; d < R; ++d) {
+        if (!combine && d == r) continue;  // a dispatch stages only the rows for peers
+        rows += pm[r * R + d] - (r > 0 ? pm[(r - 1) * R + d] : 0);
+      }
+      if (rows > capacity) return false;
+    }
+    return true;
+  }
+
+  // ---- EPMOE_CUDA_IPC_TRACE=1: where an op's time goes (events on the communication stream + host clock at each
+  // mark, averaged per op kind and printed when the buffer is destroyed). Syncs at the end of every op: for
+  // diagnosis only, never in a benchmark's figures. ----
+  struct TraceSum {
+    std::vector<std::string> names;
+    std::vector<double> gpu_us, host_us;
+    int ops = 0;
+  };
+  void trace_begin() {
+    if (!trace_) return;
+    trace_n_ = 0;
+    trace_t0_ = std::chrono::steady_clock::now();
+    trace_mark("start");
+  }
+  void trace_mark(const char* name) {
+    if (!trace_ || trace_n_ >= kTraceMarks) return;
+    EPMOE_CUDA_CHECK(cudaEventRecord(trace_ev_[trace_n_], comm_));
+    trace_names_[trace_n_] = name;
+    trace_host_[trace_n_] =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - trace_t0_).count();
+    ++trace_n_;
+  }
+  void trace_end(const char* op) {
+    if (!trace_) return;
+    trace_mark("end");
+    EPMOE_CUDA_CHECK(cudaEventSynchronize(trace_ev_[trace_n_ - 1]));
+    TraceSum& t = trace_sums_[op];
+    if (t.names.empty()) {
+      t.names.assign(trace_names_, trace_names_ + trace_n_);
+      t.gpu_us.assign(static_cast<std::size_t>(trace_n_), 0.0);
+      t.host_us.assign(static_cast<std::size_t>(trace_n_), 0.0);
+    }
+    if (static_cast<int>(t.names.size()) != trace_n_) return;
+    for (int i = 0; i < trace_n_; ++i) {
+      float ms = 0;
+      EPMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, trace_ev_[0], trace_ev_[i]));
+      t.gpu_us[static_cast<std::size_t>(i)] += ms * 1e3;
+      t.host_us[static_cast<std::size_t>(i)] += trace_host_[i];
+    }
+    ++t.ops;
+  }
+  void trace_print() const {
+    for (const auto& [op, t] : trace_sums_) {
+      std::string line = fmt::format("epmoe cuda_ipc trace, rank {}, {} ({} ops), mean us from the op's start "
+                                     "[gpu reached / host passed]:",
+                                     me_, op, t.ops);
+      for (std::size_t i = 0; i < t.names.size(); ++i)
+        line += fmt::format("  {} {:.1f}/{:.1f}", t.names[i], t.gpu_us[i] / t.ops, t.host_us[i] / t.ops);
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+  }
+
+  void fork_side_streams() {
+    EPMOE_CUDA_CHECK(cudaEventRecord(forked_, comm_));
+    for (cudaStream_t st : side_) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, forked_, 0));
+  }
+  void join_side_streams() {
+    for (int i = 0; i < 2; ++i) {
+      EPMOE_CUDA_CHECK(cudaEventRecord(joined_[i], side_[i]));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, joined_[i], 0));
+    }
+  }
+
   void reset_claim() {
     auto* ctrl = static_cast<ipc::Control*>(base_);
     EPMOE_CUDA_CHECK(cudaMemsetAsync(&ctrl->claim, 0, sizeof(int), comm_));
   }
 
   /// Makes the communication stream wait for previous_event, or else for the caller's current stream.
-  void enter(const Event* previous) {
+  void enter(const Event* previous, Stream caller) {
     if (previous && previous->backend()) {
       const auto* ev = dynamic_cast<const CudaEvent*>(previous->backend());
       EPMOE_CHECK_ARG(ev != nullptr, "previous_event", "an event of a cuda_ipc buffer", "another backend's event");
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, ev->get(), 0));
     } else if (!previous) {
-      CudaEvent caller(device_, cuda_util::to_cuda(current_stream()));
-      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller.get(), 0));
+      CudaEvent caller_done(device_, cuda_util::to_cuda(caller));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done.get(), 0));
     }
   }
 
   /// async_finish: an event on the communication stream; else the caller's stream waits for it.
-  Event leave(bool async_finish) {
+  Event leave(bool async_finish, Stream caller) {
     auto ev = std::make_shared<CudaEvent>(device_, comm_);
     if (async_finish) return Event::from_backend(ev);
-    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), ev->get(), 0));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(caller), ev->get(), 0));
     return Event{};
   }
 
@@ -346,6 +482,20 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::shared_ptr<Group> group_;
   std::uint64_t buffer_id_;
   int R_ = 0, me_ = 0, device_ = 0, blocks_ = 0, recv_blocks_ = 1;
+  bool use_copy_engine_ = true;
+  static constexpr int kTraceMarks = 16;
+  bool trace_ = false;
+  int trace_n_ = 0;
+  cudaEvent_t trace_ev_[kTraceMarks] = {};
+  const char* trace_names_[kTraceMarks] = {};
+  double trace_host_[kTraceMarks] = {};
+  std::chrono::steady_clock::time_point trace_t0_;
+  std::map<std::string, TraceSum> trace_sums_;
+  int chunks_ = ipc::kDefaultChunks;
+  // The copy-engine path's two side streams: pipeline stages alternate between them, so one stage's wait or
+  // signal kernel overlaps the other's copies. They fork from and join back into the communication stream.
+  cudaStream_t side_[2] = {};
+  cudaEvent_t forked_ = nullptr, joined_[2] = {};
   std::int64_t data_bytes_ = 0;
   void* base_ = nullptr;
   void* peers_[ipc::kMaxRanks] = {};
@@ -381,34 +531,33 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
           me, worst, data_bytes_, L.capacity,
           dispatch_row_bytes(static_cast<std::int64_t>(x_row), static_cast<std::int64_t>(scale_row), K));
 
-  // ---- settings that must agree (a host all-gather; see the design note on moving it in-band) ----
-  const std::array<Setting, 9> settings = {Setting{"hidden", H},
-                                           Setting{"x dtype", static_cast<std::int64_t>(x.dtype)},
-                                           Setting{"num_topk (0 = no topk_idx)", K},
-                                           Setting{"num_experts", E},
-                                           Setting{"x_scales format", static_cast<std::int64_t>(scale_format)},
-                                           Setting{"expert_alignment", alignment},
-                                           Setting{"num_worst_tokens", worst},
-                                           Setting{"cached dispatch (handle given)", cached},
-                                           Setting{"topk_weights given", has_weights}};
-  group_->check_agreement(settings, kDispatchPhase);
-
   DeviceGuard guard(Device::cuda(dev));
   const cudaStream_t s = comm_;
-  enter(a.previous_event);
+  const Stream caller = current_stream();
+  StreamGuard on_comm(Stream{s});  // outputs and temporaries are allocated (stream-ordered) on the comm stream
+  enter(a.previous_event, caller);
+  trace_begin();
   const std::uint64_t seq = ++seq_;
   const ipc::Common c = common(seq);
   const Device gpu = Device::cuda(dev);
 
   Tensor pm, expert_counts, send_pos, in_rank;
+  std::vector<std::int32_t> pm_host;
   std::int64_t num_recv = -1;
+  const auto set_dispatch_settings = [&](ipc::NotifyArgs& n) {
+    set_settings(n, {H, static_cast<long long>(x.dtype), K, E, static_cast<long long>(scale_format), alignment, worst,
+                     cached ? 1 : 0, has_weights ? 1 : 0});
+  };
   if (cached) {
     pm = a.handle->rank_prefix_matrix;
     send_pos = a.handle->send_pos;
     ipc::NotifyArgs n;
     n.phase = ipc::kPhaseCachedNotify;
+    set_dispatch_settings(n);
     ipc::launch_notify(c, n, s);
+    trace_mark("handshake");
     if (worst == 0) num_recv = a.handle->num_recv_tokens;
+    pm_host = a.handle->rank_prefix_matrix_host;
   } else {
     pm = Tensor::empty(DType::int32, {R, R}, gpu);
     expert_counts = Tensor::empty(DType::int32, {E_local}, gpu);
@@ -422,26 +571,42 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     n.pm_out = pm.ptr<std::int32_t>();
     n.expert_out = expert_counts.ptr<std::int32_t>();
     n.phase = ipc::kPhaseDispatchNotify;
+    set_dispatch_settings(n);
     ipc::launch_notify(c, n, s);
+    trace_mark("count exchange");
     if (worst == 0) {  // the one host read of normal mode
       EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
       wait_notified(kDispatchPhase);
+      trace_mark("host read");
       num_recv = host_->pm[(R - 1) * R + me];
+      pm_host.assign(host_->pm, host_->pm + R * R);
     }
     // The handle keeps its own copy of the routing (the caller may reuse its layout tensors).
-    in_rank = Tensor::empty(DType::boolean, {T, R}, gpu);
-    if (T > 0)
-      EPMOE_CUDA_CHECK(
-          cudaMemcpyAsync(in_rank.data(), a.is_token_in_rank.data, in_rank.nbytes(), cudaMemcpyDeviceToDevice, s));
+    // The data kernels go first (the GPU idles from the host read until then); the handle's copy of the routing
+    // is made after them.
     send_pos = Tensor::empty(DType::int32, {T, R}, gpu);
     ipc::SendPosArgs sp;
-    sp.in_rank = in_rank.ptr<bool>();
+    sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
     sp.pm = pm.ptr<std::int32_t>();
     sp.T = T;
     sp.send_pos = send_pos.ptr<std::int32_t>();
     ipc::launch_send_pos(c, sp, s);
+    trace_mark("send_pos");
   }
   const std::int64_t rows = worst > 0 ? worst : num_recv;
+  const bool ce = worst == 0 && copy_engine_fits(pm_host, L.capacity, false);
+  Tensor list;
+  if (ce) {
+    list = Tensor::empty(DType::int32, {R, T}, gpu);
+    ipc::SendListArgs sl;
+    sl.send_pos = send_pos.ptr<std::int32_t>();
+    sl.pm = pm.ptr<std::int32_t>();
+    sl.T = T;
+    sl.list = list.ptr<std::int32_t>();
+    ipc::launch_send_list(c, sl, s);
+    auto* ctrl = static_cast<ipc::Control*>(base_);
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(ctrl->chunk_arrive, 0, sizeof(ctrl->chunk_arrive), s));
+  }
 
   DispatchResult out;
   out.recv_x = Tensor::empty(x.dtype, {rows, H}, gpu);
@@ -465,7 +630,74 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   sa.experts_per_rank = E_local;
   sa.write_src = !cached;
   sa.layout = L;
-  ipc::launch_dispatch_send(c, sa, blocks_, s);
+  sa.pm = pm.ptr<std::int32_t>();
+  if (ce) {
+    // Rows for this rank go straight into the outputs; rows for each peer are staged in this rank's region,
+    // grouped by destination, in `chunks_` pipeline stages; every receiver pulls each stage of each source's run
+    // with the copy engine as soon as the source publishes it (side streams), so gathering overlaps the transfer.
+    fork_side_streams();
+    ipc::GatherArgs ga;
+    ga.x = sa.x;
+    ga.x_row = sa.x_row;
+    ga.scales = sa.scales;
+    ga.scale_row = sa.scale_row;
+    ga.topk_idx = sa.topk_idx;
+    ga.idx64 = sa.idx64;
+    ga.K = K;
+    ga.weights = sa.weights;
+    ga.experts_per_rank = E_local;
+    ga.write_src = !cached;
+    ga.T = T;
+    ga.list = list.ptr<std::int32_t>();
+    ga.pm = pm.ptr<std::int32_t>();
+    ga.chunks = chunks_;
+    ga.layout = L;
+    ga.recv_x = out.recv_x.data();
+    ga.recv_scales = fp8 ? out.recv_x_scales.data() : nullptr;
+    ga.recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
+    ga.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
+    ga.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
+    ipc::launch_gather(c, ga, blocks_, s);
+    trace_mark("gather done");
+    const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
+    // Per source: where its run for me starts in its region (rows it staged for peers before me) and in my outputs.
+    std::vector<std::int64_t> src_first(static_cast<std::size_t>(R)), dst_first(static_cast<std::size_t>(R)),
+        count(static_cast<std::size_t>(R));
+    for (int src = 0; src < R; ++src) {
+      dst_first[src] = src > 0 ? at(src - 1, me) : 0;
+      count[src] = at(src, me) - dst_first[src];
+      for (int d = 0; d < me; ++d)
+        if (d != src) src_first[src] += at(src, d) - (src > 0 ? at(src - 1, d) : 0);
+    }
+    const auto pull = [&](int src, void* dst, std::size_t off, std::size_t row_bytes, std::int64_t lo,
+                          std::int64_t hi, cudaStream_t st) {
+      if (hi <= lo) return;
+      const char* region = static_cast<const char*>(peers_[src]) + ipc::kControlBytes;
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + (dst_first[src] + lo) * row_bytes,
+                                       region + off + (src_first[src] + lo) * row_bytes, (hi - lo) * row_bytes,
+                                       cudaMemcpyDeviceToDevice, st));
+    };
+    for (int j = 0; j < chunks_; ++j) {
+      const cudaStream_t st = side_[j & 1];
+      ipc::launch_wait_chunk(c, j, ipc::kPhaseDispatchData, st);
+      for (int src = 0; src < R; ++src) {
+        if (src == me) continue;
+        const std::int64_t lo = ipc::stage_begin(count[src], j, chunks_), hi = ipc::stage_begin(count[src], j + 1, chunks_);
+        pull(src, out.recv_x.data(), L.x_off, x_row, lo, hi, st);
+        if (j + 1 == chunks_) {  // the small fields of the whole run, once every stage is published
+          const std::int64_t n = count[src];
+          if (fp8) pull(src, out.recv_x_scales.data(), L.scale_off, scale_row, 0, n, st);
+          if (has_topk) pull(src, out.recv_topk_idx.data(), L.idx_off, 8 * static_cast<std::size_t>(K), 0, n, st);
+          if (has_weights) pull(src, out.recv_topk_weights.data(), L.w_off, 4 * static_cast<std::size_t>(K), 0, n, st);
+          if (!cached) pull(src, recv_src.data(), L.src_off, 4, 0, n, st);
+        }
+      }
+    }
+    join_side_streams();
+    trace_mark("pulls done");
+  } else {
+    ipc::launch_dispatch_send(c, sa, blocks_, s);
+  }
 
   ipc::DispatchRecvArgs ra;
   ra.pm = pm.ptr<std::int32_t>();
@@ -479,11 +711,15 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   ra.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
   ra.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
   ra.layout = L;
-  ipc::launch_dispatch_recv(c, ra, recv_blocks_, blocks_, s);
+  if (!ce) ipc::launch_dispatch_recv(c, ra, recv_blocks_, blocks_, s);
 
   if (cached) {
     out.handle = *a.handle;
   } else {
+    in_rank = Tensor::empty(DType::boolean, {T, R}, gpu);
+    if (T > 0)
+      EPMOE_CUDA_CHECK(
+          cudaMemcpyAsync(in_rank.data(), a.is_token_in_rank.data, in_rank.nbytes(), cudaMemcpyDeviceToDevice, s));
     NormalHandle& h = out.handle;
     h.rank_prefix_matrix = pm;
     h.is_token_in_rank = in_rank;
@@ -498,6 +734,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     h.expert_alignment = alignment;
     h.num_worst_tokens = worst;
     h.buffer_id = buffer_id_;
+    h.rank_prefix_matrix_host = pm_host;
   }
   if (worst == 0) {
     if (cached) {
@@ -509,7 +746,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
       out.num_recv_tokens_per_expert_list.assign(host_->expert_counts, host_->expert_counts + E_local);
     }
   }
-  out.event = leave(a.async_finish);
+  out.event = leave(a.async_finish, caller);
+  trace_end(cached ? "cached dispatch" : "dispatch");
   return out;
 }
 
@@ -542,8 +780,6 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   }
   if (a.bias_0.defined()) check_tensor(a.bias_0, "bias_0", DType::bf16, Shape{T, H}, dev);
   if (a.bias_1.defined()) check_tensor(a.bias_1, "bias_1", DType::bf16, Shape{T, H}, dev);
-  const std::array<Setting, 2> settings = {Setting{"hidden", H}, Setting{"topk_weights K (0 = not given)", K}};
-  group_->check_agreement(settings, kCombinePhase);
 
   // Combine rows: x then weights, `capacity` rows each.
   ipc::DataLayout L;
@@ -553,7 +789,10 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
 
   DeviceGuard guard(Device::cuda(dev));
   const cudaStream_t s = comm_;
-  enter(a.previous_event);
+  const Stream caller = current_stream();
+  StreamGuard on_comm(Stream{s});
+  enter(a.previous_event, caller);
+  trace_begin();
   const std::uint64_t seq = ++seq_;
   const ipc::Common c = common(seq);
   const Device gpu = Device::cuda(dev);
@@ -564,7 +803,11 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
 
   ipc::NotifyArgs n;
   n.phase = ipc::kPhaseCombineNotify;
+  set_settings(n, {H, K, h.num_worst_tokens});
   ipc::launch_notify(c, n, s);
+  trace_mark("handshake");
+  const std::vector<std::int32_t>& pm_host = h.rank_prefix_matrix_host;
+  const bool ce = h.num_worst_tokens == 0 && copy_engine_fits(pm_host, L.capacity, true);
 
   ipc::CombineSendArgs sa;
   sa.x = x.data;
@@ -573,7 +816,38 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   sa.K = K;
   sa.pm = h.rank_prefix_matrix.ptr<std::int32_t>();
   sa.layout = L;
-  ipc::launch_combine_send(c, sa, blocks_, s);
+  if (ce) {
+    // Each peer's rows are one contiguous run of x (received rows are grouped by source): push each run into that
+    // peer's region with the copy engine in `chunks_` stages on the side streams, publishing each stage; the
+    // reduce kernel (on the communication stream, concurrently) waits per stage. This rank's own rows stay in x.
+    fork_side_streams();
+    const int me = me_;
+    const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
+    for (int j = 0; j < chunks_; ++j) {
+      const cudaStream_t st = side_[j & 1];
+      for (int dst = 0; dst < R; ++dst) {
+        if (dst == me) continue;
+        const std::int64_t first = dst > 0 ? at(dst - 1, me) : 0;
+        const std::int64_t count = at(dst, me) - first;
+        const std::int64_t lo = ipc::stage_begin(count, j, chunks_), hi = ipc::stage_begin(count, j + 1, chunks_);
+        if (hi <= lo) continue;
+        std::int64_t slot = 0;  // rows `dst` receives back from ranks before me
+        for (int d = 0; d < me; ++d) slot += at(dst, d) - (dst > 0 ? at(dst - 1, d) : 0);
+        char* region = static_cast<char*>(peers_[dst]) + ipc::kControlBytes;
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(region + L.x_off + (slot + lo) * sa.x_row,
+                                         static_cast<const char*>(x.data) + (first + lo) * sa.x_row,
+                                         (hi - lo) * sa.x_row, cudaMemcpyDeviceToDevice, st));
+        if (has_w)
+          EPMOE_CUDA_CHECK(cudaMemcpyAsync(region + L.w_off + (slot + lo) * 4 * K,
+                                           static_cast<const float*>(a.topk_weights.data) + (first + lo) * K,
+                                           (hi - lo) * 4 * static_cast<std::size_t>(K), cudaMemcpyDeviceToDevice, st));
+      }
+      ipc::launch_signal_chunk(c, j, st);
+      trace_mark("stage pushed");
+    }
+  } else {
+    ipc::launch_combine_send(c, sa, blocks_, s);
+  }
 
   ipc::CombineReduceArgs ra;
   ra.send_pos = h.send_pos.ptr<std::int32_t>();
@@ -586,9 +860,22 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   ra.out = out.combined_x.data();
   ra.out_w = has_w ? out.combined_topk_weights.ptr<float>() : nullptr;
   ra.layout = L;
-  ipc::launch_combine_reduce(c, ra, recv_blocks_, blocks_, s);
+  if (ce) {
+    ra.local_x = x.data;
+    ra.local_w = has_w ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+    ra.chunks = chunks_;
+    for (int d = 0; d < R; ++d)  // rows d sends back = rows this rank sent it
+      ra.n_back[d] = pm_host[static_cast<std::size_t>(me_ * R + d)] -
+                     (me_ > 0 ? pm_host[static_cast<std::size_t>((me_ - 1) * R + d)] : 0);
+  }
+  // Pipelined, the reduce runs while the copies are in flight: fewer blocks, so the SMs stay free for others.
+  ipc::launch_combine_reduce(c, ra, ce ? std::min(recv_blocks_, 2 * blocks_) : recv_blocks_, blocks_, s);
+  trace_mark("reduce done");
+  if (ce) join_side_streams();
+  trace_mark("reduce + pushes done");
   (void)R;
-  out.event = leave(a.async_finish);
+  out.event = leave(a.async_finish, caller);
+  trace_end("combine");
   return out;
 }
 

@@ -18,6 +18,10 @@ namespace {
 
 constexpr int kThreads = 512;  // 16 warps per data block
 constexpr int kWarps = kThreads / 32;
+// 16-byte vectors each lane keeps in flight when moving a row: memory passes here are bound by the bytes in
+// flight per SM (16 warps x 32 lanes x 8 x 16 B = 64 KiB); 4 left the gather at ~45 GB/s per SM (H200).
+constexpr int kVec = 8;
+constexpr int kU = 2;  // the combine reduce, per source (kU x 8 sources x 16 B held per lane)
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
 __device__ __forceinline__ char* data_region(void* base) { return static_cast<char*>(base) + kControlBytes; }
@@ -37,7 +41,8 @@ __device__ __forceinline__ long long now_ns() {
 }
 
 /// Records the first error of this rank's buffer in the host-mapped record (later errors are dropped).
-__device__ void report(const Common& c, int code, int peer, int phase, long long value) {
+__device__ void report(const Common& c, int code, int peer, int phase, long long value, long long value2 = 0,
+                       int index = 0) {
   Control* mine = control(c.peers[c.rank]);
   if (atomicCAS(&mine->claim, 0, 1) != 0) return;
   volatile HostRecord* h = c.host;
@@ -45,6 +50,8 @@ __device__ void report(const Common& c, int code, int peer, int phase, long long
   h->error_peer = peer;
   h->error_phase = phase;
   h->error_value = value;
+  h->error_value2 = value2;
+  h->error_index = index;
   h->error_seq = c.seq;
   __threadfence_system();
   h->error_code = code;
@@ -103,6 +110,10 @@ __global__ void __launch_bounds__(1024)
     ok = 1;
     bad = kErrNone;
   }
+  for (int d = 0; d < R; ++d) {
+    NotifySlot* slot = &control(c.peers[d])->slots[par][me];
+    for (int i = threadIdx.x; i < a.num_settings; i += blockDim.x) slot->settings[i] = a.settings[i];
+  }
   if (a.per_rank) {
     for (int d = 0; d < R; ++d) {
       NotifySlot* slot = &control(c.peers[d])->slots[par][me];
@@ -120,6 +131,26 @@ __global__ void __launch_bounds__(1024)
   Control* mine = control(c.peers[me]);
   if (!ok) {
     if (threadIdx.x == 0) mine->abort_seq = c.seq;
+    return;
+  }
+  // Settings every rank must share (the same comparison on every rank: all of them abandon the op). The
+  // lowest (setting, peer) wins so every rank names the same difference.
+  __shared__ int first_bad;
+  if (threadIdx.x == 0) first_bad = 0x7fffffff;
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.num_settings * R; i += blockDim.x) {
+    const int k = i / R, s = i % R;
+    const long long theirs = *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]);
+    if (theirs != a.settings[k]) atomicMin(&first_bad, i);
+  }
+  __syncthreads();
+  if (first_bad != 0x7fffffff) {
+    if (threadIdx.x == 0) {
+      const int k = first_bad / R, s = first_bad % R;
+      report(c, kErrSettings, s, a.phase, *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]),
+             a.settings[k], k);
+      mine->abort_seq = c.seq;
+    }
     return;
   }
   if (!a.per_rank) return;
@@ -223,32 +254,59 @@ __global__ void __launch_bounds__(kThreads)
   const DataLayout& L = a.layout;
   const int nvec = static_cast<int>(a.x_row / 16);
   const int nscale = static_cast<int>(a.scale_row / 4);
+  // Where destination d's fields start, and the shift from send_pos (d's absolute row) to the row written:
+  // SM path: d's region, shift 0. Gather: this rank's outputs for d == me (shift 0); else this rank's own
+  // region, rows grouped by destination (shift = rows for destinations before d - rows earlier ranks send d).
+  __shared__ char* dst_x[kMaxRanks];
+  __shared__ char* dst_scale[kMaxRanks];
+  __shared__ long long* dst_idx[kMaxRanks];
+  __shared__ float* dst_w[kMaxRanks];
+  __shared__ std::int32_t* dst_src[kMaxRanks];
+  __shared__ std::int64_t shift[kMaxRanks];
+  __shared__ std::int64_t limit[kMaxRanks];
+  if (threadIdx.x == 0) {
+    std::int64_t grouped = 0;
+    for (int d = 0; d < R; ++d) {
+      const std::int64_t before = c.rank > 0 ? a.pm[(c.rank - 1) * R + d] : 0;
+      const bool own_output = a.gather && d == c.rank;
+      char* region = data_region(c.peers[a.gather ? c.rank : d]);
+      dst_x[d] = own_output ? static_cast<char*>(a.recv_x) : region + L.x_off;
+      dst_scale[d] = own_output ? static_cast<char*>(a.recv_scales) : region + L.scale_off;
+      dst_idx[d] = own_output ? reinterpret_cast<long long*>(a.recv_idx) : reinterpret_cast<long long*>(region + L.idx_off);
+      dst_w[d] = own_output ? a.recv_w : reinterpret_cast<float*>(region + L.w_off);
+      dst_src[d] = own_output ? a.recv_src : reinterpret_cast<std::int32_t*>(region + L.src_off);
+      shift[d] = (a.gather && !own_output) ? grouped - before : 0;
+      limit[d] = own_output ? 0x7fffffffLL : L.capacity;
+      if (a.gather && d != c.rank) grouped += a.pm[c.rank * R + d] - before;
+    }
+  }
+  __syncthreads();
   if (!aborted(c)) {
     for (std::int64_t t = warp; t < a.T; t += num_warps) {
       const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
-      int pos[kMaxRanks];
+      std::int64_t pos[kMaxRanks];
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
-        pos[d] = __shfl_sync(0xffffffffu, my_pos, d);
-        if (d >= R) pos[d] = -1;
-        if (pos[d] >= L.capacity) {  // only a cached dispatch with another row size can get here
+        const int p = __shfl_sync(0xffffffffu, my_pos, d);
+        pos[d] = (d < R && p >= 0) ? p + shift[d] : -1;
+        if (pos[d] >= limit[d]) {  // only a cached dispatch with another row size can get here
           if (lane == 0) report(c, kErrCapacity, d, kPhaseDispatchData, pos[d]);
           pos[d] = -1;
         }
       }
       // x: 16-byte vectors, four in flight per lane, each stored to every destination.
       const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + t * a.x_row);
-      for (int i0 = lane; i0 < nvec; i0 += 32 * 4) {
-        int4 v[4];
+      for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
+        int4 v[kVec];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < kVec; ++u)
           if (i0 + u * 32 < nvec) v[u] = __ldg(src + i0 + u * 32);
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
           if (pos[d] < 0) continue;
-          int4* dst = reinterpret_cast<int4*>(data_region(c.peers[d]) + L.x_off + pos[d] * a.x_row);
+          int4* dst = reinterpret_cast<int4*>(dst_x[d] + pos[d] * a.x_row);
 #pragma unroll
-          for (int u = 0; u < 4; ++u)
+          for (int u = 0; u < kVec; ++u)
             if (i0 + u * 32 < nvec) dst[i0 + u * 32] = v[u];
         }
       }
@@ -259,7 +317,7 @@ __global__ void __launch_bounds__(kThreads)
           const std::int32_t v = ss[i];
           for (int d = 0; d < R; ++d)
             if (pos[d] >= 0)
-              reinterpret_cast<std::int32_t*>(data_region(c.peers[d]) + L.scale_off + pos[d] * a.scale_row)[i] = v;
+              reinterpret_cast<std::int32_t*>(dst_scale[d] + pos[d] * a.scale_row)[i] = v;
         }
       }
       if (a.topk_idx && lane < a.K) {
@@ -270,16 +328,12 @@ __global__ void __launch_bounds__(kThreads)
           if (pos[d] < 0) continue;
           const long long local = id - static_cast<long long>(d) * a.experts_per_rank;
           const bool mine = local >= 0 && local < a.experts_per_rank;
-          char* base = data_region(c.peers[d]);
-          reinterpret_cast<long long*>(base + L.idx_off)[static_cast<std::int64_t>(pos[d]) * a.K + lane] =
-              mine ? local : -1;
-          if (a.weights)
-            reinterpret_cast<float*>(base + L.w_off)[static_cast<std::int64_t>(pos[d]) * a.K + lane] = mine ? w : 0.0f;
+          if (dst_idx[d]) dst_idx[d][pos[d] * a.K + lane] = mine ? local : -1;
+          if (a.weights && dst_w[d]) dst_w[d][pos[d] * a.K + lane] = mine ? w : 0.0f;
         }
       }
-      if (a.write_src && lane < R && pos[lane] >= 0)
-        reinterpret_cast<std::int32_t*>(data_region(c.peers[lane]) + L.src_off)[pos[lane]] =
-            static_cast<std::int32_t>(t);
+      if (a.write_src && lane < R && pos[lane] >= 0 && dst_src[lane])
+        dst_src[lane][pos[lane]] = static_cast<std::int32_t>(t);
     }
   }
   signal_done(c);
@@ -304,13 +358,13 @@ __global__ void __launch_bounds__(kThreads)
     const bool valid = r < n;
     int4* dx = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.x_row);
     const int4* sx = reinterpret_cast<const int4*>(base + L.x_off + r * a.x_row);
-    for (int i0 = lane; i0 < nvec; i0 += 32 * 4) {
-      int4 v[4];
+    for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
+      int4 v[kVec];
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+      for (int u = 0; u < kVec; ++u)
         if (i0 + u * 32 < nvec) v[u] = valid ? __ldcg(sx + i0 + u * 32) : make_int4(0, 0, 0, 0);
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+      for (int u = 0; u < kVec; ++u)
         if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
     }
     if (a.recv_scales) {
@@ -368,13 +422,13 @@ __global__ void __launch_bounds__(kThreads)
       char* base = data_region(c.peers[s]);
       const int4* sx = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + r * a.x_row);
       int4* dx = reinterpret_cast<int4*>(base + L.x_off + row * a.x_row);
-      for (int i0 = lane; i0 < nvec; i0 += 32 * 4) {
-        int4 v[4];
+      for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
+        int4 v[kVec];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < kVec; ++u)
           if (i0 + u * 32 < nvec) v[u] = __ldg(sx + i0 + u * 32);
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < kVec; ++u)
           if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
       }
       if (a.weights && lane < a.K)
@@ -387,7 +441,8 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     combine_reduce_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineReduceArgs a,
                           int sender_blocks) {
-  if (!wait_all_done(c, sender_blocks, kPhaseCombineData) || aborted(c)) return;
+  if (a.chunks == 0 && !wait_all_done(c, sender_blocks, kPhaseCombineData)) return;
+  if (aborted(c)) return;
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
   // off[d] = rows returned by ranks before d (this rank's send counts, ascending d); before[d] = pm[me-1][d].
   __shared__ std::int32_t off[kMaxRanks], before[kMaxRanks];
@@ -407,62 +462,267 @@ __global__ void __launch_bounds__(kThreads)
   const int nvec = static_cast<int>(x_row / 16);
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  int ready[kMaxRanks];  // pipelined: the stage of each peer this warp has seen published
+#pragma unroll
+  for (int d = 0; d < kMaxRanks; ++d) ready[d] = -1;
+  Control* mine = control(c.peers[me]);
   for (std::int64_t t = warp; t < a.T; t += num_warps) {
     const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
+    if (a.chunks > 0) {
+      bool ok = true;
+      for (int d = 0; d < R; ++d) {
+        const int p = __shfl_sync(0xffffffffu, my_pos, d);
+        if (d == me || p < 0) continue;
+        const std::int64_t i = p - before[d], n = a.n_back[d];
+        int j = static_cast<int>(i * a.chunks / (n > 0 ? n : 1));
+        while (j + 1 < a.chunks && stage_begin(n, j + 1, a.chunks) <= i) ++j;
+        while (j > 0 && stage_begin(n, j, a.chunks) > i) --j;
+        if (j > ready[d]) {
+          if (lane == 0 && !wait_geq(&mine->chunk_done[d][j], c, d, kPhaseCombineData)) ok = false;
+          ok = __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
+          ready[d] = j;
+        }
+      }
+      __syncwarp();
+      if (!ok) return;
+    }
     std::int64_t row[kMaxRanks];
+    const char* src_x[kMaxRanks];
+    const float* src_w[kMaxRanks];
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int p = __shfl_sync(0xffffffffu, my_pos, d);
-      row[d] = (d < R && p >= 0) ? static_cast<std::int64_t>(off[d]) + (p - before[d]) : -1;
+      const bool local = a.local_x != nullptr && d == me;
+      row[d] = (d < R && p >= 0) ? (local ? p : static_cast<std::int64_t>(off[d]) + (p - before[d])) : -1;
+      src_x[d] = local ? static_cast<const char*>(a.local_x) : base + L.x_off;
+      src_w[d] = local ? a.local_w : reinterpret_cast<const float*>(base + L.w_off);
     }
-    for (int i = lane; i < nvec; i += 32) {
-      float acc[8];
+    // kU 16-byte vectors per lane per step, every source's loads issued before the sums: more loads in flight.
+    for (int i0 = lane; i0 < nvec; i0 += 32 * kU) {
+      int4 v[kU][kMaxRanks];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+      for (int u = 0; u < kU; ++u)
 #pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (row[d] < 0) continue;
-        const int4 v = __ldcg(reinterpret_cast<const int4*>(base + L.x_off + row[d] * x_row) + i);
-        const unsigned w[4] = {static_cast<unsigned>(v.x), static_cast<unsigned>(v.y), static_cast<unsigned>(v.z),
-                               static_cast<unsigned>(v.w)};
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (row[d] >= 0 && i0 + 32 * u < nvec)
+            v[u][d] = __ldcg(reinterpret_cast<const int4*>(src_x[d] + row[d] * x_row) + i0 + 32 * u);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] & 0xffffu)}));
-          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] >> 16)}));
+      for (int u = 0; u < kU; ++u) {
+        const int i = i0 + 32 * u;
+        if (i >= nvec) continue;
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (row[d] < 0) continue;
+          const unsigned w[4] = {static_cast<unsigned>(v[u][d].x), static_cast<unsigned>(v[u][d].y),
+                                 static_cast<unsigned>(v[u][d].z), static_cast<unsigned>(v[u][d].w)};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] & 0xffffu)}));
+            acc[2 * j + 1] =
+                __fadd_rn(acc[2 * j + 1], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] >> 16)}));
+          }
         }
-      }
-      const void* biases[2] = {a.bias_0, a.bias_1};
+        const void* biases[2] = {a.bias_0, a.bias_1};
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        if (!biases[b]) continue;
-        const int4 v = __ldg(reinterpret_cast<const int4*>(static_cast<const char*>(biases[b]) + t * x_row) + i);
-        const unsigned w[4] = {static_cast<unsigned>(v.x), static_cast<unsigned>(v.y), static_cast<unsigned>(v.z),
-                               static_cast<unsigned>(v.w)};
+        for (int b = 0; b < 2; ++b) {
+          if (!biases[b]) continue;
+          const int4 bv = __ldg(reinterpret_cast<const int4*>(static_cast<const char*>(biases[b]) + t * x_row) + i);
+          const unsigned w[4] = {static_cast<unsigned>(bv.x), static_cast<unsigned>(bv.y), static_cast<unsigned>(bv.z),
+                                 static_cast<unsigned>(bv.w)};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] & 0xffffu)}));
-          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] >> 16)}));
+          for (int j = 0; j < 4; ++j) {
+            acc[2 * j] = __fadd_rn(acc[2 * j], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] & 0xffffu)}));
+            acc[2 * j + 1] =
+                __fadd_rn(acc[2 * j + 1], bf16_to_float(bf16_t{static_cast<std::uint16_t>(w[j] >> 16)}));
+          }
         }
-      }
-      unsigned packed[4];
+        unsigned packed[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        packed[j] = static_cast<unsigned>(float_to_bf16(acc[2 * j]).bits) |
-                    (static_cast<unsigned>(float_to_bf16(acc[2 * j + 1]).bits) << 16);
-      reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * x_row)[i] =
-          make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                    static_cast<int>(packed[3]));
+        for (int j = 0; j < 4; ++j)
+          packed[j] = static_cast<unsigned>(float_to_bf16(acc[2 * j]).bits) |
+                      (static_cast<unsigned>(float_to_bf16(acc[2 * j + 1]).bits) << 16);
+        reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * x_row)[i] =
+            make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                      static_cast<int>(packed[3]));
+      }
     }
     if (a.out_w && lane < a.K) {
       float s = 0.0f;
       for (int d = 0; d < R; ++d)
-        if (row[d] >= 0) s = __fadd_rn(s, __ldcg(reinterpret_cast<const float*>(base + L.w_off) + row[d] * a.K + lane));
+        if (row[d] >= 0) s = __fadd_rn(s, __ldcg(src_w[d] + row[d] * a.K + lane));
       a.out_w[t * a.K + lane] = s;
     }
   }
 }
 
+// ---- copy-engine dispatch: send lists and the staged gather ----
+
+__global__ void send_list_kernel(const __grid_constant__ Common c, const __grid_constant__ SendListArgs a) {
+  const int R = c.num_ranks, me = c.rank;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.T || aborted(c)) return;
+  for (int d = 0; d < R; ++d) {
+    const int p = a.send_pos[t * R + d];
+    if (p >= 0) a.list[d * a.T + (p - (me > 0 ? a.pm[(me - 1) * R + d] : 0))] = static_cast<std::int32_t>(t);
+  }
+}
+
+/// One warp moves token t's row into `row` of the destination fields, with top-k ids made local to rank d.
+__device__ __forceinline__ void gather_row(const GatherArgs& a, std::int64_t t, int d, char* x, char* scales,
+                                           long long* idx, float* w, std::int32_t* src, std::int64_t row, int lane) {
+  const int nvec = static_cast<int>(a.x_row / 16);
+  const int4* sx = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + t * a.x_row);
+  int4* dx = reinterpret_cast<int4*>(x + row * a.x_row);
+  for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
+    int4 v[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (i0 + u * 32 < nvec) v[u] = __ldg(sx + i0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
+  }
+  if (a.scales) {
+    const int nscale = static_cast<int>(a.scale_row / 4);
+    const std::int32_t* ss = reinterpret_cast<const std::int32_t*>(static_cast<const char*>(a.scales) + t * a.scale_row);
+    std::int32_t* ds = reinterpret_cast<std::int32_t*>(scales + row * a.scale_row);
+    for (int i = lane; i < nscale; i += 32) ds[i] = ss[i];
+  }
+  if (a.topk_idx && lane < a.K) {
+    const long long id = a.idx64 ? static_cast<const long long*>(a.topk_idx)[t * a.K + lane]
+                                 : static_cast<const std::int32_t*>(a.topk_idx)[t * a.K + lane];
+    const long long local = id - static_cast<long long>(d) * a.experts_per_rank;
+    const bool mine = local >= 0 && local < a.experts_per_rank;
+    if (idx) idx[row * a.K + lane] = mine ? local : -1;
+    if (a.weights && w) w[row * a.K + lane] = mine ? a.weights[t * a.K + lane] : 0.0f;
+  }
+  if (a.write_src && src && lane == 0) src[row] = static_cast<std::int32_t>(t);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(const __grid_constant__ Common c, const __grid_constant__ GatherArgs a) {
+  const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
+  if (aborted(c)) return;
+  __shared__ std::int64_t n[kMaxRanks], staged[kMaxRanks];
+  __shared__ std::int64_t own_first;
+  if (threadIdx.x == 0) {
+    std::int64_t grouped = 0;
+    for (int d = 0; d < R; ++d) {
+      const std::int64_t before = me > 0 ? a.pm[(me - 1) * R + d] : 0;
+      n[d] = a.pm[me * R + d] - before;
+      staged[d] = grouped;
+      if (d != me) grouped += n[d];
+      if (d == me) own_first = before;
+    }
+  }
+  __syncthreads();
+  const DataLayout& L = a.layout;
+  char* region = data_region(c.peers[me]);
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  Control* mine = control(c.peers[me]);
+  for (int j = 0; j <= a.chunks; ++j) {
+    const bool own = j == a.chunks;  // the last pass: this rank's own rows, straight into its outputs
+    std::int64_t lo[kMaxRanks], total = 0;
+    for (int d = 0; d < R; ++d) {
+      const bool take = own ? d == me : d != me;
+      lo[d] = take ? (own ? 0 : stage_begin(n[d], j, a.chunks)) : 0;
+      const std::int64_t hi = take ? (own ? n[d] : stage_begin(n[d], j + 1, a.chunks)) : 0;
+      total += hi - lo[d];
+    }
+    for (std::int64_t w = warp; w < total; w += num_warps) {
+      std::int64_t k = w;
+      int d = 0;
+      for (; d < R; ++d) {
+        const bool take = own ? d == me : d != me;
+        if (!take) continue;
+        const std::int64_t len = (own ? n[d] : stage_begin(n[d], j + 1, a.chunks)) - lo[d];
+        if (k < len) break;
+        k -= len;
+      }
+      const std::int64_t i = lo[d] + k;
+      const std::int64_t t = a.list[d * a.T + i];
+      if (own)
+        gather_row(a, t, d, static_cast<char*>(a.recv_x), static_cast<char*>(a.recv_scales),
+                   reinterpret_cast<long long*>(a.recv_idx), a.recv_w, a.recv_src, own_first + i, lane);
+      else
+        gather_row(a, t, d, region + L.x_off, region + L.scale_off, reinterpret_cast<long long*>(region + L.idx_off),
+                   reinterpret_cast<float*>(region + L.w_off), reinterpret_cast<std::int32_t*>(region + L.src_off),
+                   staged[d] + i, lane);
+    }
+    if (own) break;
+    // Stage j done in this block; the last block to finish it publishes it to every peer.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const unsigned old = atomicAdd(&mine->chunk_arrive[j], 1u);
+      if (old == gridDim.x - 1) {
+        __threadfence_system();
+        for (int p = 0; p < R; ++p)
+          if (p != me) st_release_sys(&control(c.peers[p])->chunk_done[me][j], c.seq);
+      }
+    }
+  }
+}
+
+__global__ void signal_chunk_kernel(const __grid_constant__ Common c, int chunk) {
+  if (threadIdx.x < c.num_ranks && threadIdx.x != c.rank) {
+    __threadfence_system();
+    st_release_sys(&control(c.peers[threadIdx.x])->chunk_done[c.rank][chunk], c.seq);
+  }
+}
+
+__global__ void wait_chunk_kernel(const __grid_constant__ Common c, int chunk, int phase) {
+  if (threadIdx.x < c.num_ranks && threadIdx.x != c.rank)
+    wait_geq(&control(c.peers[c.rank])->chunk_done[threadIdx.x][chunk], c, threadIdx.x, phase);
+}
+
+__global__ void signal_kernel(const __grid_constant__ Common c) {
+  if (threadIdx.x < c.num_ranks) {
+    __threadfence_system();
+    st_release_sys(&control(c.peers[threadIdx.x])->done[c.rank][0], c.seq);
+  }
+}
+
+__global__ void wait_kernel(const __grid_constant__ Common c, int sender_blocks, int phase) {
+  wait_all_done(c, sender_blocks, phase);
+}
+
 }  // namespace
+
+void launch_send_list(const Common& c, const SendListArgs& a, cudaStream_t s) {
+  if (a.T == 0) return;
+  send_list_kernel<<<static_cast<unsigned>((a.T + 255) / 256), 256, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_gather(const Common& c, const GatherArgs& a, int blocks, cudaStream_t s) {
+  gather_kernel<<<blocks, kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_signal_chunk(const Common& c, int chunk, cudaStream_t s) {
+  signal_chunk_kernel<<<1, 32, 0, s>>>(c, chunk);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_wait_chunk(const Common& c, int chunk, int phase, cudaStream_t s) {
+  wait_chunk_kernel<<<1, 32, 0, s>>>(c, chunk, phase);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_signal(const Common& c, cudaStream_t s) {
+  signal_kernel<<<1, 32, 0, s>>>(c);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_wait(const Common& c, int sender_blocks, int phase, cudaStream_t s) {
+  wait_kernel<<<1, 256, 0, s>>>(c, sender_blocks, phase);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
 
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s) {
   notify_kernel<<<1, 1024, 0, s>>>(c, a);

@@ -14,12 +14,16 @@ inline constexpr int kMaxRanks = 8;            // one NVLink host
 inline constexpr int kMaxLocalExperts = 1024;  // SPEC 1
 inline constexpr int kMaxBlocks = 64;          // data-kernel blocks (BufferOptions::num_sms)
 inline constexpr int kDefaultBlocks = 16;
+inline constexpr int kMaxSettings = 12;
+inline constexpr int kMaxChunks = 16;    // pipeline stages of the copy-engine path (BufferOptions::num_chunks)
+inline constexpr int kDefaultChunks = 4;  // settings every rank must agree on, compared in-band by notify
 
 /// The count packet one rank writes into each peer's control region (one slot per source rank and
 /// parity). `tag` is written last, with release semantics, and equals the op's sequence number.
 struct NotifySlot {
   unsigned long long tag;
   unsigned long long pad;
+  long long settings[kMaxSettings];              // the op's settings, compared with the receiver's own
   std::int32_t counts[kMaxRanks];                // tokens the source sends to each rank
   std::int32_t expert_counts[kMaxLocalExperts];  // (token, expert) entries for the receiver's experts
 };
@@ -29,13 +33,22 @@ struct NotifySlot {
 struct Control {
   NotifySlot slots[2][kMaxRanks];                  // [seq & 1][source]
   unsigned long long done[kMaxRanks][kMaxBlocks];  // [source][block] = seq once that block's rows are written
+  unsigned long long chunk_done[kMaxRanks][kMaxChunks];  // [source][chunk] = seq once that chunk is in place
+  unsigned int chunk_arrive[kMaxChunks];  // owner only: gather blocks done with each chunk (zeroed per op)
   unsigned long long abort_seq;                    // = seq when this rank's notify found an error
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
 
 /// Error codes written into HostRecord::error_code.
-enum : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3, kErrOverflow = 4 };
+enum : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrCapacity = 2,
+  kErrWorstTokens = 3,
+  kErrOverflow = 4,
+  kErrSettings = 5  ///< error_index = the setting, error_value = the peer's value, error_value2 = this rank's
+};
 /// Phases named in HostRecord::error_phase.
 enum : int {
   kPhaseDispatchNotify = 0,
@@ -53,6 +66,8 @@ struct HostRecord {
   unsigned long long seq;                        // op whose pm / counts these are
   int error_code, error_rank, error_peer, error_phase;
   long long error_value;
+  long long error_value2;
+  int error_index;
   unsigned long long error_seq;
 };
 
@@ -82,6 +97,8 @@ struct NotifyArgs {
   std::int32_t* pm_out = nullptr;      ///< device [R, R]
   std::int32_t* expert_out = nullptr;  ///< device [E_local]
   int phase = kPhaseDispatchNotify;
+  long long settings[kMaxSettings] = {};  ///< compared with every peer's (kErrSettings on a difference)
+  int num_settings = 0;
 };
 
 struct SendPosArgs {
@@ -105,6 +122,53 @@ struct DispatchSendArgs {
   int experts_per_rank = 0;
   bool write_src = true;
   DataLayout layout;
+  /// false: SM stores of every row into its destination's region at row send_pos (the receiver copies out).
+  /// true (copy-engine path): rows for this rank go straight into the outputs below (row send_pos); rows for
+  /// a peer d go into this rank's own region, grouped by destination ascending, in token order, for d to
+  /// pull with the copy engine. Needs pm.
+  bool gather = false;
+  const std::int32_t* pm = nullptr;  ///< device [R, R] (gather)
+  void* recv_x = nullptr;            ///< this rank's outputs (gather)
+  void* recv_scales = nullptr;
+  std::int64_t* recv_idx = nullptr;
+  float* recv_w = nullptr;
+  std::int32_t* recv_src = nullptr;
+};
+
+/// The copy-engine dispatch's send side. Rows for peer d are staged in this rank's region grouped by destination
+/// ascending (in token order), in `chunks` pipeline stages: stage j holds rows [j*n_d/chunks, (j+1)*n_d/chunks) of
+/// every peer's run (n_d = rows for d); once every block finished stage j, the last one publishes
+/// chunk_done[me][j] = seq in every peer, which pulls that stage with the copy engine while later stages are
+/// gathered. This rank's own rows go straight into its outputs after the last stage.
+struct GatherArgs {
+  const void* x = nullptr;
+  std::size_t x_row = 0;
+  const void* scales = nullptr;
+  std::size_t scale_row = 0;
+  const void* topk_idx = nullptr;
+  bool idx64 = true;
+  int K = 0;
+  const float* weights = nullptr;
+  int experts_per_rank = 0;
+  bool write_src = true;
+  std::int64_t T = 0;
+  const std::int32_t* list = nullptr;  ///< [R, T]: list[d][i] = the i-th token this rank sends to d
+  const std::int32_t* pm = nullptr;    ///< device [R, R]
+  int chunks = 1;
+  DataLayout layout;
+  void* recv_x = nullptr;  ///< this rank's outputs (its own rows)
+  void* recv_scales = nullptr;
+  std::int64_t* recv_idx = nullptr;
+  float* recv_w = nullptr;
+  std::int32_t* recv_src = nullptr;
+};
+
+/// list[d][send_pos[t][d] - pm[me-1][d]] = t for every token t sent to d.
+struct SendListArgs {
+  const std::int32_t* send_pos = nullptr;  ///< [T, R]
+  const std::int32_t* pm = nullptr;
+  std::int64_t T = 0;
+  std::int32_t* list = nullptr;  ///< [R, T] out
 };
 
 struct DispatchRecvArgs {
@@ -139,13 +203,35 @@ struct CombineReduceArgs {
   void* out = nullptr;     ///< bf16 [T, H]
   float* out_w = nullptr;  ///< [T, K] or null
   DataLayout layout;
+  /// Copy-engine path: this rank's own rows are read from its combine input (row send_pos[t][me]) instead of
+  /// its region; null: every row comes from the region.
+  const void* local_x = nullptr;
+  const float* local_w = nullptr;
+  /// > 0 (copy-engine path, pipelined): rows from peer d arrive in `chunks` stages of its run of n_back[d] rows
+  /// (chunk_done[d][j]); each warp waits for the stage of the row it reads. 0: wait for every done flag first.
+  int chunks = 0;
+  std::int32_t n_back[kMaxRanks] = {};
 };
+
+/// The first row of stage j when a run of n rows is split into `chunks` pipeline stages (the same on the sender,
+/// the receiver and the host): stage j is [stage_begin(n, j), stage_begin(n, j + 1)).
+__host__ __device__ inline std::int64_t stage_begin(std::int64_t n, int j, int chunks) { return n * j / chunks; }
 
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s);
 void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);
 void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks, int sender_blocks, cudaStream_t s);
 void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s);
+void launch_send_list(const Common& c, const SendListArgs& a, cudaStream_t s);
+void launch_gather(const Common& c, const GatherArgs& a, int blocks, cudaStream_t s);
+/// Publishes chunk_done[me][chunk] = seq in every peer (after the copies before it on the stream).
+void launch_signal_chunk(const Common& c, int chunk, cudaStream_t s);
+/// Waits (one block) until chunk_done[s][chunk] >= seq for every peer s.
+void launch_wait_chunk(const Common& c, int chunk, int phase, cudaStream_t s);
+/// One thread per rank publishes done[me][0] = seq in every rank (after the copies before it on the stream).
+void launch_signal(const Common& c, cudaStream_t s);
+/// Waits (one block) until every rank's done[s][b] >= seq for b < sender_blocks.
+void launch_wait(const Common& c, int sender_blocks, int phase, cudaStream_t s);
 void launch_combine_reduce(const Common& c, const CombineReduceArgs& a, int blocks, int sender_blocks, cudaStream_t s);
 
 }  // namespace epmoe::cuda_ipc

@@ -14,11 +14,14 @@
 #include <epmoe/quant.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -81,12 +84,15 @@ struct Case {
   bool bias = true;
   bool combine_weights = true;
   bool async = false;
+  bool copy_engine = true;  ///< BufferOptions::use_copy_engine (false: SM stores only)
+  int chunks = 0;           ///< BufferOptions::num_chunks (0: the default)
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
        << (fp8 ? ue8m0 ? " fp8/ue8m0" : " fp8/f32" : " bf16") << (int32_idx ? " int32 ids" : "")
        << " p(-1)=" << p_minus_one << " only_expert=" << only_expert << " all-1 rank=" << all_minus_one_rank
-       << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "");
+       << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "")
+       << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks;
     return os.str();
   }
 };
@@ -171,6 +177,8 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
       opts.backend = Backend::cuda_ipc;
       opts.device = r;
       opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_t, c.H, kRanks, c.K);
+      opts.use_copy_engine = c.copy_engine;
+      opts.num_chunks = c.chunks;
     } else {
       opts.backend = Backend::threads;
     }
@@ -434,6 +442,162 @@ TEST(GpuCudaIpcNormal, RejectsHostTensorsBeforeAnyCommunication) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
       EXPECT_NE(std::string(e.what()).find("x"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(GpuCudaIpcNormal, SmStorePathMatchesThreadsBackend) {
+  REQUIRE_TWO_GPUS();
+  // The path num_worst_tokens always takes, forced for the default (host-read) dispatch too.
+  for (bool fp8 : {false, true})
+    for (std::int64_t T : {std::int64_t{1}, std::int64_t{gputest::quick() ? 256 : 4096}}) {
+      Case c;
+      c.copy_engine = false;
+      c.fp8 = fp8;
+      c.cached = true;
+      c.T = {T, T / 3 + 1};
+      c.H = 2880;
+      check_case(c);
+    }
+}
+
+TEST(GpuCudaIpcNormal, CopyEngineWithSkewedRoutingAndSmallK) {
+  REQUIRE_TWO_GPUS();
+  // K = 2 and one hot expert: few tokens go to both ranks, runs are ragged (a copy-everything design fails).
+  for (int K : {1, 2}) {
+    Case c;
+    c.K = K;
+    c.T = {gputest::quick() ? 300 : 3000, 777};
+    c.H = 4096;
+    c.p_minus_one = 0.3;
+    check_case(c);
+  }
+  Case hot;
+  hot.only_expert = 200;  // every token to rank 1's expert: rank 0 receives nothing
+  hot.T = {1000, 10};
+  check_case(hot);
+}
+
+TEST(GpuCudaIpcNormal, CopyEngineStagesFromOneToSixteenIncludingEmptyOnes) {
+  REQUIRE_TWO_GPUS();
+  // Runs shorter than the stage count leave stages empty: their flags must still be published and awaited.
+  for (int chunks : {1, 3, 16})
+    for (std::int64_t T : {std::int64_t{5}, std::int64_t{700}}) {
+      Case c;
+      c.chunks = chunks;
+      c.T = {T, T + 2};
+      c.fp8 = chunks == 3;
+      c.cached = true;
+      check_case(c);
+    }
+}
+
+TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
+  REQUIRE_TWO_GPUS();
+  // Settings are compared in-band by the count exchange: every rank raises, naming the setting and both values,
+  // and the buffer stays usable for a correct call.
+  const auto errors = run_thread_ranks_collect(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = r;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(64, 4096, kRanks, 4);
+    Buffer buf(borrow(g), o);
+    std::mt19937_64 rng(test::fresh_seed());
+    const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 4, 16), r);
+    const DispatchLayout layout = buf.get_dispatch_layout(idx, 16);
+    DispatchArgs a;
+    a.topk_idx = idx;
+    a.num_tokens_per_rank = layout.num_tokens_per_rank;
+    a.is_token_in_rank = layout.is_token_in_rank;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    const Tensor bad = to_gpu(test::random_bf16(rng, 64, r == 0 ? 2048 : 4096), r);
+    a.x = bad;
+    std::string message;
+    try {
+      buf.dispatch(a);
+    } catch (const Error& e) {
+      message = e.what();
+      if (e.code() != ErrorCode::invalid_argument) throw;
+    }
+    if (message.find("'hidden' differs across ranks") == std::string::npos || message.find("2048") == std::string::npos ||
+        message.find("4096") == std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(r) + ": unexpected error message: '" + message + "'");
+    const Tensor good = to_gpu(test::random_bf16(rng, 64, 4096), r);
+    a.x = good;
+    const DispatchResult d = buf.dispatch(a);
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (d.recv_x.size(1) != 4096) throw std::runtime_error("second dispatch failed");
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    if (!errors[static_cast<std::size_t>(r)]) continue;
+    try {
+      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << ": " << e.what();
+    }
+  }
+}
+
+TEST(GpuCudaIpcNormal, DeviceTimeoutNamesRankPeerAndPhaseAndMarksTheBufferUnusable) {
+  REQUIRE_TWO_GPUS();
+  // Rank 1 never joins the dispatch: rank 0's count exchange spins until the group's timeout (1 s here), records
+  // (rank, peer, phase) in host-mapped memory and exits; the host raises timeout, later calls raise unusable.
+  // Rank 1 keeps its buffer (which rank 0 writes into) alive until rank 0 is done.
+  std::atomic<bool> rank0_done{false};
+  const auto errors = run_thread_ranks_collect(
+      kRanks,
+      [&](Group& g) {
+        const int r = g.rank();
+        cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+        BufferOptions o;
+        o.backend = Backend::cuda_ipc;
+        o.device = r;
+        o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(64, 2048, kRanks, 4);
+        Buffer buf(borrow(g), o);
+        if (r == 1) {
+          while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        struct Done {
+          std::atomic<bool>& flag;
+          ~Done() { flag.store(true); }
+        } done{rank0_done};
+        std::mt19937_64 rng(test::fresh_seed());
+        const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 4, 16), r);
+        const Tensor x = to_gpu(test::random_bf16(rng, 64, 2048), r);
+        const DispatchLayout layout = buf.get_dispatch_layout(idx, 16);
+        DispatchArgs a;
+        a.x = x;
+        a.topk_idx = idx;
+        a.num_tokens_per_rank = layout.num_tokens_per_rank;
+        a.is_token_in_rank = layout.is_token_in_rank;
+        a.num_tokens_per_expert = layout.num_tokens_per_expert;
+        std::string first, second;
+        try {
+          buf.dispatch(a);
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::timeout) throw;
+          first = e.what();
+        }
+        try {
+          buf.dispatch(a);
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::unusable) throw;
+          second = e.what();
+        }
+        if (first.find("rank 1") == std::string::npos || first.find("dispatch count exchange") == std::string::npos)
+          throw std::runtime_error("timeout message lacks peer or phase: '" + first + "'");
+        if (second.empty()) throw std::runtime_error("the buffer stayed usable after a device timeout");
+      },
+      1.0);
+  for (int r = 0; r < kRanks; ++r) {
+    if (!errors[static_cast<std::size_t>(r)]) continue;
+    try {
+      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << ": " << e.what();
     }
   }
 }

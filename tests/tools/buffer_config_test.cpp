@@ -85,13 +85,20 @@ TEST(BufferConfig, FileRoundTrip) {
   std::mt19937_64 rng(test::fresh_seed());
   BufferOptions o;
   o.num_sms = static_cast<int>(rng() % 64) + 1;
+  o.num_chunks = static_cast<int>(rng() % 16) + 1;
+  o.use_copy_engine = (rng() & 1) != 0;
   const std::string text = buffer_config_json(o);
-  EXPECT_EQ(text, "{\n  \"num_sms\": " + std::to_string(o.num_sms) + "\n}");
+  // Hand-made: every tunable, keys sorted (nlohmann's object order).
+  EXPECT_EQ(text, "{\n  \"num_chunks\": " + std::to_string(o.num_chunks) + ",\n  \"num_sms\": " +
+                      std::to_string(o.num_sms) + ",\n  \"use_copy_engine\": " +
+                      (o.use_copy_engine ? "true" : "false") + "\n}");
   const std::string path = ::testing::TempDir() + "epmoe_buffer_config_test.json";
   std::ofstream(path) << text;
   BufferOptions back;
   load_buffer_config(path, back);
   EXPECT_EQ(back.num_sms, o.num_sms);
+  EXPECT_EQ(back.num_chunks, o.num_chunks);
+  EXPECT_EQ(back.use_copy_engine, o.use_copy_engine);
   std::remove(path.c_str());
   const std::string msg = error_of([&] { load_buffer_config(path, back); });
   EXPECT_NE(msg.find("'config'"), std::string::npos) << msg;
