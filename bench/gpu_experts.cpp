@@ -45,6 +45,7 @@ int main() {
 #include <cuda_runtime.h>
 
 #include "experts/cuda_experts.hpp"
+#include "experts/cuda_experts_fp8.hpp"
 
 namespace {
 
@@ -327,7 +328,8 @@ void run_fp8(Timer& timer, double copy_rate, std::uint64_t& seed, std::vector<Ro
       Row r{name, shape, median, min, roofline_ms, flops / (median * 1e-3) * 1e-12, bytes / (median * 1e-3) * 1e-9};
       std::printf("  %-40s median %8.3f ms  min %8.3f ms  roofline %7.3f ms (%s)  %6.1f%% of roofline  "
                   "%6.0f TFLOP/s\n",
-                  name.c_str(), median, min, roofline_ms, flops / g_fp8_gemm_rate > bytes / copy_rate ? "compute" : "memory",
+                  name.c_str(), median, min, roofline_ms,
+                  flops / g_fp8_gemm_rate > bytes / copy_rate ? "compute" : "memory",
                   100.0 * roofline_ms / median, r.tflops);
       std::fflush(stdout);
       rows.push_back(r);
@@ -340,6 +342,11 @@ void run_fp8(Timer& timer, double copy_rate, std::uint64_t& seed, std::vector<Ro
       a.hidden_scales = TensorView(xs, DType::fp32, {T, G}, gpu);
       const auto [med, mn] = timer.time([&] { experts->apply(a, out_view); });
       add("standard, fp8 input", fp8_in, med, mn);
+      for (int streams : {1, 4}) {  // the default picks one of these by the mean rows per expert
+        const auto e = experts_cuda_fp8::make_cuda_experts_fp8(std_cfg, streams);
+        const auto [m1, n1] = timer.time([&] { e->apply(a, out_view); });
+        add("standard, fp8 input, " + std::to_string(streams) + " stream(s)", fp8_in, m1, n1);
+      }
       ExpertsInputs b = in;
       b.hidden = TensorView(x, DType::bf16, {T, H}, gpu);
       const auto [med2, mn2] = timer.time([&] { experts->apply(b, out_view); });
@@ -418,8 +425,14 @@ void run_fp8(Timer& timer, double copy_rate, std::uint64_t& seed, std::vector<Ro
       const TensorView bo(bout, DType::bf16, {E, count, H}, gpu);
       const std::string tag = "batched fp8 input, max_tokens=" + std::to_string(count);
       try {
+        const double in_bytes = static_cast<double>(n) + 4.0 * static_cast<double>(E * count * G);
         const auto [med, mn] = timer.time([&] { batched->apply(b, bo); });
-        add(tag, static_cast<double>(n) + 4.0 * static_cast<double>(E * count * G), med, mn);
+        add(tag, in_bytes, med, mn);
+        for (int streams : {1, 4}) {
+          const auto e = experts_cuda_fp8::make_cuda_experts_fp8(bat_cfg, streams);
+          const auto [m1, n1] = timer.time([&] { e->apply(b, bo); });
+          add(tag + ", " + std::to_string(streams) + " stream(s)", in_bytes, m1, n1);
+        }
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         check(cudaStreamBeginCapture(timer.stream, cudaStreamCaptureModeGlobal), "begin capture");
@@ -427,7 +440,7 @@ void run_fp8(Timer& timer, double copy_rate, std::uint64_t& seed, std::vector<Ro
         check(cudaStreamEndCapture(timer.stream, &graph), "end capture");
         check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
         const auto [gmed, gmn] = timer.time([&] { check(cudaGraphLaunch(exec, timer.stream), "graph launch"); });
-        add(tag + ", graph", static_cast<double>(n) + 4.0 * static_cast<double>(E * count * G), gmed, gmn);
+        add(tag + ", graph", in_bytes, gmed, gmn);
         check(cudaGraphExecDestroy(exec), "destroy exec");
         check(cudaGraphDestroy(graph), "destroy graph");
       } catch (const std::exception& e) {
@@ -692,7 +705,8 @@ int main(int argc, char** argv) {
   for (const Row& r : rows)
     std::printf("| %s | %s | %.3f | %.3f | %.1f | %.0f |\n", r.shape.c_str(), r.name.c_str(), r.median_ms,
                 r.roofline_ms, 100.0 * r.roofline_ms / r.median_ms, r.tflops);
-  std::printf("\nceilings: d2d copy %.0f GB/s, dense bf16 GEMM %.0f TFLOP/s, dense fp8 block-scaled GEMM %.0f TFLOP/s\n",
+  std::printf("\nceilings: d2d copy %.0f GB/s, dense bf16 GEMM %.0f TFLOP/s, "
+              "dense fp8 block-scaled GEMM %.0f TFLOP/s\n",
               copy_rate * 1e-9, gemm_rate * 1e-12, g_fp8_gemm_rate * 1e-12);
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");

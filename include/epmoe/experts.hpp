@@ -248,7 +248,10 @@ std::vector<double> reference_experts_f64(const ExpertsInputs& in, const Experts
 ///   quantizes the result per 1x128 group (SPEC 6), gemm2 writes bf16. A bf16/fp32 hidden is quantized first
 ///   (SPEC 6, with the router weight folded in for apply_router_weight_on_input). Standard: as above, with
 ///   one synchronisation (expert row counts; segments padded to 4 rows); BatchedExperts: no synchronisation,
-///   every slab's rows (rounded up to 4) through the GEMMs, CUDA-graph capturable. Measured against
+///   every slab's rows (rounded up to 4) through the GEMMs, CUDA-graph capturable. H or N not a multiple of 128:
+///   should cuBLASLt have no kernel for the partial last block, operands are copied zero-padded (slower). The
+///   GEMMs of a layer go to 4 forked streams when experts average <= 256 rows (EPMOE_CUDA_EXPERTS_FP8_STREAMS=
+///   auto|1..4 overrides). Measured against
 ///   reference_experts_f64 with the same config (which models the same quantizations), SPEC 13's relative
 ///   L2 <= 1e-2. Errors as above, plus the fp8 argument errors of ExpertsQuant::fp8_block (naming
 ///   w1_scales, w2_scales, hidden_scales, ...) and unsupported when cuBLASLt offers no such GEMM.

@@ -20,7 +20,10 @@
 #include <epmoe/permute.hpp>
 #include <epmoe/stream.hpp>
 
+#include <array>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
@@ -57,6 +60,10 @@ using experts_fp8::Fp8Sizes;
 constexpr std::size_t kLtWorkspace = std::size_t{32} << 20;
 constexpr std::size_t kAlign = 256;
 constexpr std::int64_t kRowAlign = 4;  // rows per GEMM: a multiple of 4 (16-byte columns of float32 scales)
+constexpr int kMaxStreams = 4;
+// Mean rows per expert up to which the GEMMs go to kMaxStreams forked streams by default. A guess from the bf16
+// experts' measurements (4 streams won at 32 rows, lost at 1024; bench/gpu_experts.md), to be re-measured.
+constexpr double kStreamsMaxMeanRows = 256;
 
 std::int64_t round_up(std::int64_t v, std::int64_t m) { return (v + m - 1) / m * m; }
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
@@ -130,8 +137,8 @@ Problem check_inputs(const ExpertsInputs& in, const ExpertsConfig& config) {
     return p;
   }
 
-  EPMOE_CHECK_ARG(in.hidden.ndim() == 2 && in.hidden.size(1) == s.h, "hidden", fmt::format("[M, H={}] (H from w2)", s.h),
-                  describe(in.hidden));
+  EPMOE_CHECK_ARG(in.hidden.ndim() == 2 && in.hidden.size(1) == s.h, "hidden",
+                  fmt::format("[M, H={}] (H from w2)", s.h), describe(in.hidden));
   s.m = in.hidden.size(0);
   EPMOE_CHECK_ARG(in.topk_idx.defined(), "topk_idx", fmt::format("an int64 or int32 [{}, K] tensor", s.m), "None");
   check_on_device(in.topk_idx, "topk_idx", p.device);
@@ -274,6 +281,12 @@ struct PlanKeyHash {
 struct ThreadState {
   cublasLtHandle_t handle = nullptr;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+  std::unordered_map<PlanKey, bool, PlanKeyHash> pad_k;  // needs_k_padding's answers
+  // Side streams the per-expert GEMMs can be spread over (forked from and joined back into the caller's
+  // stream with events, so it also works inside a CUDA graph capture).
+  std::array<cudaStream_t, kMaxStreams> side{};
+  cudaEvent_t fork = nullptr;
+  std::array<cudaEvent_t, kMaxStreams> join{};
 };
 
 ThreadState& thread_state(int device, cudaStream_t s) {
@@ -286,8 +299,44 @@ ThreadState& thread_state(int device, cudaStream_t s) {
             "the cuBLASLt handle, which cannot be captured: call apply() once before capturing",
             device);
     EPMOE_CUBLASLT_CHECK(cublasLtCreate(&st.handle));
+    for (std::size_t i = 0; i < kMaxStreams; ++i) {
+      EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st.side[i], cudaStreamNonBlocking));
+      EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&st.join[i], cudaEventDisableTiming));
+    }
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&st.fork, cudaEventDisableTiming));
   }
   return st;
+}
+
+// The streams a layer's GEMMs go to: the caller's stream alone, or `n` side streams that wait for it first.
+struct Lanes {
+  ThreadState& st;
+  cudaStream_t main;
+  int n;  // 1: the caller's stream; > 1: side streams 0..n-1
+  char* workspace;  // n * kLtWorkspace bytes
+
+  cudaStream_t stream(std::size_t i) const { return n == 1 ? main : st.side[i % static_cast<std::size_t>(n)]; }
+  void* work(std::size_t i) const { return workspace + (n == 1 ? 0 : i % static_cast<std::size_t>(n)) * kLtWorkspace; }
+  void fork() const {
+    if (n == 1) return;
+    EPMOE_CUDA_CHECK(cudaEventRecord(st.fork, main));
+    for (int i = 0; i < n; ++i) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st.side[static_cast<std::size_t>(i)], st.fork, 0));
+  }
+  void join() const {
+    if (n == 1) return;
+    for (int i = 0; i < n; ++i) {
+      EPMOE_CUDA_CHECK(cudaEventRecord(st.join[static_cast<std::size_t>(i)], st.side[static_cast<std::size_t>(i)]));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(main, st.join[static_cast<std::size_t>(i)], 0));
+    }
+  }
+};
+
+// Streams for GEMMs of `mean_rows` rows on average: small GEMMs (decode) stream their weights faster when several
+// run at once (their ramp-up and tail overlap); large ones lose a little to the contention. `requested` > 0
+// overrides (make_cuda_experts_fp8's `streams`).
+int lane_count(int requested, double mean_rows) {
+  if (requested > 0) return requested > kMaxStreams ? kMaxStreams : requested;
+  return mean_rows <= kStreamsMaxMeanRows ? kMaxStreams : 1;
 }
 
 void destroy(Plan& p) {
@@ -366,6 +415,36 @@ void gemm(ThreadState& st, cudaStream_t s, void* workspace, const std::uint8_t* 
                                       workspace, kLtWorkspace, s));
 }
 
+// Whether GEMMs of inner size k need k zero-padded to whole 128-blocks (operands copied with row stride
+// round_up(k, 128); the block scales are the same). Only when k is not a multiple of 128 and cuBLASLt has no
+// block-scaled kernel for the partial last block: probed once per shape. EPMOE_CUDA_EXPERTS_FP8_PAD_K=1 forces
+// the padding whenever k % 128 != 0 (the tests cover both ways).
+bool needs_k_padding(ThreadState& st, std::int64_t m, std::int64_t k, bool out_f32, const float* a_scales,
+                     const float* b_scales) {
+  if (k % experts_fp8::kBlock == 0) return false;
+  const char* force = std::getenv("EPMOE_CUDA_EXPERTS_FP8_PAD_K");
+  if (force != nullptr && std::string(force) == "1") return true;
+  const PlanKey key{m, 128, k, out_f32};
+  if (auto it = st.pad_k.find(key); it != st.pad_k.end()) return it->second;
+  bool pad = false;
+  try {
+    plan(st, key, a_scales, b_scales);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::unsupported) throw;
+    pad = true;
+  }
+  st.pad_k.emplace(key, pad);
+  return pad;
+}
+
+// rows x k bytes (row stride k) -> rows x kp (kp > k), the extra columns zero.
+void copy_padded(const void* src, std::int64_t rows, std::int64_t k, std::int64_t kp, void* dst, cudaStream_t s) {
+  if (rows == 0) return;
+  const auto uk = static_cast<std::size_t>(k), ukp = static_cast<std::size_t>(kp), ur = static_cast<std::size_t>(rows);
+  EPMOE_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(dst) + uk, ukp, 0, ukp - uk, ur, s));
+  EPMOE_CUDA_CHECK(cudaMemcpy2DAsync(dst, ukp, src, uk, uk, ur, cudaMemcpyDeviceToDevice, s));
+}
+
 // ---- ids ---------------------------------------------------------------------------------------------------
 
 [[noreturn]] void report_bad_ids(const Problem& p, const experts_cuda::IdFlags& flags) {
@@ -410,7 +489,7 @@ WeightScales weight_scale_sizes(const Fp8Sizes& s) {
 
 // ---- Standard format ---------------------------------------------------------------------------------------
 
-void run_standard(const Problem& p, const TensorView& out) {
+void run_standard(const Problem& p, const TensorView& out, int streams) {
   const cudaStream_t s = static_cast<cudaStream_t>(current_stream().handle);
   const int dev = p.device.index;
   DeviceGuard guard(dev);
@@ -497,15 +576,25 @@ void run_standard(const Problem& p, const TensorView& out) {
     return;
   }
 
+  const auto* w1_user = static_cast<const float*>(p.w1_scales.data);
+  const auto* w2_user = static_cast<const float*>(p.w2_scales.data);
+  const std::int64_t K1 = needs_k_padding(st, R, H, true, w1_user, w2_user) ? round_up(H, experts_fp8::kBlock) : H;
+  const std::int64_t K2 = needs_k_padding(st, H, N, false, w2_user, w1_user) ? round_up(N, experts_fp8::kBlock) : N;
   Carve c2;
+  const std::size_t o_xpad = K1 != H ? c2.take(sz(rows * K1)) : 0;
+  const std::size_t o_w1pad = K1 != H ? c2.take(sz(E * R * K1)) : 0;
+  const std::size_t o_w2pad = K2 != N ? c2.take(sz(E * H * K2)) : 0;
   const std::size_t o_xst = c2.take(sizeof(float) * sz(rows * GH));
   const std::size_t o_w1s = c2.take(sizeof(float) * sz(E * ws.nb1 * ws.kb1p));
   const std::size_t o_w2s = c2.take(sizeof(float) * sz(E * ws.nb2 * ws.kb2p));
   const std::size_t o_g = c2.take(sizeof(float) * sz(rows * R));
-  const std::size_t o_a = c2.take(sz(rows * N));
+  const std::size_t o_a = c2.take(sz(rows * K2));
   const std::size_t o_ast = c2.take(sizeof(float) * sz(rows * GN));
   const std::size_t o_y = c2.take(sizeof(std::uint16_t) * sz(cap * H));
-  const std::size_t o_lt = c2.take(kLtWorkspace);
+  std::size_t groups = 0;
+  for (std::size_t e = 0; e < sz(E); ++e) groups += start[e + 1] > start[e];
+  const int lanes_n = lane_count(streams, static_cast<double>(rows) / static_cast<double>(groups));
+  const std::size_t o_lt = c2.take(kLtWorkspace * static_cast<std::size_t>(lanes_n));
   Workspace w2(dev, c2.size, s);
   auto* xst = reinterpret_cast<float*>(w2.at(o_xst));
   auto* w1s = reinterpret_cast<float*>(w2.at(o_w1s));
@@ -524,19 +613,37 @@ void run_standard(const Problem& p, const TensorView& out) {
   const auto* w1p = static_cast<const std::uint8_t*>(p.w1.data);
   const auto* w2p = static_cast<const std::uint8_t*>(p.w2.data);
   const auto* xpp = static_cast<const std::uint8_t*>(xp.data);
-  for (std::int64_t e = 0; e < E; ++e) {
+  if (K1 != H) {  // whole 128-blocks along H for cuBLASLt (see needs_k_padding)
+    copy_padded(xpp, rows, H, K1, w2.at(o_xpad), s);
+    copy_padded(w1p, E * R, H, K1, w2.at(o_w1pad), s);
+    xpp = reinterpret_cast<const std::uint8_t*>(w2.at(o_xpad));
+    w1p = reinterpret_cast<const std::uint8_t*>(w2.at(o_w1pad));
+  }
+  if (K2 != N) {
+    copy_padded(w2p, E * H, N, K2, w2.at(o_w2pad), s);
+    w2p = reinterpret_cast<const std::uint8_t*>(w2.at(o_w2pad));
+    EPMOE_CUDA_CHECK(cudaMemset2DAsync(a + N, sz(K2), 0, sz(K2 - N), sz(rows), s));
+  }
+  const Lanes lanes{st, s, lanes_n, w2.at(o_lt)};
+  lanes.fork();
+  for (std::int64_t e = 0, i = 0; e < E; ++e) {
     const std::int64_t r0 = start[sz(e)], n = start[sz(e + 1)] - r0;
     if (n == 0) continue;
-    gemm(st, s, w2.at(o_lt), w1p + e * R * H, w1s + e * ws.nb1 * ws.kb1p, xpp + r0 * H, xst + r0 * GH, g + r0 * R,
-         true, R, n, H);
+    gemm(st, lanes.stream(sz(i)), lanes.work(sz(i)), w1p + e * R * K1, w1s + e * ws.nb1 * ws.kb1p, xpp + r0 * K1,
+         xst + r0 * GH, g + r0 * R, true, R, n, K1);
+    ++i;
   }
-  activation_quant(p.act, g, rows, N, segs, a, ast, s);
-  for (std::int64_t e = 0; e < E; ++e) {
+  lanes.join();
+  activation_quant(p.act, g, rows, N, segs, a, K2, ast, s);
+  lanes.fork();
+  for (std::int64_t e = 0, i = 0; e < E; ++e) {
     const std::int64_t r0 = start[sz(e)], n = start[sz(e + 1)] - r0;
     if (n == 0) continue;
-    gemm(st, s, w2.at(o_lt), w2p + e * H * N, w2s + e * ws.nb2 * ws.kb2p, a + r0 * N, ast + r0 * GN, y + r0 * H * 2,
-         false, H, n, N);
+    gemm(st, lanes.stream(sz(i)), lanes.work(sz(i)), w2p + e * H * K2, w2s + e * ws.nb2 * ws.kb2p, a + r0 * K2,
+         ast + r0 * GN, y + r0 * H * 2, false, H, n, K2);
+    ++i;
   }
+  lanes.join();
 
   const TensorView yv = device_view(y, DType::bf16, {cap, H}, p.device);
   if (p.reduce && !p.weight_on_input) {
@@ -548,7 +655,7 @@ void run_standard(const Problem& p, const TensorView& out) {
 
 // ---- BatchedExperts format ---------------------------------------------------------------------------------
 
-void run_batched(const Problem& p, const TensorView& out) {
+void run_batched(const Problem& p, const TensorView& out, int streams) {
   const cudaStream_t s = static_cast<cudaStream_t>(current_stream().handle);
   const int dev = p.device.index;
   DeviceGuard guard(dev);
@@ -561,17 +668,25 @@ void run_batched(const Problem& p, const TensorView& out) {
   const auto sz = [](std::int64_t v) { return static_cast<std::size_t>(v); };
   const auto* counts = static_cast<const std::int32_t*>(p.counts.data);
   const bool own_x = !z.hidden_fp8 || Tp != T;
+  const auto* w1_user = static_cast<const float*>(p.w1_scales.data);
+  const auto* w2_user = static_cast<const float*>(p.w2_scales.data);
+  const std::int64_t K1 = needs_k_padding(st, R, H, true, w1_user, w2_user) ? round_up(H, experts_fp8::kBlock) : H;
+  const std::int64_t K2 = needs_k_padding(st, H, N, false, w2_user, w1_user) ? round_up(N, experts_fp8::kBlock) : N;
 
   Carve c;
   const std::size_t o_x = own_x ? c.take(sz(rows * H)) : 0;
+  const std::size_t o_xpad = K1 != H ? c.take(sz(rows * K1)) : 0;
+  const std::size_t o_w1pad = K1 != H ? c.take(sz(E * R * K1)) : 0;
+  const std::size_t o_w2pad = K2 != N ? c.take(sz(E * H * K2)) : 0;
   const std::size_t o_xst = c.take(sizeof(float) * sz(rows * GH));
   const std::size_t o_w1s = c.take(sizeof(float) * sz(E * ws.nb1 * ws.kb1p));
   const std::size_t o_w2s = c.take(sizeof(float) * sz(E * ws.nb2 * ws.kb2p));
   const std::size_t o_g = c.take(sizeof(float) * sz(rows * R));
-  const std::size_t o_a = c.take(sz(rows * N));
+  const std::size_t o_a = c.take(sz(rows * K2));
   const std::size_t o_ast = c.take(sizeof(float) * sz(rows * GN));
   const std::size_t o_y = c.take(sizeof(std::uint16_t) * sz(rows * H));
-  const std::size_t o_lt = c.take(kLtWorkspace);
+  const int lanes_n = lane_count(streams, static_cast<double>(Tp));
+  const std::size_t o_lt = c.take(kLtWorkspace * static_cast<std::size_t>(lanes_n));
   Workspace w(dev, c.size, s);
   auto* xst = reinterpret_cast<float*>(w.at(o_xst));
   auto* w1s = reinterpret_cast<float*>(w.at(o_w1s));
@@ -607,13 +722,29 @@ void run_batched(const Problem& p, const TensorView& out) {
   pad_weight_scales(static_cast<const float*>(p.w2_scales.data), E * ws.nb2, ws.kb2, ws.kb2p, w2s, s);
   const auto* w1p = static_cast<const std::uint8_t*>(p.w1.data);
   const auto* w2p = static_cast<const std::uint8_t*>(p.w2.data);
+  if (K1 != H) {  // whole 128-blocks along H for cuBLASLt (see needs_k_padding)
+    copy_padded(x, rows, H, K1, w.at(o_xpad), s);
+    copy_padded(w1p, E * R, H, K1, w.at(o_w1pad), s);
+    x = reinterpret_cast<const std::uint8_t*>(w.at(o_xpad));
+    w1p = reinterpret_cast<const std::uint8_t*>(w.at(o_w1pad));
+  }
+  if (K2 != N) {
+    copy_padded(w2p, E * H, N, K2, w.at(o_w2pad), s);
+    w2p = reinterpret_cast<const std::uint8_t*>(w.at(o_w2pad));
+    EPMOE_CUDA_CHECK(cudaMemset2DAsync(a + N, sz(K2), 0, sz(K2 - N), sz(rows), s));
+  }
+  const Lanes lanes{st, s, lanes_n, w.at(o_lt)};
+  lanes.fork();
   for (std::int64_t e = 0; e < E; ++e)
-    gemm(st, s, w.at(o_lt), w1p + e * R * H, w1s + e * ws.nb1 * ws.kb1p, x + e * Tp * H, xst + e * Tp * GH,
-         g + e * Tp * R, true, R, Tp, H);
-  activation_quant(p.act, g, rows, N, segs, a, ast, s);
+    gemm(st, lanes.stream(sz(e)), lanes.work(sz(e)), w1p + e * R * K1, w1s + e * ws.nb1 * ws.kb1p, x + e * Tp * K1,
+         xst + e * Tp * GH, g + e * Tp * R, true, R, Tp, K1);
+  lanes.join();
+  activation_quant(p.act, g, rows, N, segs, a, K2, ast, s);
+  lanes.fork();
   for (std::int64_t e = 0; e < E; ++e)
-    gemm(st, s, w.at(o_lt), w2p + e * H * N, w2s + e * ws.nb2 * ws.kb2p, a + e * Tp * N, ast + e * Tp * GN,
-         y + e * Tp * H * 2, false, H, Tp, N);
+    gemm(st, lanes.stream(sz(e)), lanes.work(sz(e)), w2p + e * H * K2, w2s + e * ws.nb2 * ws.kb2p, a + e * Tp * K2,
+         ast + e * Tp * GN, y + e * Tp * H * 2, false, H, Tp, K2);
+  lanes.join();
   copy_slab_rows(y, Tp, out.data, T, static_cast<int>(E), T, H * 2, counts, s);
 }
 
@@ -621,7 +752,7 @@ void run_batched(const Problem& p, const TensorView& out) {
 
 class CudaFp8Experts final : public Experts {
  public:
-  explicit CudaFp8Experts(const ExpertsConfig& config) : Experts(config) {}
+  CudaFp8Experts(const ExpertsConfig& config, int streams) : Experts(config), streams_(streams) {}
   std::string_view name() const override { return "cuda"; }
 
   Shape output_shape(const ExpertsInputs& in) const override { return check_inputs(in, config()).out_shape; }
@@ -630,9 +761,9 @@ class CudaFp8Experts final : public Experts {
     const Problem p = check_inputs(in, config());
     check_out(p, out);
     if (p.s.batched) {
-      if (p.s.max_tokens > 0) run_batched(p, out);  // all-zero counts are only known on the device
+      if (p.s.max_tokens > 0) run_batched(p, out, streams_);  // all-zero counts are only known on the device
     } else if (p.s.m > 0) {
-      run_standard(p, out);
+      run_standard(p, out, streams_);
     }
   }
 
@@ -652,12 +783,31 @@ class CudaFp8Experts final : public Experts {
   void run(const ExpertsProblem&, const TensorView&) const override {
     raise(ErrorCode::internal, "CudaFp8Experts::run called");
   }
+
+ private:
+  int streams_;
 };
+
+int default_streams() {
+  const char* env = std::getenv("EPMOE_CUDA_EXPERTS_FP8_STREAMS");
+  if (env == nullptr || *env == '\0') return 0;
+  const std::string v(env);
+  if (v == "auto") return 0;
+  if (v.size() == 1 && v[0] >= '1' && v[0] <= '0' + kMaxStreams) return v[0] - '0';
+  throw_invalid_argument("EPMOE_CUDA_EXPERTS_FP8_STREAMS", fmt::format("auto or 1..{}", kMaxStreams),
+                         fmt::format("'{}'", v));
+}
 
 }  // namespace
 
 std::unique_ptr<Experts> make_cuda_experts_fp8(const ExpertsConfig& config) {
-  return std::make_unique<CudaFp8Experts>(config);
+  return std::make_unique<CudaFp8Experts>(config, default_streams());
+}
+
+std::unique_ptr<Experts> make_cuda_experts_fp8(const ExpertsConfig& config, int streams) {
+  EPMOE_CHECK_ARG(streams >= 0 && streams <= kMaxStreams, "streams", fmt::format("0 (auto) .. {}", kMaxStreams),
+                  streams);
+  return std::make_unique<CudaFp8Experts>(config, streams);
 }
 
 }  // namespace epmoe::experts_cuda_fp8

@@ -20,8 +20,13 @@
 
 namespace epmoe::experts_cuda_fp8 {
 
-/// make_cuda_experts for ExpertsQuant::fp8_block (cuda_experts.cpp dispatches here).
+/// make_cuda_experts for ExpertsQuant::fp8_block (cuda_experts.cpp dispatches here). The per-expert GEMMs of a
+/// layer go to 4 forked streams when the experts average <= 256 rows, else to the caller's stream; the
+/// environment variable EPMOE_CUDA_EXPERTS_FP8_STREAMS=auto|1..4 overrides.
 std::unique_ptr<Experts> make_cuda_experts_fp8(const ExpertsConfig& config);
+/// The same with an explicit stream count: 0 = auto, 1 = the caller's stream only, 2..4 forked streams (tests and
+/// benchmark cover each).
+std::unique_ptr<Experts> make_cuda_experts_fp8(const ExpertsConfig& config, int streams);
 
 /// Where the GEMMs' rows lie: Standard format: the permuted segments seg[e]..seg[e+1] (int64 [E+1], on the
 /// device); batched: slab e holds rows [e * slab, (e + 1) * slab) of which the first counts[e] (clamped to
@@ -49,10 +54,10 @@ void quantize_rows(const void* x, bool x_fp32, std::int64_t rows, std::int64_t h
 void transpose_scales(const float* src, std::int64_t rows_total, std::int64_t groups, const Segments& seg, float* dst,
                       cudaStream_t stream);
 
-/// g float32 [rows_total, 2n or n] -> a = act(g) quantized per 1x128 group: fp8 [rows_total, n] and token-major
-/// scales per segment. Rows past seg[E] (standard) or past their slab's count (batched) are skipped.
+/// g float32 [rows_total, 2n or n] -> a = act(g) quantized per 1x128 group: fp8 rows of a_stride bytes (n used)
+/// and token-major scales per segment. Rows past seg[E] (standard) or past their slab's count (batched) are skipped.
 void activation_quant(Activation act, const float* g, std::int64_t rows_total, std::int64_t n, const Segments& seg,
-                      std::uint8_t* a, float* scales, cudaStream_t stream);
+                      std::uint8_t* a, std::int64_t a_stride, float* scales, cudaStream_t stream);
 
 /// Weight block scales [E * nb][kb] -> [E * nb][kb4] (kb4 = kb rounded up to 4, zero-filled).
 void pad_weight_scales(const float* src, std::int64_t rows, std::int64_t kb, std::int64_t kb4, float* dst,

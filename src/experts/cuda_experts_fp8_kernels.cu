@@ -157,7 +157,7 @@ __device__ __forceinline__ float act_value(float g, float u) {
 template <Activation A>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     activation_quant_kernel(const float* __restrict__ gin, std::int64_t rows_total, std::int64_t n,
-                            std::int64_t groups, Segments seg, std::uint8_t* __restrict__ a,
+                            std::int64_t groups, Segments seg, std::uint8_t* __restrict__ a, std::int64_t a_stride,
                             float* __restrict__ scales) {
   constexpr bool kGated = A == Activation::silu || A == Activation::gelu || A == Activation::swigluoai;
   const std::int64_t w = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
   std::uint32_t codes = 0;
   const float scale = quantize_group(v, valid, &codes);
-  if (valid) *reinterpret_cast<std::uint32_t*>(a + o * n + c) = codes;
+  if (valid) *reinterpret_cast<std::uint32_t*>(a + o * a_stride + c) = codes;
   if (lane == 0) store_scale(scales, true, groups, g, o, p, scale);
 }
 
@@ -245,35 +245,24 @@ void transpose_scales(const float* src, std::int64_t rows_total, std::int64_t gr
 }
 
 void activation_quant(Activation act, const float* g, std::int64_t rows_total, std::int64_t n, const Segments& seg,
-                      std::uint8_t* a, float* scales, cudaStream_t stream) {
+                      std::uint8_t* a, std::int64_t a_stride, float* scales, cudaStream_t stream) {
   if (rows_total == 0) return;
   const std::int64_t groups = (n + kGroup - 1) / kGroup;
   const unsigned grid = blocks_for(rows_total * groups, kWarpsPerBlock);
   constexpr unsigned kThreads = kWarpsPerBlock * 32;
+#define EPMOE_FP8_ACT_CASE(A)                                                                                       \
+  case A:                                                                                                           \
+    activation_quant_kernel<A><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg, a, a_stride, scales); \
+    break;
   switch (act) {
-    case Activation::silu:
-      activation_quant_kernel<Activation::silu><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg, a, scales);
-      break;
-    case Activation::gelu:
-      activation_quant_kernel<Activation::gelu><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg, a, scales);
-      break;
-    case Activation::swigluoai:
-      activation_quant_kernel<Activation::swigluoai><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg, a,
-                                                                                   scales);
-      break;
-    case Activation::silu_no_mul:
-      activation_quant_kernel<Activation::silu_no_mul><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg,
-                                                                                     a, scales);
-      break;
-    case Activation::gelu_no_mul:
-      activation_quant_kernel<Activation::gelu_no_mul><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg,
-                                                                                     a, scales);
-      break;
-    case Activation::relu2_no_mul:
-      activation_quant_kernel<Activation::relu2_no_mul><<<grid, kThreads, 0, stream>>>(g, rows_total, n, groups, seg,
-                                                                                      a, scales);
-      break;
+    EPMOE_FP8_ACT_CASE(Activation::silu)
+    EPMOE_FP8_ACT_CASE(Activation::gelu)
+    EPMOE_FP8_ACT_CASE(Activation::swigluoai)
+    EPMOE_FP8_ACT_CASE(Activation::silu_no_mul)
+    EPMOE_FP8_ACT_CASE(Activation::gelu_no_mul)
+    EPMOE_FP8_ACT_CASE(Activation::relu2_no_mul)
   }
+#undef EPMOE_FP8_ACT_CASE
   EPMOE_FP8_CHECK_LAUNCH();
 }
 

@@ -145,7 +145,8 @@ Problem check(const ExpertsInputs& in, const ExpertsConfig& config) {
 const std::array<double, 256>& fp8_table() {
   static const std::array<double, 256> t = [] {
     std::array<double, 256> v{};
-    for (int i = 0; i < 256; ++i) v[static_cast<std::size_t>(i)] = fp8_e4m3_to_float(fp8_e4m3_t{static_cast<std::uint8_t>(i)});
+    for (int i = 0; i < 256; ++i)
+      v[static_cast<std::size_t>(i)] = fp8_e4m3_to_float(fp8_e4m3_t{static_cast<std::uint8_t>(i)});
     return v;
   }();
   return t;

@@ -5,13 +5,15 @@
 // one expert taking every token, an expert_map with int32 ids, the router weight on the input, no local token,
 // zero tokens (nothing enqueued: a captured CUDA graph stays empty), the batched format with counts (slabs of a
 // row count that is not a multiple of 4, rows past each count keep the poison) captured in a CUDA graph and
-// replayed with new inputs and counts, and bad arguments (scale shapes, dtypes, devices, ids).
+// replayed with new inputs and counts, the GEMMs on one stream and on 2-4 forked streams, and bad arguments
+// (scale shapes, dtypes, devices, ids).
 #include <gtest/gtest.h>
 
 #include <epmoe/experts.hpp>
 #include <epmoe/stream.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <random>
@@ -20,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "experts/cuda_experts_fp8.hpp"
 #include "experts/experts_fp8_test_util.hpp"
 #include "gpu/gpu_util.hpp"
 #include "support/random.hpp"
@@ -75,12 +78,13 @@ void log_error(const std::string& what, double err) { std::printf("[ rel_l2   ] 
 
 const char* input_name(Fp8Input i) { return i == Fp8Input::fp8 ? "fp8" : (i == Fp8Input::bf16 ? "bf16" : "fp32"); }
 
-void check_standard(const test::Fp8StandardCase& c, bool reduce, const std::string& what) {
+// streams: -1 = make_cuda_experts (the default), else experts_cuda_fp8::make_cuda_experts_fp8's stream count.
+void check_standard(const test::Fp8StandardCase& c, bool reduce, const std::string& what, int streams = -1) {
   const ExpertsConfig cfg = test::fp8_config(ActivationFormat::standard, reduce);
   const ExpertsInputs host_in = c.inputs();
   const std::vector<double> ref = reference_experts_f64(host_in, cfg);
   DeviceCase d = upload(host_in);
-  const auto experts = make_cuda_experts(cfg);
+  const auto experts = streams < 0 ? make_cuda_experts(cfg) : experts_cuda_fp8::make_cuda_experts_fp8(cfg, streams);
   EXPECT_EQ(experts->name(), "cuda");
   const Shape shape = experts->output_shape(d.in);
   Tensor out = Tensor::empty(DType::bf16, shape, gputest::gpu());
@@ -130,10 +134,11 @@ void expect_batched_matches(const ExpertsInputs& host_in, const Tensor& got, con
   EXPECT_EQ(untouched_bad, 0) << what << ": elements past the counts were written";
 }
 
-void check_batched(const test::Fp8BatchedCase& c, const std::string& what) {
+void check_batched(const test::Fp8BatchedCase& c, const std::string& what, int streams = -1) {
   const ExpertsInputs host_in = c.inputs();
   DeviceCase d = upload(host_in);
-  const auto experts = make_cuda_experts(test::fp8_config(ActivationFormat::batched_experts));
+  const ExpertsConfig cfg = test::fp8_config(ActivationFormat::batched_experts);
+  const auto experts = streams < 0 ? make_cuda_experts(cfg) : experts_cuda_fp8::make_cuda_experts_fp8(cfg, streams);
   Tensor out = Tensor::empty(DType::bf16, experts->output_shape(d.in), gputest::gpu());
   gputest::poison(out);
   experts->apply(d.in, out.view());
@@ -171,19 +176,38 @@ TEST(GpuExpertsFp8, StandardEveryActivationAndInputMatchesFloat64Reference) {
 
 TEST(GpuExpertsFp8, StandardHiddenSizesWithPartialBlocksAndLargeN) {
   std::mt19937_64 rng(test::fresh_seed());
-  for (std::int64_t h : {2048, 2880, 7168})
+  test::Fp8StandardOptions big;  // DeepSeek-V3's expert shape
+  big.m = 6, big.h = 7168, big.n = 2048, big.k = 2, big.e_local = 3, big.input = Fp8Input::fp8;
+  check_standard(test::make_fp8_standard(rng, Activation::silu, big), true, "H 7168 N 2048 input fp8");
+  // Partial blocks last: a failure there (e.g. a cuBLASLt without such GEMMs) leaves the other sizes checked.
+  for (std::int64_t h : {2048, 7168, 2880})
     for (Fp8Input input : {Fp8Input::fp8, Fp8Input::bf16}) {
       test::Fp8StandardOptions o;
       o.m = 24, o.h = h, o.n = 256, o.k = 3, o.e_local = 6, o.input = input;
       check_standard(test::make_fp8_standard(rng, Activation::silu, o), true,
                      "H " + std::to_string(h) + " N 256 input " + input_name(input));
     }
-  test::Fp8StandardOptions big;  // DeepSeek-V3's expert shape
-  big.m = 6, big.h = 7168, big.n = 2048, big.k = 2, big.e_local = 3, big.input = Fp8Input::fp8;
-  check_standard(test::make_fp8_standard(rng, Activation::silu, big), true, "H 7168 N 2048 input fp8");
   test::Fp8StandardOptions odd;  // N not a multiple of 128 either (2880 / 2 = 1440 = 11.25 blocks)
   odd.m = 20, odd.h = 2880, odd.n = 1440, odd.k = 2, odd.e_local = 4, odd.input = Fp8Input::bf16;
   check_standard(test::make_fp8_standard(rng, Activation::swigluoai, odd), false, "H 2880 N 1440 swigluoai");
+}
+
+// The fallback for a cuBLASLt without GEMMs on a partial last 128-block along K (operands copied with the inner
+// size padded to whole blocks), forced so it is covered whether or not this cuBLASLt needs it.
+TEST(GpuExpertsFp8, PartialBlocksWithForcedZeroPaddingOfTheInnerSize) {
+  std::mt19937_64 rng(test::fresh_seed());
+  ASSERT_EQ(setenv("EPMOE_CUDA_EXPERTS_FP8_PAD_K", "1", 1), 0);
+  struct Unset {
+    ~Unset() { unsetenv("EPMOE_CUDA_EXPERTS_FP8_PAD_K"); }
+  } unset;
+  test::Fp8StandardOptions o;
+  o.m = 20, o.h = 2880, o.n = 1440, o.k = 2, o.e_local = 4, o.input = Fp8Input::fp8;
+  check_standard(test::make_fp8_standard(rng, Activation::silu, o), true, "padded K: H 2880 N 1440", 1);
+  check_standard(test::make_fp8_standard(rng, Activation::swigluoai, o), false, "padded K: H 2880 N 1440 4 streams",
+                 4);
+  const test::Fp8BatchedCase b =
+      test::make_fp8_batched(rng, Activation::gelu, random_counts(rng, 3, 7), 7, 2880, 1440, Fp8Input::bf16);
+  check_batched(b, "padded K: batched H 2880 N 1440");
 }
 
 TEST(GpuExpertsFp8, StandardKOneAndOneExpertTakingEveryToken) {
@@ -214,6 +238,17 @@ TEST(GpuExpertsFp8, StandardExpertMapInt32IdsAndRouterWeightOnInput) {
     check_standard(c, true, std::string("weight on input, hidden ") + input_name(input));
     check_standard(c, false, std::string("weight on input unreduced, hidden ") + input_name(input));
   }
+}
+
+TEST(GpuExpertsFp8, EveryStreamCountGivesTheSameResultWithinTolerance) {
+  std::mt19937_64 rng(test::fresh_seed());
+  test::Fp8StandardOptions o;
+  o.m = 200, o.h = 2048, o.n = 256, o.k = 4, o.e_local = 8, o.input = Fp8Input::fp8;
+  const test::Fp8StandardCase c = test::make_fp8_standard(rng, Activation::silu, o);
+  for (int streams : {0, 1, 2, 4}) check_standard(c, true, "standard streams " + std::to_string(streams), streams);
+  const test::Fp8BatchedCase b =
+      test::make_fp8_batched(rng, Activation::silu, random_counts(rng, 5, 33), 33, 2048, 256, Fp8Input::bf16);
+  for (int streams : {0, 1, 3, 4}) check_batched(b, "batched streams " + std::to_string(streams), streams);
 }
 
 TEST(GpuExpertsFp8, StandardNoLocalTokenGivesZeros) {
@@ -281,7 +316,7 @@ TEST(GpuExpertsFp8, ZeroTokensEnqueueNothing) {
 
 TEST(GpuExpertsFp8, BatchedMatchesFloat64ReferenceAndKeepsRowsPastTheCounts) {
   std::mt19937_64 rng(test::fresh_seed());
-  for (std::int64_t h : {2048, 2880, 7168})
+  for (std::int64_t h : {2048, 7168, 2880})
     for (Fp8Input input : {Fp8Input::fp8, Fp8Input::bf16}) {
       const int T = h == 7168 ? 6 : 10;  // not a multiple of 4: the GEMMs run on padded slabs
       const test::Fp8BatchedCase c =
