@@ -164,6 +164,9 @@ class MoELayer {
 
   /// Runs dispatch_a, dispatch_b, the experts (chunked), combine_a, combine_b. Shared experts run on
   /// a side thread overlapped with dispatch and combine. Collective over the ranks of the buffer.
+  /// On CUDA tensors (no-EP prepare/finalize, CUDA experts) the work is enqueued on the calling thread's
+  /// current stream; in the batched_experts format nothing waits for the device, and with args.output given
+  /// a call can be captured in a CUDA graph once the same shapes ran eagerly (workspaces, cuBLAS handle).
   MoEForwardResult forward(const MoEForwardArgs& args);
 
   PrepareFinalize& prepare_finalize() { return *prepare_finalize_; }

@@ -53,12 +53,14 @@ void clear_faults() {
   }
 }
 
-// A non-blocking stream made current for the scope.
+// A stream of its own made current for the scope. A blocking one: the helpers of gpu_util (cudaMemcpy,
+// cudaMemset on the legacy default stream) then stay ordered with the work and the stream-ordered
+// allocations made on it. Nothing touches the legacy stream while it is being captured.
 struct ScopedStream {
   cudaStream_t s = nullptr;
   std::unique_ptr<StreamGuard> guard;
   ScopedStream() {
-    EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreate(&s), cudaSuccess);
     guard = std::make_unique<StreamGuard>(Stream{s});
   }
   ~ScopedStream() {
