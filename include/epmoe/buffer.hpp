@@ -82,7 +82,8 @@ struct BufferOptions {
   bool debug_validate = true;
   /// cuda_ipc: the CUDA device of this rank; -1 = rank % the number of visible devices.
   int device = -1;
-  /// cuda_ipc: blocks of each data kernel (dispatch send, combine send), 1..64; 0 = 16. Equal on all ranks.
+  /// cuda_ipc: blocks of each data kernel (dispatch send or gather, combine send; the combine reduce of the
+  /// copy-engine path uses twice as many), 1..64; 0 = 24. Equal on all ranks.
   int num_sms = 0;
   /// cuda_ipc: move the bulk rows with the copy engines when the host knows the counts (the default path:
   /// no num_worst_tokens): dispatch gathers each destination's rows locally and the receiver pulls them with
