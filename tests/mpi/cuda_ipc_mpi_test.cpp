@@ -1,0 +1,136 @@
+// cuda_ipc normal mode with one process per GPU (the MPI layout): buffers mapped through CUDA IPC handles
+// exchanged over MPI, bit for bit against the threads backend on the same inputs (as normal_mode_test.cpp does
+// for the MPI transport). Skipped where the host has fewer GPUs than ranks (CI: no GPU).
+#include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
+#include <epmoe/mpi.hpp>
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "mpi/compare.hpp"
+#include "mpi/mpi_test_util.hpp"
+
+#if defined(EPMOE_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+namespace epmoe::test {
+namespace {
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+int gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+Tensor to_gpu(const Tensor& h, int device) {
+  if (!h.defined()) return {};
+  Tensor d = Tensor::empty(h.dtype(), h.shape(), Device::cuda(device));
+  if (h.nbytes()) cuda_ok(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+Tensor to_cpu(const Tensor& d) {
+  if (!d.defined()) return {};
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+  Tensor h = Tensor::empty(d.dtype(), d.shape());
+  if (h.nbytes()) cuda_ok(cudaMemcpy(h.data(), d.data(), h.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+  return h;
+}
+
+struct Inputs {
+  Tensor x, idx, w, y, yw;
+};
+
+Inputs make_inputs(std::uint64_t seed, int rank, std::int64_t H, int K, int E) {
+  auto rng = rank_rng(seed, rank, 7);
+  const std::int64_t T = rank == 1 ? 0 : 50 + static_cast<std::int64_t>(rng() % 400);  // rank 1: zero tokens
+  Inputs in;
+  in.x = random_bf16(rng, T, H);
+  RoutingOptions o;
+  o.p_minus_one = 0.2;
+  in.idx = random_topk_idx(rng, T, K, E, o);
+  in.w = random_topk_weights(rng, in.idx);
+  return in;
+}
+
+struct Out {
+  Tensor recv_x, recv_idx, recv_w, cached_x, combined_x, combined_w;
+};
+
+/// dispatch, cached dispatch, combine of rows drawn from the seed after the dispatch (same on every backend).
+Out run(Buffer& buf, const Inputs& in, std::uint64_t seed, std::int64_t H, int K, int E, int device) {
+  const bool gpu = device >= 0;
+  auto put = [&](const Tensor& t) { return gpu ? to_gpu(t, device) : t; };
+  auto get = [&](const Tensor& t) { return gpu ? to_cpu(t) : t; };
+  const Tensor x = put(in.x), idx = put(in.idx), w = put(in.w);
+  const DispatchLayout layout = buf.get_dispatch_layout(idx, E);
+  DispatchArgs a;
+  a.x = x;
+  a.topk_idx = idx;
+  a.topk_weights = w;
+  a.num_tokens_per_rank = layout.num_tokens_per_rank;
+  a.is_token_in_rank = layout.is_token_in_rank;
+  a.num_tokens_per_expert = layout.num_tokens_per_expert;
+  const DispatchResult d = buf.dispatch(a);
+  DispatchArgs b;
+  b.x = x;
+  b.handle = &d.handle;
+  const DispatchResult dc = buf.dispatch(b);
+  auto rng = rank_rng(seed, buf.rank(), 8);
+  const Tensor y = random_bf16(rng, d.recv_x.size(0), H), yw = random_f32(rng, d.recv_x.size(0), K, 0.0f, 1.0f);
+  const Tensor gy = put(y), gyw = put(yw);
+  CombineArgs ca;
+  ca.x = gy;
+  ca.topk_weights = gyw;
+  ca.handle = &d.handle;
+  const CombineResult cr = buf.combine(ca);
+  return {get(d.recv_x), get(d.recv_topk_idx), get(d.recv_topk_weights), get(dc.recv_x), get(cr.combined_x),
+          get(cr.combined_topk_weights)};
+}
+
+TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
+  const int R = world_size(), me = world_rank();
+  if (gpus() < R) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
+  const std::uint64_t seed = shared_seed();
+  const std::int64_t H = 2048;
+  const int K = 4, E = 8 * R;
+  std::vector<Inputs> inputs;
+  for (int r = 0; r < R; ++r) inputs.push_back(make_inputs(seed, r, H, K, E));
+  std::vector<Out> want(static_cast<std::size_t>(R));
+  run_thread_ranks(R, [&](Group& g) {
+    Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
+    want[static_cast<std::size_t>(g.rank())] = run(cpu, inputs[static_cast<std::size_t>(g.rank())], seed, H, K, E, -1);
+  });
+  for (bool copy_engine : {true, false}) {
+    SCOPED_TRACE(copy_engine ? "copy-engine path" : "SM-store path");
+    cuda_ok(cudaSetDevice(me), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = me;
+    o.use_copy_engine = copy_engine;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, H, R, K);
+    Buffer buf(test_group(), o);
+    const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, me);
+    const Out& ref = want[static_cast<std::size_t>(me)];
+    EXPECT_TRUE(same_tensor(got.recv_x, ref.recv_x)) << "recv_x";
+    EXPECT_TRUE(same_tensor(got.recv_idx, ref.recv_idx)) << "recv_topk_idx";
+    EXPECT_TRUE(same_tensor(got.recv_w, ref.recv_w)) << "recv_topk_weights";
+    EXPECT_TRUE(same_tensor(got.cached_x, ref.cached_x)) << "cached recv_x";
+    EXPECT_TRUE(same_tensor(got.combined_x, ref.combined_x)) << "combined_x";
+    EXPECT_TRUE(same_tensor(got.combined_w, ref.combined_w)) << "combined_topk_weights";
+  }
+}
+
+}  // namespace
+}  // namespace epmoe::test
+#endif  // EPMOE_HAVE_CUDA
