@@ -212,6 +212,13 @@ TEST(Cli, BenchOnCpuRanksWritesTheSweepAsJson) {
     EXPECT_DOUBLE_EQ(ops.at("combine_bf16")["remote_bytes"].get<double>(), rows * 2 * H);
     EXPECT_DOUBLE_EQ(ops.at("ll_dispatch_bf16")["remote_bytes"].get<double>(), rows * 2 * H);
     EXPECT_DOUBLE_EQ(ops.at("ll_dispatch_fp8")["remote_bytes"].get<double>(), rows * (H + 4 * std::ceil(H / 128.0)));
+    // DeepEP's logical bytes: every received row, local ones included (each token sends >= 1 row with K >= 1).
+    const double logical_rows = ops.at("combine_bf16")["logical_bytes"].get<double>() / (2 * H);
+    EXPECT_GE(logical_rows, std::max(rows, static_cast<double>(R * T)));
+    EXPECT_LE(logical_rows, static_cast<double>(R * R * T));
+    EXPECT_DOUBLE_EQ(ops.at("dispatch_bf16")["logical_bytes"].get<double>(), logical_rows * 2 * H);
+    EXPECT_DOUBLE_EQ(ops.at("dispatch_fp8")["logical_bytes"].get<double>(), logical_rows * H);
+    EXPECT_TRUE(ops.at("ll_combine_bf16")["logical_bytes"].is_null());
     const double pairs = ops.at("ll_combine_bf16")["remote_bytes"].get<double>() / (2 * H);
     EXPECT_GE(pairs, rows);
     EXPECT_LE(pairs, K * rows);

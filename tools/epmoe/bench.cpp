@@ -14,7 +14,8 @@
 //   normal combine: per such row 2H (bf16 x back);
 //   low-latency dispatch: per (token, other rank) the x row (bf16 or fp8 + scales);
 //   low-latency combine: per (token, k) pair whose expert is on another rank, 2H.
-// GB/s = remote bytes / median time (aggregate over ranks). The floor and NCCL move exactly the bytes each
+// GB/s = remote bytes / median time (aggregate over ranks). The JSON also has DeepEP's "logical" figure for
+// normal mode: every received x row, local ones included (2H, or H for fp8), / R / time (per rank). The floor and NCCL move exactly the bytes each
 // rank sends to each other rank in the op (NCCL: remote chunks only; the local rows are not part of it).
 #include <epmoe/buffer.hpp>
 #include <epmoe/group.hpp>
@@ -66,6 +67,8 @@ struct Sample {
   std::int64_t tokens = 0;
   int num_sms = 0;
   double median_us = 0, min_us = 0, remote_bytes = 0;
+  double logical_bytes = -1;  // normal mode: DeepEP's count (received x rows of every rank, local ones included)
+  int ranks = 1;
   double floor_us = -1, nccl_us = -1;  // < 0: not measured
 };
 
@@ -110,6 +113,12 @@ struct Matrix {
   std::int64_t at(const std::vector<std::int64_t>& m, int s, int d) const { return m[static_cast<std::size_t>(s * R + d)]; }
   // Units of `op` (rows or pairs) that source s sends to destination d.
   std::int64_t units(std::string_view op, int s, int d) const { return at(per_pair(op) ? pairs : rows, s, d); }
+  // DeepEP's "logical" bytes of a normal-mode op: every received x row (local ones included), x only.
+  double logical_bytes(std::string_view op, std::int64_t H) const {
+    double n = 0;
+    for (const auto v : rows) n += static_cast<double>(v);
+    return op.rfind("ll_", 0) == 0 ? -1.0 : n * static_cast<double>(op == "dispatch_fp8" ? H : 2 * H);
+  }
   double remote_units(std::string_view op) const {
     double n = 0;
     for (int s = 0; s < R; ++s)
@@ -202,6 +211,9 @@ nlohmann::json sample_json(const Sample& s) {
                       {"min_us", s.min_us},
                       {"remote_bytes", s.remote_bytes},
                       {"gb_per_s", gbps(s.remote_bytes, s.median_us)}};
+  j["logical_bytes"] = s.logical_bytes >= 0 ? nlohmann::json(s.logical_bytes) : nlohmann::json(nullptr);
+  j["logical_gb_per_s_per_rank"] =
+      s.logical_bytes >= 0 ? nlohmann::json(gbps(s.logical_bytes, s.median_us) / s.ranks) : nlohmann::json(nullptr);
   j["floor_us"] = s.floor_us >= 0 ? nlohmann::json(s.floor_us) : nlohmann::json(nullptr);
   j["floor_gb_per_s"] = s.floor_us >= 0 ? nlohmann::json(gbps(s.remote_bytes, s.floor_us)) : nlohmann::json(nullptr);
   j["nccl_us"] = s.nccl_us >= 0 ? nlohmann::json(s.nccl_us) : nlohmann::json(nullptr);
@@ -258,6 +270,8 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
       s.tokens = T;
       std::tie(s.median_us, s.min_us) = timed(setup, fn);
       s.remote_bytes = m.remote_units(op) * row_bytes(op, c.hidden, c.topk);
+      s.logical_bytes = m.logical_bytes(op, c.hidden);
+      s.ranks = R;
       if (c.floors) {
         double mine = 0;
         for (int d = 0; d < R; ++d)
@@ -479,6 +493,8 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
     if (!want(op)) continue;  // dispatch_bf16 ran only to make the combine's handle
     const double rb = row_bytes(op, c.hidden, c.topk);
     s.remote_bytes = m.remote_units(op) * rb;
+    s.logical_bytes = m.logical_bytes(op, c.hidden);
+    s.ranks = R;
     if (floors) {
       std::vector<std::size_t> send(static_cast<std::size_t>(R)), recv(send.size()), off(send.size());
       for (int p = 0; p < R; ++p) {
