@@ -98,7 +98,8 @@ struct BufferOptions {
 };
 
 /// The tunables of BufferOptions as a JSON object (src/transport/buffer_config.cpp), e.g. {"num_sms": 16}:
-/// what `epmoe tune` writes and `epmoe run/bench --config` read. Fields: num_sms (0..64). Keys starting
+/// what `epmoe tune` writes and `epmoe run/bench --config` read. Fields: num_sms (0..64), use_copy_engine
+/// (true/false), num_chunks (0..16). Keys starting
 /// with '_' are notes (the tuner's measurements) and are ignored. Only the fields present are set in
 /// `options`; the rest keep their values. Errors (invalid_argument, message naming `source` and the
 /// field): text that is not a JSON object, an unknown field (the known ones are listed), a value of the

@@ -41,6 +41,22 @@ TEST(BufferConfig, SetsOnlyTheFieldsPresent) {
   EXPECT_EQ(o.num_sms, sms);
 }
 
+TEST(BufferConfig, EveryTunableIsRead) {
+  BufferOptions o;
+  apply_buffer_config_json(R"({"num_sms": 12, "use_copy_engine": false, "num_chunks": 7})", o);
+  EXPECT_EQ(o.num_sms, 12);
+  EXPECT_FALSE(o.use_copy_engine);
+  EXPECT_EQ(o.num_chunks, 7);
+  apply_buffer_config_json(R"({"use_copy_engine": true})", o);
+  EXPECT_TRUE(o.use_copy_engine);
+  EXPECT_EQ(o.num_chunks, 7);
+  const std::string msg = error_of([&] { apply_buffer_config_json(R"({"use_copy_engine": 1})", o, "c.json"); });
+  EXPECT_NE(msg.find("'c.json:use_copy_engine'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("true or false"), std::string::npos) << msg;
+  const std::string msg2 = error_of([&] { apply_buffer_config_json(R"({"num_chunks": 17})", o, "c.json"); });
+  EXPECT_NE(msg2.find("an integer in [0, 16], got 17"), std::string::npos) << msg2;
+}
+
 TEST(BufferConfig, IgnoresNotesStartingWithUnderscore) {
   BufferOptions o;
   apply_buffer_config_json(R"({"num_sms": 24, "_tune": {"results": [1, 2]}, "_comment": "x"})", o);

@@ -99,7 +99,7 @@ TEST(Cli, HelpListsTheCommandsAndFlags) {
   for (const char* s : {"--tokens-min", "--tokens-max", "--hidden", "--topk", "--experts", "--runs", "--json", "--config"})
     EXPECT_NE(bench.out.find(s), std::string::npos) << s;
   const CliResult tune = run_cli("tune --help");
-  for (const char* s : {"--sms", "--objective", "--output"}) EXPECT_NE(tune.out.find(s), std::string::npos) << s;
+  for (const char* s : {"--sms", "--chunks", "--objective", "--output"}) EXPECT_NE(tune.out.find(s), std::string::npos) << s;
 }
 
 TEST(Cli, RunWithoutDeviceFlagPicksGpusWhenPresentElseCpuRanks) {
@@ -286,21 +286,23 @@ TEST(Cli, BenchOnGpusHasPeerCopyFloorsAndNcclStatus) {
 TEST(Cli, TuneOnGpusWritesTheBestConfig) {
   if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
   const std::string out = temp_path("tune.json");
-  CliResult r = run_cli("tune --tokens 64 --hidden 128 --experts 8 --topk 2 --sms 4,8 --runs 3 --warmup 1 -o '" + out + "'");
+  CliResult r = run_cli("tune --tokens 64 --hidden 128 --experts 8 --topk 2 --sms 4,8 --chunks 2,4 --runs 3 --warmup 1 -o '" +
+                        out + "'");
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_NE(r.err.find("[2/2] num_sms=8"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[4/4] num_sms=8 num_chunks=4"), std::string::npos) << r.err;
   const nlohmann::json j = read_json(out);
   const auto& tried = j["_tune"]["results"];
-  ASSERT_EQ(tried.size(), 2u);
+  ASSERT_EQ(tried.size(), 4u);
   // The best is the lowest max(dispatch, combine), recomputed here from the recorded times.
-  int best = -1;
+  int best = -1, best_chunks = -1;
   double best_v = 1e300;
   for (const auto& t : tried) {
     const double v = std::max(t["dispatch_bf16_us"].get<double>(), t["combine_bf16_us"].get<double>());
     EXPECT_DOUBLE_EQ(t["objective_us"].get<double>(), v);
-    if (v < best_v) best_v = v, best = t["num_sms"].get<int>();
+    if (v < best_v) best_v = v, best = t["num_sms"].get<int>(), best_chunks = t["num_chunks"].get<int>();
   }
   EXPECT_EQ(j["num_sms"], best);
+  EXPECT_EQ(j["num_chunks"], best_chunks);
   // The file is a valid --config.
   r = run_cli("run --config '" + out + "' " + kTinyRun);
   EXPECT_EQ(r.code, 0) << r.out << r.err;

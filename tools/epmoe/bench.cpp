@@ -56,7 +56,7 @@ struct BenchConfig {
   bool floors = true;
   // tune
   std::int64_t tokens = 4096;
-  std::string sms_list = "4,8,12,16,20,24,32", objective = "max", dispatch_dtype = "bf16", output = "epmoe_tune.json";
+  std::string sms_list = "4,8,12,16,20,24,32", chunks_list, objective = "max", dispatch_dtype = "bf16", output = "epmoe_tune.json";
   // resolved
   DeviceKind kind = DeviceKind::cpu;
   BufferOptions options;
@@ -668,9 +668,10 @@ int tune(BenchConfig c) {
   c.ranks = R;
   check_shape(c, R);
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
-  std::vector<int> sms;
-  {
-    std::stringstream ss(c.sms_list);
+  auto parse_list = [](std::string_view flag, const std::string& text, int lo, int hi) {
+    std::vector<int> out;
+    const std::string expected = fmt::format("a comma-separated list of integers in [{}, {}]", lo, hi);
+    std::stringstream ss(text);
     for (std::string v; std::getline(ss, v, ',');) {
       std::size_t used = 0;
       int n = -1;
@@ -679,22 +680,30 @@ int tune(BenchConfig c) {
       } catch (const std::exception&) {
         used = 0;
       }
-      if (used != v.size() || n < 1 || n > 64) bad("--sms", "a comma-separated list of integers in [1, 64]", c.sms_list);
-      sms.push_back(n);
+      if (used != v.size() || n < lo || n > hi) bad(flag, expected, text);
+      out.push_back(n);
     }
-    if (sms.empty()) bad("--sms", "a comma-separated list of integers in [1, 64]", c.sms_list);
-  }
+    if (out.empty()) bad(flag, expected, text);
+    return out;
+  };
+  const std::vector<int> sms = parse_list("--sms", c.sms_list, 1, 64);
+  // num_chunks (copy-engine pipeline stages) is swept only when asked; else the config's value is kept.
+  const std::vector<int> chunks = c.chunks_list.empty() ? std::vector<int>{-1} : parse_list("--chunks", c.chunks_list, 1, 16);
+  std::vector<std::pair<int, int>> points;
+  for (int s : sms)
+    for (int ch : chunks) points.emplace_back(s, ch);
   if (c.objective != "max" && c.objective != "sum" && c.objective != "dispatch" && c.objective != "combine")
     bad("--objective", "max, sum, dispatch or combine", c.objective);
   if (!std::ofstream(c.output, std::ios::app)) bad("--output", "a writable file", c.output);
   const std::uint64_t seed = fresh_seed(c.seed);
   const std::string dop = c.dispatch_dtype == "fp8" ? "dispatch_fp8" : "dispatch_bf16";
-  fmt::print("epmoe {} tune: {} GPU ranks ({} x {}), T={} H={} K={} E={}, num_sms in {{{}}}, objective {} of {} and combine, "
+  fmt::print("epmoe {} tune: {} GPU ranks ({} x {}), T={} H={} K={} E={}, num_sms in {{{}}}{}, objective {} of {} and combine, "
              "{} runs after {} warm-up, seed {}\n",
-             version(), R, R, device_name(0), c.tokens, c.hidden, c.topk, c.experts, c.sms_list, c.objective, dop, c.runs,
+             version(), R, R, device_name(0), c.tokens, c.hidden, c.topk, c.experts, c.sms_list,
+             c.chunks_list.empty() ? "" : fmt::format(", num_chunks in {{{}}}", c.chunks_list), c.objective, dop, c.runs,
              c.warmup, seed);
   struct Row {
-    int sms;
+    int sms, chunks;  // chunks -1: not swept
     double dispatch_us, combine_us, objective;
   };
   std::vector<Row> rows;
@@ -702,14 +711,17 @@ int tune(BenchConfig c) {
   Collector col(R);
   launch_ranks(R, [&](const std::shared_ptr<Group>& g) {
     GpuContext ctx(*g, false);
-    for (std::size_t i = 0; i < sms.size(); ++i) {
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      const auto [sm, ch] = points[i];
       const auto t0 = Clock::now();
-      if (g->rank() == 0) fmt::print(stderr, "[{}/{}] num_sms={}: ", i + 1, sms.size(), sms[i]);
+      if (g->rank() == 0)
+        fmt::print(stderr, "[{}/{}] num_sms={}{}: ", i + 1, points.size(), sm, ch < 0 ? "" : fmt::format(" num_chunks={}", ch));
       BufferOptions o = c.options;
-      o.num_sms = sms[i];
+      o.num_sms = sm;
+      if (ch >= 0) o.num_chunks = ch;
       const auto samples = gpu_point(*g, g, ctx, c, seed, c.tokens, o, {dop, "combine_bf16"}, false, col, true);
       if (g->rank() == 0) {
-        Row row{sms[i], 0, 0, 0};
+        Row row{sm, ch, 0, 0, 0};
         for (const auto& s : samples) (s.op == dop ? row.dispatch_us : row.combine_us) = s.median_us;
         row.objective = c.objective == "max"        ? std::max(row.dispatch_us, row.combine_us)
                         : c.objective == "sum"      ? row.dispatch_us + row.combine_us
@@ -723,21 +735,28 @@ int tune(BenchConfig c) {
 #endif
   if (rows.empty()) throw Error(ErrorCode::internal, "epmoe: tune: no measurement was made");
   const auto best = std::min_element(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.objective < b.objective; });
-  fmt::print("\n{:>8} {:>14} {:>14} {:>14}\n", "num_sms", fmt::format("{} us", dop), "combine us", c.objective + " us");
+  fmt::print("\n{:>8} {:>10} {:>14} {:>14} {:>14}\n", "num_sms", "num_chunks", fmt::format("{} us", dop), "combine us",
+             c.objective + " us");
   for (const auto& row : rows)
-    fmt::print("{:>8} {:>14.1f} {:>14.1f} {:>14.1f}{}\n", row.sms, row.dispatch_us, row.combine_us, row.objective,
-               &row == &*best ? "  <- best" : "");
+    fmt::print("{:>8} {:>10} {:>14.1f} {:>14.1f} {:>14.1f}{}\n", row.sms, row.chunks < 0 ? std::string("-") : std::to_string(row.chunks),
+               row.dispatch_us, row.combine_us, row.objective, &row == &*best ? "  <- best" : "");
   BufferOptions chosen = c.options;
   chosen.num_sms = best->sms;
+  if (best->chunks >= 0) chosen.num_chunks = best->chunks;
   nlohmann::json j = nlohmann::json::parse(buffer_config_json(chosen));
   nlohmann::json tried = nlohmann::json::array();
-  for (const auto& row : rows)
-    tried.push_back({{"num_sms", row.sms}, {dop + "_us", row.dispatch_us}, {"combine_bf16_us", row.combine_us}, {"objective_us", row.objective}});
+  for (const auto& row : rows) {
+    nlohmann::json t = {{"num_sms", row.sms}, {dop + "_us", row.dispatch_us}, {"combine_bf16_us", row.combine_us},
+                        {"objective_us", row.objective}};
+    if (row.chunks >= 0) t["num_chunks"] = row.chunks;
+    tried.push_back(t);
+  }
   j["_tune"] = {{"version", std::string(version())}, {"device_name", device_name(0)}, {"ranks", R}, {"tokens", c.tokens},
                 {"hidden", c.hidden}, {"num_topk", c.topk}, {"num_experts", c.experts}, {"runs", c.runs}, {"seed", seed},
                 {"objective", c.objective}, {"dispatch", dop}, {"results", tried}};
   write_json(c.output, j, "--output");
-  fmt::print("best num_sms = {} ({} {:.1f} us); wrote {}\n", best->sms, c.objective, best->objective, c.output);
+  fmt::print("best num_sms = {}{} ({} {:.1f} us); wrote {}\n", best->sms,
+             best->chunks < 0 ? "" : fmt::format(", num_chunks = {}", best->chunks), c.objective, best->objective, c.output);
   return 0;
 }
 
@@ -781,6 +800,7 @@ std::function<int()> add_tune_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("tune", "Sweep num_sms of the cuda_ipc backend on the GPUs and write the best config JSON");
   cmd->add_option("-t,--tokens", c.tokens, "tokens per rank T")->capture_default_str();
   cmd->add_option("--sms", c.sms_list, "num_sms values to try (comma-separated)")->capture_default_str();
+  cmd->add_option("--chunks", c.chunks_list, "also sweep num_chunks (copy-engine pipeline stages, 1..16), e.g. 2,4,8");
   cmd->add_option("--objective", c.objective, "max (of dispatch and combine), sum, dispatch or combine")->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
   cmd->add_option("-o,--output", c.output, "where to write the best config")->capture_default_str();
