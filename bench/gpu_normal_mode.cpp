@@ -28,6 +28,7 @@ int main() {
 #include <epmoe/group.hpp>
 #include <epmoe/layout.hpp>
 #include <epmoe/quant.hpp>
+#include <epmoe/replay.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -100,6 +101,14 @@ Tensor random_routing(std::int64_t T, int K, int E, int device, std::uint64_t se
   return d;
 }
 
+/// SPEC 14: rank r replays tokens [r*T, (r+1)*T) of layer 0 of the recorded OLMoE routing, ids mapped to E experts.
+Tensor replayed_routing(const RoutingTrace& trace, std::int64_t T, int E, int rank, int device) {
+  const ReplayedRouting rr = replay_routing(trace, 0, 0, rank, T, E);
+  Tensor d = Tensor::empty(DType::int64, rr.topk_idx.shape(), Device::cuda(device));
+  check(cudaMemcpy(d.data(), rr.topk_idx.data(), rr.topk_idx.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
 struct Result {
   std::string op;
   double median_us = 0, min_us = 0, remote_bytes = 0, logical_bytes = 0;
@@ -116,7 +125,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int runs = 100, sms = 0, K = 8, E = 256, copy_engine = 1, chunks = 0;
   std::int64_t T = 4096, H = 7168;
-  std::string json_path;
+  std::string json_path, routing, domain = "general";
   for (int i = 1; i < argc; ++i) {
     auto next = [&] { return i + 1 < argc ? argv[++i] : argv[i]; };
     if (!std::strcmp(argv[i], "--runs"))
@@ -131,6 +140,10 @@ int main(int argc, char** argv) {
       E = std::atoi(next());
     else if (!std::strcmp(argv[i], "--sms"))
       sms = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--routing"))
+      routing = next();
+    else if (!std::strcmp(argv[i], "--domain"))
+      domain = next();
     else if (!std::strcmp(argv[i], "--chunks"))
       chunks = std::atoi(next());
     else if (!std::strcmp(argv[i], "--copy-engine"))
@@ -138,7 +151,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--json"))
       json_path = next();
     else {
-      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] [--chunks N] [--json PATH]\n",
+      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] [--chunks N] [--routing DIR [--domain D]] [--json PATH]\n",
                   argv[0]);
       return 2;
     }
@@ -163,6 +176,13 @@ int main(int argc, char** argv) {
   std::vector<double> copy_one_us, copy_both_us;
   std::mutex mutex;
   const std::int64_t scale_cols = num_scale_groups(H);
+  RoutingTrace trace;
+  if (!routing.empty()) {
+    trace = load_routing_trace(routing, domain);
+    K = trace.num_topk();
+    std::printf("routing: %s, domain %s, layer 0 (%lld recorded tokens, wrapped), K=%d, ids mapped to E=%d\n",
+                routing.c_str(), domain.c_str(), static_cast<long long>(trace.num_tokens()), K, E);
+  }
 
   run_thread_ranks(kRanks, [&](Group& g) {
     const int r = g.rank(), peer = 1 - r;
@@ -179,7 +199,7 @@ int main(int argc, char** argv) {
     const Tensor x = random_device(DType::bf16, {T, H}, r, s + 1);
     const Tensor x8 = random_device(DType::fp8_e4m3, {T, H}, r, s + 2);
     const Tensor sc = random_device(DType::fp32, {T, scale_cols}, r, s + 3);
-    const Tensor idx = random_routing(T, K, E, r, s + 4);
+    const Tensor idx = routing.empty() ? random_routing(T, K, E, r, s + 4) : replayed_routing(trace, T, E, r, r);
     const Tensor w = random_device(DType::fp32, {T, K}, r, s + 5);
     const DispatchLayout layout = buf.get_dispatch_layout(idx, E);
     void* flush = nullptr;
@@ -320,8 +340,9 @@ int main(int argc, char** argv) {
     }
     std::fprintf(
         f,
-        "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, \"sms\": %d, \"copy_engine\": %d, \"chunks\": %d,\n",
-        prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks);
+        "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, \"sms\": %d, \"copy_engine\": %d, \"chunks\": %d,\n  \"routing\": \"%s\",\n",
+        prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks,
+        routing.empty() ? "uniform random" : (routing + ":" + domain + ":layer0").c_str());
     std::fprintf(f,
                  "  \"seed\": %llu,\n  \"runs\": %d,\n  \"peer_copy_one_way_gbps\": %.1f,\n  "
                  "\"peer_copy_two_way_gbps\": %.1f,\n",

@@ -12,6 +12,8 @@
 #    memcheck (small sizes) and racecheck (the kernels that use shared memory);
 # 5. writes the log, the benchmark JSON and a markdown summary (device, date, commit, figures) to $OUT
 #    (or ./gpu-results), and prints a short table last.
+# EPMOE_GPU_CHECK_PARTS (default "tests bench sanitizer") picks the steps, so one device call's time limit can
+# be kept by splitting the run (the summary lists what ran).
 # Exit status: 0 when every step passed.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +25,8 @@ LOG="$RESULTS/gpu_check.log"
 : >"$LOG"
 STATUS=0
 SUMMARY=()
+PARTS="${EPMOE_GPU_CHECK_PARTS:-tests bench sanitizer}"
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 note() { echo "$*" | tee -a "$LOG"; }
 step() { # step NAME TIMEOUT_S COMMAND...: runs, logs, records pass/fail
   local name="$1" limit="$2"
@@ -91,11 +95,20 @@ for b in "${TESTS[@]}" "${BENCHES[@]}"; do
 done
 
 # 2. Tests, full sizes.
+want tests || TESTS=()
 for t in "${TESTS[@]}"; do
   step "$(basename "$t")" 240 "$t" --gtest_output="xml:$RESULTS/$(basename "$t").xml"
 done
 
+# 2b. One process per GPU (cuda_ipc over CUDA IPC handles, bootstrap through MPI), when the host has >= 2 GPUs.
+NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
+if want tests && [ "${NGPU:-0}" -ge 2 ] && command -v mpirun >/dev/null && [ -x "$BUILD/tests/mpi/test_mpi" ]; then
+  step "test_mpi cuda_ipc, $NGPU processes" 180 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    mpirun -np "$NGPU" --oversubscribe "$BUILD/tests/mpi/test_mpi" --gtest_filter='MpiCudaIpc*'
+fi
+
 # 3. Benchmarks.
+want bench || BENCHES=()
 for b in "${BENCHES[@]}"; do
   name="$(basename "$b")"
   if "$b" --help 2>&1 | grep -q benchmark_filter; then
@@ -107,7 +120,9 @@ done
 
 # 4. compute-sanitizer on test_gpu, small sizes.
 SANITIZER="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
-if [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
+if ! want sanitizer; then
+  :
+elif [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
   export EPMOE_GPU_TEST_QUICK=1
   step "memcheck test_gpu (quick sizes)" 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
     "$BUILD/tests/test_gpu" --gtest_filter='GpuRouter.*:GpuDispatchLayout.*:GpuPermute.*:GpuQuant.*-GpuQuant.E4m3*'
@@ -115,6 +130,12 @@ if [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
   RACE_FILTER+=':GpuPermute.OutOfRange*:GpuPermute.Fp8*'
   step "racecheck shared-memory kernels" 120 "$SANITIZER" --tool racecheck --error-exitcode 99 \
     "$BUILD/tests/test_gpu" --gtest_filter="$RACE_FILTER"
+  step "memcheck experts fp8 + MoE layer (quick sizes)" 300 "$SANITIZER" --tool memcheck --error-exitcode 99 \
+    "$BUILD/tests/test_gpu" --gtest_filter='GpuExpertsFp8*:GpuMoELayer*:GpuWeightAndReduce*'
+  if [ "${NGPU:-0}" -ge 2 ]; then
+    step "memcheck cuda_ipc (quick sizes)" 240 "$SANITIZER" --tool memcheck --error-exitcode 99 \
+      "$BUILD/tests/test_gpu" --gtest_filter='GpuCudaIpcNormal.*-*Timeout*:*AcrossSizes*'
+  fi
   unset EPMOE_GPU_TEST_QUICK
 else
   note "compute-sanitizer not found: sanitizer runs skipped"

@@ -52,6 +52,9 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <set>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -164,6 +167,9 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     EPMOE_CHECK_ARG(device_ < count, "options.device", fmt::format("a device index < {}", count), device_);
     data_bytes_ = o.num_nvl_bytes;
     use_copy_engine_ = o.use_copy_engine;
+    // EPMOE_CUDA_IPC_COPY_ENGINE=0|1 overrides the option (diagnosis: the same program on both paths).
+    if (const char* ce = std::getenv("EPMOE_CUDA_IPC_COPY_ENGINE"); ce != nullptr && *ce != '\0')
+      use_copy_engine_ = std::string_view(ce) != "0";
     chunks_ = o.num_chunks == 0 ? ipc::kDefaultChunks : o.num_chunks;
     EPMOE_CHECK_ARG(chunks_ >= 1 && chunks_ <= ipc::kMaxChunks, "options.num_chunks",
                     fmt::format("0 (default {}) or 1..{}", ipc::kDefaultChunks, ipc::kMaxChunks), o.num_chunks);
@@ -262,11 +268,18 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
           if (!can)
             raise(ErrorCode::unsupported, "rank {}: cuda:{} cannot access cuda:{} (rank {}) as a peer", me_, device_,
                   p.device, r);
-          const cudaError_t e = cudaDeviceEnablePeerAccess(static_cast<int>(p.device), 0);
-          if (e == cudaErrorPeerAccessAlreadyEnabled)
-            cudaGetLastError();
-          else
-            EPMOE_CUDA_CHECK(e);
+          // Once per (device, peer) in this process: repeating it returns 'already enabled', which
+          // compute-sanitizer reports as an API error.
+          static std::mutex enabled_mutex;
+          static std::set<std::pair<int, int>> enabled;
+          std::lock_guard<std::mutex> lock(enabled_mutex);
+          if (enabled.insert({device_, static_cast<int>(p.device)}).second) {
+            const cudaError_t e = cudaDeviceEnablePeerAccess(static_cast<int>(p.device), 0);
+            if (e == cudaErrorPeerAccessAlreadyEnabled)
+              cudaGetLastError();
+            else
+              EPMOE_CUDA_CHECK(e);
+          }
         }
         peers_[r] = reinterpret_cast<void*>(p.ptr);
       } else {

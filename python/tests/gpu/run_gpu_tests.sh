@@ -13,7 +13,7 @@
 #
 # Writes to $OUT: build.log (the pip build), pytest.log, junit.xml, env.txt. Exit status: pytest's (or 1
 # when the build fails). Limits (seconds, so the logs come back inside a 600 s device call): the build
-# EPMOE_BUILD_LIMIT (default 420), pytest EPMOE_PYTEST_LIMIT (default 300). EPMOE_SKIP_BUILD=1 reuses the
+# EPMOE_PYTEST_ARGS adds pytest arguments (e.g. "-k thread_ranks"). EPMOE_BUILD_LIMIT (default 420), pytest EPMOE_PYTEST_LIMIT (default 300). EPMOE_SKIP_BUILD=1 reuses the
 # package a previous call installed in $EPMOE_PY_TARGET (a warm machine), e.g. to re-run the tests alone.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -88,7 +88,7 @@ export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 echo "== pytest python/tests (GPU tests included)"
 cd "$RESULTS"  # so no ./epmoe source folder shadows the installed package
 timeout --kill-after=10 "${EPMOE_PYTEST_LIMIT:-300}" "$PY" -m pytest -v -rs -p no:cacheprovider \
-  --junitxml="$RESULTS/junit.xml" "$ROOT/python/tests" >"$RESULTS/pytest.log" 2>&1
+  --junitxml="$RESULTS/junit.xml" "$ROOT/python/tests" ${EPMOE_PYTEST_ARGS:-} >"$RESULTS/pytest.log" 2>&1
 STATUS=$?
 grep -E "PASSED|FAILED|ERROR|SKIPPED" "$RESULTS/pytest.log" | grep -E "gpu/|FAILED|ERROR" | head -40
 tail -5 "$RESULTS/pytest.log"
