@@ -91,6 +91,9 @@ struct BufferOptions {
   /// transfer, and the copy engines reach the peer rate (SM stores reach ~90% of it, PERF.md). false: SM
   /// stores only (the path num_worst_tokens always takes). Equal on all ranks.
   bool use_copy_engine = true;
+  /// cuda_ipc: with use_copy_engine, ops where no rank moves at least this many rows take the SM-store path
+  /// anyway (fewer host calls: it is faster for small batches). Equal on all ranks.
+  std::int64_t copy_engine_min_rows = 1024;
   /// cuda_ipc copy-engine path: pipeline stages (1..16; 0 = 4). Each peer's run of rows is moved in this many
   /// pieces, so gathering (dispatch) or reducing (combine) one piece overlaps the transfer of the next.
   /// Equal on all ranks.

@@ -32,6 +32,8 @@ const Field kFields[] = {
     {"num_sms", &BufferOptions::num_sms, 0, 64, "blocks of each cuda_ipc data kernel (0 = the default)"},
     {"use_copy_engine", &BufferOptions::use_copy_engine, 0, 1, "cuda_ipc: bulk rows by copy engine (else SM stores)"},
     {"num_chunks", &BufferOptions::num_chunks, 0, 16, "cuda_ipc copy-engine pipeline stages (0 = the default)"},
+    {"copy_engine_min_rows", &BufferOptions::copy_engine_min_rows, 0, kNoMax,
+     "cuda_ipc: fewer rows per rank take the SM-store path"},
 };
 
 std::string known_fields() {

@@ -53,6 +53,7 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <utility>
 #include <string>
@@ -139,6 +140,34 @@ class CudaEvent final : public EventImpl {
   cudaEvent_t event_{};
 };
 
+/// Several tensors carved out of one pool allocation: an op's outputs cost one allocation instead of one each
+/// (host time per allocation adds up at small T). Each piece keeps the whole block alive.
+class Carver {
+ public:
+  /// `sizes`: bytes of each piece, in the order take() is called (256-byte aligned pieces).
+  Carver(std::initializer_list<std::size_t> sizes, Device device) {
+    std::size_t total = 0;
+    for (std::size_t b : sizes) total += align(b);
+    block_ = std::make_shared<Tensor>(Tensor::empty(DType::int8, {static_cast<std::int64_t>(total)}, device));
+    device_ = device;
+  }
+  Tensor take(DType dtype, Shape shape) {
+    const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+    char* p = static_cast<char*>(block_->data()) + offset_;
+    offset_ += align(bytes);
+    return Tensor::wrap(TensorView(bytes ? p : nullptr, dtype, shape, device_), block_);
+  }
+  static std::size_t bytes(DType dtype, Shape shape) {
+    return static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  }
+
+ private:
+  static std::size_t align(std::size_t b) { return (b + 255) / 256 * 256; }
+  std::shared_ptr<Tensor> block_;
+  Device device_;
+  std::size_t offset_ = 0;
+};
+
 void check_device_tensor(const TensorView& t, const char* name, int device) {
   check_tensor_on(t, name, Device::cuda(device));
 }
@@ -167,15 +196,17 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     EPMOE_CHECK_ARG(device_ < count, "options.device", fmt::format("a device index < {}", count), device_);
     data_bytes_ = o.num_nvl_bytes;
     use_copy_engine_ = o.use_copy_engine;
+    copy_engine_min_rows_ = o.copy_engine_min_rows;
     // EPMOE_CUDA_IPC_COPY_ENGINE=0|1 overrides the option (diagnosis: the same program on both paths).
     if (const char* ce = std::getenv("EPMOE_CUDA_IPC_COPY_ENGINE"); ce != nullptr && *ce != '\0')
       use_copy_engine_ = std::string_view(ce) != "0";
     chunks_ = o.num_chunks == 0 ? ipc::kDefaultChunks : o.num_chunks;
     EPMOE_CHECK_ARG(chunks_ >= 1 && chunks_ <= ipc::kMaxChunks, "options.num_chunks",
                     fmt::format("0 (default {}) or 1..{}", ipc::kDefaultChunks, ipc::kMaxChunks), o.num_chunks);
-    const std::array<Setting, 4> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_},
+    const std::array<Setting, 5> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_},
                                              Setting{"use_copy_engine", o.use_copy_engine ? 1 : 0},
-                                             Setting{"num_chunks", chunks_}};
+                                             Setting{"num_chunks", chunks_},
+                                             Setting{"copy_engine_min_rows", o.copy_engine_min_rows}};
     g.check_agreement(settings, kSetupPhase);
 
     DeviceGuard guard(Device::cuda(device_));
@@ -200,6 +231,8 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&joined_[i], cudaEventDisableTiming));
     }
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
     const char* trace = std::getenv("EPMOE_CUDA_IPC_TRACE");
     trace_ = trace != nullptr && std::string_view(trace) == "1";
     if (trace_)
@@ -222,6 +255,8 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       if (joined_[i]) cudaEventDestroy(joined_[i]);
     }
     if (forked_) cudaEventDestroy(forked_);
+    if (caller_done_) cudaEventDestroy(caller_done_);
+    if (comm_done_) cudaEventDestroy(comm_done_);
     if (trace_) {
       trace_print();
       for (cudaEvent_t e : trace_ev_) cudaEventDestroy(e);
@@ -376,6 +411,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   bool copy_engine_fits(const std::vector<std::int32_t>& pm, std::int64_t capacity, bool combine) const {
     if (!use_copy_engine_ || pm.empty()) return false;
     const int R = R_;
+    std::int64_t most = 0;  // the most rows any rank moves
     for (int r = 0; r < R; ++r) {
       std::int64_t rows = 0;
       for (int d = 0; d < R; ++d) {
@@ -383,8 +419,10 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
         rows += pm[r * R + d] - (r > 0 ? pm[(r - 1) * R + d] : 0);
       }
       if (rows > capacity) return false;
+      most = std::max(most, rows);
     }
-    return true;
+    // Few rows: the copy-engine path's extra launches and copies (host time) cost more than SM stores save.
+    return most >= copy_engine_min_rows_;
   }
 
   // ---- EPMOE_CUDA_IPC_TRACE=1: where an op's time goes (events on the communication stream + host clock at each
@@ -462,16 +500,17 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       EPMOE_CHECK_ARG(ev != nullptr, "previous_event", "an event of a cuda_ipc buffer", "another backend's event");
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, ev->get(), 0));
     } else if (!previous) {
-      CudaEvent caller_done(device_, cuda_util::to_cuda(caller));
-      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done.get(), 0));
+      // One reusable event: a wait captures the event's state when it is enqueued.
+      EPMOE_CUDA_CHECK(cudaEventRecord(caller_done_, cuda_util::to_cuda(caller)));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done_, 0));
     }
   }
 
   /// async_finish: an event on the communication stream; else the caller's stream waits for it.
   Event leave(bool async_finish, Stream caller) {
-    auto ev = std::make_shared<CudaEvent>(device_, comm_);
-    if (async_finish) return Event::from_backend(ev);
-    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(caller), ev->get(), 0));
+    if (async_finish) return Event::from_backend(std::make_shared<CudaEvent>(device_, comm_));
+    EPMOE_CUDA_CHECK(cudaEventRecord(comm_done_, comm_));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(caller), comm_done_, 0));
     return Event{};
   }
 
@@ -496,6 +535,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::uint64_t buffer_id_;
   int R_ = 0, me_ = 0, device_ = 0, blocks_ = 0, recv_blocks_ = 1;
   bool use_copy_engine_ = true;
+  std::int64_t copy_engine_min_rows_ = 1024;  // measured on 2x H200: below ~1K rows the SM path is faster
   static constexpr int kTraceMarks = 16;
   bool trace_ = false;
   int trace_n_ = 0;
@@ -509,6 +549,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   // signal kernel overlaps the other's copies. They fork from and join back into the communication stream.
   cudaStream_t side_[2] = {};
   cudaEvent_t forked_ = nullptr, joined_[2] = {};
+  cudaEvent_t caller_done_ = nullptr, comm_done_ = nullptr;  // enter/leave of a synchronous op, reused
   std::int64_t data_bytes_ = 0;
   void* base_ = nullptr;
   void* peers_[ipc::kMaxRanks] = {};
@@ -555,6 +596,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   const Device gpu = Device::cuda(dev);
 
   Tensor pm, expert_counts, send_pos, in_rank;
+  std::optional<Carver> routing_block;
   std::vector<std::int32_t> pm_host;
   std::int64_t num_recv = -1;
   const auto set_dispatch_settings = [&](ipc::NotifyArgs& n) {
@@ -572,8 +614,15 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     if (worst == 0) num_recv = a.handle->num_recv_tokens;
     pm_host = a.handle->rank_prefix_matrix_host;
   } else {
-    pm = Tensor::empty(DType::int32, {R, R}, gpu);
-    expert_counts = Tensor::empty(DType::int32, {E_local}, gpu);
+    // The routing side of the op in one block: prefix matrix, expert counts, send positions, the handle's copy of
+    // is_token_in_rank, the send lists.
+    routing_block.emplace(
+        std::initializer_list<std::size_t>{Carver::bytes(DType::int32, {R, R}), Carver::bytes(DType::int32, {E_local}),
+                                           Carver::bytes(DType::int32, {T, R}), Carver::bytes(DType::boolean, {T, R}),
+                                           Carver::bytes(DType::int32, {R, T})},
+        gpu);
+    pm = routing_block->take(DType::int32, {R, R});
+    expert_counts = routing_block->take(DType::int32, {E_local});
     ipc::NotifyArgs n;
     n.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
     n.per_expert = static_cast<const std::int32_t*>(a.num_tokens_per_expert.data);
@@ -597,7 +646,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     // The handle keeps its own copy of the routing (the caller may reuse its layout tensors).
     // The data kernels go first (the GPU idles from the host read until then); the handle's copy of the routing
     // is made after them.
-    send_pos = Tensor::empty(DType::int32, {T, R}, gpu);
+    send_pos = routing_block->take(DType::int32, {T, R});
+    in_rank = routing_block->take(DType::boolean, {T, R});
     ipc::SendPosArgs sp;
     sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
     sp.pm = pm.ptr<std::int32_t>();
@@ -610,7 +660,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   const bool ce = worst == 0 && copy_engine_fits(pm_host, L.capacity, false);
   Tensor list;
   if (ce) {
-    list = Tensor::empty(DType::int32, {R, T}, gpu);
+    list = routing_block ? routing_block->take(DType::int32, {R, T}) : Tensor::empty(DType::int32, {R, T}, gpu);
     ipc::SendListArgs sl;
     sl.send_pos = send_pos.ptr<std::int32_t>();
     sl.pm = pm.ptr<std::int32_t>();
@@ -622,12 +672,18 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   }
 
   DispatchResult out;
-  out.recv_x = Tensor::empty(x.dtype, {rows, H}, gpu);
-  if (fp8) out.recv_x_scales = Tensor::empty(a.x_scales.dtype, {rows, scale_cols}, gpu);
-  if (has_topk) out.recv_topk_idx = Tensor::empty(DType::int64, {rows, K}, gpu);
-  if (has_weights) out.recv_topk_weights = Tensor::empty(DType::fp32, {rows, K}, gpu);
+  // The outputs in one block (the source indices too: they go into the handle).
+  Carver outputs({Carver::bytes(x.dtype, {rows, H}), fp8 ? Carver::bytes(a.x_scales.dtype, {rows, scale_cols}) : 0,
+                  has_topk ? Carver::bytes(DType::int64, {rows, K}) : 0,
+                  has_weights ? Carver::bytes(DType::fp32, {rows, K}) : 0,
+                  cached ? 0 : Carver::bytes(DType::int32, {rows})},
+                 gpu);
+  out.recv_x = outputs.take(x.dtype, {rows, H});
+  if (fp8) out.recv_x_scales = outputs.take(a.x_scales.dtype, {rows, scale_cols});
+  if (has_topk) out.recv_topk_idx = outputs.take(DType::int64, {rows, K});
+  if (has_weights) out.recv_topk_weights = outputs.take(DType::fp32, {rows, K});
   Tensor recv_src;
-  if (!cached) recv_src = Tensor::empty(DType::int32, {rows}, gpu);
+  if (!cached) recv_src = outputs.take(DType::int32, {rows});
 
   ipc::DispatchSendArgs sa;
   sa.x = x.data;
@@ -729,7 +785,6 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   if (cached) {
     out.handle = *a.handle;
   } else {
-    in_rank = Tensor::empty(DType::boolean, {T, R}, gpu);
     if (T > 0)
       EPMOE_CUDA_CHECK(
           cudaMemcpyAsync(in_rank.data(), a.is_token_in_rank.data, in_rank.nbytes(), cudaMemcpyDeviceToDevice, s));
@@ -811,8 +866,9 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   const Device gpu = Device::cuda(dev);
 
   CombineResult out;
-  out.combined_x = Tensor::empty(DType::bf16, {T, H}, gpu);
-  if (has_w) out.combined_topk_weights = Tensor::empty(DType::fp32, {T, K}, gpu);
+  Carver outputs({Carver::bytes(DType::bf16, {T, H}), has_w ? Carver::bytes(DType::fp32, {T, K}) : 0}, gpu);
+  out.combined_x = outputs.take(DType::bf16, {T, H});
+  if (has_w) out.combined_topk_weights = outputs.take(DType::fp32, {T, K});
 
   ipc::NotifyArgs n;
   n.phase = ipc::kPhaseCombineNotify;

@@ -178,6 +178,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
       opts.device = r;
       opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_t, c.H, kRanks, c.K);
       opts.use_copy_engine = c.copy_engine;
+      opts.copy_engine_min_rows = 0;  // the copy-engine path at every size (its default starts at 1024 rows)
       opts.num_chunks = c.chunks;
     } else {
       opts.backend = Backend::threads;

@@ -118,6 +118,7 @@ TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
     o.backend = Backend::cuda_ipc;
     o.device = me;
     o.use_copy_engine = copy_engine;
+    o.copy_engine_min_rows = 0;  // the copy-engine path even for these few rows
     o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, H, R, K);
     Buffer buf(test_group(), o);
     const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, me);

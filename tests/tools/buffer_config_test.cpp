@@ -103,9 +103,11 @@ TEST(BufferConfig, FileRoundTrip) {
   o.num_sms = static_cast<int>(rng() % 64) + 1;
   o.num_chunks = static_cast<int>(rng() % 16) + 1;
   o.use_copy_engine = (rng() & 1) != 0;
+  o.copy_engine_min_rows = static_cast<std::int64_t>(rng() % 100000);
   const std::string text = buffer_config_json(o);
   // Hand-made: every tunable, keys sorted (nlohmann's object order).
-  EXPECT_EQ(text, "{\n  \"num_chunks\": " + std::to_string(o.num_chunks) + ",\n  \"num_sms\": " +
+  EXPECT_EQ(text, "{\n  \"copy_engine_min_rows\": " + std::to_string(o.copy_engine_min_rows) +
+                      ",\n  \"num_chunks\": " + std::to_string(o.num_chunks) + ",\n  \"num_sms\": " +
                       std::to_string(o.num_sms) + ",\n  \"use_copy_engine\": " +
                       (o.use_copy_engine ? "true" : "false") + "\n}");
   const std::string path = ::testing::TempDir() + "epmoe_buffer_config_test.json";
@@ -115,6 +117,7 @@ TEST(BufferConfig, FileRoundTrip) {
   EXPECT_EQ(back.num_sms, o.num_sms);
   EXPECT_EQ(back.num_chunks, o.num_chunks);
   EXPECT_EQ(back.use_copy_engine, o.use_copy_engine);
+  EXPECT_EQ(back.copy_engine_min_rows, o.copy_engine_min_rows);
   std::remove(path.c_str());
   const std::string msg = error_of([&] { load_buffer_config(path, back); });
   EXPECT_NE(msg.find("'config'"), std::string::npos) << msg;
