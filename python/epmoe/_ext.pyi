@@ -73,6 +73,8 @@ class Event:
         """True for a CUDA event (of the cuda_ipc backend)."""
     def current_stream_wait(self, stream: Optional[int] = None) -> None:
         """Makes `stream` wait for the event on the device (no host wait); no-op for a complete event."""
+    def wait_host(self) -> None:
+        """Blocks the host until the event completes, with the GIL released."""
 
 class NormalHandle:
     """What combine and a cached dispatch need (opaque; epmoe.DispatchHandle wraps it)."""

@@ -343,6 +343,11 @@ class Buffer:
             device = int(cuda.current_device()) if backend == "cuda_ipc" and cuda is not None else -1
         elif not isinstance(device, (int, np.integer)) or device < 0:
             raise invalid_argument("device", "None or a CUDA device index >= 0", repr(device))
+        # Thread ranks on GPUs share one interpreter: an op waits on the host (GIL released) before it returns, also
+        # with async_finish, so no later GIL-holding CUDA call of this thread can block the peer thread that must
+        # still enqueue its part of the op (seen as device timeouts in the Python GPU suite). Overlap needs one
+        # process per GPU (torch.distributed / mpi4py groups), as with DeepEP.
+        self._host_wait = backend == "cuda_ipc" and native_backend == "threads"
         self.rank = native_group.rank()
         self.group_size = native_group.size()
         self.group = group
@@ -576,10 +581,15 @@ class Buffer:
             native_handle = handle.native
         inputs = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
         native_event, stream, after = self._enter(inputs, previous_event, async_finish, allocate_on_comm_stream)
+        host_wait = self._host_wait
         recv_x, recv_scales, recv_idx, recv_w, counts, new_handle, event, arrays = self.runtime.dispatch(
             arg(x), arg(x_scales), arg(topk_idx), arg(topk_weights), arg(num_tokens_per_rank),
             arg(is_token_in_rank), arg(num_tokens_per_expert), native_handle, expert_alignment, num_worst_tokens,
-            native_event, async_finish, allocate_on_comm_stream, framework_of(x), stream)
+            native_event, async_finish or host_wait, allocate_on_comm_stream, framework_of(x), stream)
+        if host_wait:
+            event.wait_host()
+            if not async_finish:
+                event.current_stream_wait(stream)
         if after is not None:
             after()
         overlap = EventOverlap(event, inputs if event.is_cuda else None)
@@ -617,9 +627,14 @@ class Buffer:
         bias_0, bias_1 = Buffer._unpack_bias(bias)
         inputs = (x, topk_weights, bias_0, bias_1)
         native_event, stream, after = self._enter(inputs, previous_event, async_finish, allocate_on_comm_stream)
+        host_wait = self._host_wait
         combined, combined_w, event = self.runtime.combine(
-            arg(x), handle.native, arg(topk_weights), arg(bias_0), arg(bias_1), native_event, async_finish,
-            allocate_on_comm_stream, framework_of(x), stream)
+            arg(x), handle.native, arg(topk_weights), arg(bias_0), arg(bias_1), native_event,
+            async_finish or host_wait, allocate_on_comm_stream, framework_of(x), stream)
+        if host_wait:
+            event.wait_host()
+            if not async_finish:
+                event.current_stream_wait(stream)
         if after is not None:
             after()
         return combined, combined_w, EventOverlap(event, inputs if event.is_cuda else None)

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -128,7 +129,16 @@ void bind_buffer(nb::module_& m) {
           },
           nb::arg("stream").none() = nb::none(),
           "Makes `stream` (a cudaStream_t as an int; None: the legacy default stream) wait for the event. "
-          "No-op for a complete event.");
+          "No-op for a complete event.")
+      .def(
+          "wait_host",
+          [](const Event& e) {
+            // The GIL is released: with thread ranks, the peer rank's Python thread may still have to enqueue its
+            // part of this op. Bounded: a device wait that times out ends its kernel (the op then raises).
+            nb::gil_scoped_release release;
+            while (!e.done()) std::this_thread::yield();
+          },
+          "Blocks the host until the event completes, without holding the GIL.");
 
   nb::class_<NormalHandle>(m, "NormalHandle", "What combine and a cached dispatch need from a normal-mode dispatch.")
       .def_ro("num_tokens", &NormalHandle::num_tokens)
