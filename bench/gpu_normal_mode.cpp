@@ -151,8 +151,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--json"))
       json_path = next();
     else {
-      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] [--chunks N] [--routing DIR [--domain D]] [--json PATH]\n",
-                  argv[0]);
+      std::printf(
+          "usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] "
+          "[--chunks N] [--routing DIR [--domain D]] [--json PATH]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -164,9 +166,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
-  std::printf("bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, runs=%d, seed %llu\n",
-              prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks, runs,
-              static_cast<unsigned long long>(seed));
+  std::printf(
+      "bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, runs=%d, seed %llu\n",
+      prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks, runs,
+      static_cast<unsigned long long>(seed));
 
   // times[op][rank][run]
   const char* ops[] = {"dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"};
@@ -338,11 +341,11 @@ int main(int argc, char** argv) {
       std::perror(json_path.c_str());
       return 1;
     }
-    std::fprintf(
-        f,
-        "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, \"sms\": %d, \"copy_engine\": %d, \"chunks\": %d,\n  \"routing\": \"%s\",\n",
-        prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks,
-        routing.empty() ? "uniform random" : (routing + ":" + domain + ":layer0").c_str());
+    std::fprintf(f,
+                 "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, "
+                 "\"sms\": %d, \"copy_engine\": %d, \"chunks\": %d,\n  \"routing\": \"%s\",\n",
+                 prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine,
+                 chunks, routing.empty() ? "uniform random" : (routing + ":" + domain + ":layer0").c_str());
     std::fprintf(f,
                  "  \"seed\": %llu,\n  \"runs\": %d,\n  \"peer_copy_one_way_gbps\": %.1f,\n  "
                  "\"peer_copy_two_way_gbps\": %.1f,\n",

@@ -114,7 +114,8 @@ int main(int argc, char** argv) {
     std::printf("%-34s blocks %3d threads %4d vec %d: %8.1f us  %6.1f GB/s per direction\n", what, blocks, threads,
                 vec, us, gbs);
     if (js)
-      std::fprintf(js, "%s{\"what\": \"%s\", \"blocks\": %d, \"threads\": %d, \"vec\": %d, \"us\": %.2f, \"gbs\": %.1f}",
+      std::fprintf(js,
+                   "%s{\"what\": \"%s\", \"blocks\": %d, \"threads\": %d, \"vec\": %d, \"us\": %.2f, \"gbs\": %.1f}",
                    first ? "" : ",\n", what, blocks, threads, vec, us, gbs);
     first = false;
   };

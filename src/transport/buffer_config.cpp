@@ -51,9 +51,11 @@ void apply_buffer_config_json(std::string_view json_text, BufferOptions& options
   try {
     j = nlohmann::json::parse(json_text);
   } catch (const nlohmann::json::parse_error& e) {
-    throw_invalid_argument(source, "a JSON object of BufferOptions fields", fmt::format("text that is not JSON ({})", e.what()));
+    throw_invalid_argument(source, "a JSON object of BufferOptions fields",
+                           fmt::format("text that is not JSON ({})", e.what()));
   }
-  EPMOE_CHECK_ARG(j.is_object(), source, "a JSON object of BufferOptions fields", fmt::format("a JSON {}", type_name(j)));
+  EPMOE_CHECK_ARG(j.is_object(), source, "a JSON object of BufferOptions fields",
+                  fmt::format("a JSON {}", type_name(j)));
   // Check every field before setting any, so a bad file leaves `options` as it was.
   BufferOptions out = options;
   for (const auto& [key, value] : j.items()) {
@@ -62,7 +64,8 @@ void apply_buffer_config_json(std::string_view json_text, BufferOptions& options
     for (const Field& f : kFields)
       if (key == f.name) field = &f;
     const std::string arg = fmt::format("{}:{}", source, key);  // e.g. "cfg.json:num_sms"
-    EPMOE_CHECK_ARG(field != nullptr, arg, fmt::format("one of the known fields ({}) or a note starting with '_'", known_fields()),
+    EPMOE_CHECK_ARG(field != nullptr, arg,
+                    fmt::format("one of the known fields ({}) or a note starting with '_'", known_fields()),
                     "an unknown field");
     std::visit(
         [&](auto member) {
@@ -71,10 +74,13 @@ void apply_buffer_config_json(std::string_view json_text, BufferOptions& options
             EPMOE_CHECK_ARG(value.is_boolean(), arg, "true or false", value.dump());
             out.*member = value.get<bool>();
           } else {
-            EPMOE_CHECK_ARG(value.is_number_integer(), arg, fmt::format("an integer in [{}, {}]", field->min, field->max),
+            EPMOE_CHECK_ARG(value.is_number_integer(), arg,
+                            fmt::format("an integer in [{}, {}]", field->min, field->max),
                             fmt::format("{} ({})", value.dump(), type_name(value)));
-            const std::int64_t v = value.is_number_unsigned() && value.get<std::uint64_t>() > kNoMax ? kNoMax : value.get<std::int64_t>();
-            EPMOE_CHECK_ARG(v >= field->min && v <= field->max, arg, fmt::format("an integer in [{}, {}]", field->min, field->max), v);
+            const std::int64_t v =
+                value.is_number_unsigned() && value.get<std::uint64_t>() > kNoMax ? kNoMax : value.get<std::int64_t>();
+            EPMOE_CHECK_ARG(v >= field->min && v <= field->max, arg,
+                            fmt::format("an integer in [{}, {}]", field->min, field->max), v);
             out.*member = static_cast<T>(v);
           }
         },

@@ -751,7 +751,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
       ipc::launch_wait_chunk(c, j, ipc::kPhaseDispatchData, st);
       for (int src = 0; src < R; ++src) {
         if (src == me) continue;
-        const std::int64_t lo = ipc::stage_begin(count[src], j, chunks_), hi = ipc::stage_begin(count[src], j + 1, chunks_);
+        const std::int64_t lo = ipc::stage_begin(count[src], j, chunks_),
+                           hi = ipc::stage_begin(count[src], j + 1, chunks_);
         pull(src, out.recv_x.data(), L.x_off, x_row, lo, hi, st);
         if (j + 1 == chunks_) {  // the small fields of the whole run, once every stage is published
           const std::int64_t n = count[src];

@@ -272,7 +272,8 @@ __global__ void __launch_bounds__(kThreads)
       char* region = data_region(c.peers[a.gather ? c.rank : d]);
       dst_x[d] = own_output ? static_cast<char*>(a.recv_x) : region + L.x_off;
       dst_scale[d] = own_output ? static_cast<char*>(a.recv_scales) : region + L.scale_off;
-      dst_idx[d] = own_output ? reinterpret_cast<long long*>(a.recv_idx) : reinterpret_cast<long long*>(region + L.idx_off);
+      dst_idx[d] =
+          own_output ? reinterpret_cast<long long*>(a.recv_idx) : reinterpret_cast<long long*>(region + L.idx_off);
       dst_w[d] = own_output ? a.recv_w : reinterpret_cast<float*>(region + L.w_off);
       dst_src[d] = own_output ? a.recv_src : reinterpret_cast<std::int32_t*>(region + L.src_off);
       shift[d] = (a.gather && !own_output) ? grouped - before : 0;
@@ -587,7 +588,8 @@ __device__ __forceinline__ void gather_row(const GatherArgs& a, std::int64_t t, 
   }
   if (a.scales) {
     const int nscale = static_cast<int>(a.scale_row / 4);
-    const std::int32_t* ss = reinterpret_cast<const std::int32_t*>(static_cast<const char*>(a.scales) + t * a.scale_row);
+    const std::int32_t* ss =
+        reinterpret_cast<const std::int32_t*>(static_cast<const char*>(a.scales) + t * a.scale_row);
     std::int32_t* ds = reinterpret_cast<std::int32_t*>(scales + row * a.scale_row);
     for (int i = lane; i < nscale; i += 32) ds[i] = ss[i];
   }

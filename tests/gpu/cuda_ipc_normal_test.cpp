@@ -522,8 +522,8 @@ TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
       message = e.what();
       if (e.code() != ErrorCode::invalid_argument) throw;
     }
-    if (message.find("'hidden' differs across ranks") == std::string::npos || message.find("2048") == std::string::npos ||
-        message.find("4096") == std::string::npos)
+    if (message.find("'hidden' differs across ranks") == std::string::npos ||
+        message.find("2048") == std::string::npos || message.find("4096") == std::string::npos)
       throw std::runtime_error("rank " + std::to_string(r) + ": unexpected error message: '" + message + "'");
     const Tensor good = to_gpu(test::random_bf16(rng, 64, 4096), r);
     a.x = good;
