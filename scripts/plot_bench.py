@@ -14,8 +14,13 @@ import sys
 
 
 def load(path):
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"plot_bench: cannot read {path}: {e.strerror}")
+    except ValueError as e:
+        raise SystemExit(f"plot_bench: {path} is not JSON ({e})")
     if data.get("command") != "bench" or not isinstance(data.get("results"), list):
         raise SystemExit(f"plot_bench: {path} is not the JSON of `epmoe bench` (no 'results' list)")
     return data

@@ -466,7 +466,7 @@ int run(RunConfig c) {
         c.kind == DeviceKind::cuda
             ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
                           c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
-            : fmt::format("{} CPU ranks ({})", c.ranks, c.backend);
+            : fmt::format("{} CPU rank{} ({})", c.ranks, c.ranks == 1 ? "" : "s", c.backend);
     fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
                where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
                c.experts_impl);
