@@ -263,6 +263,29 @@ TEST(Cli, TuneRefusesWithoutGpus) {
   EXPECT_FALSE(std::filesystem::exists(temp_path("tune.json")));
 }
 
+TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {
+  // 1e11 tokens of H=2048 need petabytes: named as a size problem (exit 2), not a failed allocation.
+  const CliResult r = run_cli("run --device cpu --tokens 99999999999");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--tokens"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("GiB"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("PASS"), std::string::npos) << r.out;
+}
+
+TEST(Cli, TuneNamesBadFlagsOnAnyMachine) {
+  // Flags are checked before the GPU lookup: a bad list or objective is named with or without GPUs.
+  CliResult r = run_cli("tune --device cpu --sms 8,abc");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--sms'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("8,abc"), std::string::npos) << r.err;
+  r = run_cli("tune --device cpu --chunks 0,99");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--chunks'"), std::string::npos) << r.err;
+  r = run_cli("tune --device cpu --objective foo");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--objective'"), std::string::npos) << r.err;
+}
+
 TEST(Cli, BenchOnGpusHasPeerCopyFloorsAndNcclStatus) {
   if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
   const std::string out = temp_path("bench.json");

@@ -657,17 +657,6 @@ int bench(BenchConfig c) {
 }
 
 int tune(BenchConfig c) {
-  std::string why;
-  if (c.device == "cpu" || cuda_device_count(&why) == 0)
-    throw Error(ErrorCode::unsupported,
-                fmt::format("epmoe: tune: num_sms is a setting of the cuda_ipc backend and needs CUDA GPUs; {}",
-                            c.device == "cpu" ? "--device cpu was given" : why));
-  c.kind = DeviceKind::cuda;
-  apply_config_flag(c.config, c.options);
-  const int R = gpu_ranks(c);
-  c.ranks = R;
-  check_shape(c, R);
-  if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   auto parse_list = [](std::string_view flag, const std::string& text, int lo, int hi) {
     std::vector<int> out;
     const std::string expected = fmt::format("a comma-separated list of integers in [{}, {}]", lo, hi);
@@ -694,6 +683,18 @@ int tune(BenchConfig c) {
     for (int ch : chunks) points.emplace_back(s, ch);
   if (c.objective != "max" && c.objective != "sum" && c.objective != "dispatch" && c.objective != "combine")
     bad("--objective", "max, sum, dispatch or combine", c.objective);
+  // Flags are checked before looking for GPUs, so a bad value is named on any machine.
+  std::string why;
+  if (c.device == "cpu" || cuda_device_count(&why) == 0)
+    throw Error(ErrorCode::unsupported,
+                fmt::format("epmoe: tune: num_sms is a setting of the cuda_ipc backend and needs CUDA GPUs; {}",
+                            c.device == "cpu" ? "--device cpu was given" : why));
+  c.kind = DeviceKind::cuda;
+  apply_config_flag(c.config, c.options);
+  const int R = gpu_ranks(c);
+  c.ranks = R;
+  check_shape(c, R);
+  if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   if (!std::ofstream(c.output, std::ios::app)) bad("--output", "a writable file", c.output);
   const std::uint64_t seed = fresh_seed(c.seed);
   const std::string dop = c.dispatch_dtype == "fp8" ? "dispatch_fp8" : "dispatch_bf16";

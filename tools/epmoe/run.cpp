@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -461,16 +463,6 @@ int run(RunConfig c) {
   if (c.iters < 1) bad("--iters", ">= 1", c.iters);
   if (!c.json.empty() && !std::ofstream(c.json, std::ios::app)) bad("--json", "a writable file", c.json);
 
-  if (root) {
-    const std::string where =
-        c.kind == DeviceKind::cuda
-            ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
-                          c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
-            : fmt::format("{} CPU rank{} ({})", c.ranks, c.ranks == 1 ? "" : "s", c.backend);
-    fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
-               where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
-               c.experts_impl);
-  }
   RoutingTrace trace;
   const bool replay = !c.routing.empty();
   if (replay) {
@@ -487,6 +479,29 @@ int run(RunConfig c) {
     if (root)
       fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
                trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
+  }
+  {
+    // Host memory the job needs, roughly (bf16 weights of every expert, plus each rank's tokens, their K copies
+    // after dispatch and the expert intermediates), against the machine's: an impossible size is named here, not
+    // by a failed allocation later.
+    const double weights = static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2;
+    const double per_rank = static_cast<double>(c.tokens) * (c.hidden * 2.0 * (3 + c.topk) + 4.0 * c.intermediate * c.topk);
+    const double need = weights + per_rank * c.ranks;
+    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    if (have > 0 && need > have)
+      bad("--tokens/--hidden/--experts/--intermediate",
+          fmt::format("sizes whose host memory fits this machine's {:.1f} GiB", have / 1073741824.0),
+          fmt::format("about {:.1f} GiB (weights {:.1f} GiB)", need / 1073741824.0, weights / 1073741824.0));
+  }
+  if (root) {
+    const std::string where =
+        c.kind == DeviceKind::cuda
+            ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
+                          c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
+            : fmt::format("{} CPU rank{} ({})", c.ranks, c.ranks == 1 ? "" : "s", c.backend);
+    fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
+               where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
+               c.experts_impl);
   }
   const auto tg = Clock::now();
   if (root)
