@@ -419,7 +419,12 @@ int run(RunConfig c) {
   if (c.backend == "mpi") {
     session.emplace(nullptr, nullptr);
     mpi_group = make_mpi_group();
-    c.ranks = mpi_group->size();  // one rank per process of mpirun
+    // One rank per process of mpirun: --ranks, when given, must say the same (outside mpirun there is 1 process).
+    if (c.ranks_given && c.ranks != mpi_group->size())
+      bad("--ranks", fmt::format("the number of MPI processes ({}: set it with mpirun -np) or nothing with --backend mpi",
+                                 mpi_group->size()),
+          c.ranks);
+    c.ranks = mpi_group->size();
     root = mpi_group->rank() == 0;
   }
 #endif
@@ -450,7 +455,8 @@ int run(RunConfig c) {
   apply_config_flag(c.config, c.buffer_options);
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
-  if (c.experts % c.ranks != 0) bad("--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
+  if (c.experts % c.ranks != 0)
+    bad(c.backend == "mpi" ? "mpirun -np" : "--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
   if (c.intermediate < 1) bad("--intermediate", ">= 1", c.intermediate);
