@@ -12,6 +12,7 @@
 #include <epmoe/group.hpp>
 #include <epmoe/layout.hpp>
 #include <epmoe/quant.hpp>
+#include <epmoe/replay.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -86,13 +87,14 @@ struct Case {
   bool async = false;
   bool copy_engine = true;  ///< BufferOptions::use_copy_engine (false: SM stores only)
   int chunks = 0;           ///< BufferOptions::num_chunks (0: the default)
+  bool olmoe = false;       ///< replay recorded OLMoE routing (SPEC 14, layer 0, ids mapped to E) instead of random
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
        << (fp8 ? ue8m0 ? " fp8/ue8m0" : " fp8/f32" : " bf16") << (int32_idx ? " int32 ids" : "")
        << " p(-1)=" << p_minus_one << " only_expert=" << only_expert << " all-1 rank=" << all_minus_one_rank
        << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "")
-       << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks;
+       << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks << (olmoe ? " olmoe routing" : "");
     return os.str();
   }
 };
@@ -131,11 +133,20 @@ std::vector<RankIn> make_inputs(const Case& c, std::uint64_t seed) {
     i.seed = rng();
     i.x = random_x(rng, T, c.H, c.fp8);
     if (c.fp8) i.scales = random_scales(rng, T, c.H, c.ue8m0);
-    test::RoutingOptions ro;
-    ro.p_minus_one = r == c.all_minus_one_rank ? 1.0 : c.p_minus_one;
-    ro.only_expert = c.only_expert;
-    Tensor idx = test::random_topk_idx(rng, T, c.K, c.E, ro);
-    i.w = test::random_topk_weights(rng, idx);
+    Tensor idx;
+    if (c.olmoe) {
+      static const RoutingTrace trace =
+          load_routing_trace(std::string(EPMOE_TEST_DATA_DIR) + "/olmoe-routing", "general");
+      const ReplayedRouting rr = replay_routing(trace, 0, 0, r, T, c.E);
+      idx = rr.topk_idx;
+      i.w = rr.topk_weights;
+    } else {
+      test::RoutingOptions ro;
+      ro.p_minus_one = r == c.all_minus_one_rank ? 1.0 : c.p_minus_one;
+      ro.only_expert = c.only_expert;
+      idx = test::random_topk_idx(rng, T, c.K, c.E, ro);
+      i.w = test::random_topk_weights(rng, idx);
+    }
     if (c.int32_idx) {
       i.idx = Tensor::empty(DType::int32, idx.shape());
       for (std::int64_t j = 0; j < idx.numel(); ++j)
@@ -491,6 +502,28 @@ TEST(GpuCudaIpcNormal, CopyEngineStagesFromOneToSixteenIncludingEmptyOnes) {
       c.cached = true;
       check_case(c);
     }
+}
+
+TEST(GpuCudaIpcNormal, RealOlmoeRoutingAndLargeBatchesMatch) {
+  REQUIRE_TWO_GPUS();
+  // Recorded OLMoE routing (skewed, SPEC 14) on both paths, then T = 16384 per rank (quick mode: 2048).
+  for (bool copy_engine : {true, false}) {
+    Case c;
+    c.olmoe = true;
+    c.K = 8;
+    c.E = 256;
+    c.T = {1024, 777};
+    c.H = 4096;
+    c.copy_engine = copy_engine;
+    c.cached = true;
+    check_case(c);
+  }
+  Case big;
+  const std::int64_t T = gputest::quick() ? 2048 : 16384;
+  big.T = {T, T};
+  big.H = 2048;
+  big.bias = false;
+  check_case(big);
 }
 
 TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
