@@ -25,6 +25,8 @@ torch tensors or CuPy arrays, by DLPack; outputs in the caller's framework and o
 - ``quantize_fp8``, ``dequantize_fp8``: per-token-group fp8 (round_scale, UE8M0).
 - ``MoELayer`` and the ``make_*`` factories: the modular layer; ``MoEModule`` (torch.nn.Module) when torch
   is installed.
+- ``rebalance_experts`` (DeepSeek EPLB), ``map_to_physical``, ``ExpertLoadRecorder``: expert load statistics
+  and load balancing.
 - ``Error``: every failure; ``str(e)`` is the C++ message, ``e.code`` its kind.
 """
 
@@ -36,6 +38,7 @@ from . import _ext
 from ._group import Group, as_group, run_thread_ranks
 from ._tensor import BFLOAT16, FLOAT8_E4M3FN
 from .buffer import Buffer, Config, DispatchHandle, Event, EventOverlap, LowLatencyHandle
+from .eplb import ExpertLoadRecorder, map_to_physical, rebalance_experts
 from .moe import (ACTIVATIONS, Experts, MoELayer, PrepareFinalize, WorkspaceCache, make_blas_experts,
                   make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize,
                   make_reference_experts)
@@ -69,6 +72,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ACTIVATIONS", "BFLOAT16", "Buffer", "Config", "DispatchHandle", "Error", "Event", "EventOverlap", "Experts",
+    "ExpertLoadRecorder", "map_to_physical", "rebalance_experts",
     "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
     "as_group", "built_with_cuda", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
     "grouped_topk", "make_blas_experts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",

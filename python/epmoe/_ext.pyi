@@ -241,6 +241,34 @@ def set_current_stream(stream: Optional[int]) -> Optional[int]:
     """Sets the calling thread's current CUDA stream for epmoe's functions (cudaStream_t as an int; None:
     the legacy default stream); returns the previous one (None for the default)."""
 
+# Expert load statistics and EPLB (SPEC 9), host only.
+def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int) -> Tuple[Any, Any, Any]:
+    """DeepSeek's EPLB on a C-contiguous float64 [L, E] NumPy array: (phy2log int64 [L, P], log2phy int64
+    [L, E, X] padded with -1, logcnt int64 [L, E]) as NumPy arrays."""
+def map_to_physical(topk_idx: ArrayArg, logical_to_physical: Any, logical_replica_count: Any, layer: int,
+                    framework: str = "numpy") -> Array:
+    """Physical slot ids [T, K] (topk_idx's dtype) of logical ids; replica t mod count; -1 kept. The maps are
+    C-contiguous int64 NumPy arrays [L, E, X] and [L, E]."""
+
+class ExpertLoadRecorder:
+    """Tokens per (layer, expert) over a window (use epmoe.ExpertLoadRecorder)."""
+    num_layers: int
+    num_experts: int
+    num_ranks: int
+    window: int
+    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int) -> None: ...
+    def record(self, layer: int, num_tokens_per_expert: ArrayArg) -> None:
+        """Adds int32/int64 [E] host counts for `layer`."""
+    def loads(self) -> Any:
+        """int64 [L, E] NumPy array."""
+    def balancedness(self) -> Any:
+        """float64 [L] NumPy array: mean / max load per rank."""
+    def num_records(self) -> Any:
+        """int64 [L] NumPy array."""
+    def to_json(self) -> str: ...
+    def reset(self) -> None: ...
+
 # Builds with MPI only (has_mpi):
 def mpi_library_version() -> str:
     """MPI_Get_library_version() of the MPI library this extension links (callable before MPI_Init)."""

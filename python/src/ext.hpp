@@ -78,6 +78,7 @@ void bind_group(nb::module_& m);
 void bind_buffer(nb::module_& m);
 void bind_ops(nb::module_& m);
 void bind_moe(nb::module_& m);
+void bind_eplb(nb::module_& m);
 /// mpi_library_version() and mpi_group_from_fortran() when built with MPI (nothing otherwise).
 void bind_mpi(nb::module_& m);
 

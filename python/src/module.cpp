@@ -211,4 +211,5 @@ NB_MODULE(_ext, m) {
   py::bind_buffer(m);
   py::bind_ops(m);
   py::bind_moe(m);
+  py::bind_eplb(m);
 }

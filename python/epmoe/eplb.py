@@ -1,0 +1,131 @@
+"""Expert load statistics and expert-parallel load balancing (SPEC 9), on the host.
+
+``rebalance_experts`` is DeepSeek's EPLB (github.com/deepseek-ai/EPLB, ``eplb.rebalance_experts``: same
+names, argument order and outputs), computed in float64 by epmoe's C++ core with every tie fixed (see
+``rebalance_experts``). ``map_to_physical`` routes logical expert ids to the replicas of a plan, and
+``ExpertLoadRecorder`` collects the loads to plan from (the ``num_tokens_per_expert`` of
+``get_dispatch_layout``). Errors are ``epmoe.Error`` naming the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import numpy as np
+
+from . import _ext
+from ._tensor import arg, framework_of, is_torch
+
+
+def _host_numpy(x: Any, dtype: Any) -> np.ndarray:
+    """A C-contiguous NumPy array of `dtype` with x's values (torch tensors are moved to the CPU)."""
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _like(x: Any, *arrays: np.ndarray) -> Any:
+    """The arrays as torch CPU tensors when x is a torch tensor, else as they are."""
+    if is_torch(x):
+        import torch
+        return tuple(torch.from_numpy(a) for a in arrays)
+    return arrays
+
+
+def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int) -> Tuple[Any, Any, Any]:
+    """DeepSeek's EPLB: replicate hot experts into spare slots and pack the slots onto GPUs.
+
+    Arguments:
+        weight: [L, E] load of each logical expert per layer (e.g. tokens; NumPy array or torch tensor of any
+            real dtype, converted to float64), finite and >= 0.
+        num_replicas: P, physical expert slots in total; P >= E and a multiple of num_gpus.
+        num_groups: G expert groups (E % G == 0; group g = experts g*E/G .. (g+1)*E/G - 1).
+        num_nodes: N server nodes; num_gpus % N == 0.
+        num_gpus: M GPUs in total; slot p lives on GPU p // (P/M), GPU m on node m // (M/N).
+
+    Hierarchical when G % N == 0: groups are packed onto nodes (G/N each) by balanced packing of their summed
+    loads, each node's E/N experts get P/N slots (one more replica at a time to the expert with the largest
+    load per replica), and each node's slots are packed onto its GPUs (P/M each) by load per replica. Else the
+    same with one group on one node (global). Balanced packing puts items in descending load order into the
+    lightest pack with room. Ties: lower item index first, lower pack index, lower expert index; with one
+    item per pack, item i goes to pack i.
+
+    Returns: (phy2log int64 [L, P], log2phy int64 [L, E, X] padded with -1 where X is the most replicas of
+    any expert, logcnt int64 [L, E]); NumPy arrays, torch CPU tensors when weight is a torch tensor.
+    log2phy[l, e, r] is the slot of expert e's replica r.
+    Errors: epmoe.Error('invalid_argument') naming 'weight', 'num_replicas', 'num_groups', 'num_nodes' or
+    'num_gpus'.
+    """
+    w = _host_numpy(weight, np.float64)
+    phy2log, log2phy, logcnt = _ext.rebalance_experts(w, int(num_replicas), int(num_groups), int(num_nodes),
+                                                      int(num_gpus))
+    return _like(weight, phy2log, log2phy, logcnt)
+
+
+def map_to_physical(topk_idx: Any, logical_to_physical: Any, logical_replica_count: Any, layer: int) -> Any:
+    """Maps logical expert ids of one layer to physical slots of a rebalance_experts plan.
+
+    Arguments:
+        topk_idx: int32 or int64 [T, K] logical ids in [0, E) or -1 (NumPy array or torch CPU tensor).
+        logical_to_physical: int64 [L, E, X] (log2phy); logical_replica_count: int64 [L, E] (logcnt).
+        layer: which layer's plan, in [0, L).
+
+    Token t's choice e goes to replica t mod logcnt[layer, e] (deterministic; spreads an expert's tokens
+    evenly over its replicas); -1 stays -1.
+    Returns: physical ids, topk_idx's dtype, shape and framework.
+    Errors: epmoe.Error('invalid_argument') naming 'topk_idx', 'logical_to_physical', 'logical_replica_count'
+    or 'layer'.
+    """
+    return _ext.map_to_physical(arg(topk_idx), _host_numpy(logical_to_physical, np.int64),
+                                _host_numpy(logical_replica_count, np.int64), int(layer), framework_of(topk_idx))
+
+
+class ExpertLoadRecorder:
+    """Tokens per (layer, expert) over each layer's last `window` records; balancedness; JSON.
+
+    Expert e belongs to rank e // (num_experts // num_ranks). Record the ``num_tokens_per_expert`` that
+    ``get_dispatch_layout`` returns (int32 [E], host arrays: recording never waits on a device). Not
+    thread-safe. Errors: epmoe.Error('invalid_argument') naming 'num_layers', 'num_experts', 'num_ranks' (must
+    divide num_experts) or 'window' (each >= 1).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int) -> None:
+        self._impl = _ext.ExpertLoadRecorder(int(num_layers), int(num_experts), int(num_ranks), int(window))
+
+    num_layers = property(lambda self: self._impl.num_layers)
+    num_experts = property(lambda self: self._impl.num_experts)
+    num_ranks = property(lambda self: self._impl.num_ranks)
+    window = property(lambda self: self._impl.window)
+
+    def record(self, layer: int, num_tokens_per_expert: Any) -> None:
+        """Adds one step's counts (int32 or int64 [E], >= 0, on the CPU) for `layer`; the oldest record of the
+        layer drops out once it holds `window`. Errors name 'layer' or 'num_tokens_per_expert'."""
+        self._impl.record(int(layer), arg(num_tokens_per_expert))
+
+    def loads(self) -> np.ndarray:
+        """int64 [L, E]: tokens per expert summed over each layer's window (the weight for rebalance_experts)."""
+        return self._impl.loads()
+
+    def balancedness(self) -> np.ndarray:
+        """float64 [L]: mean load per rank / max load per rank (1 is balanced; 1 for a layer with no tokens)."""
+        return self._impl.balancedness()
+
+    def num_records(self) -> np.ndarray:
+        """int64 [L]: records in each layer's window."""
+        return self._impl.num_records()
+
+    def to_json(self) -> str:
+        """{"num_layers", "num_experts", "num_ranks", "window", "num_records", "loads", "balancedness"}."""
+        return self._impl.to_json()
+
+    def reset(self) -> None:
+        """Forgets every record."""
+        self._impl.reset()
+
+    def __repr__(self) -> str:
+        return (f"epmoe.ExpertLoadRecorder(num_layers={self.num_layers}, num_experts={self.num_experts}, "
+                f"num_ranks={self.num_ranks}, window={self.window})")
+
+
+__all__ = ["ExpertLoadRecorder", "map_to_physical", "rebalance_experts"]

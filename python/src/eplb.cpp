@@ -1,0 +1,119 @@
+// epmoe._ext: expert load statistics and EPLB (SPEC 9), host only.
+#include "ext.hpp"
+
+#include <epmoe/eplb.hpp>
+#include <epmoe/error.hpp>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+
+#include <fmt/format.h>
+
+#include <span>
+
+namespace epmoe::py {
+
+namespace {
+
+template <class T>
+nb::object numpy_array(std::vector<T>&& values, std::initializer_list<size_t> shape) {
+  auto* heap = new std::vector<T>(std::move(values));
+  if (heap->empty()) heap->reserve(1);  // a valid pointer for empty arrays
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape.size(), shape.begin(), owner));
+}
+
+// A C-contiguous host array of T with `ndim` dimensions; anything else is invalid_argument naming `name`.
+template <class T>
+std::span<const T> host_array(const nb::ndarray<nb::ro>& a, size_t ndim, const char* name, const char* dtype_name) {
+  const bool ok_dtype = a.dtype() == nb::dtype<T>();
+  bool contiguous = true;
+  int64_t expect = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect) contiguous = false;
+    expect *= static_cast<int64_t>(a.shape(d));
+  }
+  if (!ok_dtype || a.ndim() != ndim || a.device_type() != nb::device::cpu::value || !contiguous) {
+    std::string shape = "[";
+    for (size_t d = 0; d < a.ndim(); ++d) shape += fmt::format("{}{}", d ? ", " : "", a.shape(d));
+    throw_invalid_argument(name, fmt::format("a C-contiguous {}-d {} host array", ndim, dtype_name),
+                           fmt::format("{}-d shape {}{}", a.ndim(), shape + "]", ok_dtype ? "" : " of another dtype"));
+  }
+  return {static_cast<const T*>(a.data()), a.size()};
+}
+
+}  // namespace
+
+void bind_eplb(nb::module_& m) {
+  m.def(
+      "rebalance_experts",
+      [](nb::ndarray<nb::ro> weight, std::int64_t num_replicas, std::int64_t num_groups, std::int64_t num_nodes,
+         std::int64_t num_gpus) {
+        const auto w = host_array<double>(weight, 2, "weight", "float64");
+        const auto L = static_cast<std::int64_t>(weight.shape(0)), E = static_cast<std::int64_t>(weight.shape(1));
+        EplbPlan plan;
+        {
+          nb::gil_scoped_release release;
+          plan = rebalance_experts(w, L, E, num_replicas, num_groups, num_nodes, num_gpus);
+        }
+        const auto uL = static_cast<size_t>(L), uE = static_cast<size_t>(E);
+        return nb::make_tuple(
+            numpy_array(std::move(plan.physical_to_logical), {uL, static_cast<size_t>(plan.num_physical_experts)}),
+            numpy_array(std::move(plan.logical_to_physical), {uL, uE, static_cast<size_t>(plan.max_replicas)}),
+            numpy_array(std::move(plan.logical_replica_count), {uL, uE}));
+      },
+      nb::arg("weight"), nb::arg("num_replicas"), nb::arg("num_groups"), nb::arg("num_nodes"), nb::arg("num_gpus"));
+  m.def(
+      "map_to_physical",
+      [](nb::handle topk_idx, nb::ndarray<nb::ro> log2phy, nb::ndarray<nb::ro> logcnt, std::int64_t layer,
+         std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        Inputs in;
+        const TensorView idx = arg(topk_idx, "topk_idx", in);
+        const auto l2p = host_array<std::int64_t>(log2phy, 3, "logical_to_physical", "int64");
+        const auto cnt = host_array<std::int64_t>(logcnt, 2, "logical_replica_count", "int64");
+        const auto L = static_cast<std::int64_t>(log2phy.shape(0)), E = static_cast<std::int64_t>(log2phy.shape(1));
+        if (logcnt.shape(0) != log2phy.shape(0) || logcnt.shape(1) != log2phy.shape(1))
+          throw_invalid_argument("logical_replica_count", fmt::format("shape [{}, {}]", L, E),
+                                 fmt::format("[{}, {}]", logcnt.shape(0), logcnt.shape(1)));
+        Tensor out;
+        {
+          nb::gil_scoped_release release;
+          out = map_to_physical(idx, l2p, cnt, L, E, static_cast<std::int64_t>(log2phy.shape(2)), layer);
+        }
+        return to_py(out, fw);
+      },
+      nb::arg("topk_idx"), nb::arg("logical_to_physical"), nb::arg("logical_replica_count"), nb::arg("layer"),
+      nb::arg("framework") = "numpy");
+
+  nb::class_<ExpertLoadRecorder>(m, "ExpertLoadRecorder", "Tokens per (layer, expert) over a window (SPEC 9).")
+      .def(nb::init<std::int64_t, std::int64_t, std::int64_t, std::int64_t>(), nb::arg("num_layers"),
+           nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("window"))
+      .def(
+          "record",
+          [](ExpertLoadRecorder& r, std::int64_t layer, nb::handle counts) {
+            Inputs in;
+            r.record(layer, arg(counts, "num_tokens_per_expert", in));
+          },
+          nb::arg("layer"), nb::arg("num_tokens_per_expert"))
+      .def("loads",
+           [](const ExpertLoadRecorder& r) {
+             return numpy_array(r.loads(), {static_cast<size_t>(r.num_layers()), static_cast<size_t>(r.num_experts())});
+           })
+      .def("balancedness",
+           [](const ExpertLoadRecorder& r) {
+             return numpy_array(r.balancedness(), {static_cast<size_t>(r.num_layers())});
+           })
+      .def("num_records",
+           [](const ExpertLoadRecorder& r) {
+             return numpy_array(r.num_records(), {static_cast<size_t>(r.num_layers())});
+           })
+      .def("to_json", &ExpertLoadRecorder::to_json)
+      .def("reset", &ExpertLoadRecorder::reset)
+      .def_prop_ro("num_layers", &ExpertLoadRecorder::num_layers)
+      .def_prop_ro("num_experts", &ExpertLoadRecorder::num_experts)
+      .def_prop_ro("num_ranks", &ExpertLoadRecorder::num_ranks)
+      .def_prop_ro("window", &ExpertLoadRecorder::window);
+}
+
+}  // namespace epmoe::py

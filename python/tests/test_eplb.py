@@ -1,0 +1,188 @@
+"""EPLB planner, routing step and load recorder (SPEC 9) from Python: a hand-made case, an independent
+NumPy (float64) reference of DeepSeek's EPLB compared exactly on random loads, torch in / torch out, errors."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Tuple
+
+import numpy as np
+import pytest
+
+import epmoe
+
+
+# ------------------------------------------------------------------------------ reference (never calls epmoe)
+
+def _pack(loads: List[float], num_packs: int) -> List[List[int]]:
+    """Balanced packing: each pack gets len/num_packs items; heaviest first (ties: lower index) into the
+    lightest pack with room (ties: lower pack). One item per pack: item i -> pack i. Returns items per pack
+    in the order they were put in."""
+    per = len(loads) // num_packs
+    if per == 1:
+        return [[i] for i in range(len(loads))]
+    packs: List[List[int]] = [[] for _ in range(num_packs)]
+    total = [0.0] * num_packs
+    for item in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        room = [p for p in range(num_packs) if len(packs[p]) < per]
+        p = min(room, key=lambda q: (total[q], q))
+        packs[p].append(item)
+        total[p] += loads[item]
+    return packs
+
+
+def eplb_reference(weight: np.ndarray, P: int, G: int, N: int, M: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    L, E = weight.shape
+    if G % N != 0:
+        G, N = 1, 1
+    gs = E // G
+    phy2log = np.full((L, P), -1, dtype=np.int64)
+    rank = np.full((L, P), -1, dtype=np.int64)
+    logcnt = np.zeros((L, E), dtype=np.int64)
+    for l in range(L):
+        w = [float(x) for x in weight[l]]
+        group_load = [0.0] * G
+        for g in range(G):
+            for j in range(gs):
+                group_load[g] += w[g * gs + j]
+        for n, groups in enumerate(_pack(group_load, N)):
+            experts = [g * gs + j for g in groups for j in range(gs)]  # this node's experts, in pack order
+            cnt = np.ones(len(experts), dtype=np.int64)
+            slots = list(range(len(experts)))  # slot -> index into experts
+            reps = [0] * len(experts)
+            nw = np.array([w[e] for e in experts], dtype=np.float64)
+            for _ in range(P // N - len(experts)):
+                k = int(np.argmax(nw / cnt))  # first maximum: ties to the lower index
+                slots.append(k)
+                reps.append(int(cnt[k]))
+                cnt[k] += 1
+            per_slot = [float(nw[k] / cnt[k]) for k in slots]
+            order = [s for gpu in _pack(per_slot, M // N) for s in gpu]  # GPU-major
+            for i, s in enumerate(order):
+                phy2log[l, n * (P // N) + i] = experts[slots[s]]
+                rank[l, n * (P // N) + i] = reps[s]
+            for k, e in enumerate(experts):
+                logcnt[l, e] = cnt[k]
+    X = int(logcnt.max()) if L else 1
+    log2phy = np.full((L, E, X), -1, dtype=np.int64)
+    for l in range(L):
+        for p in range(P):
+            log2phy[l, phy2log[l, p], rank[l, p]] = p
+    return phy2log, log2phy, logcnt
+
+
+# ------------------------------------------------------------------------------------------------- tests
+
+def test_hand_case_one_node_two_gpus():
+    # E=4, P=6, 1 node, 2 GPUs, loads [10, 20, 40, 30] (worked out in tests/eplb/eplb_test.cpp): experts 2 and
+    # 3 get a second replica; GPU 0 holds experts [1, 2, 0], GPU 1 holds [2, 3, 3] (50 tokens each).
+    phy2log, log2phy, logcnt = epmoe.rebalance_experts(np.array([[10, 20, 40, 30]], dtype=np.float64), 6, 1, 1, 2)
+    assert phy2log.dtype == np.int64 and log2phy.dtype == np.int64 and logcnt.dtype == np.int64
+    np.testing.assert_array_equal(phy2log, [[1, 2, 0, 2, 3, 3]])
+    np.testing.assert_array_equal(logcnt, [[1, 1, 2, 2]])
+    np.testing.assert_array_equal(log2phy, [[[2, -1], [0, -1], [3, 1], [4, 5]]])
+    # Routing: token t takes replica t mod count. Token 0: [2, 3, -1] -> [3, 4, -1]; token 1: [2, 0, 3] ->
+    # [1, 2, 5]; token 2: [-1, 1, 2] -> [-1, 0, 3].
+    idx = np.array([[2, 3, -1], [2, 0, 3], [-1, 1, 2]], dtype=np.int32)
+    out = epmoe.map_to_physical(idx, log2phy, logcnt, 0)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(out, [[3, 4, -1], [1, 2, 5], [-1, 0, 3]])
+
+
+@pytest.mark.parametrize("L,E,P,G,N,M", [
+    (3, 16, 24, 4, 2, 4), (2, 64, 80, 8, 4, 8), (2, 32, 48, 8, 1, 4), (2, 24, 32, 3, 2, 4),
+    (2, 8, 8, 2, 2, 8), (2, 12, 16, 4, 2, 2), (2, 256, 288, 8, 4, 32)])
+def test_matches_reference_on_random_loads(rng, L, E, P, G, N, M):
+    for _ in range(5):
+        w = np.floor(rng.lognormal(4.0, 1.5, size=(L, E)))
+        w[rng.random((L, E)) < 0.1] = 0.0
+        w[0, 0] += 1
+        if rng.random() < 0.5:
+            w = w + rng.random((L, E))  # non-integer loads too
+        got = epmoe.rebalance_experts(w, P, G, N, M)
+        want = eplb_reference(w, P, G, N, M)
+        for g, r, name in zip(got, want, ["phy2log", "log2phy", "logcnt"]):
+            np.testing.assert_array_equal(g, r, err_msg=name)
+        # map_to_physical keeps -1 and lands in the replicas of the right expert.
+        idx = rng.integers(-1, E, size=(40, 3), dtype=np.int64)
+        for layer in range(L):
+            phys = epmoe.map_to_physical(idx, got[1], got[2], layer)
+            assert np.all((phys == -1) == (idx == -1))
+            ok = idx >= 0
+            np.testing.assert_array_equal(got[0][layer][phys[ok]], idx[ok])
+
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    w = torch.tensor([[10.0, 20.0, 40.0, 30.0]])
+    phy2log, log2phy, logcnt = epmoe.rebalance_experts(w, 6, 1, 1, 2)
+    assert isinstance(phy2log, torch.Tensor) and phy2log.dtype == torch.int64
+    assert phy2log.tolist() == [[1, 2, 0, 2, 3, 3]]
+    out = epmoe.map_to_physical(torch.tensor([[2, 3, -1]]), log2phy, logcnt, 0)
+    assert isinstance(out, torch.Tensor) and out.tolist() == [[3, 4, -1]]
+    rec = epmoe.ExpertLoadRecorder(1, 4, 2, 2)
+    rec.record(0, torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    assert rec.loads().tolist() == [[1, 2, 3, 4]]
+
+
+def test_recorder_window_balancedness_and_json():
+    # L=2, E=4, R=2, window 2. Layer 0 records [1,2,3,4], [5,0,0,1], [2,2,2,2] -> last two sum [7, 2, 2, 3];
+    # ranks 9 and 5 -> balancedness 7 / 9. Layer 1 has none: loads 0, balancedness 1.
+    rec = epmoe.ExpertLoadRecorder(2, 4, 2, 2)
+    for c in ([1, 2, 3, 4], [5, 0, 0, 1], [2, 2, 2, 2]):
+        rec.record(0, np.array(c, dtype=np.int32))
+    np.testing.assert_array_equal(rec.loads(), [[7, 2, 2, 3], [0, 0, 0, 0]])
+    np.testing.assert_allclose(rec.balancedness(), [7 / 9, 1.0], rtol=0, atol=1e-15)
+    np.testing.assert_array_equal(rec.num_records(), [2, 0])
+    j = json.loads(rec.to_json())
+    assert j["loads"] == [[7, 2, 2, 3], [0, 0, 0, 0]] and j["window"] == 2 and j["num_ranks"] == 2
+    rec.reset()
+    np.testing.assert_array_equal(rec.loads(), np.zeros((2, 4)))
+
+
+def test_recorder_random_window(rng):
+    rec = epmoe.ExpertLoadRecorder(1, 8, 4, 3)
+    history = []
+    for _ in range(10):
+        c = rng.integers(0, 1000, size=8, dtype=np.int32)
+        history.append(c.astype(np.int64))
+        rec.record(0, c)
+        np.testing.assert_array_equal(rec.loads()[0], np.sum(history[-3:], axis=0))
+
+
+@pytest.mark.parametrize("args,name", [
+    ((np.ones((2, 4)), 8, 1, 1, 3), "num_replicas"),
+    ((np.ones((2, 4)), 3, 1, 1, 1), "num_replicas"),
+    ((np.ones((2, 4)), 8, 3, 1, 2), "num_groups"),
+    ((np.ones((2, 4)), 8, 2, 2, 3), "num_gpus"),
+    ((np.ones((2, 4)), 8, 2, 0, 2), "num_nodes"),
+    ((np.ones(4), 8, 2, 1, 2), "weight"),
+    ((-np.ones((2, 4)), 8, 2, 1, 2), "weight"),
+])
+def test_planner_errors_name_the_argument(args, name):
+    with pytest.raises(epmoe.Error, match=f"'{name}'") as e:
+        epmoe.rebalance_experts(*args)
+    assert e.value.code == "invalid_argument"
+
+
+def test_routing_and_recorder_errors_name_the_argument():
+    _, log2phy, logcnt = epmoe.rebalance_experts(np.array([[10.0, 20, 40, 30]]), 6, 1, 1, 2)
+    with pytest.raises(epmoe.Error, match="'layer'"):
+        epmoe.map_to_physical(np.zeros((2, 2), np.int64), log2phy, logcnt, 1)
+    with pytest.raises(epmoe.Error, match="'topk_idx'"):
+        epmoe.map_to_physical(np.full((2, 2), 4, np.int64), log2phy, logcnt, 0)
+    with pytest.raises(epmoe.Error, match="'topk_idx'"):
+        epmoe.map_to_physical(np.zeros((2, 2), np.float32), log2phy, logcnt, 0)
+    with pytest.raises(epmoe.Error, match="'logical_replica_count'"):
+        epmoe.map_to_physical(np.zeros((2, 2), np.int64), log2phy, logcnt[:, :3], 0)
+    with pytest.raises(epmoe.Error, match="'logical_to_physical'"):
+        epmoe.map_to_physical(np.zeros((2, 2), np.int64), log2phy[0], logcnt, 0)
+    with pytest.raises(epmoe.Error, match="'num_ranks'"):
+        epmoe.ExpertLoadRecorder(1, 4, 3, 1)
+    with pytest.raises(epmoe.Error, match="'window'"):
+        epmoe.ExpertLoadRecorder(1, 4, 2, 0)
+    rec = epmoe.ExpertLoadRecorder(1, 4, 2, 1)
+    with pytest.raises(epmoe.Error, match="'num_tokens_per_expert'"):
+        rec.record(0, np.ones(3, np.int32))
+    with pytest.raises(epmoe.Error, match="'layer'"):
+        rec.record(1, np.ones(4, np.int32))
