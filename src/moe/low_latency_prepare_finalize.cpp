@@ -42,19 +42,22 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
                        H = recv_.packed_recv_x.size(2);
     PrepareOutput out;
     out.format = ActivationFormat::batched_experts;
-    out.hidden = Tensor::zeros(DType::bf16, {E_local, rows, H});
     out.expert_num_tokens = clone(recv_.packed_recv_count);
+    if (recv_.packed_recv_x.dtype == DType::bf16) {
+      // The received slabs already are the experts' BatchedExperts input: a view of the buffer's low-latency half,
+      // valid until that half's next dispatch (after this micro-batch's combine). No copy, no zero fill: the
+      // experts read rows below each count only.
+      out.hidden = Tensor::wrap(recv_.packed_recv_x, nullptr);
+      return out;
+    }
+    // fp8: dequantize the valid rows of each slab; rows past the count are never read.
+    out.hidden = Tensor::empty(DType::bf16, {E_local, rows, H});
     for (std::int64_t e = 0; e < E_local; ++e) {
       const std::int64_t n = out.expert_num_tokens.ptr<std::int32_t>()[e];
       if (n == 0) continue;
-      void* dst = out.hidden.ptr<bf16_t>() + e * rows * H;
-      if (recv_.packed_recv_x.dtype == DType::bf16) {
-        std::memcpy(dst, recv_.packed_recv_x.row(e).slice_rows(0, n).data, static_cast<std::size_t>(n * H) * 2);
-      } else {
-        const Tensor d = dequantize_fp8(recv_.packed_recv_x.row(e).slice_rows(0, n),
-                                        recv_.packed_recv_x_scales.row(e).slice_rows(0, n), DType::bf16);
-        std::memcpy(dst, d.data(), d.nbytes());
-      }
+      const Tensor d = dequantize_fp8(recv_.packed_recv_x.row(e).slice_rows(0, n),
+                                      recv_.packed_recv_x_scales.row(e).slice_rows(0, n), DType::bf16);
+      std::memcpy(out.hidden.ptr<bf16_t>() + e * rows * H, d.data(), d.nbytes());
     }
     return out;
   }
