@@ -168,13 +168,6 @@ class Carver {
   std::size_t offset_ = 0;
 };
 
-void check_device_tensor(const TensorView& t, const char* name, int device) {
-  check_tensor_on(t, name, Device::cuda(device));
-}
-
-void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape, int device) {
-  epmoe::check_tensor(t, name, dtype, shape, Device::cuda(device));
-}
 
 class CudaIpcNormalImpl final : public CudaIpcNormal {
  public:
@@ -823,32 +816,12 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
 CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   check_state();
   const int R = R_, dev = device_;
-  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a dispatch of this buffer",
-                  "an empty handle");
+  const CombineSpec spec = check_combine_args(a, R, buffer_id_, Device::cuda(dev));
   const NormalHandle& h = *a.handle;
-  EPMOE_CHECK_ARG(h.buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
-                  fmt::format("a handle of buffer {}", h.buffer_id));
   const TensorView& x = a.x;
-  EPMOE_CHECK_ARG(x.defined(), "x", fmt::format("a bfloat16 [{}, H] tensor", h.num_recv_rows), "None");
-  EPMOE_CHECK_ARG(x.dtype == DType::bf16, "x", "dtype bfloat16", describe(x));
-  EPMOE_CHECK_ARG(x.ndim() == 2 && x.size(0) == h.num_recv_rows, "x",
-                  fmt::format("[{}, H]: one row per row of the dispatch's recv_x", h.num_recv_rows), describe(x));
-  const std::int64_t T = h.num_tokens, H = x.size(1);
-  EPMOE_CHECK_ARG(H > 0 && H % 8 == 0, "x", "hidden size (dimension 1) a positive multiple of 8", H);
-  check_device_tensor(x, "x", dev);
-  const bool has_w = a.topk_weights.defined();
-  int K = 0;
-  if (has_w) {
-    const TensorView& w = a.topk_weights;
-    EPMOE_CHECK_ARG(w.dtype == DType::fp32 && w.ndim() == 2 && w.size(0) == h.num_recv_rows, "topk_weights",
-                    fmt::format("float32[{}, K]", h.num_recv_rows), describe(w));
-    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kNormalMaxTopk, "topk_weights",
-                    fmt::format("K (dimension 1) in 1..{}", kNormalMaxTopk), w.size(1));
-    check_device_tensor(w, "topk_weights", dev);
-    K = static_cast<int>(w.size(1));
-  }
-  if (a.bias_0.defined()) check_tensor(a.bias_0, "bias_0", DType::bf16, Shape{T, H}, dev);
-  if (a.bias_1.defined()) check_tensor(a.bias_1, "bias_1", DType::bf16, Shape{T, H}, dev);
+  const std::int64_t T = spec.T, H = spec.H;
+  const int K = spec.K;
+  const bool has_w = K > 0;
 
   // Combine rows: x then weights, `capacity` rows each.
   ipc::DataLayout L;

@@ -111,4 +111,46 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
   return s;
 }
 
+void check_normal_handle(const NormalHandle* h, std::uint64_t buffer_id, int R) {
+  EPMOE_CHECK_ARG(h != nullptr && h->defined(), "handle", "the handle of a dispatch of this buffer", "an empty handle");
+  EPMOE_CHECK_ARG(h->buffer_id == buffer_id, "handle", fmt::format("a handle of this buffer (id {})", buffer_id),
+                  fmt::format("a handle of buffer {}", h->buffer_id));
+  // A handle is made by dispatch; these only guard against one edited by hand.
+  EPMOE_CHECK_ARG(h->rank_prefix_matrix.dtype() == DType::int32 && h->rank_prefix_matrix.shape() == Shape({R, R}),
+                  "handle.rank_prefix_matrix", fmt::format("int32[{}, {}]", R, R), describe(h->rank_prefix_matrix));
+  EPMOE_CHECK_ARG(h->send_pos.dtype() == DType::int32 && h->send_pos.shape() == Shape({h->num_tokens, R}),
+                  "handle.send_pos", fmt::format("int32[{}, {}]", h->num_tokens, R), describe(h->send_pos));
+  EPMOE_CHECK_ARG(h->is_token_in_rank.dtype() == DType::boolean &&
+                      h->is_token_in_rank.shape() == Shape({h->num_tokens, R}),
+                  "handle.is_token_in_rank", fmt::format("bool[{}, {}]", h->num_tokens, R),
+                  describe(h->is_token_in_rank));
+}
+
+CombineSpec check_combine_args(const CombineArgs& a, int num_ranks, std::uint64_t buffer_id, Device device) {
+  check_normal_handle(a.handle, buffer_id, num_ranks);
+  const NormalHandle& h = *a.handle;
+  const TensorView& x = a.x;
+  EPMOE_CHECK_ARG(x.defined(), "x", fmt::format("a bfloat16 [{}, H] tensor", h.num_recv_rows), "None");
+  EPMOE_CHECK_ARG(x.dtype == DType::bf16, "x", "dtype bfloat16", describe(x));
+  EPMOE_CHECK_ARG(x.ndim() == 2 && x.size(0) == h.num_recv_rows, "x",
+                  fmt::format("[{}, H]: one row per row of the dispatch's recv_x", h.num_recv_rows), describe(x));
+  CombineSpec s;
+  s.T = h.num_tokens;
+  s.H = x.size(1);
+  EPMOE_CHECK_ARG(s.H > 0 && s.H % 8 == 0, "x", "hidden size (dimension 1) a positive multiple of 8", s.H);
+  check_tensor_on(x, "x", device);
+  if (a.topk_weights.defined()) {
+    const TensorView& w = a.topk_weights;
+    EPMOE_CHECK_ARG(w.dtype == DType::fp32 && w.ndim() == 2 && w.size(0) == h.num_recv_rows, "topk_weights",
+                    fmt::format("float32[{}, K]", h.num_recv_rows), describe(w));
+    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kNormalMaxTopk, "topk_weights",
+                    fmt::format("K (dimension 1) in 1..{}", kNormalMaxTopk), w.size(1));
+    check_tensor_on(w, "topk_weights", device);
+    s.K = static_cast<int>(w.size(1));
+  }
+  if (a.bias_0.defined()) check_tensor(a.bias_0, "bias_0", DType::bf16, Shape{s.T, s.H}, device);
+  if (a.bias_1.defined()) check_tensor(a.bias_1, "bias_1", DType::bf16, Shape{s.T, s.H}, device);
+  return s;
+}
+
 }  // namespace epmoe

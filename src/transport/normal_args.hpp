@@ -40,4 +40,21 @@ void check_tensor(const TensorView& t, const char* name, DType dtype, const Shap
 /// Errors: ErrorCode::invalid_argument naming the argument, the expected and the actual value.
 DispatchSpec check_dispatch_args(const DispatchArgs& a, int num_ranks, std::uint64_t buffer_id, Device device);
 
+/// A handle made by a dispatch of buffer `buffer_id` with `num_ranks` ranks: defined, of this buffer, and its
+/// tensors of the shapes dispatch gives them (guards against a handle edited by hand).
+/// Errors: ErrorCode::invalid_argument naming 'handle' or the handle's field.
+void check_normal_handle(const NormalHandle* handle, std::uint64_t buffer_id, int num_ranks);
+
+/// The shape of one combine, read off its checked arguments.
+struct CombineSpec {
+  std::int64_t T = 0, H = 0;  ///< tokens of this rank (the handle's), hidden size of x
+  int K = 0;                  ///< columns of topk_weights (0 when not given)
+};
+
+/// Checks everything about a combine that needs no peer (SPEC 4, 11): the handle (check_normal_handle), x bfloat16
+/// [handle.num_recv_rows, H] with H % 8 == 0, topk_weights float32 [rows, K] with K in 1..32, bias_0 / bias_1
+/// bfloat16 [T, H]. Every tensor must be on `device`.
+/// Errors: ErrorCode::invalid_argument naming the argument, the expected and the actual value.
+CombineSpec check_combine_args(const CombineArgs& a, int num_ranks, std::uint64_t buffer_id, Device device);
+
 }  // namespace epmoe

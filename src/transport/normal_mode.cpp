@@ -93,11 +93,6 @@ constexpr std::string_view kCombinePhase = "normal combine";
 
 // ---- argument checks (all local, before any communication); the dispatch's own are in normal_args ----
 
-void check_host_tensor(const TensorView& t, const char* name) { check_tensor_on(t, name, Device::cpu()); }
-
-void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape) {
-  epmoe::check_tensor(t, name, dtype, shape, Device::cpu());
-}
 
 /// First position where two equally shaped int32/bool tensors differ, compared as `T`; -1 if none.
 template <class V>
@@ -133,20 +128,6 @@ std::int64_t layout_hash(const NormalHandle& h) {
   return static_cast<std::int64_t>(x & 0x7fffffffffffffffull);
 }
 
-void check_handle(const NormalHandle* h, std::uint64_t buffer_id, int R) {
-  EPMOE_CHECK_ARG(h != nullptr && h->defined(), "handle", "the handle of a dispatch of this buffer", "an empty handle");
-  EPMOE_CHECK_ARG(h->buffer_id == buffer_id, "handle", fmt::format("a handle of this buffer (id {})", buffer_id),
-                  fmt::format("a handle of buffer {}", h->buffer_id));
-  // A handle is made by dispatch; these only guard against one edited by hand.
-  EPMOE_CHECK_ARG(h->rank_prefix_matrix.dtype() == DType::int32 && h->rank_prefix_matrix.shape() == Shape({R, R}),
-                  "handle.rank_prefix_matrix", fmt::format("int32[{}, {}]", R, R), describe(h->rank_prefix_matrix));
-  EPMOE_CHECK_ARG(h->send_pos.dtype() == DType::int32 && h->send_pos.shape() == Shape({h->num_tokens, R}),
-                  "handle.send_pos", fmt::format("int32[{}, {}]", h->num_tokens, R), describe(h->send_pos));
-  EPMOE_CHECK_ARG(h->is_token_in_rank.dtype() == DType::boolean &&
-                      h->is_token_in_rank.shape() == Shape({h->num_tokens, R}),
-                  "handle.is_token_in_rank", fmt::format("bool[{}, {}]", h->num_tokens, R),
-                  describe(h->is_token_in_rank));
-}
 
 // ---- the settings packet of dispatch (one all-gather) ----
 
@@ -213,7 +194,7 @@ DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
 
   // ---- validate everything locally ----
   const DispatchSpec spec = check_dispatch_args(a, R, buffer_id_, Device::cpu());
-  if (spec.cached) check_handle(a.handle, buffer_id_, R);
+  if (spec.cached) check_normal_handle(a.handle, buffer_id_, R);
   const TensorView& x = a.x;
   const bool fp8 = spec.fp8, cached = spec.cached, has_topk = spec.has_topk, has_weights = spec.has_weights;
   const std::int64_t T = spec.T, H = spec.H, scale_cols = spec.scale_cols;
@@ -427,29 +408,12 @@ CombineResult NormalMode::combine(const CombineArgs& a) {
   const int R = group.size(), me = group.rank();
 
   // ---- validate everything locally ----
-  check_handle(a.handle, buffer_id_, R);
+  const CombineSpec spec = check_combine_args(a, R, buffer_id_, Device::cpu());
   const NormalHandle& h = *a.handle;
   const TensorView& x = a.x;
-  EPMOE_CHECK_ARG(x.defined(), "x", fmt::format("a bfloat16 [{}, H] tensor", h.num_recv_rows), "None");
-  EPMOE_CHECK_ARG(x.dtype == DType::bf16, "x", "dtype bfloat16", describe(x));
-  EPMOE_CHECK_ARG(x.ndim() == 2 && x.size(0) == h.num_recv_rows, "x",
-                  fmt::format("[{}, H]: one row per row of the dispatch's recv_x", h.num_recv_rows), describe(x));
-  const std::int64_t T = h.num_tokens, H = x.size(1);
-  EPMOE_CHECK_ARG(H > 0 && H % 8 == 0, "x", "hidden size (dimension 1) a positive multiple of 8", H);
-  check_host_tensor(x, "x");
-  const bool has_w = a.topk_weights.defined();
-  int K = 0;
-  if (has_w) {
-    const TensorView& w = a.topk_weights;
-    EPMOE_CHECK_ARG(w.dtype == DType::fp32 && w.ndim() == 2 && w.size(0) == h.num_recv_rows, "topk_weights",
-                    fmt::format("float32[{}, K]", h.num_recv_rows), describe(w));
-    EPMOE_CHECK_ARG(w.size(1) >= 1 && w.size(1) <= kNormalMaxTopk, "topk_weights",
-                    fmt::format("K (dimension 1) in 1..{}", kNormalMaxTopk), w.size(1));
-    check_host_tensor(w, "topk_weights");
-    K = static_cast<int>(w.size(1));
-  }
-  if (a.bias_0.defined()) check_tensor(a.bias_0, "bias_0", DType::bf16, Shape{T, H});
-  if (a.bias_1.defined()) check_tensor(a.bias_1, "bias_1", DType::bf16, Shape{T, H});
+  const std::int64_t T = spec.T, H = spec.H;
+  const int K = spec.K;
+  const bool has_w = K > 0;
 
   const std::array<Setting, 3> settings = {Setting{"hidden", H}, Setting{"topk_weights K (0 = not given)", K},
                                            Setting{"handle layout (rank_prefix_matrix hash)", layout_hash(h)}};
