@@ -768,7 +768,9 @@ void add_shape_options(CLI::App* cmd, BenchConfig& c) {
   cmd->add_option("--runs", c.runs, "timed runs per point (median reported)")->capture_default_str();
   cmd->add_option("--warmup", c.warmup, "untimed runs before them")->capture_default_str();
   cmd->add_option("--ranks", c.ranks, "ranks (CPU: threads; GPU: default all visible GPUs, one rank each)")->capture_default_str();
-  cmd->add_option("--seed", c.seed, "seed of inputs and routing (0: a fresh one, printed)")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of inputs and routing (0: a fresh one, printed)")
+      ->check(non_negative_integer())
+      ->capture_default_str();
   cmd->add_option("--config", c.config, "BufferOptions tunables as JSON (what `epmoe tune` writes)");
 }
 

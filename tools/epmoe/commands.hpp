@@ -5,8 +5,16 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
 
 namespace epmoe::cli {
+
+/// A CLI11 check for unsigned flags (CLI11 would wrap "-1" around): names the value when it is negative.
+inline CLI::Validator non_negative_integer() {
+  return CLI::Validator(
+      [](std::string& v) { return !v.empty() && v[0] == '-' ? "expected a non-negative integer, got " + v : std::string(); },
+      "UINT");
+}
 
 /// `epmoe run`: a full expert-parallel MoE layer checked against the float64 reference.
 /// Returns the callback that runs it (exit code 0 on PASS, 1 on FAIL).

@@ -22,14 +22,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-
-#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <thread>
+
+#include <unistd.h>
 
 #include "commands.hpp"
 #include "common.hpp"
@@ -626,7 +626,9 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
   cmd->add_option("--config", c.config, "BufferOptions tunables as JSON (what `epmoe tune` writes), e.g. {\"num_sms\": 16}");
-  cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")
+      ->check(non_negative_integer())
+      ->capture_default_str();
   cmd->add_option("--routing", c.routing, "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file");
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory")->capture_default_str();
   cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
