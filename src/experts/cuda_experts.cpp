@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.hpp"
+#include "experts/cuda_workspace.hpp"
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
 #include "layout/cuda.hpp"
@@ -57,7 +58,6 @@ namespace {
 constexpr int kSideStreams = 4;
 // cuBLAS's recommended workspace on Hopper (cuBLAS docs, "cublasSetWorkspace"): 32 MiB per stream.
 constexpr std::size_t kBlasWorkspace = std::size_t{32} << 20;
-constexpr std::size_t kAlign = 256;
 
 bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
@@ -209,82 +209,6 @@ void check_out(const Problem& p, const TensorView& out) {
 
 // ---- per-device and per-thread CUDA state -----------------------------------------------------------
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    int current = 0;
-    EPMOE_CUDA_CHECK(cudaGetDevice(&current));
-    if (current != device) {
-      EPMOE_CUDA_CHECK(cudaSetDevice(device));
-      previous_ = current;
-    }
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-
-// One pool per device that keeps its memory across synchronisations (release threshold: never), so
-// repeated calls reuse the same workspaces.
-cudaMemPool_t workspace_pool(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, cudaMemPool_t> pools;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = pools.find(device); it != pools.end()) return it->second;
-  cudaMemPoolProps props{};
-  props.allocType = cudaMemAllocationTypePinned;
-  props.location.type = cudaMemLocationTypeDevice;
-  props.location.id = device;
-  cudaMemPool_t pool = nullptr;
-  EPMOE_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
-  std::uint64_t keep = std::numeric_limits<std::uint64_t>::max();
-  EPMOE_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  pools.emplace(device, pool);
-  return pool;
-}
-
-// A stream-ordered allocation, freed on the same stream when the scope ends.
-class Workspace {
- public:
-  Workspace(int device, std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMallocFromPoolAsync(&data_, bytes, workspace_pool(device), stream);
-    if (err != cudaSuccess)
-      raise(ErrorCode::out_of_memory, "CUDA experts: a workspace of {} bytes on cuda:{} could not be allocated: {}",
-            bytes, device, cudaGetErrorString(err));
-  }
-  ~Workspace() {
-    if (data_ != nullptr) cudaFreeAsync(data_, stream_);
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  char* at(std::size_t offset) const { return static_cast<char*>(data_) + offset; }
-
- private:
-  void* data_ = nullptr;
-  cudaStream_t stream_;
-};
-
-// Offsets of several buffers inside one allocation.
-struct Carve {
-  std::size_t size = 0;
-  std::size_t take(std::size_t bytes) {
-    const std::size_t offset = (size + kAlign - 1) / kAlign * kAlign;
-    size = offset + bytes;
-    return offset;
-  }
-};
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
 
 // Per host thread and device: a cuBLAS handle (handles are not shared between threads) and, for
 // GemmMode::streams, the side streams and their events. Never destroyed: destroying them at thread or

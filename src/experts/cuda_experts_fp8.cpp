@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.hpp"
+#include "experts/cuda_workspace.hpp"
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
 #include "experts/fp8.hpp"
@@ -41,6 +42,11 @@
 namespace epmoe::experts_cuda_fp8 {
 
 namespace {
+
+using experts_cuda::capturing;  // the host-side CUDA helpers shared with the bf16 experts (cuda_workspace.hpp)
+using experts_cuda::Carve;
+using experts_cuda::DeviceGuard;
+using experts_cuda::Workspace;
 
 using experts_fp8::blocks;
 using experts_fp8::Fp8Sizes;
@@ -58,7 +64,6 @@ using experts_fp8::Fp8Sizes;
 
 // cuBLAS's recommended workspace on Hopper (cuBLAS docs, "cublasSetWorkspace"): 32 MiB.
 constexpr std::size_t kLtWorkspace = std::size_t{32} << 20;
-constexpr std::size_t kAlign = 256;
 constexpr std::int64_t kRowAlign = 4;  // rows per GEMM: a multiple of 4 (16-byte columns of float32 scales)
 constexpr int kMaxStreams = 4;
 // Mean rows per expert up to which the GEMMs go to kMaxStreams forked streams by default. A guess from the bf16
@@ -184,76 +189,8 @@ void check_out(const Problem& p, const TensorView& out) {
 
 // ---- device memory ---------------------------------------------------------------------------------------
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    EPMOE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) EPMOE_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-
-// One pool per device that keeps its memory across synchronisations, so repeated calls reuse workspaces and
-// the batched format can be captured in a CUDA graph.
-cudaMemPool_t workspace_pool(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, cudaMemPool_t> pools;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = pools.find(device); it != pools.end()) return it->second;
-  cudaMemPoolProps props{};
-  props.allocType = cudaMemAllocationTypePinned;
-  props.location.type = cudaMemLocationTypeDevice;
-  props.location.id = device;
-  cudaMemPool_t pool = nullptr;
-  EPMOE_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
-  std::uint64_t keep = std::numeric_limits<std::uint64_t>::max();
-  EPMOE_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  pools.emplace(device, pool);
-  return pool;
-}
-
-class Workspace {
- public:
-  Workspace(int device, std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMallocFromPoolAsync(&data_, bytes, workspace_pool(device), stream);
-    if (err != cudaSuccess)
-      raise(ErrorCode::out_of_memory, "fp8 CUDA experts: a workspace of {} bytes on cuda:{} could not be allocated: {}",
-            bytes, device, cudaGetErrorString(err));
-  }
-  ~Workspace() {
-    if (data_ != nullptr) cudaFreeAsync(data_, stream_);
-  }
-  Workspace(const Workspace&) = delete;
-  Workspace& operator=(const Workspace&) = delete;
-  char* at(std::size_t offset) const { return static_cast<char*>(data_) + offset; }
-
- private:
-  void* data_ = nullptr;
-  cudaStream_t stream_;
-};
-
-struct Carve {
-  std::size_t size = 0;
-  std::size_t take(std::size_t bytes) {
-    const std::size_t offset = (size + kAlign - 1) / kAlign * kAlign;
-    size = offset + bytes;
-    return offset;
-  }
-};
 
 TensorView device_view(void* p, DType t, Shape s, const Device& d) { return TensorView(p, t, s, d); }
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
 
 // ---- cuBLASLt ----------------------------------------------------------------------------------------------
 
