@@ -51,9 +51,11 @@ std::string cli_path() {
   return env && *env ? env : EPMOE_CLI_PATH;
 }
 
-CliResult run_cli(const std::string& args) {
+/// Runs the CLI with `args`; `env` (e.g. "NAME=value") is set for that process only.
+CliResult run_cli(const std::string& args, const std::string& env = "") {
   const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
-  const std::string cmd = "'" + cli_path() + "' " + args + " >'" + o + "' 2>'" + e + "'";
+  const std::string cmd = (env.empty() ? "" : "env " + env + " ") + "'" + cli_path() + "' " + args + " >'" + o +
+                          "' 2>'" + e + "'";
   const int status = std::system(cmd.c_str());
   CliResult r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -261,6 +263,16 @@ TEST(Cli, TuneRefusesWithoutGpus) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("needs CUDA GPUs"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(temp_path("tune.json")));
+}
+
+TEST(Cli, RunRoutingAndMpirunMistakesNameTheFlag) {
+  CliResult r = run_cli("run --device cpu --routing '" + temp_path("no-such-routing") + "'");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--routing'"), std::string::npos) << r.err;
+  // As if started by mpirun with 2 processes but without --backend mpi: every process would run its own job.
+  r = run_cli("run --device cpu", "OMPI_COMM_WORLD_SIZE=2");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--backend'"), std::string::npos) << r.err;
 }
 
 TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -413,6 +414,10 @@ int run(RunConfig c) {
   if (c.backend != "threads" && c.backend != "mpi")
     throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
   bool root = true;
+  // Started by mpirun without --backend mpi, every process would run its own independent job: refuse.
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char* n = std::getenv(var); c.backend == "threads" && n != nullptr && std::atoi(n) > 1)
+      bad("--backend", fmt::format("mpi when started by mpirun with several processes ({}={})", var, n), c.backend);
 #if defined(EPMOE_HAVE_MPI)
   std::optional<MpiSession> session;
   std::shared_ptr<Group> mpi_group;
@@ -472,7 +477,15 @@ int run(RunConfig c) {
   RoutingTrace trace;
   const bool replay = !c.routing.empty();
   if (replay) {
-    trace = load_routing_trace(c.routing, c.domain);
+    try {
+      trace = load_routing_trace(c.routing, c.domain);
+    } catch (const Error& e) {
+      // The library names its argument 'routing'; on the command line it is the flag.
+      if (e.code() != ErrorCode::invalid_argument) throw;
+      std::string message = e.what();
+      if (const auto at = message.find("'routing"); at != std::string::npos) message.insert(at + 1, "--");
+      throw Error(ErrorCode::invalid_argument, message);
+    }
     if (c.layer >= trace.num_layers()) bad("--layer", fmt::format("in [0, {})", trace.num_layers()), c.layer);
     if (c.experts % trace.num_experts != 0)
       bad("--experts", fmt::format("a multiple of the trace's {} experts", trace.num_experts), c.experts);
