@@ -128,6 +128,7 @@ elif [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
     "$BUILD/tests/test_gpu" --gtest_filter='GpuRouter.*:GpuDispatchLayout.*:GpuPermute.*:GpuQuant.*-GpuQuant.E4m3*'
   RACE_FILTER='GpuRouter.KernelWrites*:GpuRouter.RunsOn*:GpuDispatchLayout.ManyRanks*:GpuDispatchLayout.OutOfRange*'
   RACE_FILTER+=':GpuPermute.OutOfRange*:GpuPermute.Fp8*'
+  RACE_FILTER+=':GpuMoELayer*:GpuWeightAndReduce*'  # the MoE layer's shared-memory kernels (src/moe/*.cu)
   step "racecheck shared-memory kernels" 120 "$SANITIZER" --tool racecheck --error-exitcode 99 \
     "$BUILD/tests/test_gpu" --gtest_filter="$RACE_FILTER"
   step "memcheck experts fp8 + MoE layer (quick sizes)" 300 "$SANITIZER" --tool memcheck --error-exitcode 99 \

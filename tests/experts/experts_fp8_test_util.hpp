@@ -127,25 +127,8 @@ inline Fp8StandardCase make_fp8_standard(std::mt19937_64& rng, Activation act, c
   c.act = act;
   c.w = random_fp8_weights(rng, o.e_local, o.n, o.h, act);
   random_fp8_hidden(rng, Shape{o.m, o.h}, o.input, c.x, c.x_scales);
-  RoutingOptions r;
-  r.p_minus_one = o.p_minus_one;
-  Tensor idx = random_topk_idx(rng, o.m, o.k, o.e_global > 0 ? o.e_global : o.e_local, r);
-  c.topk_weights = random_topk_weights(rng, idx);
-  if (o.idx_int32) {
-    c.topk_idx = Tensor::empty(DType::int32, {o.m, o.k});
-    for (std::int64_t i = 0; i < idx.numel(); ++i)
-      c.topk_idx.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(idx.ptr<std::int64_t>()[i]);
-  } else {
-    c.topk_idx = idx;
-  }
-  if (o.e_global > 0) {
-    std::vector<int> ids(static_cast<std::size_t>(o.e_global));
-    for (int i = 0; i < o.e_global; ++i) ids[static_cast<std::size_t>(i)] = i;
-    std::shuffle(ids.begin(), ids.end(), rng);
-    c.expert_map = Tensor::empty(DType::int32, {o.e_global});
-    for (int i = 0; i < o.e_global; ++i) c.expert_map.ptr<std::int32_t>()[i] = -1;
-    for (int l = 0; l < o.e_local; ++l) c.expert_map.ptr<std::int32_t>()[ids[static_cast<std::size_t>(l)]] = l;
-  }
+  set_routing(rng, o.m, o.k, o.e_local, o.e_global, o.p_minus_one, o.idx_int32, c.topk_idx, c.topk_weights,
+              c.expert_map);
   return c;
 }
 

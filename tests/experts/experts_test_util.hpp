@@ -78,33 +78,40 @@ struct StandardOptions {
   bool wide = false;
 };
 
+/// Random routing of m tokens, k choices: ids in [0, e_global) with an expert_map giving this rank a random set of
+/// e_local experts (in shuffled local order, the rest -1) when e_global > 0, else local ids in [0, e_local);
+/// a -1 id with probability p_minus_one; weights from random_topk_weights; int32 ids when idx_int32.
+inline void set_routing(std::mt19937_64& rng, std::int64_t m, int k, int e_local, int e_global, double p_minus_one,
+                        bool idx_int32, Tensor& topk_idx, Tensor& topk_weights, Tensor& expert_map) {
+  RoutingOptions r;
+  r.p_minus_one = p_minus_one;
+  Tensor idx = random_topk_idx(rng, m, k, e_global > 0 ? e_global : e_local, r);
+  topk_weights = random_topk_weights(rng, idx);
+  if (idx_int32) {
+    topk_idx = Tensor::empty(DType::int32, {m, k});
+    for (std::int64_t i = 0; i < idx.numel(); ++i)
+      topk_idx.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(idx.ptr<std::int64_t>()[i]);
+  } else {
+    topk_idx = idx;
+  }
+  if (e_global > 0) {
+    std::vector<int> ids(static_cast<std::size_t>(e_global));
+    for (int i = 0; i < e_global; ++i) ids[static_cast<std::size_t>(i)] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    expert_map = Tensor::empty(DType::int32, {e_global});
+    for (int i = 0; i < e_global; ++i) expert_map.ptr<std::int32_t>()[i] = -1;
+    for (int l = 0; l < e_local; ++l) expert_map.ptr<std::int32_t>()[ids[static_cast<std::size_t>(l)]] = l;
+  }
+}
+
 inline StandardCase make_standard(std::mt19937_64& rng, Activation act, const StandardOptions& o) {
   StandardCase c;
   c.act = act;
   c.w = random_weights(rng, o.e_local, o.n, o.h, act, o.wide);
   if (o.hidden_fp32) c.x = random_f32(rng, o.m, o.h);
   else c.x = random_bf16(rng, o.m, o.h);
-  const int id_range = o.e_global > 0 ? o.e_global : o.e_local;
-  RoutingOptions r;
-  r.p_minus_one = o.p_minus_one;
-  Tensor idx = random_topk_idx(rng, o.m, o.k, id_range, r);
-  c.topk_weights = random_topk_weights(rng, idx);
-  if (o.idx_int32) {
-    c.topk_idx = Tensor::empty(DType::int32, {o.m, o.k});
-    for (std::int64_t i = 0; i < idx.numel(); ++i)
-      c.topk_idx.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(idx.ptr<std::int64_t>()[i]);
-  } else {
-    c.topk_idx = idx;
-  }
-  if (o.e_global > 0) {
-    // This rank owns a random set of e_local global experts (in shuffled local order); the rest map to -1.
-    std::vector<int> ids(static_cast<std::size_t>(o.e_global));
-    for (int i = 0; i < o.e_global; ++i) ids[static_cast<std::size_t>(i)] = i;
-    std::shuffle(ids.begin(), ids.end(), rng);
-    c.expert_map = Tensor::empty(DType::int32, {o.e_global});
-    for (int i = 0; i < o.e_global; ++i) c.expert_map.ptr<std::int32_t>()[i] = -1;
-    for (int l = 0; l < o.e_local; ++l) c.expert_map.ptr<std::int32_t>()[ids[static_cast<std::size_t>(l)]] = l;
-  }
+  set_routing(rng, o.m, o.k, o.e_local, o.e_global, o.p_minus_one, o.idx_int32, c.topk_idx, c.topk_weights,
+              c.expert_map);
   return c;
 }
 
