@@ -129,8 +129,22 @@ elif [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
   RACE_FILTER='GpuRouter.KernelWrites*:GpuRouter.RunsOn*:GpuDispatchLayout.ManyRanks*:GpuDispatchLayout.OutOfRange*'
   RACE_FILTER+=':GpuPermute.OutOfRange*:GpuPermute.Fp8*'
   RACE_FILTER+=':GpuMoELayer*:GpuWeightAndReduce*'  # the MoE layer's shared-memory kernels (src/moe/*.cu)
-  step "racecheck shared-memory kernels" 120 "$SANITIZER" --tool racecheck --error-exitcode 99 \
-    "$BUILD/tests/test_gpu" --gtest_filter="$RACE_FILTER"
+  # Hazards inside cuBLAS's own GEMM kernels (nvjet*, called by the MoE layer's experts) do not count: their
+  # warp-specialised pipelines synchronise through mbarriers, which racecheck does not model. (Leaving them out
+  # with --kernel-name-exclude made the sanitizer fail their launches, so they run instrumented and their
+  # reports are filtered.) The step fails on a failed test or on any hazard reported in another kernel.
+  racecheck_ours() {
+    "$SANITIZER" --tool racecheck "$BUILD/tests/test_gpu" --gtest_filter="$RACE_FILTER" >"$RESULTS/racecheck.log" 2>&1
+    local rc=$?
+    cat "$RESULTS/racecheck.log"
+    local ours
+    ours="$(grep -E 'Race reported|Error: .*hazard' "$RESULTS/racecheck.log" | grep -v nvjet)"
+    echo "racecheck: test exit $rc; hazards outside cuBLAS: $(printf '%s' "$ours" | grep -c .)"
+    [ $rc -eq 0 ] && [ -z "$ours" ]
+  }
+  export -f racecheck_ours
+  export SANITIZER BUILD RESULTS RACE_FILTER
+  step "racecheck shared-memory kernels" 150 bash -c racecheck_ours
   step "memcheck experts fp8 + MoE layer (quick sizes)" 300 "$SANITIZER" --tool memcheck --error-exitcode 99 \
     "$BUILD/tests/test_gpu" --gtest_filter='GpuExpertsFp8*:GpuMoELayer*:GpuWeightAndReduce*'
   if [ "${NGPU:-0}" -ge 2 ]; then

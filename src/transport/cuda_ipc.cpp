@@ -169,6 +169,8 @@ class Carver {
 };
 
 
+constexpr int kPullSmallBlocks = 16;  // the small fields' kernel: latency-bound reads over NVLink
+
 class CudaIpcNormalImpl final : public CudaIpcNormal {
  public:
   CudaIpcNormalImpl(std::shared_ptr<Group> group, const BufferOptions& o, std::uint64_t buffer_id)
@@ -223,7 +225,11 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
       EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&joined_[i], cudaEventDisableTiming));
     }
+    EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stage_, cudaStreamNonBlocking));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&allocated_, cudaEventDisableTiming));
+    for (cudaEvent_t& e : stage_copied_) EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
     const char* trace = std::getenv("EPMOE_CUDA_IPC_TRACE");
@@ -248,6 +254,12 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       if (joined_[i]) cudaEventDestroy(joined_[i]);
     }
     if (forked_) cudaEventDestroy(forked_);
+    if (allocated_) cudaEventDestroy(allocated_);
+    if (stage_) cudaStreamSynchronize(stage_);
+    if (stage_) cudaStreamDestroy(stage_);
+    if (staged_) cudaEventDestroy(staged_);
+    for (cudaEvent_t e : stage_copied_)
+      if (e) cudaEventDestroy(e);
     if (caller_done_) cudaEventDestroy(caller_done_);
     if (comm_done_) cudaEventDestroy(comm_done_);
     if (trace_) {
@@ -399,25 +411,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     for (long long v : values) n.settings[n.num_settings++] = v;
   }
 
-  /// The copy-engine path needs the counts on the host and staging room on every rank (the same decision
-  /// on every rank: pm is the same matrix everywhere). `combine`: rows each rank receives back.
-  bool copy_engine_fits(const std::vector<std::int32_t>& pm, std::int64_t capacity, bool combine) const {
-    if (!use_copy_engine_ || pm.empty()) return false;
-    const int R = R_;
-    std::int64_t most = 0;  // the most rows any rank moves
-    for (int r = 0; r < R; ++r) {
-      std::int64_t rows = 0;
-      for (int d = 0; d < R; ++d) {
-        if (!combine && d == r) continue;  // a dispatch stages only the rows for peers
-        rows += pm[r * R + d] - (r > 0 ? pm[(r - 1) * R + d] : 0);
-      }
-      if (rows > capacity) return false;
-      most = std::max(most, rows);
-    }
-    // Few rows: the copy-engine path's extra launches and copies (host time) cost more than SM stores save.
-    return most >= copy_engine_min_rows_;
-  }
-
   // ---- EPMOE_CUDA_IPC_TRACE=1: where an op's time goes (events on the communication stream + host clock at each
   // mark, averaged per op kind and printed when the buffer is destroyed). Syncs at the end of every op: for
   // diagnosis only, never in a benchmark's figures. ----
@@ -473,6 +466,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   void fork_side_streams() {
     EPMOE_CUDA_CHECK(cudaEventRecord(forked_, comm_));
     for (cudaStream_t st : side_) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, forked_, 0));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stage_, forked_, 0));
   }
   void join_side_streams() {
     for (int i = 0; i < 2; ++i) {
@@ -542,6 +536,12 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   // signal kernel overlaps the other's copies. They fork from and join back into the communication stream.
   cudaStream_t side_[2] = {};
   cudaEvent_t forked_ = nullptr, joined_[2] = {};
+  // A dispatch's staging runs on its own stream, enqueued before the host read; the outputs are allocated on the
+  // communication stream after that read (allocated_), which the side streams wait for, and the communication
+  // stream waits for the staging (staged_) before its own-rows pass.
+  cudaStream_t stage_ = nullptr;
+  cudaEvent_t staged_ = nullptr, allocated_ = nullptr;
+  cudaEvent_t stage_copied_[ipc::kMaxChunks] = {};  // combine: stage j's pushes done (the next stage's start)
   cudaEvent_t caller_done_ = nullptr, comm_done_ = nullptr;  // enter/leave of a synchronous op, reused
   std::int64_t data_bytes_ = 0;
   void* base_ = nullptr;
@@ -588,7 +588,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   const ipc::Common c = common(seq);
   const Device gpu = Device::cuda(dev);
 
-  Tensor pm, expert_counts, send_pos, in_rank;
+  Tensor pm, expert_counts, send_pos, in_rank, list;
   std::optional<Carver> routing_block;
   std::vector<std::int32_t> pm_host;
   std::int64_t num_recv = -1;
@@ -596,6 +596,12 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     set_settings(n, {H, static_cast<long long>(x.dtype), K, E, static_cast<long long>(scale_format), alignment, worst,
                      cached ? 1 : 0, has_weights ? 1 : 0});
   };
+  // The copy-engine path needs the counts on the host (no num_worst_tokens). Its staging of the peers' rows needs
+  // only this rank's routing, so it is enqueued before the host read (the GPU stages while the host waits); a
+  // fresh dispatch's count exchange decides on the device whether the path is taken (the staging kernels do
+  // nothing otherwise), a cached one on the host.
+  const bool ce_allowed = worst == 0 && use_copy_engine_;
+  bool ce = false;
   if (cached) {
     pm = a.handle->rank_prefix_matrix;
     send_pos = a.handle->send_pos;
@@ -606,6 +612,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     trace_mark("handshake");
     if (worst == 0) num_recv = a.handle->num_recv_tokens;
     pm_host = a.handle->rank_prefix_matrix_host;
+    ce = ce_allowed && ipc::copy_engine_fits(pm_host.data(), R, L.capacity, copy_engine_min_rows_, false);
+    if (ce) list = Tensor::empty(DType::int32, {R, T}, gpu);
   } else {
     // The routing side of the op in one block: prefix matrix, expert counts, send positions, the handle's copy of
     // is_token_in_rank, the send lists.
@@ -616,6 +624,9 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
         gpu);
     pm = routing_block->take(DType::int32, {R, R});
     expert_counts = routing_block->take(DType::int32, {E_local});
+    send_pos = routing_block->take(DType::int32, {T, R});
+    in_rank = routing_block->take(DType::boolean, {T, R});
+    list = routing_block->take(DType::int32, {R, T});
     ipc::NotifyArgs n;
     n.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
     n.per_expert = static_cast<const std::int32_t*>(a.num_tokens_per_expert.data);
@@ -626,35 +637,39 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     n.pm_out = pm.ptr<std::int32_t>();
     n.expert_out = expert_counts.ptr<std::int32_t>();
     n.phase = ipc::kPhaseDispatchNotify;
+    n.ce_min_rows = ce_allowed ? copy_engine_min_rows_ : -1;
+    n.ce_capacity = L.capacity;
     set_dispatch_settings(n);
     ipc::launch_notify(c, n, s);
+    if (worst == 0) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
     trace_mark("count exchange");
-    if (worst == 0) {  // the one host read of normal mode
-      EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
-      wait_notified(kDispatchPhase);
-      trace_mark("host read");
-      num_recv = host_->pm[(R - 1) * R + me];
-      pm_host.assign(host_->pm, host_->pm + R * R);
-    }
-    // The handle keeps its own copy of the routing (the caller may reuse its layout tensors).
-    // The data kernels go first (the GPU idles from the host read until then); the handle's copy of the routing
-    // is made after them.
-    send_pos = routing_block->take(DType::int32, {T, R});
-    in_rank = routing_block->take(DType::boolean, {T, R});
     ipc::SendPosArgs sp;
     sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
     sp.pm = pm.ptr<std::int32_t>();
     sp.T = T;
     sp.send_pos = send_pos.ptr<std::int32_t>();
     ipc::launch_send_pos(c, sp, s);
-    trace_mark("send_pos");
   }
-  const std::int64_t rows = worst > 0 ? worst : num_recv;
-  const bool ce = worst == 0 && copy_engine_fits(pm_host, L.capacity, false);
-  Tensor list;
-  if (ce) {
-    list = routing_block ? routing_block->take(DType::int32, {R, T}) : Tensor::empty(DType::int32, {R, T}, gpu);
+
+  ipc::GatherArgs ga;
+  ga.x = x.data;
+  ga.x_row = x_row;
+  ga.scales = fp8 ? a.x_scales.data : nullptr;
+  ga.scale_row = scale_row;
+  ga.topk_idx = has_topk ? a.topk_idx.data : nullptr;
+  ga.idx64 = has_topk && a.topk_idx.dtype == DType::int64;
+  ga.K = K;
+  ga.weights = has_weights ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+  ga.experts_per_rank = E_local;
+  ga.write_src = !cached;
+  ga.T = T;
+  ga.pm = pm.ptr<std::int32_t>();
+  ga.chunks = chunks_;
+  ga.layout = L;
+  const bool stage_early = cached ? ce : ce_allowed;
+  if (stage_early) {
     ipc::SendListArgs sl;
+    sl.if_chosen = !cached;
     sl.send_pos = send_pos.ptr<std::int32_t>();
     sl.pm = pm.ptr<std::int32_t>();
     sl.T = T;
@@ -662,65 +677,56 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     ipc::launch_send_list(c, sl, s);
     auto* ctrl = static_cast<ipc::Control*>(base_);
     EPMOE_CUDA_CHECK(cudaMemsetAsync(ctrl->chunk_arrive, 0, sizeof(ctrl->chunk_arrive), s));
+    fork_side_streams();
+    ga.list = list.ptr<std::int32_t>();
+    ga.part = ipc::kGatherStages;
+    ga.if_chosen = !cached;
+    ipc::launch_gather(c, ga, blocks_, stage_);
+    EPMOE_CUDA_CHECK(cudaEventRecord(staged_, stage_));
   }
+  if (!cached && worst == 0) {  // the one host read of normal mode
+    wait_notified(kDispatchPhase);
+    trace_mark("host read");
+    num_recv = host_->pm[(R - 1) * R + me];
+    pm_host.assign(host_->pm, host_->pm + R * R);
+    ce = ce_allowed && host_->use_copy_engine != 0;
+  }
+  const std::int64_t rows = worst > 0 ? worst : num_recv;
 
   DispatchResult out;
-  // The outputs in one block (the source indices too: they go into the handle).
-  Carver outputs({Carver::bytes(x.dtype, {rows, H}), fp8 ? Carver::bytes(a.x_scales.dtype, {rows, scale_cols}) : 0,
-                  has_topk ? Carver::bytes(DType::int64, {rows, K}) : 0,
-                  has_weights ? Carver::bytes(DType::fp32, {rows, K}) : 0,
-                  cached ? 0 : Carver::bytes(DType::int32, {rows})},
-                 gpu);
-  out.recv_x = outputs.take(x.dtype, {rows, H});
-  if (fp8) out.recv_x_scales = outputs.take(a.x_scales.dtype, {rows, scale_cols});
-  if (has_topk) out.recv_topk_idx = outputs.take(DType::int64, {rows, K});
-  if (has_weights) out.recv_topk_weights = outputs.take(DType::fp32, {rows, K});
   Tensor recv_src;
-  if (!cached) recv_src = outputs.take(DType::int32, {rows});
+  {
+    // The outputs in one block (the source indices too: they go into the handle).
+    Carver outputs({Carver::bytes(x.dtype, {rows, H}), fp8 ? Carver::bytes(a.x_scales.dtype, {rows, scale_cols}) : 0,
+                    has_topk ? Carver::bytes(DType::int64, {rows, K}) : 0,
+                    has_weights ? Carver::bytes(DType::fp32, {rows, K}) : 0,
+                    cached ? 0 : Carver::bytes(DType::int32, {rows})},
+                   gpu);
+    out.recv_x = outputs.take(x.dtype, {rows, H});
+    if (fp8) out.recv_x_scales = outputs.take(a.x_scales.dtype, {rows, scale_cols});
+    if (has_topk) out.recv_topk_idx = outputs.take(DType::int64, {rows, K});
+    if (has_weights) out.recv_topk_weights = outputs.take(DType::fp32, {rows, K});
+    if (!cached) recv_src = outputs.take(DType::int32, {rows});
+    if (stage_early) {
+      EPMOE_CUDA_CHECK(cudaEventRecord(allocated_, comm_));
+      for (cudaStream_t st : side_) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, allocated_, 0));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, staged_, 0));
+      trace_mark("staged");
+    }
+  }
 
-  ipc::DispatchSendArgs sa;
-  sa.x = x.data;
-  sa.x_row = x_row;
-  sa.scales = fp8 ? a.x_scales.data : nullptr;
-  sa.scale_row = scale_row;
-  sa.topk_idx = has_topk ? a.topk_idx.data : nullptr;
-  sa.idx64 = has_topk && a.topk_idx.dtype == DType::int64;
-  sa.K = K;
-  sa.weights = has_weights ? static_cast<const float*>(a.topk_weights.data) : nullptr;
-  sa.T = T;
-  sa.send_pos = send_pos.ptr<std::int32_t>();
-  sa.experts_per_rank = E_local;
-  sa.write_src = !cached;
-  sa.layout = L;
-  sa.pm = pm.ptr<std::int32_t>();
   if (ce) {
-    // Rows for this rank go straight into the outputs; rows for each peer are staged in this rank's region,
-    // grouped by destination, in `chunks_` pipeline stages; every receiver pulls each stage of each source's run
-    // with the copy engine as soon as the source publishes it (side streams), so gathering overlaps the transfer.
-    fork_side_streams();
-    ipc::GatherArgs ga;
-    ga.x = sa.x;
-    ga.x_row = sa.x_row;
-    ga.scales = sa.scales;
-    ga.scale_row = sa.scale_row;
-    ga.topk_idx = sa.topk_idx;
-    ga.idx64 = sa.idx64;
-    ga.K = K;
-    ga.weights = sa.weights;
-    ga.experts_per_rank = E_local;
-    ga.write_src = !cached;
-    ga.T = T;
-    ga.list = list.ptr<std::int32_t>();
-    ga.pm = pm.ptr<std::int32_t>();
-    ga.chunks = chunks_;
-    ga.layout = L;
+    // Own rows into the outputs (SMs, after the staging) while every receiver pulls
+    // each stage of each source's run with the copy engine as soon as the source publishes it (side streams).
+    ga.part = ipc::kGatherOwn;
+    ga.if_chosen = false;
     ga.recv_x = out.recv_x.data();
     ga.recv_scales = fp8 ? out.recv_x_scales.data() : nullptr;
     ga.recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
     ga.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
     ga.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
     ipc::launch_gather(c, ga, blocks_, s);
-    trace_mark("gather done");
+    trace_mark("own rows done");
     const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
     // Per source: where its run for me starts in its region (rows it staged for peers before me) and in my outputs.
     std::vector<std::int64_t> src_first(static_cast<std::size_t>(R)), dst_first(static_cast<std::size_t>(R)),
@@ -747,18 +753,45 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
         const std::int64_t lo = ipc::stage_begin(count[src], j, chunks_),
                            hi = ipc::stage_begin(count[src], j + 1, chunks_);
         pull(src, out.recv_x.data(), L.x_off, x_row, lo, hi, st);
-        if (j + 1 == chunks_) {  // the small fields of the whole run, once every stage is published
-          const std::int64_t n = count[src];
-          if (fp8) pull(src, out.recv_x_scales.data(), L.scale_off, scale_row, 0, n, st);
-          if (has_topk) pull(src, out.recv_topk_idx.data(), L.idx_off, 8 * static_cast<std::size_t>(K), 0, n, st);
-          if (has_weights) pull(src, out.recv_topk_weights.data(), L.w_off, 4 * static_cast<std::size_t>(K), 0, n, st);
-          if (!cached) pull(src, recv_src.data(), L.src_off, 4, 0, n, st);
+      }
+      if (j + 2 == chunks_ || chunks_ == 1) {
+        // The small fields of every run, read by a kernel once every stage is published; on the stream that
+        // does not carry the last stage, so it overlaps that stage's copies.
+        ipc::PullSmallArgs ps;
+        ps.chunks = chunks_;
+        ps.scale_row = fp8 ? scale_row : 0;
+        ps.K = has_topk ? K : 0;
+        ps.layout = L;
+        for (int src = 0; src < R; ++src) {
+          ps.src_first[src] = src_first[src];
+          ps.dst_first[src] = dst_first[src];
+          ps.count[src] = src == me ? 0 : count[src];
         }
+        ps.recv_scales = fp8 ? out.recv_x_scales.data() : nullptr;
+        ps.recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
+        ps.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
+        ps.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
+        ipc::launch_pull_small(c, ps, kPullSmallBlocks, chunks_ == 1 ? side_[1] : st);
       }
     }
     join_side_streams();
     trace_mark("pulls done");
   } else {
+    ipc::DispatchSendArgs sa;
+    sa.x = x.data;
+    sa.x_row = x_row;
+    sa.scales = fp8 ? a.x_scales.data : nullptr;
+    sa.scale_row = scale_row;
+    sa.topk_idx = has_topk ? a.topk_idx.data : nullptr;
+    sa.idx64 = has_topk && a.topk_idx.dtype == DType::int64;
+    sa.K = K;
+    sa.weights = has_weights ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+    sa.T = T;
+    sa.send_pos = send_pos.ptr<std::int32_t>();
+    sa.experts_per_rank = E_local;
+    sa.write_src = !cached;
+    sa.layout = L;
+    sa.pm = pm.ptr<std::int32_t>();
     ipc::launch_dispatch_send(c, sa, blocks_, s);
   }
 
@@ -850,7 +883,8 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   ipc::launch_notify(c, n, s);
   trace_mark("handshake");
   const std::vector<std::int32_t>& pm_host = h.rank_prefix_matrix_host;
-  const bool ce = h.num_worst_tokens == 0 && copy_engine_fits(pm_host, L.capacity, true);
+  const bool ce = h.num_worst_tokens == 0 && use_copy_engine_ && !pm_host.empty() &&
+                  ipc::copy_engine_fits(pm_host.data(), R, L.capacity, copy_engine_min_rows_, true);
 
   ipc::CombineSendArgs sa;
   sa.x = x.data;
@@ -867,7 +901,11 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
     const int me = me_;
     const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
     for (int j = 0; j < chunks_; ++j) {
+      // Stages alternate between the side streams (a stage's signal kernel overlaps the next stage's copies)
+      // but their copies run one after another: concurrent stages would land together, in pairs, leaving the
+      // reduce half of its rows after the last copy instead of one stage's.
       const cudaStream_t st = side_[j & 1];
+      if (j > 0) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, stage_copied_[j - 1], 0));
       for (int dst = 0; dst < R; ++dst) {
         if (dst == me) continue;
         const std::int64_t first = dst > 0 ? at(dst - 1, me) : 0;
@@ -885,6 +923,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
                                            static_cast<const float*>(a.topk_weights.data) + (first + lo) * K,
                                            (hi - lo) * 4 * static_cast<std::size_t>(K), cudaMemcpyDeviceToDevice, st));
       }
+      EPMOE_CUDA_CHECK(cudaEventRecord(stage_copied_[j], st));
       ipc::launch_signal_chunk(c, j, st);
       trace_mark("stage pushed");
     }

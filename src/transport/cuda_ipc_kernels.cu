@@ -21,7 +21,6 @@ constexpr int kWarps = kThreads / 32;
 // 16-byte vectors each lane keeps in flight when moving a row: memory passes here are bound by the bytes in
 // flight per SM (16 warps x 32 lanes x 8 x 16 B = 64 KiB); 4 left the gather at ~45 GB/s per SM (H200).
 constexpr int kVec = 8;
-constexpr int kU = 2;  // the combine reduce, per source (kU x 8 sources x 16 B held per lane)
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
 __device__ __forceinline__ char* data_region(void* base) { return static_cast<char*>(base) + kControlBytes; }
@@ -58,11 +57,13 @@ __device__ void report(const Common& c, int code, int peer, int phase, long long
   __threadfence_system();
 }
 
-/// Spins until *p >= seq; false (and an error recorded) after the timeout.
-__device__ bool wait_geq(const unsigned long long* p, const Common& c, int peer, int phase) {
+/// Spins until *p >= seq; false (and an error recorded) after the timeout. `sleep_ns` > 0 backs off between
+/// polls: for waits that overlap bulk transfers, where a hot polled line slows the L2 slice the data lands in.
+__device__ bool wait_geq(const unsigned long long* p, const Common& c, int peer, int phase, unsigned sleep_ns = 0) {
   if (ld_acquire_sys(p) >= c.seq) return true;
   const long long start = now_ns();
   while (ld_acquire_sys(p) < c.seq) {
+    if (sleep_ns) __nanosleep(sleep_ns);
     if (now_ns() - start > c.timeout_ns) {
       report(c, kErrTimeout, peer, phase, static_cast<long long>(ld_acquire_sys(p)));
       return false;
@@ -96,6 +97,9 @@ __device__ void signal_done(const Common& c) {
 
 __device__ __forceinline__ bool aborted(const Common& c) {
   return *reinterpret_cast<volatile unsigned long long*>(&control(c.peers[c.rank])->abort_seq) == c.seq;
+}
+__device__ __forceinline__ bool copy_engine_chosen(const Common& c) {
+  return *reinterpret_cast<volatile unsigned long long*>(&control(c.peers[c.rank])->ce_seq) == c.seq;
 }
 
 // ---- notify: the count exchange (or a bare handshake) ----
@@ -187,6 +191,11 @@ __global__ void __launch_bounds__(1024)
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     a.pm_out[i] = pm[i];
     h->pm[i] = pm[i];
+  }
+  if (threadIdx.x == 0) {  // the data path, decided here so the staging can start before the host read
+    const bool ce = a.ce_min_rows >= 0 && copy_engine_fits(pm, R, a.ce_capacity, a.ce_min_rows, false);
+    if (ce) mine->ce_seq = c.seq;
+    h->use_copy_engine = ce ? 1 : 0;
   }
   for (int e = threadIdx.x; e < El; e += blockDim.x) {
     long long n = 0;
@@ -439,14 +448,19 @@ __global__ void __launch_bounds__(kThreads)
   signal_done(c);
 }
 
+/// NR: ranks rounded up to 2, 4 or 8 (registers: kU x NR 16-byte vectors in flight per lane, 16 in all).
+template <int NR>
 __global__ void __launch_bounds__(kThreads)
     combine_reduce_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineReduceArgs a,
                           int sender_blocks) {
+  constexpr int kU = 16 / NR;
   if (a.chunks == 0 && !wait_all_done(c, sender_blocks, kPhaseCombineData)) return;
   if (aborted(c)) return;
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
   // off[d] = rows returned by ranks before d (this rank's send counts, ascending d); before[d] = pm[me-1][d].
   __shared__ std::int32_t off[kMaxRanks], before[kMaxRanks];
+  // Pipelined: the last stage of each peer this block has seen published, and the one this round needs.
+  __shared__ int ready[kMaxRanks], need[kMaxRanks], failed;
   if (threadIdx.x == 0) {
     std::int32_t o = 0;
     for (int d = 0; d < R; ++d) {
@@ -454,57 +468,62 @@ __global__ void __launch_bounds__(kThreads)
       off[d] = o;
       before[d] = b;
       o += a.pm[me * R + d] - b;
+      ready[d] = -1;
+      need[d] = -1;
     }
+    failed = 0;
   }
   __syncthreads();
   const char* base = data_region(c.peers[me]);
   const DataLayout& L = a.layout;
   const std::size_t x_row = static_cast<std::size_t>(a.H) * 2;
   const int nvec = static_cast<int>(x_row / 16);
-  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
-  int ready[kMaxRanks];  // pipelined: the stage of each peer this warp has seen published
-#pragma unroll
-  for (int d = 0; d < kMaxRanks; ++d) ready[d] = -1;
   Control* mine = control(c.peers[me]);
-  for (std::int64_t t = warp; t < a.T; t += num_warps) {
-    const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
+  // Rounds of one token per warp; in each round one thread per peer waits for the stages the round reads (with
+  // a back-off), instead of every warp polling: hundreds of pollers on one line slowed the incoming copies.
+  for (std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kWarps; t0 < a.T;
+       t0 += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const std::int64_t t = t0 + (threadIdx.x >> 5);
+    const bool have = t < a.T;
+    const int my_pos = (have && lane < R) ? a.send_pos[t * R + lane] : -1;
     if (a.chunks > 0) {
-      bool ok = true;
-      for (int d = 0; d < R; ++d) {
-        const int p = __shfl_sync(0xffffffffu, my_pos, d);
-        if (d == me || p < 0) continue;
-        const std::int64_t i = p - before[d], n = a.n_back[d];
+      if (lane < R && lane != me && my_pos >= 0) {
+        const std::int64_t i = my_pos - before[lane], n = a.n_back[lane];
         int j = static_cast<int>(i * a.chunks / (n > 0 ? n : 1));
         while (j + 1 < a.chunks && stage_begin(n, j + 1, a.chunks) <= i) ++j;
         while (j > 0 && stage_begin(n, j, a.chunks) > i) --j;
-        if (j > ready[d]) {
-          if (lane == 0 && !wait_geq(&mine->chunk_done[d][j], c, d, kPhaseCombineData)) ok = false;
-          ok = __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
-          ready[d] = j;
-        }
+        atomicMax(&need[lane], j);
       }
-      __syncwarp();
-      if (!ok) return;
+      __syncthreads();
+      if (threadIdx.x < R) {
+        const int d = threadIdx.x;
+        // Stages land out of order (two side streams): wait for every one up to the needed one.
+        for (int j = ready[d] + 1; j <= need[d]; ++j)
+          if (!wait_geq(&mine->chunk_done[d][j], c, d, kPhaseCombineData, 128)) failed = 1;
+        if (need[d] > ready[d]) ready[d] = need[d];
+      }
+      __syncthreads();
+      if (failed) return;
     }
-    std::int64_t row[kMaxRanks];
-    const char* src_x[kMaxRanks];
-    const float* src_w[kMaxRanks];
+    if (!have) continue;
+    std::int64_t row[NR];
+    const char* src_x[NR];
+    const float* src_w[NR];
 #pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
+    for (int d = 0; d < NR; ++d) {
       const int p = __shfl_sync(0xffffffffu, my_pos, d);
       const bool local = a.local_x != nullptr && d == me;
       row[d] = (d < R && p >= 0) ? (local ? p : static_cast<std::int64_t>(off[d]) + (p - before[d])) : -1;
       src_x[d] = local ? static_cast<const char*>(a.local_x) : base + L.x_off;
       src_w[d] = local ? a.local_w : reinterpret_cast<const float*>(base + L.w_off);
     }
-    // kU 16-byte vectors per lane per step, every source's loads issued before the sums: more loads in flight.
+    // kU 16-byte vectors per lane per source, all loads issued before the sums: more bytes in flight per SM.
     for (int i0 = lane; i0 < nvec; i0 += 32 * kU) {
-      int4 v[kU][kMaxRanks];
+      int4 v[kU][NR];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
+        for (int d = 0; d < NR; ++d)
           if (row[d] >= 0 && i0 + 32 * u < nvec)
             v[u][d] = __ldcg(reinterpret_cast<const int4*>(src_x[d] + row[d] * x_row) + i0 + 32 * u);
 #pragma unroll
@@ -515,7 +534,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
+        for (int d = 0; d < NR; ++d) {
           if (row[d] < 0) continue;
           const unsigned w[4] = {static_cast<unsigned>(v[u][d].x), static_cast<unsigned>(v[u][d].y),
                                  static_cast<unsigned>(v[u][d].z), static_cast<unsigned>(v[u][d].w)};
@@ -564,7 +583,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void send_list_kernel(const __grid_constant__ Common c, const __grid_constant__ SendListArgs a) {
   const int R = c.num_ranks, me = c.rank;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.T || aborted(c)) return;
+  if (t >= a.T || aborted(c) || (a.if_chosen && !copy_engine_chosen(c))) return;
   for (int d = 0; d < R; ++d) {
     const int p = a.send_pos[t * R + d];
     if (p >= 0) a.list[d * a.T + (p - (me > 0 ? a.pm[(me - 1) * R + d] : 0))] = static_cast<std::int32_t>(t);
@@ -607,7 +626,7 @@ __device__ __forceinline__ void gather_row(const GatherArgs& a, std::int64_t t, 
 __global__ void __launch_bounds__(kThreads)
     gather_kernel(const __grid_constant__ Common c, const __grid_constant__ GatherArgs a) {
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
-  if (aborted(c)) return;
+  if (aborted(c) || (a.if_chosen && !copy_engine_chosen(c))) return;
   __shared__ std::int64_t n[kMaxRanks], staged[kMaxRanks];
   __shared__ std::int64_t own_first;
   if (threadIdx.x == 0) {
@@ -626,7 +645,8 @@ __global__ void __launch_bounds__(kThreads)
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Control* mine = control(c.peers[me]);
-  for (int j = 0; j <= a.chunks; ++j) {
+  const int first = (a.part & kGatherStages) ? 0 : a.chunks, last = (a.part & kGatherOwn) ? a.chunks : a.chunks - 1;
+  for (int j = first; j <= last; ++j) {
     const bool own = j == a.chunks;  // the last pass: this rank's own rows, straight into its outputs
     std::int64_t lo[kMaxRanks], total = 0;
     for (int d = 0; d < R; ++d) {
@@ -656,10 +676,11 @@ __global__ void __launch_bounds__(kThreads)
                    staged[d] + i, lane);
     }
     if (own) break;
-    // Stage j done in this block; the last block to finish it publishes it to every peer.
-    __threadfence_system();
+    // Stage j done in this block; the last block to finish it publishes it to every peer. One thread fences
+    // after the barrier (cumulative, as in signal_done), not every thread.
     __syncthreads();
     if (threadIdx.x == 0) {
+      __threadfence_system();
       const unsigned old = atomicAdd(&mine->chunk_arrive[j], 1u);
       if (old == gridDim.x - 1) {
         __threadfence_system();
@@ -667,6 +688,65 @@ __global__ void __launch_bounds__(kThreads)
           if (p != me) st_release_sys(&control(c.peers[p])->chunk_done[me][j], c.seq);
       }
     }
+  }
+}
+
+/// Copies `bytes` from src to dst with the whole grid (16-byte vectors when both are aligned, else 4-byte words;
+/// `bytes` a multiple of 4), several loads in flight per thread: the source is a peer's memory.
+__device__ void grid_copy(char* dst, const char* src, std::size_t bytes) {
+  const std::size_t tid = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t nthreads = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  constexpr int kIn = 4;
+  if (((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(src) | bytes) & 15) == 0) {
+    const std::size_t n = bytes / 16;
+    for (std::size_t i0 = tid; i0 < n; i0 += nthreads * kIn) {
+      int4 v[kIn];
+#pragma unroll
+      for (int u = 0; u < kIn; ++u)
+        if (i0 + u * nthreads < n) v[u] = __ldcg(reinterpret_cast<const int4*>(src) + i0 + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < kIn; ++u)
+        if (i0 + u * nthreads < n) reinterpret_cast<int4*>(dst)[i0 + u * nthreads] = v[u];
+    }
+  } else {
+    const std::size_t n = bytes / 4;
+    for (std::size_t i0 = tid; i0 < n; i0 += nthreads * kIn) {
+      int v[kIn];
+#pragma unroll
+      for (int u = 0; u < kIn; ++u)
+        if (i0 + u * nthreads < n) v[u] = __ldcg(reinterpret_cast<const int*>(src) + i0 + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < kIn; ++u)
+        if (i0 + u * nthreads < n) reinterpret_cast<int*>(dst)[i0 + u * nthreads] = v[u];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    pull_small_kernel(const __grid_constant__ Common c, const __grid_constant__ PullSmallArgs a) {
+  const int R = c.num_ranks, me = c.rank;
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  if (threadIdx.x < R && threadIdx.x != me && a.count[threadIdx.x] > 0)
+    for (int j = 0; j < a.chunks; ++j)
+      if (!wait_geq(&control(c.peers[me])->chunk_done[threadIdx.x][j], c, threadIdx.x, kPhaseDispatchData, 128))
+        ok = 0;
+  __syncthreads();
+  if (!ok || aborted(c)) return;
+  const DataLayout& L = a.layout;
+  for (int src = 0; src < R; ++src) {
+    const std::int64_t n = a.count[src];
+    if (src == me || n == 0) continue;
+    const char* region = data_region(c.peers[src]);
+    const auto field = [&](void* out, std::size_t off, std::size_t row) {
+      if (out)
+        grid_copy(static_cast<char*>(out) + a.dst_first[src] * row, region + off + a.src_first[src] * row, n * row);
+    };
+    if (a.scale_row) field(a.recv_scales, L.scale_off, a.scale_row);
+    field(a.recv_idx, L.idx_off, 8 * static_cast<std::size_t>(a.K));
+    field(a.recv_w, L.w_off, 4 * static_cast<std::size_t>(a.K));
+    field(a.recv_src, L.src_off, 4);
   }
 }
 
@@ -703,6 +783,11 @@ void launch_send_list(const Common& c, const SendListArgs& a, cudaStream_t s) {
 
 void launch_gather(const Common& c, const GatherArgs& a, int blocks, cudaStream_t s) {
   gather_kernel<<<blocks, kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_pull_small(const Common& c, const PullSmallArgs& a, int blocks, cudaStream_t s) {
+  pull_small_kernel<<<blocks, kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -753,7 +838,12 @@ void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, 
 }
 
 void launch_combine_reduce(const Common& c, const CombineReduceArgs& a, int blocks, int sender_blocks, cudaStream_t s) {
-  combine_reduce_kernel<<<blocks, kThreads, 0, s>>>(c, a, sender_blocks);
+  if (c.num_ranks <= 2)
+    combine_reduce_kernel<2><<<blocks, kThreads, 0, s>>>(c, a, sender_blocks);
+  else if (c.num_ranks <= 4)
+    combine_reduce_kernel<4><<<blocks, kThreads, 0, s>>>(c, a, sender_blocks);
+  else
+    combine_reduce_kernel<8><<<blocks, kThreads, 0, s>>>(c, a, sender_blocks);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

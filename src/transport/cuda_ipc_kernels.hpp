@@ -36,6 +36,7 @@ struct Control {
   unsigned long long chunk_done[kMaxRanks][kMaxChunks];  // [source][chunk] = seq once that chunk is in place
   unsigned int chunk_arrive[kMaxChunks];  // owner only: gather blocks done with each chunk (zeroed per op)
   unsigned long long abort_seq;                    // = seq when this rank's notify found an error
+  unsigned long long ce_seq;  // owner only: = seq when the count exchange chose the copy-engine path
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
@@ -64,6 +65,7 @@ struct HostRecord {
   std::int32_t pm[kMaxRanks * kMaxRanks];        // rank_prefix_matrix of the last notify
   std::int32_t expert_counts[kMaxLocalExperts];  // aligned receive counts per local expert
   unsigned long long seq;                        // op whose pm / counts these are
+  int use_copy_engine;                           // the count exchange's choice of data path (dispatch)
   int error_code, error_rank, error_peer, error_phase;
   long long error_value;
   long long error_value2;
@@ -97,6 +99,10 @@ struct NotifyArgs {
   std::int32_t* pm_out = nullptr;      ///< device [R, R]
   std::int32_t* expert_out = nullptr;  ///< device [E_local]
   int phase = kPhaseDispatchNotify;
+  /// >= 0: the copy-engine path is allowed; the count exchange takes it when copy_engine_fits(pm, ...,
+  /// ce_capacity, ce_min_rows) (the same choice on every rank: pm is the same matrix everywhere).
+  std::int64_t ce_min_rows = -1;
+  std::int64_t ce_capacity = 0;
   long long settings[kMaxSettings] = {};  ///< compared with every peer's (kErrSettings on a difference)
   int num_settings = 0;
 };
@@ -140,7 +146,16 @@ struct DispatchSendArgs {
 /// every peer's run (n_d = rows for d); once every block finished stage j, the last one publishes
 /// chunk_done[me][j] = seq in every peer, which pulls that stage with the copy engine while later stages are
 /// gathered. This rank's own rows go straight into its outputs after the last stage.
+enum GatherPart : int {
+  kGatherStages = 1,  ///< the staged rows for the peers only (no outputs needed: runs before the host read)
+  kGatherOwn = 2,     ///< this rank's own rows into its outputs only
+  kGatherAll = 3
+};
 struct GatherArgs {
+  int part = kGatherAll;
+  /// true: do nothing unless the count exchange chose the copy-engine path (Control::ce_seq == seq); false:
+  /// the host chose it (a cached dispatch knows its counts).
+  bool if_chosen = false;
   const void* x = nullptr;
   std::size_t x_row = 0;
   const void* scales = nullptr;
@@ -165,10 +180,28 @@ struct GatherArgs {
 
 /// list[d][send_pos[t][d] - pm[me-1][d]] = t for every token t sent to d.
 struct SendListArgs {
+  bool if_chosen = false;                  ///< as GatherArgs::if_chosen
   const std::int32_t* send_pos = nullptr;  ///< [T, R]
   const std::int32_t* pm = nullptr;
   std::int64_t T = 0;
   std::int32_t* list = nullptr;  ///< [R, T] out
+};
+
+/// The copy-engine dispatch's small fields (scales, local ids, weights, source index): each source's run of rows
+/// for this rank is read straight from its region once every stage is published (one kernel instead of four
+/// copies per source, each paying the copy engine's start-up at the op's tail).
+struct PullSmallArgs {
+  int chunks = 1;
+  std::size_t scale_row = 0;  ///< bytes; 0: no scales
+  int K = 0;                  ///< 0: no ids or weights
+  DataLayout layout;
+  std::int64_t src_first[kMaxRanks] = {};  ///< the run's first row in the source's region
+  std::int64_t dst_first[kMaxRanks] = {};  ///< ... and in this rank's outputs
+  std::int64_t count[kMaxRanks] = {};      ///< rows (0 for this rank)
+  void* recv_scales = nullptr;
+  std::int64_t* recv_idx = nullptr;
+  float* recv_w = nullptr;
+  std::int32_t* recv_src = nullptr;
 };
 
 struct DispatchRecvArgs {
@@ -217,6 +250,24 @@ struct CombineReduceArgs {
 /// the receiver and the host): stage j is [stage_begin(n, j), stage_begin(n, j + 1)).
 __host__ __device__ inline std::int64_t stage_begin(std::int64_t n, int j, int chunks) { return n * j / chunks; }
 
+/// Whether an op takes the copy-engine path, from the prefix matrix pm [R, R] (the same on every rank, so every
+/// rank decides alike): the rows each rank stages (dispatch: for its peers; combine: every row it sends back) fit
+/// `capacity`, and some rank moves at least `min_rows` (below that the path's extra launches and copies cost more
+/// than SM stores save). The dispatch's count exchange decides on the device; a combine or cached dispatch on the
+/// host (its counts are in the handle).
+__host__ __device__ inline bool copy_engine_fits(const std::int32_t* pm, int R, std::int64_t capacity,
+                                                 std::int64_t min_rows, bool combine) {
+  std::int64_t most = 0;
+  for (int r = 0; r < R; ++r) {
+    std::int64_t rows = 0;
+    for (int d = 0; d < R; ++d)
+      if (combine || d != r) rows += pm[r * R + d] - (r > 0 ? pm[(r - 1) * R + d] : 0);
+    if (rows > capacity) return false;
+    most = rows > most ? rows : most;
+  }
+  return most >= min_rows;
+}
+
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s);
 void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);
@@ -224,6 +275,7 @@ void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks
 void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s);
 void launch_send_list(const Common& c, const SendListArgs& a, cudaStream_t s);
 void launch_gather(const Common& c, const GatherArgs& a, int blocks, cudaStream_t s);
+void launch_pull_small(const Common& c, const PullSmallArgs& a, int blocks, cudaStream_t s);
 /// Publishes chunk_done[me][chunk] = seq in every peer (after the copies before it on the stream).
 void launch_signal_chunk(const Common& c, int chunk, cudaStream_t s);
 /// Waits (one block) until chunk_done[s][chunk] >= seq for every peer s.
