@@ -55,6 +55,11 @@ void configure_pool(int device) {
 // The device a stream belongs to (nullptr: the current device's legacy stream).
 int stream_device(cudaStream_t stream, int fallback) {
   if (stream == nullptr) return fallback;
+  // While a stream captures a CUDA graph, only capture-safe calls may be made in this thread: skip the device query
+  // then (a capturing stream of another device fails the capture by itself).
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) cudaGetLastError();
+  if (status != cudaStreamCaptureStatusNone) return fallback;
   int device = fallback;
   if (cudaStreamGetDevice(stream, &device) != cudaSuccess) return fallback;
   return device;

@@ -169,6 +169,12 @@ class Carver {
 };
 
 
+bool capturing(Stream stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda_util::to_cuda(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 constexpr int kPullSmallBlocks = 16;  // the small fields' kernel: latency-bound reads over NVLink
 
 class CudaIpcNormalImpl final : public CudaIpcNormal {
@@ -334,12 +340,11 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     group_->barrier(kSetupPhase);
   }
 
-  ipc::Common common(std::uint64_t seq) const {
+  ipc::Common common() const {
     ipc::Common c;
     for (int r = 0; r < R_; ++r) c.peers[r] = peers_[r];
     c.rank = me_;
     c.num_ranks = R_;
-    c.seq = seq;
     c.timeout_ns = timeout_ns_;
     c.host = host_dev_;
     return c;
@@ -551,7 +556,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   ipc::HostRecord* host_dev_ = nullptr;
   cudaStream_t comm_ = nullptr;
   cudaEvent_t notified_ = nullptr;
-  std::uint64_t seq_ = 0;  // ops so far (equal on every rank: every op is collective)
   long long timeout_ns_ = 0;
   std::string unusable_;
 };
@@ -581,11 +585,15 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   DeviceGuard guard(Device::cuda(dev));
   const cudaStream_t s = comm_;
   const Stream caller = current_stream();
+  if (worst == 0 && capturing(caller))
+    throw_invalid_argument("num_worst_tokens",
+                           "> 0 while the caller's stream captures a CUDA graph (without it the receive counts are "
+                           "read on the host, which a graph cannot do)",
+                           "0");
   StreamGuard on_comm(Stream{s});  // outputs and temporaries are allocated (stream-ordered) on the comm stream
   enter(a.previous_event, caller);
   trace_begin();
-  const std::uint64_t seq = ++seq_;
-  const ipc::Common c = common(seq);
+  const ipc::Common c = common();
   const Device gpu = Device::cuda(dev);
 
   Tensor pm, expert_counts, send_pos, in_rank, list;
@@ -868,8 +876,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   StreamGuard on_comm(Stream{s});
   enter(a.previous_event, caller);
   trace_begin();
-  const std::uint64_t seq = ++seq_;
-  const ipc::Common c = common(seq);
+  const ipc::Common c = common();
   const Device gpu = Device::cuda(dev);
 
   CombineResult out;

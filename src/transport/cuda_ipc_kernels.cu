@@ -95,6 +95,13 @@ __device__ void signal_done(const Common& c) {
   }
 }
 
+/// `c_in` with the current op's sequence number (set on the device by the op's notify kernel).
+__device__ __forceinline__ Common op_common(const Common& c_in) {
+  Common c = c_in;
+  c.seq = *reinterpret_cast<volatile unsigned long long*>(&control(c_in.peers[c_in.rank])->op_seq);
+  return c;
+}
+
 __device__ __forceinline__ bool aborted(const Common& c) {
   return *reinterpret_cast<volatile unsigned long long*>(&control(c.peers[c.rank])->abort_seq) == c.seq;
 }
@@ -105,7 +112,18 @@ __device__ __forceinline__ bool copy_engine_chosen(const Common& c) {
 // ---- notify: the count exchange (or a bare handshake) ----
 
 __global__ void __launch_bounds__(1024)
-    notify_kernel(const __grid_constant__ Common c, const __grid_constant__ NotifyArgs a) {
+    notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
+  // The op's sequence number lives on the device (Control::op_seq, advanced here, by the first kernel of every
+  // op): a captured CUDA graph replays with the next number, where a kernel parameter would repeat the old one.
+  __shared__ unsigned long long op;
+  if (threadIdx.x == 0) {
+    Control* own = control(c_in.peers[c_in.rank]);
+    op = own->op_seq + 1;
+    own->op_seq = op;
+  }
+  __syncthreads();
+  Common c = c_in;
+  c.seq = op;
   const int R = c.num_ranks, me = c.rank, par = static_cast<int>(c.seq & 1);
   const int El = a.experts_per_rank;
   __shared__ int ok, bad, bad_peer;
@@ -215,7 +233,8 @@ __global__ void __launch_bounds__(1024)
 // ---- send positions: send_pos[t, d] = before(me, d) + (tokens t' < t sent to d), or -1 ----
 
 __global__ void __launch_bounds__(1024)
-    send_pos_kernel(const __grid_constant__ Common c, const __grid_constant__ SendPosArgs a) {
+    send_pos_kernel(const __grid_constant__ Common c_in, const __grid_constant__ SendPosArgs a) {
+  const Common c = op_common(c_in);
   const int R = c.num_ranks, d = blockIdx.x, me = c.rank;
   if (aborted(c)) return;
   const std::int64_t T = a.T;
@@ -256,7 +275,8 @@ __global__ void __launch_bounds__(1024)
 // ---- dispatch: each source writes its rows straight into each destination's region ----
 
 __global__ void __launch_bounds__(kThreads)
-    dispatch_send_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs a) {
+    dispatch_send_kernel(const __grid_constant__ Common c_in, const __grid_constant__ DispatchSendArgs a) {
+  const Common c = op_common(c_in);
   const int R = c.num_ranks, lane = threadIdx.x & 31;
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
@@ -350,8 +370,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    dispatch_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchRecvArgs a,
+    dispatch_recv_kernel(const __grid_constant__ Common c_in, const __grid_constant__ DispatchRecvArgs a,
                          int sender_blocks) {
+  const Common c = op_common(c_in);
   if (!wait_all_done(c, sender_blocks, kPhaseDispatchData) || aborted(c)) return;
   const int R = c.num_ranks, lane = threadIdx.x & 31;
   std::int64_t n = a.pm[(R - 1) * R + c.rank];
@@ -410,7 +431,8 @@ __device__ void combine_offsets(const Common& c, const std::int32_t* pm, int me_
 }
 
 __global__ void __launch_bounds__(kThreads)
-    combine_send_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs a) {
+    combine_send_kernel(const __grid_constant__ Common c_in, const __grid_constant__ CombineSendArgs a) {
+  const Common c = op_common(c_in);
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
   __shared__ std::int32_t off[kMaxRanks];
   combine_offsets(c, a.pm, me, off);
@@ -451,8 +473,9 @@ __global__ void __launch_bounds__(kThreads)
 /// NR: ranks rounded up to 2, 4 or 8 (registers: kU x NR 16-byte vectors in flight per lane, 16 in all).
 template <int NR>
 __global__ void __launch_bounds__(kThreads)
-    combine_reduce_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineReduceArgs a,
+    combine_reduce_kernel(const __grid_constant__ Common c_in, const __grid_constant__ CombineReduceArgs a,
                           int sender_blocks) {
+  const Common c = op_common(c_in);
   constexpr int kU = 16 / NR;
   if (a.chunks == 0 && !wait_all_done(c, sender_blocks, kPhaseCombineData)) return;
   if (aborted(c)) return;
@@ -580,7 +603,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- copy-engine dispatch: send lists and the staged gather ----
 
-__global__ void send_list_kernel(const __grid_constant__ Common c, const __grid_constant__ SendListArgs a) {
+__global__ void send_list_kernel(const __grid_constant__ Common c_in, const __grid_constant__ SendListArgs a) {
+  const Common c = op_common(c_in);
   const int R = c.num_ranks, me = c.rank;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= a.T || aborted(c) || (a.if_chosen && !copy_engine_chosen(c))) return;
@@ -624,7 +648,8 @@ __device__ __forceinline__ void gather_row(const GatherArgs& a, std::int64_t t, 
 }
 
 __global__ void __launch_bounds__(kThreads)
-    gather_kernel(const __grid_constant__ Common c, const __grid_constant__ GatherArgs a) {
+    gather_kernel(const __grid_constant__ Common c_in, const __grid_constant__ GatherArgs a) {
+  const Common c = op_common(c_in);
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
   if (aborted(c) || (a.if_chosen && !copy_engine_chosen(c))) return;
   __shared__ std::int64_t n[kMaxRanks], staged[kMaxRanks];
@@ -723,7 +748,8 @@ __device__ void grid_copy(char* dst, const char* src, std::size_t bytes) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    pull_small_kernel(const __grid_constant__ Common c, const __grid_constant__ PullSmallArgs a) {
+    pull_small_kernel(const __grid_constant__ Common c_in, const __grid_constant__ PullSmallArgs a) {
+  const Common c = op_common(c_in);
   const int R = c.num_ranks, me = c.rank;
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;
@@ -750,26 +776,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void signal_chunk_kernel(const __grid_constant__ Common c, int chunk) {
+__global__ void signal_chunk_kernel(const __grid_constant__ Common c_in, int chunk) {
+  const Common c = op_common(c_in);
   if (threadIdx.x < c.num_ranks && threadIdx.x != c.rank) {
     __threadfence_system();
     st_release_sys(&control(c.peers[threadIdx.x])->chunk_done[c.rank][chunk], c.seq);
   }
 }
 
-__global__ void wait_chunk_kernel(const __grid_constant__ Common c, int chunk, int phase) {
+__global__ void wait_chunk_kernel(const __grid_constant__ Common c_in, int chunk, int phase) {
+  const Common c = op_common(c_in);
   if (threadIdx.x < c.num_ranks && threadIdx.x != c.rank)
     wait_geq(&control(c.peers[c.rank])->chunk_done[threadIdx.x][chunk], c, threadIdx.x, phase);
 }
 
-__global__ void signal_kernel(const __grid_constant__ Common c) {
+__global__ void signal_kernel(const __grid_constant__ Common c_in) {
+  const Common c = op_common(c_in);
   if (threadIdx.x < c.num_ranks) {
     __threadfence_system();
     st_release_sys(&control(c.peers[threadIdx.x])->done[c.rank][0], c.seq);
   }
 }
 
-__global__ void wait_kernel(const __grid_constant__ Common c, int sender_blocks, int phase) {
+__global__ void wait_kernel(const __grid_constant__ Common c_in, int sender_blocks, int phase) {
+  const Common c = op_common(c_in);
   wait_all_done(c, sender_blocks, phase);
 }
 

@@ -37,6 +37,7 @@ struct Control {
   unsigned int chunk_arrive[kMaxChunks];  // owner only: gather blocks done with each chunk (zeroed per op)
   unsigned long long abort_seq;                    // = seq when this rank's notify found an error
   unsigned long long ce_seq;  // owner only: = seq when the count exchange chose the copy-engine path
+  unsigned long long op_seq;  // owner only: the current op's sequence number (advanced by every op's notify)
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
@@ -77,7 +78,9 @@ struct HostRecord {
 struct Common {
   void* peers[kMaxRanks];  ///< every rank's buffer base as mapped in this process (own included)
   int rank = 0, num_ranks = 0;
-  unsigned long long seq = 0;  ///< the op's sequence number (equal on all ranks)
+  /// The op's sequence number (equal on all ranks). Not set by the host: every kernel reads it from
+  /// Control::op_seq, which the op's notify kernel advances, so a captured CUDA graph replays correctly.
+  unsigned long long seq = 0;
   long long timeout_ns = 0;
   HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
 };

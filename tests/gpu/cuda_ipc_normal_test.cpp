@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 #include <sstream>
@@ -66,6 +67,34 @@ Tensor to_cpu(const Tensor& dev) {
   Tensor h = Tensor::empty(dev.dtype(), dev.shape());
   if (dev.numel() > 0) cuda_ok(cudaMemcpy(h.data(), dev.data(), dev.nbytes(), cudaMemcpyDeviceToHost), "D2H");
   return h;
+}
+
+/// Captures `body` on `st` into a graph (thread-local capture mode). The capture always ends, so a failure cannot
+/// leave the stream capturing for the tests after it; returns null with `why` set on a failure.
+cudaGraph_t capture(cudaStream_t st, const std::function<void()>& body, std::string* why) {
+  cuda_ok(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  try {
+    body();
+  } catch (const std::exception& e) {
+    *why = e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t e = cudaStreamEndCapture(st, &graph);
+  if (e != cudaSuccess || !why->empty()) {
+    cudaGetLastError();
+    if (why->empty()) *why = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(e);
+    if (graph) cudaGraphDestroy(graph);
+    return nullptr;
+  }
+  return graph;
+}
+
+/// Throws naming `after` when `st` is capturing and an earlier call invalidated the capture.
+void expect_capture_alive(cudaStream_t st, const char* after) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cuda_ok(cudaStreamIsCapturing(st, &status), "cudaStreamIsCapturing");
+  if (status == cudaStreamCaptureStatusInvalidated)
+    throw std::runtime_error(std::string("the capture was invalidated by ") + after);
 }
 
 struct Case {
@@ -343,6 +372,178 @@ TEST(GpuCudaIpcNormal, NumWorstTokensPadsLikeThreadsBackend) {
     c.worst = 128 + 90 + 5;
     check_case(c);
   }
+}
+
+// One CUDA graph per rank holds the layout, a num_worst_tokens dispatch and the combine; it is replayed with new
+// inputs and new routing written into the captured input tensors, and every replay matches the threads backend bit
+// for bit (the op sequence number lives on the device, so replays do not reuse the captured one).
+TEST(GpuCudaIpcNormal, NumWorstTokensLayoutDispatchCombineCapturedOnceAndReplayed) {
+  REQUIRE_TWO_GPUS();
+  Case c;
+  c.T = {96, 64};
+  c.worst = 96 + 64 + 3;
+  constexpr int kSets = 4;  // set 0: the eager warm-up and the capture; sets 1..3: one replay each
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(c.name() + " seed " + std::to_string(seed));
+  std::mt19937_64 seeds(seed);
+  std::vector<std::vector<RankIn>> ins;
+  std::vector<std::vector<RankOut>> want;
+  for (int k = 0; k < kSets; ++k) {
+    ins.push_back(make_inputs(c, seeds()));
+    want.push_back(run(c, ins.back(), nullptr, false));
+  }
+  std::vector<std::vector<RankOut>> got(kSets, std::vector<RankOut>(kRanks));
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    const auto ru = static_cast<std::size_t>(r);
+    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions opts;
+    opts.backend = Backend::cuda_ipc;
+    opts.device = r;
+    opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(c.worst, c.H, kRanks, c.K);
+    Buffer buf(borrow(g), opts);
+    // The graph's inputs: fixed addresses, refilled before every replay.
+    const RankIn& first = ins[0][ru];
+    Tensor x = to_gpu(first.x, r), idx = to_gpu(first.idx, r), w = to_gpu(first.w, r), b0 = to_gpu(first.b0, r),
+           b1 = to_gpu(first.b1, r), cx = to_gpu(want[0][ru].comb_x, r), cw = to_gpu(want[0][ru].comb_w, r);
+    const auto refill = [&](int k) {
+      const RankIn& i = ins[static_cast<std::size_t>(k)][ru];
+      const RankOut& o = want[static_cast<std::size_t>(k)][ru];
+      const std::pair<Tensor*, const Tensor*> pairs[] = {{&x, &i.x},   {&idx, &i.idx},   {&w, &i.w},     {&b0, &i.b0},
+                                                         {&b1, &i.b1}, {&cx, &o.comb_x}, {&cw, &o.comb_w}};
+      for (auto [dev, host] : pairs)
+        cuda_ok(cudaMemcpy(dev->data(), host->data(), host->nbytes(), cudaMemcpyHostToDevice), "refill");
+    };
+    cudaStream_t st = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+    struct Step {
+      DispatchResult d;
+      CombineResult cr;
+    };
+    const auto step = [&] {
+      StreamGuard on(Stream{st});
+      const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
+      expect_capture_alive(st, "get_dispatch_layout");
+      DispatchArgs a;
+      a.x = x;
+      a.topk_idx = idx;
+      a.topk_weights = w;
+      a.num_tokens_per_rank = layout.num_tokens_per_rank;
+      a.is_token_in_rank = layout.is_token_in_rank;
+      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      a.num_worst_tokens = c.worst;
+      Step out;
+      out.d = buf.dispatch(a);
+      expect_capture_alive(st, "dispatch");
+      CombineArgs ca;
+      ca.x = cx;
+      ca.handle = &out.d.handle;
+      ca.topk_weights = cw;
+      ca.bias_0 = b0;
+      ca.bias_1 = b1;
+      out.cr = buf.combine(ca);
+      expect_capture_alive(st, "combine");
+      return out;
+    };
+    const auto keep = [&](const Step& s, RankOut& o) {
+      keep_dispatch(o, s.d, true, "");
+      o.t["handle.recv_src_idx"] = to_cpu(s.d.handle.recv_src_idx);
+      o.t["handle.num_recv_tokens_per_expert"] = to_cpu(s.d.handle.num_recv_tokens_per_expert);
+      o.t["combined_x"] = to_cpu(s.cr.combined_x);
+      o.t["combined_topk_weights"] = to_cpu(s.cr.combined_topk_weights);
+    };
+    keep(step(), got[0][ru]);  // eager first: first-use allocations happen outside the capture
+    Step captured;
+    std::string why;
+    cudaGraph_t graph = capture(st, [&] { captured = step(); }, &why);
+    if (!graph) {
+      ADD_FAILURE() << "rank " << r << ": capture failed: " << why;
+      // The peer's graph would wait for this rank's handshake: its replays are skipped too (same failure).
+      cuda_ok(cudaStreamDestroy(st), "cudaStreamDestroy");
+      return;
+    }
+    cudaGraphExec_t exec = nullptr;
+    // The outputs are the graph's own allocations, kept past each launch: each launch frees and re-allocates them
+    // at the same addresses.
+    cuda_ok(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch), "instantiate");
+    for (int k = 1; k < kSets; ++k) {
+      refill(k);
+      cuda_ok(cudaGraphLaunch(exec, st), "cudaGraphLaunch");
+      cuda_ok(cudaStreamSynchronize(st), "replay");
+      keep(captured, got[static_cast<std::size_t>(k)][ru]);
+      // Poisoned after reading: a replay that wrote nothing would fail the next comparison.
+      gputest::poison(captured.d.recv_x);
+      gputest::poison(captured.cr.combined_x);
+      cuda_ok(cudaDeviceSynchronize(), "poison");
+    }
+    {
+      StreamGuard on(Stream{st});  // the graph's allocations are returned on the stream that replayed it
+      captured = Step{};
+    }
+    cuda_ok(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
+    cuda_ok(cudaGraphDestroy(graph), "cudaGraphDestroy");
+    cuda_ok(cudaStreamSynchronize(st), "sync");
+    cuda_ok(cudaStreamDestroy(st), "cudaStreamDestroy");
+  });
+  for (int k = 0; k < kSets; ++k)
+    for (int r = 0; r < kRanks; ++r) {
+      SCOPED_TRACE("set " + std::to_string(k) + (k == 0 ? " (eager)" : " (graph replay)") + ", rank " +
+                   std::to_string(r));
+      const RankOut& w = want[static_cast<std::size_t>(k)][static_cast<std::size_t>(r)];
+      const RankOut& g = got[static_cast<std::size_t>(k)][static_cast<std::size_t>(r)];
+      for (const auto& [name, t] : g.t) {
+        const auto it = w.t.find(name);
+        ASSERT_TRUE(it != w.t.end()) << name;
+        if (name == "handle.recv_src_idx") {  // num_worst_tokens rows here, the received ones in the threads run
+          const auto n = it->second.numel();
+          EXPECT_EQ(std::memcmp(it->second.data(), t.data(), static_cast<std::size_t>(n) * 4), 0) << name;
+          for (std::int64_t j = n; j < t.numel(); ++j) EXPECT_EQ(t.ptr<std::int32_t>()[j], -1) << name << " row " << j;
+          continue;
+        }
+        EXPECT_TRUE(gputest::same_bits(it->second, t)) << name;
+      }
+    }
+}
+
+// A dispatch without num_worst_tokens reads the counts on the host: refused while the stream captures a graph,
+// before any communication (the buffer stays usable).
+TEST(GpuCudaIpcNormal, DispatchWithoutNumWorstTokensIsRefusedUnderCapture) {
+  REQUIRE_TWO_GPUS();
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions opts;
+    opts.backend = Backend::cuda_ipc;
+    opts.device = r;
+    opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(64, 2048, kRanks, 8);
+    Buffer buf(borrow(g), opts);
+    std::mt19937_64 rng(test::fresh_seed());
+    cudaStream_t st = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+    {
+      StreamGuard on(Stream{st});  // every tensor below is released before the stream is destroyed
+      const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 8, 256, {}), r);
+      const Tensor x = to_gpu(random_x(rng, 64, 2048, false), r);
+      const DispatchLayout layout = buf.get_dispatch_layout(idx, 256);
+      DispatchArgs a;
+      a.x = x;
+      a.topk_idx = idx;
+      a.num_tokens_per_rank = layout.num_tokens_per_rank;
+      a.is_token_in_rank = layout.is_token_in_rank;
+      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      std::string why;
+      cudaGraph_t graph = capture(st, [&] { (void)buf.dispatch(a); }, &why);
+      if (graph) {
+        cudaGraphDestroy(graph);
+        ADD_FAILURE() << "dispatch without num_worst_tokens was captured";
+      }
+      EXPECT_NE(why.find("num_worst_tokens"), std::string::npos) << why;
+      (void)buf.dispatch(a);  // still usable, eagerly
+      cuda_ok(cudaStreamSynchronize(st), "sync");
+    }
+    cuda_ok(cudaDeviceSynchronize(), "sync");
+    cuda_ok(cudaStreamDestroy(st), "cudaStreamDestroy");
+  });
 }
 
 TEST(GpuCudaIpcNormal, CachedDispatchMovesNewRows) {
