@@ -546,7 +546,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   // stream waits for the staging (staged_) before its own-rows pass.
   cudaStream_t stage_ = nullptr;
   cudaEvent_t staged_ = nullptr, allocated_ = nullptr;
-  cudaEvent_t stage_copied_[ipc::kMaxChunks] = {};  // combine: stage j's pushes done (the next stage's start)
+  cudaEvent_t stage_copied_[ipc::kMaxChunks] = {};  // combine: stage j's pushes done (its signal's start)
   cudaEvent_t caller_done_ = nullptr, comm_done_ = nullptr;  // enter/leave of a synchronous op, reused
   std::int64_t data_bytes_ = 0;
   void* base_ = nullptr;
@@ -902,36 +902,45 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   sa.layout = L;
   if (ce) {
     // Each peer's rows are one contiguous run of x (received rows are grouped by source): push each run into that
-    // peer's region with the copy engine in `chunks_` stages on the side streams, publishing each stage; the
-    // reduce kernel (on the communication stream, concurrently) waits per stage. This rank's own rows stay in x.
+    // peer's region with the copy engine in `chunks_` stages, publishing each stage; the reduce kernel (on the
+    // communication stream, concurrently) waits per stage. This rank's own rows stay in x.
+    // The copies run back to back on side stream 0 (the weights first, all at once: each copy pays the copy
+    // engine's start-up); each stage's signal kernel runs on side stream 1 once the stage's copies are done, so the
+    // copy queue never waits for a kernel and the stages land one after another, not together.
     fork_side_streams();
     const int me = me_;
     const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
+    const auto run_of = [&](int dst, std::int64_t* first, std::int64_t* count, std::int64_t* slot) {
+      *first = dst > 0 ? at(dst - 1, me) : 0;
+      *count = at(dst, me) - *first;
+      *slot = 0;  // rows `dst` receives back from ranks before me
+      for (int d = 0; d < me; ++d) *slot += at(dst, d) - (dst > 0 ? at(dst - 1, d) : 0);
+    };
+    const cudaStream_t copies = side_[0], signals = side_[1];
+    for (int dst = 0; dst < R && has_w; ++dst) {
+      std::int64_t first = 0, count = 0, slot = 0;
+      run_of(dst, &first, &count, &slot);
+      if (dst == me || count == 0) continue;
+      char* region = static_cast<char*>(peers_[dst]) + ipc::kControlBytes;
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(region + L.w_off + slot * 4 * K,
+                                       static_cast<const float*>(a.topk_weights.data) + first * K,
+                                       count * 4 * static_cast<std::size_t>(K), cudaMemcpyDeviceToDevice, copies));
+    }
     for (int j = 0; j < chunks_; ++j) {
-      // Stages alternate between the side streams (a stage's signal kernel overlaps the next stage's copies)
-      // but their copies run one after another: concurrent stages would land together, in pairs, leaving the
-      // reduce half of its rows after the last copy instead of one stage's.
-      const cudaStream_t st = side_[j & 1];
-      if (j > 0) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, stage_copied_[j - 1], 0));
       for (int dst = 0; dst < R; ++dst) {
         if (dst == me) continue;
-        const std::int64_t first = dst > 0 ? at(dst - 1, me) : 0;
-        const std::int64_t count = at(dst, me) - first;
+        std::int64_t first = 0, count = 0, slot = 0;
+        run_of(dst, &first, &count, &slot);
         const std::int64_t lo = ipc::stage_begin(count, j, chunks_), hi = ipc::stage_begin(count, j + 1, chunks_);
         if (hi <= lo) continue;
-        std::int64_t slot = 0;  // rows `dst` receives back from ranks before me
-        for (int d = 0; d < me; ++d) slot += at(dst, d) - (dst > 0 ? at(dst - 1, d) : 0);
         char* region = static_cast<char*>(peers_[dst]) + ipc::kControlBytes;
         EPMOE_CUDA_CHECK(cudaMemcpyAsync(region + L.x_off + (slot + lo) * sa.x_row,
                                          static_cast<const char*>(x.data) + (first + lo) * sa.x_row,
-                                         (hi - lo) * sa.x_row, cudaMemcpyDeviceToDevice, st));
-        if (has_w)
-          EPMOE_CUDA_CHECK(cudaMemcpyAsync(region + L.w_off + (slot + lo) * 4 * K,
-                                           static_cast<const float*>(a.topk_weights.data) + (first + lo) * K,
-                                           (hi - lo) * 4 * static_cast<std::size_t>(K), cudaMemcpyDeviceToDevice, st));
+                                         (hi - lo) * sa.x_row, cudaMemcpyDeviceToDevice, copies));
       }
-      EPMOE_CUDA_CHECK(cudaEventRecord(stage_copied_[j], st));
-      ipc::launch_signal_chunk(c, j, st);
+      EPMOE_CUDA_CHECK(cudaEventRecord(stage_copied_[j], copies));
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(signals, stage_copied_[j], 0));
+      ipc::launch_signal_chunk(c, j, signals);
       trace_mark("stage pushed");
     }
   } else {

@@ -702,7 +702,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (own) break;
     // Stage j done in this block; the last block to finish it publishes it to every peer. One thread fences
-    // after the barrier (cumulative, as in signal_done), not every thread.
+    // after the barrier (cumulative, as in signal_done). Counting warps instead (no barrier, one fence per warp)
+    // was measured slower: 1536 system fences per op instead of 96.
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
