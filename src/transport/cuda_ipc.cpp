@@ -674,10 +674,13 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   ga.pm = pm.ptr<std::int32_t>();
   ga.chunks = chunks_;
   ga.layout = L;
-  const bool stage_early = cached ? ce : ce_allowed;
-  if (stage_early) {
+  // The staging (send lists, stage counters reset, the staging pass on its own stream): before the host read when
+  // this rank has enough tokens for the copy-engine path to be likely (it does nothing if the count exchange
+  // chooses the SM path), else after the read if the path was chosen: small batches skip its launches.
+  bool staging_enqueued = false;
+  const auto enqueue_staging = [&](bool if_chosen) {
     ipc::SendListArgs sl;
-    sl.if_chosen = !cached;
+    sl.if_chosen = if_chosen;
     sl.send_pos = send_pos.ptr<std::int32_t>();
     sl.pm = pm.ptr<std::int32_t>();
     sl.T = T;
@@ -688,16 +691,19 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     fork_side_streams();
     ga.list = list.ptr<std::int32_t>();
     ga.part = ipc::kGatherStages;
-    ga.if_chosen = !cached;
+    ga.if_chosen = if_chosen;
     ipc::launch_gather(c, ga, blocks_, stage_);
     EPMOE_CUDA_CHECK(cudaEventRecord(staged_, stage_));
-  }
+    staging_enqueued = true;
+  };
+  if (cached ? ce : (ce_allowed && T >= copy_engine_min_rows_)) enqueue_staging(!cached);
   if (!cached && worst == 0) {  // the one host read of normal mode
     wait_notified(kDispatchPhase);
     trace_mark("host read");
     num_recv = host_->pm[(R - 1) * R + me];
     pm_host.assign(host_->pm, host_->pm + R * R);
     ce = ce_allowed && host_->use_copy_engine != 0;
+    if (ce && !staging_enqueued) enqueue_staging(false);
   }
   const std::int64_t rows = worst > 0 ? worst : num_recv;
 
@@ -715,7 +721,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     if (has_topk) out.recv_topk_idx = outputs.take(DType::int64, {rows, K});
     if (has_weights) out.recv_topk_weights = outputs.take(DType::fp32, {rows, K});
     if (!cached) recv_src = outputs.take(DType::int32, {rows});
-    if (stage_early) {
+    if (staging_enqueued) {
       EPMOE_CUDA_CHECK(cudaEventRecord(allocated_, comm_));
       for (cudaStream_t st : side_) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, allocated_, 0));
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, staged_, 0));

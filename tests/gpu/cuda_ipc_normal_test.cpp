@@ -116,6 +116,7 @@ struct Case {
   bool async = false;
   bool copy_engine = true;  ///< BufferOptions::use_copy_engine (false: SM stores only)
   int chunks = 0;           ///< BufferOptions::num_chunks (0: the default)
+  std::int64_t ce_min_rows = 0;  ///< BufferOptions::copy_engine_min_rows (0: the copy-engine path at every size)
   bool olmoe = false;       ///< replay recorded OLMoE routing (SPEC 14, layer 0, ids mapped to E) instead of random
   std::string name() const {
     std::ostringstream os;
@@ -123,7 +124,8 @@ struct Case {
        << (fp8 ? ue8m0 ? " fp8/ue8m0" : " fp8/f32" : " bf16") << (int32_idx ? " int32 ids" : "")
        << " p(-1)=" << p_minus_one << " only_expert=" << only_expert << " all-1 rank=" << all_minus_one_rank
        << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "")
-       << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks << (olmoe ? " olmoe routing" : "");
+       << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks << " ce_min_rows=" << ce_min_rows
+       << (olmoe ? " olmoe routing" : "");
     return os.str();
   }
 };
@@ -218,7 +220,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
       opts.device = r;
       opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_t, c.H, kRanks, c.K);
       opts.use_copy_engine = c.copy_engine;
-      opts.copy_engine_min_rows = 0;  // the copy-engine path at every size (its default starts at 1024 rows)
+      opts.copy_engine_min_rows = c.ce_min_rows;
       opts.num_chunks = c.chunks;
     } else {
       opts.backend = Backend::threads;
@@ -544,6 +546,25 @@ TEST(GpuCudaIpcNormal, DispatchWithoutNumWorstTokensIsRefusedUnderCapture) {
     cuda_ok(cudaDeviceSynchronize(), "sync");
     cuda_ok(cudaStreamDestroy(st), "cudaStreamDestroy");
   });
+}
+
+// With the default copy_engine_min_rows (1024) a rank with fewer tokens enqueues its staging only after the count
+// exchange chose the copy-engine path (the other rank stages before the host read); a small batch takes the
+// SM-store path on every rank. Fresh and cached dispatch.
+TEST(GpuCudaIpcNormal, StagingBeforeOrAfterTheHostReadAndTheDefaultPathChoice) {
+  REQUIRE_TWO_GPUS();
+  for (bool cached : {false, true}) {
+    Case late;
+    late.ce_min_rows = 1024;
+    late.T = {1100, 60};  // rank 0 sends rank 1 >= 1024 rows: the copy-engine path; rank 1 stages late
+    late.cached = cached;
+    check_case(late);
+    Case small;
+    small.ce_min_rows = 1024;
+    small.T = {300, 200};  // nobody moves 1024 rows: SM stores
+    small.cached = cached;
+    check_case(small);
+  }
 }
 
 TEST(GpuCudaIpcNormal, CachedDispatchMovesNewRows) {
