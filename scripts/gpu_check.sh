@@ -49,10 +49,14 @@ step() { # step NAME TIMEOUT_S COMMAND...: runs, logs, records pass/fail
   note "   -> $verdict in $((SECONDS - t0)) s"
 }
 
-# The commit: git's, or EPMOE_COMMIT when the checkout travelled without .git (the device tool's copy).
-COMMIT="$(git rev-parse HEAD 2>/dev/null)" || COMMIT="${EPMOE_COMMIT:-unknown}"
-if git rev-parse HEAD >/dev/null 2>&1 && ! git diff --quiet HEAD 2>/dev/null; then
-  COMMIT="$COMMIT (with local changes)"
+# The commit: EPMOE_COMMIT when given (the binaries' commit: a copied checkout's .git may be stale), else git's.
+if [ -n "${EPMOE_COMMIT:-}" ]; then
+  COMMIT="$EPMOE_COMMIT"
+else
+  COMMIT="$(git rev-parse HEAD 2>/dev/null)" || COMMIT="unknown"
+  if git rev-parse HEAD >/dev/null 2>&1 && ! git diff --quiet HEAD 2>/dev/null; then
+    COMMIT="$COMMIT (with local changes)"
+  fi
 fi
 note "epmoe gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $COMMIT"
 DEVICE="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
