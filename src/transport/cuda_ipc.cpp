@@ -805,7 +805,6 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     sa.experts_per_rank = E_local;
     sa.write_src = !cached;
     sa.layout = L;
-    sa.pm = pm.ptr<std::int32_t>();
     ipc::launch_dispatch_send(c, sa, blocks_, s);
   }
 

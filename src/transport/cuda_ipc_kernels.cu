@@ -283,31 +283,20 @@ __global__ void __launch_bounds__(kThreads)
   const DataLayout& L = a.layout;
   const int nvec = static_cast<int>(a.x_row / 16);
   const int nscale = static_cast<int>(a.scale_row / 4);
-  // Where destination d's fields start, and the shift from send_pos (d's absolute row) to the row written:
-  // SM path: d's region, shift 0. Gather: this rank's outputs for d == me (shift 0); else this rank's own
-  // region, rows grouped by destination (shift = rows for destinations before d - rows earlier ranks send d).
+  // Where destination d's fields start: d's region (row send_pos[t][d], its final row).
   __shared__ char* dst_x[kMaxRanks];
   __shared__ char* dst_scale[kMaxRanks];
   __shared__ long long* dst_idx[kMaxRanks];
   __shared__ float* dst_w[kMaxRanks];
   __shared__ std::int32_t* dst_src[kMaxRanks];
-  __shared__ std::int64_t shift[kMaxRanks];
-  __shared__ std::int64_t limit[kMaxRanks];
   if (threadIdx.x == 0) {
-    std::int64_t grouped = 0;
     for (int d = 0; d < R; ++d) {
-      const std::int64_t before = c.rank > 0 ? a.pm[(c.rank - 1) * R + d] : 0;
-      const bool own_output = a.gather && d == c.rank;
-      char* region = data_region(c.peers[a.gather ? c.rank : d]);
-      dst_x[d] = own_output ? static_cast<char*>(a.recv_x) : region + L.x_off;
-      dst_scale[d] = own_output ? static_cast<char*>(a.recv_scales) : region + L.scale_off;
-      dst_idx[d] =
-          own_output ? reinterpret_cast<long long*>(a.recv_idx) : reinterpret_cast<long long*>(region + L.idx_off);
-      dst_w[d] = own_output ? a.recv_w : reinterpret_cast<float*>(region + L.w_off);
-      dst_src[d] = own_output ? a.recv_src : reinterpret_cast<std::int32_t*>(region + L.src_off);
-      shift[d] = (a.gather && !own_output) ? grouped - before : 0;
-      limit[d] = own_output ? 0x7fffffffLL : L.capacity;
-      if (a.gather && d != c.rank) grouped += a.pm[c.rank * R + d] - before;
+      char* region = data_region(c.peers[d]);
+      dst_x[d] = region + L.x_off;
+      dst_scale[d] = region + L.scale_off;
+      dst_idx[d] = reinterpret_cast<long long*>(region + L.idx_off);
+      dst_w[d] = reinterpret_cast<float*>(region + L.w_off);
+      dst_src[d] = reinterpret_cast<std::int32_t*>(region + L.src_off);
     }
   }
   __syncthreads();
@@ -318,8 +307,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
         const int p = __shfl_sync(0xffffffffu, my_pos, d);
-        pos[d] = (d < R && p >= 0) ? p + shift[d] : -1;
-        if (pos[d] >= limit[d]) {  // only a cached dispatch with another row size can get here
+        pos[d] = (d < R && p >= 0) ? p : -1;
+        if (pos[d] >= L.capacity) {  // only a cached dispatch with another row size can get here
           if (lane == 0) report(c, kErrCapacity, d, kPhaseDispatchData, pos[d]);
           pos[d] = -1;
         }

@@ -117,6 +117,8 @@ struct SendPosArgs {
   std::int32_t* send_pos = nullptr;  ///< [T, R] out
 };
 
+/// The SM-store dispatch: every row stored into its destination's region at its final row send_pos[t][d]
+/// (the receiver copies the region out).
 struct DispatchSendArgs {
   const void* x = nullptr;
   std::size_t x_row = 0;  ///< bytes, a multiple of 16
@@ -131,17 +133,6 @@ struct DispatchSendArgs {
   int experts_per_rank = 0;
   bool write_src = true;
   DataLayout layout;
-  /// false: SM stores of every row into its destination's region at row send_pos (the receiver copies out).
-  /// true (copy-engine path): rows for this rank go straight into the outputs below (row send_pos); rows for
-  /// a peer d go into this rank's own region, grouped by destination ascending, in token order, for d to
-  /// pull with the copy engine. Needs pm.
-  bool gather = false;
-  const std::int32_t* pm = nullptr;  ///< device [R, R] (gather)
-  void* recv_x = nullptr;            ///< this rank's outputs (gather)
-  void* recv_scales = nullptr;
-  std::int64_t* recv_idx = nullptr;
-  float* recv_w = nullptr;
-  std::int32_t* recv_src = nullptr;
 };
 
 /// The copy-engine dispatch's send side. Rows for peer d are staged in this rank's region grouped by destination
