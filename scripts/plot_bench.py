@@ -10,7 +10,14 @@ bench had it, NCCL's all-to-all-v of the same rows.
 """
 import argparse
 import json
+import os
 import sys
+
+
+def fail(message):
+    """A bad input file or output path: one line on stderr, exit status 2 (as the epmoe command's bad arguments)."""
+    print(f"plot_bench: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def load(path):
@@ -18,11 +25,11 @@ def load(path):
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise SystemExit(f"plot_bench: cannot read {path}: {e.strerror}")
+        fail(f"cannot read {path}: {e.strerror}")
     except ValueError as e:
-        raise SystemExit(f"plot_bench: {path} is not JSON ({e})")
+        fail(f"{path} is not JSON ({e})")
     if data.get("command") != "bench" or not isinstance(data.get("results"), list):
-        raise SystemExit(f"plot_bench: {path} is not the JSON of `epmoe bench` (no 'results' list)")
+        fail(f"{path} is not the JSON of `epmoe bench` (no 'results' list)")
     return data
 
 
@@ -38,6 +45,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     data = load(args.json)
     out = args.output or (args.json[:-5] if args.json.endswith(".json") else args.json) + ".png"
+    out_dir = os.path.dirname(out) or "."
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        fail(f"cannot write {out}: {out_dir} is not a writable directory")
 
     import matplotlib
 
@@ -49,7 +59,7 @@ def main(argv=None):
         if r["op"] not in ops:
             ops.append(r["op"])
     if not ops:
-        raise SystemExit(f"plot_bench: {args.json} holds no results")
+        fail(f"{args.json} holds no results")
     cols = min(3, len(ops))
     rows = (len(ops) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False)
@@ -75,7 +85,10 @@ def main(argv=None):
                  f"H={data.get('hidden')} K={data.get('num_topk')} E={data.get('num_experts')}, nccl: {data.get('nccl')}",
                  fontsize="medium")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror}")
     print(f"wrote {out}")
     return 0
 

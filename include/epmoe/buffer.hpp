@@ -36,6 +36,10 @@
 
 namespace epmoe {
 
+/// The most experts per token (topk_idx's K) each mode takes (SPEC 1).
+inline constexpr int kNormalMaxTopk = 32;
+inline constexpr int kLowLatencyMaxTopk = 16;
+
 /// What a GPU backend's event does (the cuda_ipc backend wraps a cudaEvent_t in one).
 class EventImpl {
  public:

@@ -25,7 +25,8 @@ std::int64_t cuda_ipc_normal_size_hint(std::int64_t max_tokens_per_rank, std::in
   EPMOE_CHECK_ARG(max_tokens_per_rank >= 0, "max_tokens_per_rank", ">= 0", max_tokens_per_rank);
   EPMOE_CHECK_ARG(hidden > 0, "hidden", "> 0", hidden);
   EPMOE_CHECK_ARG(num_ranks >= 1, "num_ranks", ">= 1", num_ranks);
-  EPMOE_CHECK_ARG(num_topk >= 0 && num_topk <= 32, "num_topk", "0..32", num_topk);
+  EPMOE_CHECK_ARG(num_topk >= 0 && num_topk <= kNormalMaxTopk, "num_topk", fmt::format("0..{}", kNormalMaxTopk),
+                  num_topk);
   // A bf16 dispatch row is the largest row of either op (fp8 + scales is smaller for H >= 4).
   const std::int64_t row = std::max(dispatch_row_bytes(2 * hidden, 0, num_topk), combine_row_bytes(hidden, num_topk));
   return max_tokens_per_rank * num_ranks * row + 5 * kFieldSlack;

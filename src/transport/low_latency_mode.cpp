@@ -31,7 +31,7 @@ namespace epmoe {
 
 namespace {
 
-constexpr int kMaxTopk = 16;                  // SPEC 1: K in 1..16 in low-latency mode
+constexpr int kMaxTopk = kLowLatencyMaxTopk;  // SPEC 1: K in 1..16 in low-latency mode
 constexpr int kMaxLocalExperts = 1024;        // SPEC 1
 constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL"
 constexpr std::size_t kHeaderBytes = 64;

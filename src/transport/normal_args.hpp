@@ -8,7 +8,6 @@
 
 namespace epmoe {
 
-inline constexpr int kNormalMaxTopk = 32;                   // SPEC 1: K in 1..32 in normal mode
 inline constexpr std::int64_t kNormalMaxLocalExperts = 1024;  // SPEC 1: E_local <= 1024
 
 /// How fp8 scales travel: none (bf16 rows), float32 [T, G], or UE8M0 int32 [T, ceil(G/4)].

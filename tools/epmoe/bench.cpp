@@ -234,7 +234,7 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
               const std::function<void(const Sample&)>& emit) {
   const int R = g->size(), r = g->rank();
   const bool normal = c.modes.find("normal") != std::string::npos;
-  const bool ll = c.modes.find("low-latency") != std::string::npos && c.topk <= 16;
+  const bool ll = c.modes.find("low-latency") != std::string::npos && c.topk <= kLowLatencyMaxTopk;
   const std::vector<std::int64_t> Ts = sweep(c);
   for (std::size_t i = 0; i < Ts.size(); ++i) {
     const std::int64_t T = Ts[i];
@@ -557,7 +557,8 @@ void check_shape(const BenchConfig& c, int R) {
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
   if (c.experts % R != 0) bad("--experts", fmt::format("a multiple of the {} ranks", R), c.experts);
   if (c.experts / R > 1024) bad("--experts", fmt::format("at most 1024 per rank ({} ranks)", R), c.experts);
-  if (c.topk < 1 || c.topk > std::min(32, c.experts)) bad("--topk", fmt::format("in [1, {}]", std::min(32, c.experts)), c.topk);
+  if (c.topk < 1 || c.topk > std::min(kNormalMaxTopk, c.experts))
+    bad("--topk", fmt::format("in [1, {}]", std::min(kNormalMaxTopk, c.experts)), c.topk);
   if (c.runs < 1) bad("--runs", ">= 1", c.runs);
   if (c.warmup < 0) bad("--warmup", ">= 0", c.warmup);
 }
@@ -578,6 +579,8 @@ int bench(BenchConfig c) {
       modes.insert(m);
     }
     if (modes.empty()) bad("--modes", "a comma-separated subset of normal,low-latency", c.modes);
+    if (modes.size() == 1 && modes.count("low-latency") && c.topk > kLowLatencyMaxTopk)
+      bad("--topk", fmt::format("in [1, {}] with --modes low-latency", kLowLatencyMaxTopk), c.topk);
   }
   c.kind = resolve_device(c.device);
   apply_config_flag(c.config, c.options);
@@ -591,7 +594,17 @@ int bench(BenchConfig c) {
   if (sweep(c).empty())
     bad("--tokens-max", fmt::format("a range holding a power of two (--tokens-min {})", c.tokens_min), c.tokens_max);
   if (c.ll_tokens_max < 1) bad("--ll-tokens-max", ">= 1", c.ll_tokens_max);
-  if (!c.json.empty() && !std::ofstream(c.json, std::ios::app)) bad("--json", "a writable file", c.json);
+  if (c.kind == DeviceKind::cpu) {
+    // Roughly: per rank its tokens, the rows it may receive (R x T), the combine output and the threads
+    // transport's copies, at the largest T; low-latency slabs (E_local x R x T x H, dispatch and combine).
+    const double row = 2.0 * static_cast<double>(c.hidden);
+    const double t_max = static_cast<double>(sweep(c).back());
+    double need = R * (2.0 + 2.0 * R) * t_max * row;
+    if (modes.count("low-latency") && c.topk <= kLowLatencyMaxTopk)
+      need += R * 2.0 * (static_cast<double>(c.experts) / R) * R * std::min<double>(c.ll_tokens_max, t_max) * row;
+    check_host_memory(need, "--tokens-max/--hidden/--ranks", fmt::format("{} CPU ranks at T = {}", R, sweep(c).back()));
+  }
+  if (!c.json.empty()) check_writable("--json", c.json);
   const std::uint64_t seed = fresh_seed(c.seed);
   const bool gpu = c.kind == DeviceKind::cuda;
   const std::string nccl = gpu ? nccl_status() : "n/a on CPU ranks";
@@ -605,8 +618,8 @@ int bench(BenchConfig c) {
   if (gpu && modes.count("low-latency"))
     fmt::print("low-latency: skipped on GPU ranks (the cuda_ipc backend has no low-latency path yet; --device cpu measures it)\n");
   if (!gpu && modes.count("low-latency")) {
-    if (c.topk > 16)
-      fmt::print("low-latency: skipped (K = {} > 16)\n", c.topk);
+    if (c.topk > kLowLatencyMaxTopk)
+      fmt::print("low-latency: skipped (K = {} > {})\n", c.topk, kLowLatencyMaxTopk);
     else
       fmt::print("low-latency: T <= {} (--ll-tokens-max; its buffers grow with E_local * R * T * H)\n", c.ll_tokens_max);
   }
@@ -684,18 +697,17 @@ int tune(BenchConfig c) {
   if (c.objective != "max" && c.objective != "sum" && c.objective != "dispatch" && c.objective != "combine")
     bad("--objective", "max, sum, dispatch or combine", c.objective);
   // Flags are checked before looking for GPUs, so a bad value is named on any machine.
-  std::string why;
+  if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
+  check_writable("--output", c.output);
+  std::string why = "--device cpu was given";
   if (c.device == "cpu" || cuda_device_count(&why) == 0)
-    throw Error(ErrorCode::unsupported,
-                fmt::format("epmoe: tune: num_sms is a setting of the cuda_ipc backend and needs CUDA GPUs; {}",
-                            c.device == "cpu" ? "--device cpu was given" : why));
+    bad("--device", fmt::format("CUDA GPUs (tune sweeps the cuda_ipc backend's num_sms and num_chunks); {}", why),
+        c.device);
   c.kind = DeviceKind::cuda;
   apply_config_flag(c.config, c.options);
   const int R = gpu_ranks(c);
   c.ranks = R;
   check_shape(c, R);
-  if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
-  if (!std::ofstream(c.output, std::ios::app)) bad("--output", "a writable file", c.output);
   const std::uint64_t seed = fresh_seed(c.seed);
   const std::string dop = c.dispatch_dtype == "fp8" ? "dispatch_fp8" : "dispatch_bf16";
   fmt::print("epmoe {} tune: {} GPU ranks ({} x {}), T={} H={} K={} E={}, num_sms in {{{}}}{}, objective {} of {} and combine, "
@@ -767,7 +779,8 @@ void add_shape_options(CLI::App* cmd, BenchConfig& c) {
   cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of the ranks)")->capture_default_str();
   cmd->add_option("--runs", c.runs, "timed runs per point (median reported)")->capture_default_str();
   cmd->add_option("--warmup", c.warmup, "untimed runs before them")->capture_default_str();
-  cmd->add_option("--ranks", c.ranks, "ranks (CPU: threads; GPU: default all visible GPUs, one rank each)")->capture_default_str();
+  cmd->add_option("--ranks", c.ranks, "ranks (bench on CPU: threads; on GPUs: default all visible GPUs, one rank each)")
+      ->capture_default_str();
   cmd->add_option("--seed", c.seed, "seed of inputs and routing (0: a fresh one, printed)")
       ->check(non_negative_integer())
       ->capture_default_str();

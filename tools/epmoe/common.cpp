@@ -7,6 +7,8 @@
 #include <random>
 #include <thread>
 
+#include <unistd.h>
+
 #include <epmoe/group.hpp>
 
 #if defined(EPMOE_HAVE_CUDA)
@@ -21,10 +23,13 @@ int cuda_device_count(std::string* why) {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky "no device" state
-    if (why) *why = fmt::format("no CUDA device is visible (cudaGetDeviceCount: {})", cudaGetErrorString(e));
+    if (why)
+      *why = fmt::format("no CUDA device is visible: cudaGetDeviceCount failed with '{}' (no driver or device, or a "
+                         "driver older than this build's CUDA)",
+                         cudaGetErrorString(e));
     return 0;
   }
-  if (n == 0 && why) *why = "no CUDA device is visible (cudaGetDeviceCount: 0)";
+  if (n == 0 && why) *why = "no CUDA device is visible: cudaGetDeviceCount found 0";
   return n;
 #else
   if (why) *why = "this epmoe was built without CUDA";
@@ -46,11 +51,29 @@ DeviceKind resolve_device(std::string_view choice, bool cuda_allowed, std::strin
   std::string why;
   const int n = cuda_device_count(&why);
   if (choice == "cuda") {
-    if (n == 0) bad(flag, fmt::format("cpu or auto here ({})", why), choice);
+    if (n == 0) bad(flag, fmt::format("cpu or auto here; {}", why), choice);
     return DeviceKind::cuda;
   }
   if (choice != "auto") bad(flag, "auto, cpu or cuda", choice);
   return n > 0 && cuda_allowed ? DeviceKind::cuda : DeviceKind::cpu;
+}
+
+void check_writable(std::string_view flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  const bool exists = fs::exists(p, ec);
+  if (exists && fs::is_directory(p, ec)) bad(flag, "a writable file", path + " (a directory)");
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  const bool ok = exists ? ::access(path.c_str(), W_OK) == 0 : (fs::is_directory(dir, ec) && ::access(dir.c_str(), W_OK) == 0);
+  if (path.empty() || !ok) bad(flag, "a writable file", path.empty() ? std::string("an empty path") : path);
+}
+
+void check_host_memory(double need, std::string_view flags, std::string_view what) {
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (have > 0 && need > have)
+    bad(flags, fmt::format("sizes whose host memory fits this machine's {:.1f} GiB", have / 1073741824.0),
+        fmt::format("about {:.1f} GiB ({})", need / 1073741824.0, what));
 }
 
 void apply_config_flag(const std::string& path, BufferOptions& options) {

@@ -37,6 +37,15 @@ std::string device_name(int device);
 /// has a GPU path), cpu otherwise. cuda without a device throws invalid_argument naming `flag` and why.
 DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std::string_view flag = "--device");
 
+/// Raises invalid_argument naming `flag` unless `path` can be written later (an existing writable file, or a new
+/// name in a writable directory); creates nothing, so a command refused afterwards leaves no empty file behind.
+void check_writable(std::string_view flag, const std::string& path);
+
+/// Raises invalid_argument naming `flags` when `need` bytes (a command's rough host-memory estimate, `what`
+/// describes it) exceed this machine's physical memory: an impossible size is named up front, not by a failed
+/// allocation later.
+void check_host_memory(double need, std::string_view flags, std::string_view what);
+
 /// Reads BufferOptions' tunables from --config PATH (empty: nothing), naming the flag on a bad file.
 void apply_config_flag(const std::string& path, BufferOptions& options);
 

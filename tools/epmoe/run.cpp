@@ -30,7 +30,7 @@
 #include <random>
 #include <thread>
 
-#include <unistd.h>
+
 
 #include "commands.hpp"
 #include "common.hpp"
@@ -63,6 +63,7 @@ struct RunConfig {
   std::string device = "auto";
   std::string config;       // --config: BufferOptions tunables (JSON)
   bool topk_given = false;  // --topk on the command line (it must then match a replayed trace's K)
+  std::string replay_flags_given;  // --domain / --layer / --offset given (they apply only with --routing)
   bool ranks_given = false;
   // Resolved by run():
   DeviceKind kind = DeviceKind::cpu;
@@ -433,7 +434,15 @@ int run(RunConfig c) {
     root = mpi_group->rank() == 0;
   }
 #endif
-  const Activation act = parse_activation(c.activation);
+  Activation act{};
+  try {
+    act = parse_activation(c.activation);
+  } catch (const Error& e) {  // the library names its argument 'activation'; on the command line it is the flag
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    std::string message = e.what();
+    if (const auto at = message.find("'activation'"); at != std::string::npos) message.insert(at + 1, "--");
+    throw Error(ErrorCode::invalid_argument, message);
+  }
   // CPU or GPU ranks: auto takes the GPUs when there are any (normal mode: the cuda_ipc backend has no
   // low-latency path yet, so low-latency runs stay on CPU ranks).
   if (c.device == "cuda" && c.mode != "normal")
@@ -460,22 +469,30 @@ int run(RunConfig c) {
   apply_config_flag(c.config, c.buffer_options);
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
-  if (c.experts % c.ranks != 0)
+  if (c.experts % c.ranks != 0) {
+    if (c.backend != "mpi" && !c.ranks_given)  // the ranks are a default: the experts are what was asked
+      bad("--experts", fmt::format("a multiple of the {} ranks (--ranks)", c.ranks), c.experts);
     bad(c.backend == "mpi" ? "mpirun -np" : "--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
+  }
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
   if (c.intermediate < 1) bad("--intermediate", ">= 1", c.intermediate);
-  if (c.topk < 1 || c.topk > c.experts) bad("--topk", fmt::format("in [1, --experts ({})]", c.experts), c.topk);
+  const int max_topk = std::min(c.experts, c.mode == "normal" ? kNormalMaxTopk : kLowLatencyMaxTopk);
+  if (c.topk < 1 || c.topk > max_topk)
+    bad("--topk", fmt::format("in [1, {}] (at most --experts and {} in {} mode)", max_topk,
+                              c.mode == "normal" ? kNormalMaxTopk : kLowLatencyMaxTopk, c.mode), c.topk);
   if (c.check_tokens < 1) bad("--check-tokens", ">= 1", c.check_tokens);
   if (!(c.tolerance > 0) || !std::isfinite(c.tolerance)) bad("--tolerance", "a positive finite number", c.tolerance);
   if (c.layer < 0) bad("--layer", ">= 0", c.layer);
   if (c.offset < 0) bad("--offset", ">= 0", c.offset);
   if (c.chunk_size < 0) bad("--chunk-size", ">= 0", c.chunk_size);
   if (c.iters < 1) bad("--iters", ">= 1", c.iters);
-  if (!c.json.empty() && !std::ofstream(c.json, std::ios::app)) bad("--json", "a writable file", c.json);
+  if (!c.json.empty()) check_writable("--json", c.json);
 
   RoutingTrace trace;
   const bool replay = !c.routing.empty();
+  if (!replay && !c.replay_flags_given.empty() && root)
+    fmt::print(stderr, "note: ignored without --routing: {} (the routing is random here)\n", c.replay_flags_given);
   if (replay) {
     try {
       trace = load_routing_trace(c.routing, c.domain);
@@ -505,12 +522,8 @@ int run(RunConfig c) {
     // by a failed allocation later.
     const double weights = static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2;
     const double per_rank = static_cast<double>(c.tokens) * (c.hidden * 2.0 * (3 + c.topk) + 4.0 * c.intermediate * c.topk);
-    const double need = weights + per_rank * c.ranks;
-    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-    if (have > 0 && need > have)
-      bad("--tokens/--hidden/--experts/--intermediate",
-          fmt::format("sizes whose host memory fits this machine's {:.1f} GiB", have / 1073741824.0),
-          fmt::format("about {:.1f} GiB (weights {:.1f} GiB)", need / 1073741824.0, weights / 1073741824.0));
+    check_host_memory(weights + per_rank * c.ranks, "--tokens/--hidden/--experts/--intermediate",
+                      fmt::format("weights {:.1f} GiB", weights / 1073741824.0));
   }
   if (root) {
     const std::string where =
@@ -653,6 +666,8 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--json", c.json, "also write the results as JSON to this file");
   return [config, cmd] {
     config->topk_given = cmd->count("--topk") > 0;
+    for (const char* flag : {"--domain", "--layer", "--offset"})
+      if (cmd->count(flag) > 0) config->replay_flags_given += (config->replay_flags_given.empty() ? "" : ", ") + std::string(flag);
     config->ranks_given = cmd->count("--ranks") > 0;
     return run(*config);
   };
