@@ -164,6 +164,9 @@ void bind_group(nb::module_& m) {
               } catch (...) {
                 errors[static_cast<size_t>(r)] = std::current_exception();
               }
+              // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
+              // wait out their timeout in the next collective.
+              if (errors[static_cast<size_t>(r)]) world.abort(r, "its function raised");
             });
           }
           for (auto& t : threads) t.join();

@@ -180,6 +180,24 @@ def test_run_thread_ranks_returns_results_and_reraises():
         epmoe.run_thread_ranks(0, failing)
 
 
+def test_a_rank_that_raises_releases_the_others_at_once():
+    seen = {}
+
+    def rank_main(group):
+        if group.rank() == 0:
+            raise ValueError("rank zero fails before the barrier")
+        group.timeout_s = 600.0  # released by rank 0's failure, not by this timeout
+        try:
+            group.barrier("after the failure")
+        except epmoe.Error as e:
+            seen["code"], seen["message"] = e.code, str(e)
+            raise
+
+    with pytest.raises(ValueError, match="rank zero fails"):
+        epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
+    assert seen["code"] == "unusable" and "rank 0" in seen["message"], seen
+
+
 def test_a_rank_that_never_arrives_times_out_instead_of_hanging():
     def rank_main(group):
         if group.rank() == 0:

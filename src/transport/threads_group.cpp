@@ -25,6 +25,10 @@ void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeou
   const Deadline deadline(timeout_s);
   const bool done = cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken; });
   if (done && generation != gen) return;
+  // Woken because a rank failed (ThreadWorld::abort): that failure is the cause, not the ranks still missing.
+  if (done && aborted.load())
+    raise(ErrorCode::unusable, "rank {}: thread group broke while waiting in phase '{}' ({})", rank, phase,
+          broken_reason);
   // Timed out, or woken because another waiter of this barrier timed out first: either way the
   // ranks still missing are the cause, so every waiter reports the timeout naming them (SPEC 11).
   std::string missing;
