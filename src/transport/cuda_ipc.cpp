@@ -605,10 +605,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     set_settings(n, {H, static_cast<long long>(x.dtype), K, E, static_cast<long long>(scale_format), alignment, worst,
                      cached ? 1 : 0, has_weights ? 1 : 0});
   };
-  // The copy-engine path needs the counts on the host (no num_worst_tokens). Its staging of the peers' rows needs
-  // only this rank's routing, so it is enqueued before the host read (the GPU stages while the host waits); a
-  // fresh dispatch's count exchange decides on the device whether the path is taken (the staging kernels do
-  // nothing otherwise), a cached one on the host.
+  // The copy-engine path needs the counts on the host (no num_worst_tokens); a fresh dispatch's count exchange
+  // decides on the device whether it is taken, a cached dispatch on the host (its counts are in the handle).
   const bool ce_allowed = worst == 0 && use_copy_engine_;
   bool ce = false;
   if (cached) {
