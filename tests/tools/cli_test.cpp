@@ -284,6 +284,8 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --tokens-min 1048576 --tokens-max 1048576", "expected sizes whose host memory fits"},
       {"tune --tokens 0", "invalid argument '--tokens'"},
+      {"run --device cpu --json ''", "--json: expected a path"},
+      {"bench --device cpu --json ''", "--json: expected a path"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);

@@ -801,7 +801,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
   cmd->add_flag("!--no-floors", c.floors, "skip the peer-copy/memcpy floors and NCCL");
-  cmd->add_option("--json", c.json, "write the results as JSON (scripts/plot_bench.py plots it)");
+  cmd->add_option("--json", c.json, "write the results as JSON (scripts/plot_bench.py plots it)")->check(non_empty_path());
   add_shape_options(cmd, c);
   return [config, cmd] {
     config->ranks_given = cmd->count("--ranks") > 0;

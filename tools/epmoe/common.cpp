@@ -58,6 +58,12 @@ DeviceKind resolve_device(std::string_view choice, bool cuda_allowed, std::strin
   return n > 0 && cuda_allowed ? DeviceKind::cuda : DeviceKind::cpu;
 }
 
+const CLI::Validator& non_empty_path() {
+  static const CLI::Validator check([](std::string& v) { return v.empty() ? std::string("expected a path, got ''") : std::string(); },
+                                    "PATH");
+  return check;
+}
+
 void check_writable(std::string_view flag, const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;

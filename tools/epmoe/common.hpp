@@ -6,6 +6,7 @@
 #include <epmoe/error.hpp>
 #include <epmoe/tensor.hpp>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -36,6 +37,9 @@ std::string device_name(int device);
 /// --device auto|cpu|cuda: auto is cuda when a CUDA device is visible (and `cuda_allowed`, e.g. the mode
 /// has a GPU path), cpu otherwise. cuda without a device throws invalid_argument naming `flag` and why.
 DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std::string_view flag = "--device");
+
+/// A CLI11 check for path options: an empty path is refused (it would silently write nothing).
+const CLI::Validator& non_empty_path();
 
 /// Raises invalid_argument naming `flag` unless `path` can be written later (an existing writable file, or a new
 /// name in a writable directory); creates nothing, so a command refused afterwards leaves no empty file behind.

@@ -467,6 +467,8 @@ int run(RunConfig c) {
     if (c.experts_impl == "cuda") bad("--experts-impl", "blas or reference on CPU ranks (cuda needs --device cuda)", c.experts_impl);
   }
   apply_config_flag(c.config, c.buffer_options);
+  if (!c.config.empty() && c.kind == DeviceKind::cpu && root)
+    fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
   if (c.experts % c.ranks != 0) {
@@ -663,7 +665,7 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (SPEC 13)")->capture_default_str();
-  cmd->add_option("--json", c.json, "also write the results as JSON to this file");
+  cmd->add_option("--json", c.json, "also write the results as JSON to this file")->check(non_empty_path());
   return [config, cmd] {
     config->topk_given = cmd->count("--topk") > 0;
     for (const char* flag : {"--domain", "--layer", "--offset"})
