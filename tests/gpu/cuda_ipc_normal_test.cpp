@@ -53,6 +53,17 @@ void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+/// Makes rank r's GPU (cuda:r) current and returns cuda_ipc options for rank r, sized for `max_tokens` tokens per
+/// rank of `hidden` with `topk` (Buffer::get_normal_nvl_size_hint).
+BufferOptions ipc_options(int r, std::int64_t max_tokens, std::int64_t hidden, int topk) {
+  cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+  BufferOptions o;
+  o.backend = Backend::cuda_ipc;
+  o.device = r;
+  o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_tokens, hidden, kRanks, topk);
+  return o;
+}
+
 /// Contiguous copy of a host tensor on cuda:device.
 Tensor to_gpu(const TensorView& host, int device) {
   Tensor d = Tensor::empty(host.dtype, host.shape, Device::cuda(device));
@@ -215,10 +226,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
     RankOut& o = out[static_cast<std::size_t>(r)];
     BufferOptions opts;
     if (gpu) {
-      cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-      opts.backend = Backend::cuda_ipc;
-      opts.device = r;
-      opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_t, c.H, kRanks, c.K);
+      opts = ipc_options(r, max_t, c.H, c.K);
       opts.use_copy_engine = c.copy_engine;
       opts.copy_engine_min_rows = c.ce_min_rows;
       opts.num_chunks = c.chunks;
@@ -398,11 +406,7 @@ TEST(GpuCudaIpcNormal, NumWorstTokensLayoutDispatchCombineCapturedOnceAndReplaye
   run_thread_ranks(kRanks, [&](Group& g) {
     const int r = g.rank();
     const auto ru = static_cast<std::size_t>(r);
-    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-    BufferOptions opts;
-    opts.backend = Backend::cuda_ipc;
-    opts.device = r;
-    opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(c.worst, c.H, kRanks, c.K);
+    BufferOptions opts = ipc_options(r, c.worst, c.H, c.K);
     Buffer buf(borrow(g), opts);
     // The graph's inputs: fixed addresses, refilled before every replay.
     const RankIn& first = ins[0][ru];
@@ -513,11 +517,7 @@ TEST(GpuCudaIpcNormal, DispatchWithoutNumWorstTokensIsRefusedUnderCapture) {
   REQUIRE_TWO_GPUS();
   run_thread_ranks(kRanks, [&](Group& g) {
     const int r = g.rank();
-    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-    BufferOptions opts;
-    opts.backend = Backend::cuda_ipc;
-    opts.device = r;
-    opts.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(64, 2048, kRanks, 8);
+    BufferOptions opts = ipc_options(r, 64, 2048, 8);
     Buffer buf(borrow(g), opts);
     std::mt19937_64 rng(test::fresh_seed());
     cudaStream_t st = nullptr;
@@ -610,12 +610,8 @@ TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
   std::vector<RankOut> cpu = run(c, in, nullptr, false);
   run_thread_ranks(kRanks, [&](Group& g) {
     const int r = g.rank();
-    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-    BufferOptions o;
-    o.backend = Backend::cuda_ipc;
-    o.device = r;
+    BufferOptions o = ipc_options(r, 512, c.H, c.K);
     o.num_sms = 4;
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, c.H, kRanks, c.K);
     Buffer buf(borrow(g), o);
     const RankIn& i = in[static_cast<std::size_t>(r)];
     const Tensor x = to_gpu(i.x, r), idx = to_gpu(i.idx, r), w = to_gpu(i.w, r);
@@ -651,11 +647,7 @@ TEST(GpuCudaIpcNormal, RejectsHostTensorsBeforeAnyCommunication) {
   REQUIRE_TWO_GPUS();
   const auto errors = run_thread_ranks_collect(kRanks, [&](Group& g) {
     const int r = g.rank();
-    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-    BufferOptions o;
-    o.backend = Backend::cuda_ipc;
-    o.device = r;
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(16, 128, kRanks, 4);
+    BufferOptions o = ipc_options(r, 16, 128, 4);
     Buffer buf(borrow(g), o);
     std::mt19937_64 rng(test::fresh_seed());
     const Tensor x = test::random_bf16(rng, 16, 128);  // host memory: rejected
@@ -754,11 +746,7 @@ TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
   // and the buffer stays usable for a correct call.
   const auto errors = run_thread_ranks_collect(kRanks, [&](Group& g) {
     const int r = g.rank();
-    cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-    BufferOptions o;
-    o.backend = Backend::cuda_ipc;
-    o.device = r;
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(64, 4096, kRanks, 4);
+    BufferOptions o = ipc_options(r, 64, 4096, 4);
     Buffer buf(borrow(g), o);
     std::mt19937_64 rng(test::fresh_seed());
     const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 4, 16), r);
@@ -806,11 +794,7 @@ TEST(GpuCudaIpcNormal, DeviceTimeoutNamesRankPeerAndPhaseAndMarksTheBufferUnusab
       kRanks,
       [&](Group& g) {
         const int r = g.rank();
-        cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-        BufferOptions o;
-        o.backend = Backend::cuda_ipc;
-        o.device = r;
-        o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(64, 2048, kRanks, 4);
+        BufferOptions o = ipc_options(r, 64, 2048, 4);
         Buffer buf(borrow(g), o);
         if (r == 1) {
           while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
