@@ -27,9 +27,12 @@ std::int64_t cuda_ipc_normal_size_hint(std::int64_t max_tokens_per_rank, std::in
   EPMOE_CHECK_ARG(num_ranks >= 1, "num_ranks", ">= 1", num_ranks);
   EPMOE_CHECK_ARG(num_topk >= 0 && num_topk <= kNormalMaxTopk, "num_topk", fmt::format("0..{}", kNormalMaxTopk),
                   num_topk);
-  // A bf16 dispatch row is the largest row of either op (fp8 + scales is smaller for H >= 4).
+  // A bf16 dispatch row is the largest row of either op (fp8 + scales is smaller for H >= 4). Rows: every rank's
+  // tokens (the SM-store path receives them all), and twice the rows a copy-engine dispatch stages for its peers
+  // (it alternates between the region's halves; see half_layout).
   const std::int64_t row = std::max(dispatch_row_bytes(2 * hidden, 0, num_topk), combine_row_bytes(hidden, num_topk));
-  return max_tokens_per_rank * num_ranks * row + 5 * kFieldSlack;
+  const std::int64_t rows = max_tokens_per_rank * std::max<std::int64_t>(num_ranks, 2 * (num_ranks - 1));
+  return rows * row + 2 * (5 * kFieldSlack + 16);  // each half's field slack, and its 16-byte alignment
 }
 
 }  // namespace epmoe
@@ -83,6 +86,25 @@ constexpr std::string_view kDispatchPhase = "cuda_ipc normal dispatch";
 std::int64_t align16(std::int64_t v) { return (v + 15) / 16 * 16; }
 
 /// Field arrays of `capacity` rows each, one after the other, 16-byte aligned.
+ipc::DataLayout make_layout(std::int64_t data_bytes, std::int64_t x_row, std::int64_t scale_row, int K, bool src);
+
+/// The copy-engine dispatch's staging area: half `half` (0 or 1) of the data region. Consecutive eager ops
+/// alternate halves (CudaIpcNormalImpl::ops_, the same count on every rank), so an op may stage before its count
+/// exchange: the peers may still pull the previous op's rows, but from the other half, and the last op that used
+/// this half finished on every rank (this rank passed the previous op's handshake, which says so).
+ipc::DataLayout half_layout(int half, std::int64_t data_bytes, std::int64_t x_row, std::int64_t scale_row, int K,
+                            bool src) {
+  const std::int64_t half_bytes = data_bytes / 2 / 16 * 16;
+  ipc::DataLayout L = make_layout(half_bytes, x_row, scale_row, K, src);
+  const std::size_t base = static_cast<std::size_t>(half * half_bytes);
+  L.x_off += base;
+  L.scale_off += base;
+  L.idx_off += base;
+  L.w_off += base;
+  L.src_off += base;
+  return L;
+}
+
 ipc::DataLayout make_layout(std::int64_t data_bytes, std::int64_t x_row, std::int64_t scale_row, int K, bool src) {
   const std::int64_t per_row = x_row + scale_row + 12 * static_cast<std::int64_t>(K) + (src ? 4 : 0);
   ipc::DataLayout L;
@@ -234,6 +256,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     }
     EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stage_, cudaStreamNonBlocking));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&listed_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&allocated_, cudaEventDisableTiming));
     for (cudaEvent_t& e : stage_copied_) EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -265,6 +288,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     if (stage_) cudaStreamSynchronize(stage_);
     if (stage_) cudaStreamDestroy(stage_);
     if (staged_) cudaEventDestroy(staged_);
+    if (listed_) cudaEventDestroy(listed_);
     for (cudaEvent_t e : stage_copied_)
       if (e) cudaEventDestroy(e);
     if (caller_done_) cudaEventDestroy(caller_done_);
@@ -431,9 +455,10 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     trace_t0_ = std::chrono::steady_clock::now();
     trace_mark("start");
   }
-  void trace_mark(const char* name) {
+  /// Marks when `stream` (default: the communication stream) reaches this point.
+  void trace_mark(const char* name, cudaStream_t stream = nullptr) {
     if (!trace_ || trace_n_ >= kTraceMarks) return;
-    EPMOE_CUDA_CHECK(cudaEventRecord(trace_ev_[trace_n_], comm_));
+    EPMOE_CUDA_CHECK(cudaEventRecord(trace_ev_[trace_n_], stream ? stream : comm_));
     trace_names_[trace_n_] = name;
     trace_host_[trace_n_] =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - trace_t0_).count();
@@ -528,6 +553,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::uint64_t buffer_id_;
   int R_ = 0, me_ = 0, device_ = 0, blocks_ = 0, recv_blocks_ = 1;
   bool use_copy_engine_ = true;
+  std::uint64_t ops_ = 0;  // eager ops so far (the same on every rank): picks the staging's half (half_layout)
   std::int64_t copy_engine_min_rows_ = 1024;  // measured on 2x H200: below ~1K rows the SM path is faster
   static constexpr int kTraceMarks = 16;
   bool trace_ = false;
@@ -546,7 +572,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   // communication stream after that read (allocated_), which the side streams wait for, and the communication
   // stream waits for the staging (staged_) before its own-rows pass.
   cudaStream_t stage_ = nullptr;
-  cudaEvent_t staged_ = nullptr, allocated_ = nullptr;
+  cudaEvent_t staged_ = nullptr, allocated_ = nullptr, listed_ = nullptr;
   cudaEvent_t stage_copied_[ipc::kMaxChunks] = {};  // combine: stage j's pushes done (its signal's start)
   cudaEvent_t caller_done_ = nullptr, comm_done_ = nullptr;  // enter/leave of a synchronous op, reused
   std::int64_t data_bytes_ = 0;
@@ -608,18 +634,18 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   // The copy-engine path needs the counts on the host (no num_worst_tokens); a fresh dispatch's count exchange
   // decides on the device whether it is taken, a cached dispatch on the host (its counts are in the handle).
   const bool ce_allowed = worst == 0 && use_copy_engine_;
+  const ipc::DataLayout Lh = half_layout(static_cast<int>(ops_++ & 1), data_bytes_, static_cast<std::int64_t>(x_row),
+                                         static_cast<std::int64_t>(scale_row), K, !cached);
   bool ce = false;
+  ipc::NotifyArgs notify;
   if (cached) {
+    notify.phase = ipc::kPhaseCachedNotify;
+    set_dispatch_settings(notify);
     pm = a.handle->rank_prefix_matrix;
     send_pos = a.handle->send_pos;
-    ipc::NotifyArgs n;
-    n.phase = ipc::kPhaseCachedNotify;
-    set_dispatch_settings(n);
-    ipc::launch_notify(c, n, s);
-    trace_mark("handshake");
     if (worst == 0) num_recv = a.handle->num_recv_tokens;
     pm_host = a.handle->rank_prefix_matrix_host;
-    ce = ce_allowed && ipc::copy_engine_fits(pm_host.data(), R, L.capacity, copy_engine_min_rows_, false);
+    ce = ce_allowed && ipc::copy_engine_fits(pm_host.data(), R, Lh.capacity, copy_engine_min_rows_, false);
     if (ce) list = Tensor::empty(DType::int32, {R, T}, gpu);
   } else {
     // The routing side of the op in one block: prefix matrix, expert counts, send positions, the handle's copy of
@@ -634,28 +660,18 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     send_pos = routing_block->take(DType::int32, {T, R});
     in_rank = routing_block->take(DType::boolean, {T, R});
     list = routing_block->take(DType::int32, {R, T});
-    ipc::NotifyArgs n;
-    n.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
-    n.per_expert = static_cast<const std::int32_t*>(a.num_tokens_per_expert.data);
-    n.experts_per_rank = E_local;
-    n.alignment = alignment;
-    n.recv_capacity = worst > 0 ? worst : L.capacity;
-    n.worst = worst > 0;
-    n.pm_out = pm.ptr<std::int32_t>();
-    n.expert_out = expert_counts.ptr<std::int32_t>();
-    n.phase = ipc::kPhaseDispatchNotify;
-    n.ce_min_rows = ce_allowed ? copy_engine_min_rows_ : -1;
-    n.ce_capacity = L.capacity;
-    set_dispatch_settings(n);
-    ipc::launch_notify(c, n, s);
-    if (worst == 0) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
-    trace_mark("count exchange");
-    ipc::SendPosArgs sp;
-    sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
-    sp.pm = pm.ptr<std::int32_t>();
-    sp.T = T;
-    sp.send_pos = send_pos.ptr<std::int32_t>();
-    ipc::launch_send_pos(c, sp, s);
+    notify.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
+    notify.per_expert = static_cast<const std::int32_t*>(a.num_tokens_per_expert.data);
+    notify.experts_per_rank = E_local;
+    notify.alignment = alignment;
+    notify.recv_capacity = worst > 0 ? worst : L.capacity;
+    notify.worst = worst > 0;
+    notify.pm_out = pm.ptr<std::int32_t>();
+    notify.expert_out = expert_counts.ptr<std::int32_t>();
+    notify.phase = ipc::kPhaseDispatchNotify;
+    notify.ce_min_rows = ce_allowed ? copy_engine_min_rows_ : -1;
+    notify.ce_capacity = Lh.capacity;
+    set_dispatch_settings(notify);
   }
 
   ipc::GatherArgs ga;
@@ -672,37 +688,75 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   ga.T = T;
   ga.pm = pm.ptr<std::int32_t>();
   ga.chunks = chunks_;
-  ga.layout = L;
-  // The staging (send lists, stage counters reset, the staging pass on its own stream): before the host read when
-  // this rank has enough tokens for the copy-engine path to be likely (it does nothing if the count exchange
-  // chooses the SM path), else after the read if the path was chosen: small batches skip its launches.
+  ga.layout = Lh;
+  // The staging (send lists, stage counters reset, the staging pass on its own stream). It needs only this rank's
+  // routing, so it starts before the count exchange (begin_op advances the op's sequence number first) when the
+  // copy-engine path is known (cached) or likely (this rank has copy_engine_min_rows tokens; should the exchange
+  // choose the SM path, its send kernel meets every peer first: see sm_barrier_seq). Otherwise it runs after the
+  // host read, if chosen: small batches skip its launches.
   bool staging_enqueued = false;
-  const auto enqueue_staging = [&](bool if_chosen) {
-    ipc::SendListArgs sl;
-    sl.if_chosen = if_chosen;
-    sl.send_pos = send_pos.ptr<std::int32_t>();
-    sl.pm = pm.ptr<std::int32_t>();
-    sl.T = T;
-    sl.list = list.ptr<std::int32_t>();
-    ipc::launch_send_list(c, sl, s);
+  // Everything of the staging runs on its own stream, which joined the communication stream at `forked_`; the
+  // own-rows pass waits only for its send list (`listed_`). A staging before the exchange is enqueued after the
+  // notify, whose launch it would otherwise delay by its host calls (the host then waits for the counts anyway).
+  const auto enqueue_staging = [&](bool before_exchange) {
+    if (before_exchange && !cached) {  // the lists from local positions: final ones need the prefix matrix
+      ipc::SendPosArgs sp;
+      sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
+      sp.T = T;
+      sp.list = list.ptr<std::int32_t>();
+      ipc::launch_send_pos(c, sp, stage_);
+      ga.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
+    } else {
+      ipc::SendListArgs sl;
+      sl.send_pos = send_pos.ptr<std::int32_t>();
+      sl.pm = pm.ptr<std::int32_t>();
+      sl.T = T;
+      sl.list = list.ptr<std::int32_t>();
+      ipc::launch_send_list(c, sl, stage_);
+    }
+    EPMOE_CUDA_CHECK(cudaEventRecord(listed_, stage_));
     auto* ctrl = static_cast<ipc::Control*>(base_);
-    EPMOE_CUDA_CHECK(cudaMemsetAsync(ctrl->chunk_arrive, 0, sizeof(ctrl->chunk_arrive), s));
-    fork_side_streams();
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(ctrl->chunk_arrive, 0, sizeof(ctrl->chunk_arrive), stage_));
     ga.list = list.ptr<std::int32_t>();
     ga.part = ipc::kGatherStages;
-    ga.if_chosen = if_chosen;
     ipc::launch_gather(c, ga, blocks_, stage_);
     EPMOE_CUDA_CHECK(cudaEventRecord(staged_, stage_));
+    trace_mark("staged", stage_);
     staging_enqueued = true;
   };
-  if (cached ? ce : (ce_allowed && T >= copy_engine_min_rows_)) enqueue_staging(!cached);
+  const auto fork_stage_stream = [&] {
+    EPMOE_CUDA_CHECK(cudaEventRecord(forked_, s));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stage_, forked_, 0));
+  };
+  const bool stage_early = cached ? ce : ce_allowed && T >= copy_engine_min_rows_;
+  if (stage_early) {
+    ipc::launch_begin_op(c, s);
+    fork_stage_stream();
+  }
+  notify.advance = !stage_early;
+  notify.prestaged = stage_early;
+  ipc::launch_notify(c, notify, s);
+  if (!cached && worst == 0) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
+  trace_mark(cached ? "handshake" : "count exchange");
+  if (stage_early) enqueue_staging(true);
+  if (!cached) {
+    ipc::SendPosArgs sp;
+    sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
+    sp.pm = pm.ptr<std::int32_t>();
+    sp.T = T;
+    sp.send_pos = send_pos.ptr<std::int32_t>();
+    ipc::launch_send_pos(c, sp, s);
+  }
   if (!cached && worst == 0) {  // the one host read of normal mode
     wait_notified(kDispatchPhase);
     trace_mark("host read");
     num_recv = host_->pm[(R - 1) * R + me];
     pm_host.assign(host_->pm, host_->pm + R * R);
     ce = ce_allowed && host_->use_copy_engine != 0;
-    if (ce && !staging_enqueued) enqueue_staging(false);
+    if (ce && !staging_enqueued) {
+      fork_stage_stream();
+      enqueue_staging(false);
+    }
   }
   const std::int64_t rows = worst > 0 ? worst : num_recv;
 
@@ -723,23 +777,26 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     if (staging_enqueued) {
       EPMOE_CUDA_CHECK(cudaEventRecord(allocated_, comm_));
       for (cudaStream_t st : side_) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(st, allocated_, 0));
-      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, staged_, 0));
-      trace_mark("staged");
+      if (!ce) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, staged_, 0));  // before the SM path's stores
     }
   }
 
   if (ce) {
-    // Own rows into the outputs (SMs, after the staging) while every receiver pulls
-    // each stage of each source's run with the copy engine as soon as the source publishes it (side streams).
-    ga.part = ipc::kGatherOwn;
-    ga.if_chosen = false;
-    ga.recv_x = out.recv_x.data();
-    ga.recv_scales = fp8 ? out.recv_x_scales.data() : nullptr;
-    ga.recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
-    ga.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
-    ga.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
-    ipc::launch_gather(c, ga, blocks_, s);
-    trace_mark("own rows done");
+    // Every receiver pulls each stage of each source's run with the copy engine as soon as the source publishes
+    // it (side streams; the first stage's copies are enqueued first: the engines are idle until then), while the
+    // own rows go into the outputs by SMs, beside the staging (measured: fp8 225 -> 192 us).
+    const auto own_rows = [&] {
+      ga.part = ipc::kGatherOwn;
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s, listed_, 0));
+      ga.recv_x = out.recv_x.data();
+      ga.recv_scales = fp8 ? out.recv_x_scales.data() : nullptr;
+      ga.recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
+      ga.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
+      ga.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
+      ipc::launch_gather(c, ga, blocks_, s);
+      trace_mark("own rows done");
+      EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, staged_, 0));
+    };
     const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
     // Per source: where its run for me starts in its region (rows it staged for peers before me) and in my outputs.
     std::vector<std::int64_t> src_first(static_cast<std::size_t>(R)), dst_first(static_cast<std::size_t>(R)),
@@ -765,8 +822,10 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
         if (src == me) continue;
         const std::int64_t lo = ipc::stage_begin(count[src], j, chunks_),
                            hi = ipc::stage_begin(count[src], j + 1, chunks_);
-        pull(src, out.recv_x.data(), L.x_off, x_row, lo, hi, st);
+        pull(src, out.recv_x.data(), Lh.x_off, x_row, lo, hi, st);
       }
+      trace_mark("stage pulled", st);
+      if (j == 0) own_rows();
       if (j + 2 == chunks_ || chunks_ == 1) {
         // The small fields of every run, read by a kernel once every stage is published; on the stream that
         // does not carry the last stage, so it overlaps that stage's copies.
@@ -774,7 +833,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
         ps.chunks = chunks_;
         ps.scale_row = fp8 ? scale_row : 0;
         ps.K = has_topk ? K : 0;
-        ps.layout = L;
+        ps.layout = Lh;
         for (int src = 0; src < R; ++src) {
           ps.src_first[src] = src_first[src];
           ps.dst_first[src] = dst_first[src];
@@ -892,6 +951,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   n.phase = ipc::kPhaseCombineNotify;
   set_settings(n, {H, K, h.num_worst_tokens});
   ipc::launch_notify(c, n, s);
+  ++ops_;
   trace_mark("handshake");
   const std::vector<std::int32_t>& pm_host = h.rank_prefix_matrix_host;
   const bool ce = h.num_worst_tokens == 0 && use_copy_engine_ && !pm_host.empty() &&
@@ -945,7 +1005,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
       EPMOE_CUDA_CHECK(cudaEventRecord(stage_copied_[j], copies));
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(signals, stage_copied_[j], 0));
       ipc::launch_signal_chunk(c, j, signals);
-      trace_mark("stage pushed");
+      trace_mark("stage pushed", copies);
     }
   } else {
     ipc::launch_combine_send(c, sa, blocks_, s);

@@ -105,20 +105,23 @@ __device__ __forceinline__ Common op_common(const Common& c_in) {
 __device__ __forceinline__ bool aborted(const Common& c) {
   return *reinterpret_cast<volatile unsigned long long*>(&control(c.peers[c.rank])->abort_seq) == c.seq;
 }
-__device__ __forceinline__ bool copy_engine_chosen(const Common& c) {
-  return *reinterpret_cast<volatile unsigned long long*>(&control(c.peers[c.rank])->ce_seq) == c.seq;
-}
 
 // ---- notify: the count exchange (or a bare handshake) ----
 
+__global__ void begin_op_kernel(const __grid_constant__ Common c) {
+  Control* own = control(c.peers[c.rank]);
+  own->op_seq = own->op_seq + 1;
+}
+
 __global__ void __launch_bounds__(1024)
     notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
-  // The op's sequence number lives on the device (Control::op_seq, advanced here, by the first kernel of every
-  // op): a captured CUDA graph replays with the next number, where a kernel parameter would repeat the old one.
+  // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
+  // here, or begin_op): a captured CUDA graph replays with the next number, where a kernel parameter would
+  // repeat the old one.
   __shared__ unsigned long long op;
   if (threadIdx.x == 0) {
     Control* own = control(c_in.peers[c_in.rank]);
-    op = own->op_seq + 1;
+    op = *reinterpret_cast<volatile unsigned long long*>(&own->op_seq) + (a.advance ? 1 : 0);
     own->op_seq = op;
   }
   __syncthreads();
@@ -141,6 +144,7 @@ __global__ void __launch_bounds__(1024)
       NotifySlot* slot = &control(c.peers[d])->slots[par][me];
       for (int i = threadIdx.x; i < R; i += blockDim.x) slot->counts[i] = a.per_rank[i];
       for (int i = threadIdx.x; i < El; i += blockDim.x) slot->expert_counts[i] = a.per_expert[d * El + i];
+      if (threadIdx.x == 0) slot->prestaged = a.prestaged ? 1 : 0;
     }
   }
   __syncthreads();
@@ -210,9 +214,12 @@ __global__ void __launch_bounds__(1024)
     a.pm_out[i] = pm[i];
     h->pm[i] = pm[i];
   }
-  if (threadIdx.x == 0) {  // the data path, decided here so the staging can start before the host read
+  if (threadIdx.x == 0) {  // the data path (the same on every rank: pm is)
     const bool ce = a.ce_min_rows >= 0 && copy_engine_fits(pm, R, a.ce_capacity, a.ce_min_rows, false);
-    if (ce) mine->ce_seq = c.seq;
+    bool any_prestaged = false;
+    for (int s = 0; s < R; ++s)
+      any_prestaged = any_prestaged || *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].prestaged) != 0;
+    if (!ce && any_prestaged) mine->sm_barrier_seq = c.seq;
     h->use_copy_engine = ce ? 1 : 0;
   }
   for (int e = threadIdx.x; e < El; e += blockDim.x) {
@@ -230,7 +237,7 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// ---- send positions: send_pos[t, d] = before(me, d) + (tokens t' < t sent to d), or -1 ----
+// ---- send positions: send_pos[t, d] = before(me, d) + (tokens t' < t sent to d), or -1; or the send lists ----
 
 __global__ void __launch_bounds__(1024)
     send_pos_kernel(const __grid_constant__ Common c_in, const __grid_constant__ SendPosArgs a) {
@@ -264,10 +271,14 @@ __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   int pos = incl - count + (warp > 0 ? warp_total[warp - 1] : 0);
-  pos += me > 0 ? a.pm[(me - 1) * R + d] : 0;
+  pos += me > 0 && a.pm ? a.pm[(me - 1) * R + d] : 0;
   for (std::int64_t t = t0; t < t1; ++t) {
     const bool in = a.in_rank[t * R + d];
-    a.send_pos[t * R + d] = in ? pos : -1;
+    if (a.list) {
+      if (in) a.list[d * T + pos] = static_cast<std::int32_t>(t);
+    } else {
+      a.send_pos[t * R + d] = in ? pos : -1;
+    }
     pos += in ? 1 : 0;
   }
 }
@@ -299,8 +310,19 @@ __global__ void __launch_bounds__(kThreads)
       dst_src[d] = reinterpret_cast<std::int32_t*>(region + L.src_off);
     }
   }
+  // A rank that staged before the count exchange may still be writing its region until its own send kernel starts
+  // (its stream waits for the staging first): when the exchange chose this path after such a staging, meet every
+  // peer before storing into its region.
+  __shared__ int go;
+  if (threadIdx.x == 0) go = 1;
   __syncthreads();
-  if (!aborted(c)) {
+  Control* mine = control(c.peers[c.rank]);
+  if (*reinterpret_cast<volatile unsigned long long*>(&mine->sm_barrier_seq) == c.seq) {
+    if (blockIdx.x == 0 && threadIdx.x < R) st_release_sys(&control(c.peers[threadIdx.x])->sm_go[c.rank], c.seq);
+    if (threadIdx.x < R && !wait_geq(&mine->sm_go[threadIdx.x], c, threadIdx.x, kPhaseDispatchData)) go = 0;
+    __syncthreads();
+  }
+  if (go && !aborted(c)) {
     for (std::int64_t t = warp; t < a.T; t += num_warps) {
       const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
       std::int64_t pos[kMaxRanks];
@@ -596,10 +618,10 @@ __global__ void send_list_kernel(const __grid_constant__ Common c_in, const __gr
   const Common c = op_common(c_in);
   const int R = c.num_ranks, me = c.rank;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.T || aborted(c) || (a.if_chosen && !copy_engine_chosen(c))) return;
+  if (t >= a.T || aborted(c)) return;
   for (int d = 0; d < R; ++d) {
     const int p = a.send_pos[t * R + d];
-    if (p >= 0) a.list[d * a.T + (p - (me > 0 ? a.pm[(me - 1) * R + d] : 0))] = static_cast<std::int32_t>(t);
+    if (p >= 0) a.list[d * a.T + (p - (me > 0 && a.pm ? a.pm[(me - 1) * R + d] : 0))] = static_cast<std::int32_t>(t);
   }
 }
 
@@ -640,28 +662,29 @@ __global__ void __launch_bounds__(kThreads)
     gather_kernel(const __grid_constant__ Common c_in, const __grid_constant__ GatherArgs a) {
   const Common c = op_common(c_in);
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
-  if (aborted(c) || (a.if_chosen && !copy_engine_chosen(c))) return;
+  if (aborted(c)) return;
+  const bool own = a.part == kGatherOwn;
   __shared__ std::int64_t n[kMaxRanks], staged[kMaxRanks];
-  __shared__ std::int64_t own_first;
+  __shared__ std::int64_t own_first, grouped;
   if (threadIdx.x == 0) {
-    std::int64_t grouped = 0;
+    grouped = 0;
     for (int d = 0; d < R; ++d) {
-      const std::int64_t before = me > 0 ? a.pm[(me - 1) * R + d] : 0;
-      n[d] = a.pm[me * R + d] - before;
+      const std::int64_t before = me > 0 && (own || !a.per_rank) ? a.pm[(me - 1) * R + d] : 0;
+      n[d] = a.per_rank ? a.per_rank[d] : a.pm[me * R + d] - before;
       staged[d] = grouped;
       if (d != me) grouped += n[d];
       if (d == me) own_first = before;
     }
   }
   __syncthreads();
+  if (!own && grouped > a.layout.capacity) return;  // does not fit: the count exchange chooses the SM path
   const DataLayout& L = a.layout;
   char* region = data_region(c.peers[me]);
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Control* mine = control(c.peers[me]);
-  const int first = (a.part & kGatherStages) ? 0 : a.chunks, last = (a.part & kGatherOwn) ? a.chunks : a.chunks - 1;
+  const int first = own ? a.chunks : 0, last = own ? a.chunks : a.chunks - 1;
   for (int j = first; j <= last; ++j) {
-    const bool own = j == a.chunks;  // the last pass: this rank's own rows, straight into its outputs
     std::int64_t lo[kMaxRanks], total = 0;
     for (int d = 0; d < R; ++d) {
       const bool take = own ? d == me : d != me;
@@ -828,6 +851,11 @@ void launch_signal(const Common& c, cudaStream_t s) {
 
 void launch_wait(const Common& c, int sender_blocks, int phase, cudaStream_t s) {
   wait_kernel<<<1, 256, 0, s>>>(c, sender_blocks, phase);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_begin_op(const Common& c, cudaStream_t s) {
+  begin_op_kernel<<<1, 1, 0, s>>>(c);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

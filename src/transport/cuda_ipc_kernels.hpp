@@ -26,6 +26,7 @@ struct NotifySlot {
   long long settings[kMaxSettings];              // the op's settings, compared with the receiver's own
   std::int32_t counts[kMaxRanks];                // tokens the source sends to each rank
   std::int32_t expert_counts[kMaxLocalExperts];  // (token, expert) entries for the receiver's experts
+  std::int32_t prestaged;                        // the source staged its rows before this count exchange
 };
 
 /// Control region at the start of every rank's mapped buffer. Peers write slots and done flags; the
@@ -36,8 +37,11 @@ struct Control {
   unsigned long long chunk_done[kMaxRanks][kMaxChunks];  // [source][chunk] = seq once that chunk is in place
   unsigned int chunk_arrive[kMaxChunks];  // owner only: gather blocks done with each chunk (zeroed per op)
   unsigned long long abort_seq;                    // = seq when this rank's notify found an error
-  unsigned long long ce_seq;  // owner only: = seq when the count exchange chose the copy-engine path
-  unsigned long long op_seq;  // owner only: the current op's sequence number (advanced by every op's notify)
+  unsigned long long op_seq;  // owner only: the current op's sequence number (advanced by every op's first kernel)
+  // owner only: = seq when the count exchange chose the SM-store path after some rank staged before it; the
+  // send kernel then meets every peer (sm_go) before storing into their regions, which a staging may still write.
+  unsigned long long sm_barrier_seq;
+  unsigned long long sm_go[kMaxRanks];  // [source] = seq once that source's staging is finished (SM path)
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
@@ -79,7 +83,8 @@ struct Common {
   void* peers[kMaxRanks];  ///< every rank's buffer base as mapped in this process (own included)
   int rank = 0, num_ranks = 0;
   /// The op's sequence number (equal on all ranks). Not set by the host: every kernel reads it from
-  /// Control::op_seq, which the op's notify kernel advances, so a captured CUDA graph replays correctly.
+  /// Control::op_seq, which the op's first kernel (notify, or begin_op) advances, so a captured CUDA graph
+  /// replays correctly.
   unsigned long long seq = 0;
   long long timeout_ns = 0;
   HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
@@ -106,15 +111,20 @@ struct NotifyArgs {
   /// ce_capacity, ce_min_rows) (the same choice on every rank: pm is the same matrix everywhere).
   std::int64_t ce_min_rows = -1;
   std::int64_t ce_capacity = 0;
+  /// false: begin_op already advanced the op's sequence number (work was enqueued before this exchange).
+  bool advance = true;
+  /// This rank staged its rows before this exchange (every rank learns whether any did: see sm_barrier_seq).
+  bool prestaged = false;
   long long settings[kMaxSettings] = {};  ///< compared with every peer's (kErrSettings on a difference)
   int num_settings = 0;
 };
 
 struct SendPosArgs {
   const bool* in_rank = nullptr;  ///< [T, R]
-  const std::int32_t* pm = nullptr;
+  const std::int32_t* pm = nullptr;  ///< null: local positions (tokens t' < t sent to d), no offset
   std::int64_t T = 0;
   std::int32_t* send_pos = nullptr;  ///< [T, R] out
+  std::int32_t* list = nullptr;      ///< [R, T] out instead of send_pos: list[d][position] = t
 };
 
 /// The SM-store dispatch: every row stored into its destination's region at its final row send_pos[t][d]
@@ -139,17 +149,19 @@ struct DispatchSendArgs {
 /// ascending (in token order), in `chunks` pipeline stages: stage j holds rows [j*n_d/chunks, (j+1)*n_d/chunks) of
 /// every peer's run (n_d = rows for d); once every block finished stage j, the last one publishes
 /// chunk_done[me][j] = seq in every peer, which pulls that stage with the copy engine while later stages are
-/// gathered. This rank's own rows go straight into its outputs after the last stage.
+/// gathered. This rank's own rows go straight into its outputs (a second launch, once they are allocated).
+/// The staging needs only this rank's routing, so it may run before the count exchange (into the op's half of
+/// the region, see cuda_ipc.cpp); it stages nothing when its rows exceed `layout.capacity` (the count exchange
+/// then never chooses the copy-engine path).
 enum GatherPart : int {
   kGatherStages = 1,  ///< the staged rows for the peers only (no outputs needed: runs before the host read)
   kGatherOwn = 2,     ///< this rank's own rows into its outputs only
-  kGatherAll = 3
 };
 struct GatherArgs {
-  int part = kGatherAll;
-  /// true: do nothing unless the count exchange chose the copy-engine path (Control::ce_seq == seq); false:
-  /// the host chose it (a cached dispatch knows its counts).
-  bool if_chosen = false;
+  int part = kGatherStages;
+  /// [R] this rank's send counts (the layout's num_tokens_per_rank), or null: taken from `pm`, which the
+  /// own-rows pass always reads (and the staging when per_rank is null).
+  const std::int32_t* per_rank = nullptr;
   const void* x = nullptr;
   std::size_t x_row = 0;
   const void* scales = nullptr;
@@ -174,9 +186,8 @@ struct GatherArgs {
 
 /// list[d][send_pos[t][d] - pm[me-1][d]] = t for every token t sent to d.
 struct SendListArgs {
-  bool if_chosen = false;                  ///< as GatherArgs::if_chosen
   const std::int32_t* send_pos = nullptr;  ///< [T, R]
-  const std::int32_t* pm = nullptr;
+  const std::int32_t* pm = nullptr;        ///< null: send_pos holds local positions (no offset)
   std::int64_t T = 0;
   std::int32_t* list = nullptr;  ///< [R, T] out
 };
@@ -242,7 +253,17 @@ struct CombineReduceArgs {
 
 /// The first row of stage j when a run of n rows is split into `chunks` pipeline stages (the same on the sender,
 /// the receiver and the host): stage j is [stage_begin(n, j), stage_begin(n, j + 1)).
-__host__ __device__ inline std::int64_t stage_begin(std::int64_t n, int j, int chunks) { return n * j / chunks; }
+/// Stage sizes rise, then fall (weights min(i + 1, chunks - i): 1, 2, 2, 1 for 4 stages): a small first stage
+/// starts the receiver's copies early, a small last one shortens the tail after the last copy lands.
+__host__ __device__ inline std::int64_t stage_begin(std::int64_t n, int j, int chunks) {
+  int before = 0, total = 0;
+  for (int i = 0; i < chunks; ++i) {
+    const int w = i + 1 < chunks - i ? i + 1 : chunks - i;
+    total += w;
+    if (i < j) before += w;
+  }
+  return n * before / total;
+}
 
 /// Whether an op takes the copy-engine path, from the prefix matrix pm [R, R] (the same on every rank, so every
 /// rank decides alike): the rows each rank stages (dispatch: for its peers; combine: every row it sends back) fit
@@ -262,6 +283,9 @@ __host__ __device__ inline bool copy_engine_fits(const std::int32_t* pm, int R, 
   return most >= min_rows;
 }
 
+/// Advances the op's sequence number (one thread): the first kernel of an op that enqueues work before its
+/// notify (which then runs with advance = false).
+void launch_begin_op(const Common& c, cudaStream_t s);
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s);
 void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);

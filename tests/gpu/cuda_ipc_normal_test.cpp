@@ -564,6 +564,16 @@ TEST(GpuCudaIpcNormal, StagingBeforeOrAfterTheHostReadAndTheDefaultPathChoice) {
     small.T = {300, 200};  // nobody moves 1024 rows: SM stores
     small.cached = cached;
     check_case(small);
+    // Rank 0 has 1024 tokens, so it stages before the count exchange, but sends rank 1 only ~200 rows (most ids
+    // -1): the exchange chooses SM stores, whose send kernels meet first (rank 0's staging wrote its region).
+    Case staged_then_sm = small;
+    staged_then_sm.T = {1100, 60};
+    staged_then_sm.p_minus_one = 0.95;
+    check_case(staged_then_sm);
+    Case nothing_staged = small;  // ... or none at all: one rank-0 expert takes every token
+    nothing_staged.T = {1100, 60};
+    nothing_staged.only_expert = 3;
+    check_case(nothing_staged);
   }
 }
 
@@ -844,8 +854,10 @@ TEST(GpuCudaIpcNormal, DeviceTimeoutNamesRankPeerAndPhaseAndMarksTheBufferUnusab
 
 TEST(GpuCudaIpcNormal, SizeHintCoversTheWorstCase) {
   // Hand-made: R * T rows of a bf16 dispatch row (2H + 12K + 4 bytes) plus 80 bytes of field alignment.
-  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(4096, 7168, 2, 8), 4096LL * 2 * (2 * 7168 + 12 * 8 + 4) + 80);
-  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(0, 7168, 2, 8), 80);
+  // Every rank's rows (SM stores), or twice the rows staged for the peers (copy engine), whichever is more.
+  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(4096, 7168, 2, 8), 4096LL * 2 * (2 * 7168 + 12 * 8 + 4) + 192);
+  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(4096, 7168, 8, 8), 4096LL * 14 * (2 * 7168 + 12 * 8 + 4) + 192);
+  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(0, 7168, 2, 8), 192);
 }
 
 }  // namespace
