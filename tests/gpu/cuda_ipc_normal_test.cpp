@@ -610,6 +610,83 @@ TEST(GpuCudaIpcNormal, Int32IdsAlignmentAsyncAndSmallK) {
   check_case(k32);
 }
 
+TEST(GpuCudaIpcNormal, CopyEngineAndSmStoreOpsInterleavedOnOneBuffer) {
+  REQUIRE_TWO_GPUS();
+  // Copy-engine dispatches stage into alternating halves of the region before their count exchange; SM-store ops
+  // and combines use the whole region. Interleave them (two dispatches outstanding, combines in another order).
+  const std::uint64_t seed = test::fresh_seed();
+  Case big, small;
+  big.T = {512, 384};  // >= copy_engine_min_rows: copy engine
+  big.ce_min_rows = 300;
+  small.T = {64, 48};  // SM stores
+  small.ce_min_rows = 300;
+  const std::vector<RankIn> in_big = make_inputs(big, seed), in_small = make_inputs(small, seed + 1);
+  const std::vector<RankOut> ref_big = run(big, in_big, nullptr, false), ref_small = run(small, in_small, nullptr, false);
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank();
+    const std::size_t ur = static_cast<std::size_t>(r);
+    BufferOptions o = ipc_options(r, 512, big.H, big.K);
+    o.copy_engine_min_rows = 300;
+    Buffer buf(borrow(g), o);
+    struct Op {
+      Tensor x, idx, w, cx, cw, b0, b1;
+      DispatchResult d;
+    };
+    const auto prepare = [&](const RankIn& i, const RankOut& ref) {
+      Op op;
+      op.x = to_gpu(i.x, r);
+      op.idx = to_gpu(i.idx, r);
+      op.w = to_gpu(i.w, r);
+      op.cx = to_gpu(ref.comb_x, r);
+      op.cw = to_gpu(ref.comb_w, r);
+      op.b0 = to_gpu(i.b0, r);
+      op.b1 = to_gpu(i.b1, r);
+      return op;
+    };
+    const auto dispatch = [&](Op& op, int E) {
+      const DispatchLayout layout = buf.get_dispatch_layout(op.idx, E);
+      DispatchArgs a;
+      a.x = op.x;
+      a.topk_idx = op.idx;
+      a.topk_weights = op.w;
+      a.num_tokens_per_rank = layout.num_tokens_per_rank;
+      a.is_token_in_rank = layout.is_token_in_rank;
+      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      op.d = buf.dispatch(a);
+    };
+    const auto combine = [&](const Op& op) {
+      CombineArgs ca;
+      ca.x = op.cx;
+      ca.handle = &op.d.handle;
+      ca.topk_weights = op.cw;
+      ca.bias_0 = op.b0;
+      ca.bias_1 = op.b1;
+      return buf.combine(ca);
+    };
+    const auto expect = [&](const char* what, const Tensor& want, const Tensor& got, int round) {
+      if (!gputest::same_bits(want, to_cpu(got)))
+        throw std::runtime_error("rank " + std::to_string(r) + " round " + std::to_string(round) + ": " + what +
+                                 " differs (seed " + std::to_string(seed) + ")");
+    };
+    Op b = prepare(in_big[ur], ref_big[ur]), sm = prepare(in_small[ur], ref_small[ur]);
+    for (int round = 0; round < 3; ++round) {
+      dispatch(b, big.E);        // copy engine
+      dispatch(sm, small.E);     // SM stores, the big dispatch's rows still in the region
+      const CombineResult cb = combine(b);    // copy engine right after an SM-store op
+      const CombineResult cs = combine(sm);   // SM stores after a copy-engine op
+      expect("big recv_x", ref_big[ur].t.at("recv_x"), b.d.recv_x, round);
+      expect("small recv_x", ref_small[ur].t.at("recv_x"), sm.d.recv_x, round);
+      expect("big combined_x", ref_big[ur].t.at("combined_x"), cb.combined_x, round);
+      expect("small combined_x", ref_small[ur].t.at("combined_x"), cs.combined_x, round);
+      dispatch(b, big.E);                     // a copy-engine dispatch after a combine
+      dispatch(b, big.E);                     // ... and right after another one: the other half
+      const CombineResult cb2 = combine(b);
+      expect("big recv_x (2)", ref_big[ur].t.at("recv_x"), b.d.recv_x, round);
+      expect("big combined_x (2)", ref_big[ur].t.at("combined_x"), cb2.combined_x, round);
+    }
+  });
+}
+
 TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
   REQUIRE_TWO_GPUS();
   // Several dispatch/combine rounds on one buffer: the handshake must keep the data region safe.
