@@ -645,7 +645,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     send_pos = a.handle->send_pos;
     if (worst == 0) num_recv = a.handle->num_recv_tokens;
     pm_host = a.handle->rank_prefix_matrix_host;
-    ce = ce_allowed && ipc::copy_engine_fits(pm_host.data(), R, Lh.capacity, copy_engine_min_rows_, false);
+    ce = ce_allowed && ipc::copy_engine_fits(pm_host.data(), R, Lh.capacity, copy_engine_min_rows_);
     if (ce) list = Tensor::empty(DType::int32, {R, T}, gpu);
   } else {
     // The routing side of the op in one block: prefix matrix, expert counts, send positions, the handle's copy of
@@ -927,11 +927,17 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   const int K = spec.K;
   const bool has_w = K > 0;
 
-  // Combine rows: x then weights, `capacity` rows each.
-  ipc::DataLayout L;
-  L.capacity = std::max<std::int64_t>(0, (data_bytes_ - 5 * kFieldSlack) / combine_row_bytes(H, K));
-  L.x_off = 0;
-  L.w_off = static_cast<std::size_t>(align16(L.capacity * 2 * H));
+  // Combine rows: x then weights, `capacity` rows each; every rank's rows in the whole region (SM stores), or
+  // the peers' rows in this op's half (copy engine: pushed before the handshake, behind launch_push_gate).
+  const auto combine_layout = [&](std::int64_t bytes, std::size_t base) {
+    ipc::DataLayout l;
+    l.capacity = std::max<std::int64_t>(0, (bytes - 5 * kFieldSlack) / combine_row_bytes(H, K));
+    l.x_off = base;
+    l.w_off = base + static_cast<std::size_t>(align16(l.capacity * 2 * H));
+    return l;
+  };
+  const std::int64_t half_bytes = data_bytes_ / 2 / 16 * 16;
+  const ipc::DataLayout L_half = combine_layout(half_bytes, static_cast<std::size_t>((ops_ & 1) * half_bytes));
 
   DeviceGuard guard(Device::cuda(dev));
   const cudaStream_t s = comm_;
@@ -947,15 +953,25 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   out.combined_x = outputs.take(DType::bf16, {T, H});
   if (has_w) out.combined_topk_weights = outputs.take(DType::fp32, {T, K});
 
+  const std::vector<std::int32_t>& pm_host = h.rank_prefix_matrix_host;
+  const bool ce = h.num_worst_tokens == 0 && use_copy_engine_ && !pm_host.empty() &&
+                  ipc::copy_engine_fits(pm_host.data(), R, L_half.capacity, copy_engine_min_rows_);
+  const ipc::DataLayout L = ce ? L_half : combine_layout(data_bytes_, 0);
+  // Twice the dispatch's stages: the reduce's tail after the last stage lands shrinks with it (measured, 2x H200,
+  // two runs: 250-260 -> 243 us at 8 stages, where the dispatch is slower: more copies per stage).
+  const int chunks = std::min(ipc::kMaxChunks, 2 * chunks_);
+  if (ce) {
+    ipc::launch_begin_op(c, s);
+    fork_side_streams();
+    ipc::launch_push_gate(c, side_[0]);
+  }
   ipc::NotifyArgs n;
   n.phase = ipc::kPhaseCombineNotify;
+  n.advance = !ce;
   set_settings(n, {H, K, h.num_worst_tokens});
   ipc::launch_notify(c, n, s);
   ++ops_;
   trace_mark("handshake");
-  const std::vector<std::int32_t>& pm_host = h.rank_prefix_matrix_host;
-  const bool ce = h.num_worst_tokens == 0 && use_copy_engine_ && !pm_host.empty() &&
-                  ipc::copy_engine_fits(pm_host.data(), R, L.capacity, copy_engine_min_rows_, true);
 
   ipc::CombineSendArgs sa;
   sa.x = x.data;
@@ -966,19 +982,19 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   sa.layout = L;
   if (ce) {
     // Each peer's rows are one contiguous run of x (received rows are grouped by source): push each run into that
-    // peer's region with the copy engine in `chunks_` stages, publishing each stage; the reduce kernel (on the
+    // peer's half with the copy engine in `chunks` stages, publishing each stage; the reduce kernel (on the
     // communication stream, concurrently) waits per stage. This rank's own rows stay in x.
     // The copies run back to back on side stream 0 (the weights first, all at once: each copy pays the copy
     // engine's start-up); each stage's signal kernel runs on side stream 1 once the stage's copies are done, so the
     // copy queue never waits for a kernel and the stages land one after another, not together.
-    fork_side_streams();
     const int me = me_;
     const auto at = [&](int r, int d) -> std::int64_t { return pm_host[static_cast<std::size_t>(r * R + d)]; };
     const auto run_of = [&](int dst, std::int64_t* first, std::int64_t* count, std::int64_t* slot) {
       *first = dst > 0 ? at(dst - 1, me) : 0;
       *count = at(dst, me) - *first;
-      *slot = 0;  // rows `dst` receives back from ranks before me
-      for (int d = 0; d < me; ++d) *slot += at(dst, d) - (dst > 0 ? at(dst - 1, d) : 0);
+      *slot = 0;  // rows `dst` receives back from its peers before me (its own rows stay in its x)
+      for (int d = 0; d < me; ++d)
+        if (d != dst) *slot += at(dst, d) - (dst > 0 ? at(dst - 1, d) : 0);
     };
     const cudaStream_t copies = side_[0], signals = side_[1];
     for (int dst = 0; dst < R && has_w; ++dst) {
@@ -990,12 +1006,12 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
                                        static_cast<const float*>(a.topk_weights.data) + first * K,
                                        count * 4 * static_cast<std::size_t>(K), cudaMemcpyDeviceToDevice, copies));
     }
-    for (int j = 0; j < chunks_; ++j) {
+    for (int j = 0; j < chunks; ++j) {
       for (int dst = 0; dst < R; ++dst) {
         if (dst == me) continue;
         std::int64_t first = 0, count = 0, slot = 0;
         run_of(dst, &first, &count, &slot);
-        const std::int64_t lo = ipc::stage_begin(count, j, chunks_), hi = ipc::stage_begin(count, j + 1, chunks_);
+        const std::int64_t lo = ipc::stage_begin(count, j, chunks), hi = ipc::stage_begin(count, j + 1, chunks);
         if (hi <= lo) continue;
         char* region = static_cast<char*>(peers_[dst]) + ipc::kControlBytes;
         EPMOE_CUDA_CHECK(cudaMemcpyAsync(region + L.x_off + (slot + lo) * sa.x_row,
@@ -1025,7 +1041,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   if (ce) {
     ra.local_x = x.data;
     ra.local_w = has_w ? static_cast<const float*>(a.topk_weights.data) : nullptr;
-    ra.chunks = chunks_;
+    ra.chunks = chunks;
     for (int d = 0; d < R; ++d)  // rows d sends back = rows this rank sent it
       ra.n_back[d] = pm_host[static_cast<std::size_t>(me_ * R + d)] -
                      (me_ > 0 ? pm_host[static_cast<std::size_t>((me_ - 1) * R + d)] : 0);

@@ -113,6 +113,15 @@ __global__ void begin_op_kernel(const __grid_constant__ Common c) {
   own->op_seq = own->op_seq + 1;
 }
 
+__global__ void push_gate_kernel(const __grid_constant__ Common c_in) {
+  const Common c = op_common(c_in);
+  Control* mine = control(c.peers[c.rank]);
+  if (*reinterpret_cast<volatile unsigned long long*>(&mine->sm_op_seq) + 1 != c.seq) return;
+  const int p = threadIdx.x;
+  if (p < c.num_ranks && p != c.rank)
+    wait_geq(&mine->slots[c.seq & 1][p].tag, c, p, kPhaseCombineNotify);  // a timeout is recorded: the op fails
+}
+
 __global__ void __launch_bounds__(1024)
     notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
   // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
@@ -215,7 +224,7 @@ __global__ void __launch_bounds__(1024)
     h->pm[i] = pm[i];
   }
   if (threadIdx.x == 0) {  // the data path (the same on every rank: pm is)
-    const bool ce = a.ce_min_rows >= 0 && copy_engine_fits(pm, R, a.ce_capacity, a.ce_min_rows, false);
+    const bool ce = a.ce_min_rows >= 0 && copy_engine_fits(pm, R, a.ce_capacity, a.ce_min_rows);
     bool any_prestaged = false;
     for (int s = 0; s < R; ++s)
       any_prestaged = any_prestaged || *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].prestaged) != 0;
@@ -317,6 +326,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) go = 1;
   __syncthreads();
   Control* mine = control(c.peers[c.rank]);
+  if (blockIdx.x == 0 && threadIdx.x == 0) mine->sm_op_seq = c.seq;
   if (*reinterpret_cast<volatile unsigned long long*>(&mine->sm_barrier_seq) == c.seq) {
     if (blockIdx.x == 0 && threadIdx.x < R) st_release_sys(&control(c.peers[threadIdx.x])->sm_go[c.rank], c.seq);
     if (threadIdx.x < R && !wait_geq(&mine->sm_go[threadIdx.x], c, threadIdx.x, kPhaseDispatchData)) go = 0;
@@ -448,6 +458,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ std::int32_t off[kMaxRanks];
   combine_offsets(c, a.pm, me, off);
   const DataLayout& L = a.layout;
+  if (blockIdx.x == 0 && threadIdx.x == 0) control(c.peers[me])->sm_op_seq = c.seq;
   if (!aborted(c)) {
     const std::int64_t n = a.pm[(R - 1) * R + me];
     const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -491,7 +502,8 @@ __global__ void __launch_bounds__(kThreads)
   if (a.chunks == 0 && !wait_all_done(c, sender_blocks, kPhaseCombineData)) return;
   if (aborted(c)) return;
   const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
-  // off[d] = rows returned by ranks before d (this rank's send counts, ascending d); before[d] = pm[me-1][d].
+  // off[d] = rows returned by ranks before d (this rank's send counts, ascending d; the copy-engine path leaves
+  // out this rank's own rows, read from local_x); before[d] = pm[me-1][d].
   __shared__ std::int32_t off[kMaxRanks], before[kMaxRanks];
   // Pipelined: the last stage of each peer this block has seen published, and the one this round needs.
   __shared__ int ready[kMaxRanks], need[kMaxRanks], failed;
@@ -501,7 +513,7 @@ __global__ void __launch_bounds__(kThreads)
       const std::int32_t b = me > 0 ? a.pm[(me - 1) * R + d] : 0;
       off[d] = o;
       before[d] = b;
-      o += a.pm[me * R + d] - b;
+      if (!(a.local_x && d == me)) o += a.pm[me * R + d] - b;
       ready[d] = -1;
       need[d] = -1;
     }
@@ -856,6 +868,11 @@ void launch_wait(const Common& c, int sender_blocks, int phase, cudaStream_t s) 
 
 void launch_begin_op(const Common& c, cudaStream_t s) {
   begin_op_kernel<<<1, 1, 0, s>>>(c);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_push_gate(const Common& c, cudaStream_t s) {
+  push_gate_kernel<<<1, 32 * ((kMaxRanks + 31) / 32), 0, s>>>(c);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

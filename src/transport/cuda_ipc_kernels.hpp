@@ -42,6 +42,8 @@ struct Control {
   // send kernel then meets every peer (sm_go) before storing into their regions, which a staging may still write.
   unsigned long long sm_barrier_seq;
   unsigned long long sm_go[kMaxRanks];  // [source] = seq once that source's staging is finished (SM path)
+  // owner only: the last op whose ranks stored rows into the whole regions (SM-store path); see launch_push_gate.
+  unsigned long long sm_op_seq;
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
@@ -266,17 +268,18 @@ __host__ __device__ inline std::int64_t stage_begin(std::int64_t n, int j, int c
 }
 
 /// Whether an op takes the copy-engine path, from the prefix matrix pm [R, R] (the same on every rank, so every
-/// rank decides alike): the rows each rank stages (dispatch: for its peers; combine: every row it sends back) fit
-/// `capacity`, and some rank moves at least `min_rows` (below that the path's extra launches and copies cost more
+/// rank decides alike): the rows each rank sends its peers fit `capacity` (dispatch: the rows it stages; combine: the
+/// rows its peers push back to it, as many), and some rank moves at least `min_rows` (below that the path's extra
+/// launches and copies cost more
 /// than SM stores save). The dispatch's count exchange decides on the device; a combine or cached dispatch on the
 /// host (its counts are in the handle).
 __host__ __device__ inline bool copy_engine_fits(const std::int32_t* pm, int R, std::int64_t capacity,
-                                                 std::int64_t min_rows, bool combine) {
+                                                 std::int64_t min_rows) {
   std::int64_t most = 0;
   for (int r = 0; r < R; ++r) {
     std::int64_t rows = 0;
     for (int d = 0; d < R; ++d)
-      if (combine || d != r) rows += pm[r * R + d] - (r > 0 ? pm[(r - 1) * R + d] : 0);
+      if (d != r) rows += pm[r * R + d] - (r > 0 ? pm[(r - 1) * R + d] : 0);
     if (rows > capacity) return false;
     most = rows > most ? rows : most;
   }
@@ -286,6 +289,12 @@ __host__ __device__ inline bool copy_engine_fits(const std::int32_t* pm, int R, 
 /// Advances the op's sequence number (one thread): the first kernel of an op that enqueues work before its
 /// notify (which then runs with advance = false).
 void launch_begin_op(const Common& c, cudaStream_t s);
+/// One block, on the copy-engine combine's push stream: returns at once unless the previous op took the SM-store
+/// path, else waits for every peer's handshake tag of this op. A peer that wrote its tag finished the previous op;
+/// without that wait the pushes, which land in the peers' half of this op, can start before the handshake: the
+/// previous op, on the copy-engine path, used the other half (half_layout), and the one before it finished on
+/// every rank (this rank passed the previous op's handshake).
+void launch_push_gate(const Common& c, cudaStream_t s);
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s);
 void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);
