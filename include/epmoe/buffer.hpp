@@ -86,8 +86,9 @@ struct BufferOptions {
   bool debug_validate = true;
   /// cuda_ipc: the CUDA device of this rank; -1 = rank % the number of visible devices.
   int device = -1;
-  /// cuda_ipc: blocks of each data kernel (dispatch send or gather, combine send; the combine reduce of the
-  /// copy-engine path uses twice as many), 1..64; 0 = 24. Equal on all ranks.
+  /// cuda_ipc: blocks of each data kernel (dispatch send or gather, combine send; the copy-engine path runs the
+  /// dispatch's staging and own-rows passes side by side, and its combine reduce with twice as many), 1..64;
+  /// 0 = 24. Equal on all ranks.
   int num_sms = 0;
   /// cuda_ipc: move the bulk rows with the copy engines when the host knows the counts (the default path:
   /// no num_worst_tokens): dispatch gathers each destination's rows locally and the receiver pulls them with
@@ -98,9 +99,9 @@ struct BufferOptions {
   /// cuda_ipc: with use_copy_engine, ops where no rank moves at least this many rows take the SM-store path
   /// anyway (fewer host calls: it is faster for small batches). Equal on all ranks.
   std::int64_t copy_engine_min_rows = 1024;
-  /// cuda_ipc copy-engine path: pipeline stages (1..16; 0 = 4). Each peer's run of rows is moved in this many
-  /// pieces, so gathering (dispatch) or reducing (combine) one piece overlaps the transfer of the next.
-  /// Equal on all ranks.
+  /// cuda_ipc copy-engine path: dispatch pipeline stages (1..16; 0 = 4; the combine uses twice as many, at most
+  /// 16). Each peer's run of rows is moved in this many pieces, sized 1:2:...:2:1, so gathering (dispatch) or
+  /// reducing (combine) one piece overlaps the transfer of the next. Equal on all ranks.
   int num_chunks = 0;
 };
 
