@@ -148,10 +148,10 @@ struct DispatchSendArgs {
 };
 
 /// The copy-engine dispatch's send side. Rows for peer d are staged in this rank's region grouped by destination
-/// ascending (in token order), in `chunks` pipeline stages: stage j holds rows [j*n_d/chunks, (j+1)*n_d/chunks) of
-/// every peer's run (n_d = rows for d); once every block finished stage j, the last one publishes
-/// chunk_done[me][j] = seq in every peer, which pulls that stage with the copy engine while later stages are
-/// gathered. This rank's own rows go straight into its outputs (a second launch, once they are allocated).
+/// ascending (in token order), in `chunks` pipeline stages: stage j holds rows [stage_begin(n_d, j),
+/// stage_begin(n_d, j + 1)) of every peer's run (n_d = rows for d); once every block finished stage j, the last one
+/// publishes chunk_done[me][j] = seq in every peer, which pulls that stage with the copy engine while later stages
+/// are gathered. This rank's own rows go straight into its outputs (a second launch, once they are allocated).
 /// The staging needs only this rank's routing, so it may run before the count exchange (into the op's half of
 /// the region, see cuda_ipc.cpp); it stages nothing when its rows exceed `layout.capacity` (the count exchange
 /// then never chooses the copy-engine path).
@@ -268,11 +268,10 @@ __host__ __device__ inline std::int64_t stage_begin(std::int64_t n, int j, int c
 }
 
 /// Whether an op takes the copy-engine path, from the prefix matrix pm [R, R] (the same on every rank, so every
-/// rank decides alike): the rows each rank sends its peers fit `capacity` (dispatch: the rows it stages; combine: the
-/// rows its peers push back to it, as many), and some rank moves at least `min_rows` (below that the path's extra
-/// launches and copies cost more
-/// than SM stores save). The dispatch's count exchange decides on the device; a combine or cached dispatch on the
-/// host (its counts are in the handle).
+/// rank decides alike): the rows each rank sends its peers fit `capacity` (dispatch: the rows it stages; combine:
+/// the rows its peers push back to it, as many), and some rank moves at least `min_rows` (below that the path's
+/// extra launches and copies cost more than SM stores save). The dispatch's count exchange decides on the device;
+/// a combine or cached dispatch on the host (its counts are in the handle).
 __host__ __device__ inline bool copy_engine_fits(const std::int32_t* pm, int R, std::int64_t capacity,
                                                  std::int64_t min_rows) {
   std::int64_t most = 0;
