@@ -126,6 +126,10 @@ class WorkspaceCache {
 struct MoELayerOptions {
   /// Standard format: the experts run over chunks of this many rows (0 = one chunk); each chunk's
   /// workspace and expert counts are its own. (130 rows with 128-row chunks: chunks of 128 and 2.)
+  /// Chunking changes the rows per expert GEMM, not the math: with make_reference_experts the output is
+  /// bit-identical for every chunk_size; with make_blas_experts OpenBLAS picks its kernel (summation
+  /// order) by shape, so some outputs may differ from one chunk in the last bf16 bit (both stay within
+  /// SPEC 13's tolerance of the float64 reference).
   std::int64_t chunk_size = 0;
   int micro_batch = 0;  ///< which workspace set to use
   std::shared_ptr<WorkspaceCache> workspaces;  ///< shared across layers; made when null
