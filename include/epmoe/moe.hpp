@@ -168,6 +168,12 @@ class MoELayer {
 
   /// Runs dispatch_a, dispatch_b, the experts (chunked), combine_a, combine_b. Shared experts run on
   /// a side thread overlapped with dispatch and combine. Collective over the ranks of the buffer.
+  /// Every argument is checked before any communication (invalid_argument naming it, the expected and the
+  /// actual value: hidden [T, H]; global_num_experts > 0; activation; w1 [E_local, 2N or N, H] and w2
+  /// [E_local, H, N] in bfloat16, contiguous, on the experts' device, with E_local from the prepare/finalize,
+  /// H from hidden and N from w1; output), so such an error leaves the layer usable. A call that fails after
+  /// the dispatch started (a timeout, a broken group) leaves the ranks out of step: every later call raises
+  /// unusable naming that failure.
   /// On CUDA tensors (no-EP prepare/finalize, CUDA experts) the work is enqueued on the calling thread's
   /// current stream; in the batched_experts format nothing waits for the device, and with args.output given
   /// a call can be captured in a CUDA graph once the same shapes ran eagerly (workspaces, cuBLAS handle).
@@ -187,6 +193,9 @@ class MoELayer {
   SharedExperts shared_experts_;
   MoELayerOptions options_;
   std::vector<std::int64_t> last_chunk_rows_;
+  std::string failed_;  ///< why a forward failed after its dispatch started; empty while usable
+
+  void check_forward_args(const MoEForwardArgs& args) const;
 };
 
 /// Settings of the no-EP prepare/finalize beyond PrepareFinalizeOptions.

@@ -22,7 +22,41 @@ namespace epmoe::py {
 
 namespace {
 PyObject* g_error_type = nullptr;
+
+/// Whether `p` is what a rank sees of another rank's failure (epmoe timeout or unusable), not a root
+/// cause. A rank's Python function re-raises an epmoe::Error as epmoe.Error, which comes back here as
+/// nb::python_error: its `code` attribute is checked, so a Python exception never hides behind one.
+/// Needs the GIL.
+bool is_consequence_of_another_rank(const std::exception_ptr& p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    return e.code() == ErrorCode::timeout || e.code() == ErrorCode::unusable;
+  } catch (nb::python_error& e) {
+    if (g_error_type == nullptr || !e.matches(g_error_type)) return false;
+    nb::handle value = e.value();
+    if (!nb::hasattr(value, "code")) return false;
+    nb::object code = value.attr("code");
+    if (!nb::isinstance<nb::str>(code)) return false;
+    const std::string name = nb::cast<std::string>(code);
+    return name == error_code_name(ErrorCode::timeout) || name == error_code_name(ErrorCode::unusable);
+  } catch (...) {
+    return false;
+  }
 }
+
+/// The lowest rank's exception that is not a consequence of another rank's failure, else the lowest
+/// rank's exception; null when no rank failed (first_root_cause, seeing through Python exceptions).
+std::exception_ptr python_root_cause(const std::vector<std::exception_ptr>& errors) {
+  std::exception_ptr first;
+  for (const auto& e : errors) {
+    if (!e) continue;
+    if (!first) first = e;
+    if (!is_consequence_of_another_rank(e)) return e;
+  }
+  return first;
+}
+}  // namespace
 
 void bind_errors(nb::module_& m) {
   // epmoe.Error: a RuntimeError whose message is the C++ one ("epmoe: invalid argument 'x': expected ...,
@@ -171,8 +205,9 @@ void bind_group(nb::module_& m) {
           }
           for (auto& t : threads) t.join();
         }
-        // The root cause (not the timeouts other ranks saw of it), else the lowest failing rank's.
-        if (auto e = first_root_cause(errors)) std::rethrow_exception(e);
+        // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else
+        // the lowest failing rank's. A Python exception is re-raised as the original object.
+        if (auto e = python_root_cause(errors)) std::rethrow_exception(e);
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 
 import numpy as np
 import pytest
@@ -196,6 +197,67 @@ def test_a_rank_that_raises_releases_the_others_at_once():
     with pytest.raises(ValueError, match="rank zero fails"):
         epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
     assert seen["code"] == "unusable" and "rank 0" in seen["message"], seen
+
+
+def test_a_higher_rank_raising_while_a_lower_waits_in_a_barrier_reraises_its_own_exception():
+    # Rank 0 sees only 'unusable' (rank 1 failed); that must not hide rank 1's ValueError.
+    seen = {}
+
+    def rank_main(group):
+        if group.rank() == 1:
+            raise ValueError("boom from rank one")
+        group.timeout_s = 600.0  # released by rank 1's failure, not by this timeout
+        try:
+            group.barrier("waiting for rank one")
+        except epmoe.Error as e:
+            seen["code"], seen["message"] = e.code, str(e)
+            raise
+
+    start = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
+    assert type(e.value) is ValueError and str(e.value) == "boom from rank one"
+    assert seen["code"] == "unusable" and "rank 1" in seen["message"], seen
+    assert time.monotonic() - start < 60.0
+
+
+def test_a_higher_rank_raising_invalid_argument_while_others_dispatch_reraises_it(rng):
+    R, E, H, K = 3, 6, 128, 2
+    x = nice_bf16(rng, (4, H))
+    idx = random_topk_idx(rng, 4, K, E)
+    seen = {}
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        mine = x.astype(np.float64) if group.rank() == R - 1 else x  # the last rank's x is invalid
+        try:
+            return buf.dispatch(mine, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=ntpe, topk_idx=idx)
+        except epmoe.Error as e:
+            seen[group.rank()] = (e.code, str(e))
+            raise
+
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    assert e.value.code == "invalid_argument", str(e.value)
+    assert "'x'" in str(e.value) and "float64" in str(e.value)
+    assert (e.value.code, str(e.value)) == seen[R - 1]  # the failing rank's own error, unchanged
+    for r in range(R - 1):  # the others saw only its consequence
+        assert seen[r][0] in ("unusable", "timeout"), seen
+
+
+def test_a_lower_rank_raising_while_a_higher_waits_reraises_its_own_exception():
+    class RankZeroError(Exception):
+        pass
+
+    def rank_main(group):
+        if group.rank() == 0:
+            raise RankZeroError("rank zero's own failure")
+        group.barrier("waiting for rank zero")
+
+    with pytest.raises(RankZeroError, match="^rank zero's own failure$"):
+        epmoe.run_thread_ranks(3, rank_main, timeout_s=TIMEOUT_S)
 
 
 def test_a_rank_that_never_arrives_times_out_instead_of_hanging():

@@ -118,3 +118,73 @@ def test_layer_errors(rng):
                            shared_experts=failing_shared)
     with pytest.raises(KeyError, match="from the shared experts"):
         layer.forward(x, w1, w2, w, idx)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_bad_weights_on_one_rank_fail_before_communicating_and_leave_the_layer_usable(rng, mode):
+    # Rank 1 alone makes each bad call: had one communicated, it would wait for rank 0 (which makes no such
+    # call) and time out, or leave the layer mid-way (stale_handle on the next call). Then both ranks run
+    # valid calls on the same layers.
+    R, E, T, tmax = 2, 4, 5, 8
+    el = E // R
+    w1, w2 = make_weights(rng, E)
+    tokens = [make_tokens(rng, T, E) for _ in range(R)]
+
+    def rank_main(group):
+        r = group.rank()
+        buf = epmoe.Buffer(group, low_latency_mode=(mode == "low_latency"))
+        if mode == "normal":
+            layer = epmoe.MoELayer(epmoe.make_normal_prepare_finalize(buf), epmoe.make_blas_experts())
+        else:
+            layer = epmoe.MoELayer(epmoe.make_low_latency_prepare_finalize(buf, tmax),
+                                   epmoe.make_blas_experts("batched_experts"))
+        x, idx, w = tokens[r]
+        mine1, mine2 = w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el]
+        errors = {}
+        if r == 1:
+            bad = {
+                "w1_float32": (mine1.astype(np.float32), mine2),
+                "w2_float32": (mine1, mine2.astype(np.float32)),
+                "w2_wrong_n": (mine1, np.ones((el, H, N // 2), BF16)),
+                "w2_wrong_h": (mine1, np.ones((el, H + 16, N), BF16)),
+                "w1_wrong_h": (np.ones((el, 2 * N, H + 16), BF16), mine2),
+            }
+            for name, (a, b) in bad.items():
+                with pytest.raises(epmoe.Error) as e:
+                    layer.forward(x, a, b, w, idx, global_num_experts=E)
+                errors[name] = (e.value.code, str(e.value), layer.stage)
+        out = layer.forward(x, mine1, mine2, w, idx)
+        return errors, out, layer.stage
+
+    results = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    errors = results[1][0]
+    for name, (code, msg, stage) in errors.items():
+        assert code == "invalid_argument" and stage == "INITIAL", (name, code, msg, stage)
+    assert "'w1'" in errors["w1_float32"][1] and "float32" in errors["w1_float32"][1]
+    assert "'w2'" in errors["w2_float32"][1] and "float32" in errors["w2_float32"][1]
+    # a bad w2 is blamed on w2, with the expected and the actual shape
+    msg = errors["w2_wrong_n"][1]
+    assert "'w2'" in msg and "'w1'" not in msg and f"[{el}, {H}, {N}]" in msg and f"[{el}, {H}, {N // 2}]" in msg
+    msg = errors["w2_wrong_h"][1]
+    assert "'w2'" in msg and f"[{el}, {H}, {N}]" in msg and f"[{el}, {H + 16}, {N}]" in msg
+    msg = errors["w1_wrong_h"][1]
+    assert "'w1'" in msg and f"H = {H} from hidden" in msg and f"[{el}, {2 * N}, {H + 16}]" in msg
+    for r in range(R):
+        x, idx, w = tokens[r]
+        _, out, stage = results[r]
+        assert stage == "INITIAL"
+        assert rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
+def test_no_ep_layer_stays_usable_after_bad_weights(rng):
+    E, T = 4, 3
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    with pytest.raises(epmoe.Error, match=r"'w2'.*expected shape \[4, 128, 64\].*got bfloat16\[4, 128, 32\]"):
+        layer.forward(x, w1, w2[:, :, :32].copy(), w, idx, global_num_experts=E)
+    with pytest.raises(epmoe.Error, match=r"'w2'.*bfloat16"):
+        layer.forward(x, w1, w2.astype(np.float32), w, idx, global_num_experts=E)
+    assert layer.stage == "INITIAL"
+    out = layer.forward(x, w1, w2, w, idx, global_num_experts=E)
+    assert rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2

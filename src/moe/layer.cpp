@@ -109,9 +109,82 @@ Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args)
   return out;
 }
 
-MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
+void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   EPMOE_CHECK_ARG(!args.expert_map.defined(), "expert_map",
                   "none (with expert parallelism the owner of each expert follows from the rank)", "a tensor");
+  const auto known = [](Activation a) {
+    switch (a) {
+      case Activation::silu: case Activation::gelu: case Activation::swigluoai: case Activation::silu_no_mul:
+      case Activation::gelu_no_mul: case Activation::relu2_no_mul: return true;
+    }
+    return false;
+  };
+  EPMOE_CHECK_ARG(known(args.activation), "activation",
+                  "silu, gelu, swigluoai, silu_no_mul, gelu_no_mul or relu2_no_mul", static_cast<int>(args.activation));
+  EPMOE_CHECK_ARG(args.hidden.defined() && args.hidden.ndim() == 2, "hidden", "bfloat16 [T, H]",
+                  args.hidden.defined() ? describe(args.hidden) : std::string("None"));
+  EPMOE_CHECK_ARG(args.global_num_experts > 0, "global_num_experts", "> 0", args.global_num_experts);
+  const std::int64_t T = args.hidden.size(0), H = args.hidden.size(1);
+  const std::int64_t e_local = prepare_finalize_->num_local_experts(args.global_num_experts);
+  EPMOE_CHECK_ARG(e_local >= 1, "global_num_experts",
+                  fmt::format("at least one expert per rank for prepare/finalize '{}'", prepare_finalize_->name()),
+                  args.global_num_experts);
+  const std::string e_local_from = fmt::format("E_local = {} from global_num_experts = {} ('{}' prepare/finalize)",
+                                               e_local, args.global_num_experts, prepare_finalize_->name());
+
+  // The weights' device and dtype are what the experts read: the CUDA experts one GPU, the others the CPU.
+  const bool cuda_experts = experts_->name() == "cuda";
+  const bool bf16_weights = experts_->config().quant == ExpertsQuant::none;
+  const auto check_weight = [&](const TensorView& w, std::string_view name, std::string_view layout) {
+    EPMOE_CHECK_ARG(w.defined(), name, fmt::format("a bfloat16 {} tensor", layout), "None");
+    if (bf16_weights) EPMOE_CHECK_ARG(w.dtype == DType::bf16, name, fmt::format("bfloat16 {}", layout), describe(w));
+    if (cuda_experts) {
+      EPMOE_CHECK_ARG(w.device.is_cuda() && (!args.hidden.device.is_cuda() || w.device == args.hidden.device), name,
+                      fmt::format("a tensor on the CUDA device of the '{}' experts{}", experts_->name(),
+                                  args.hidden.device.is_cuda() ? " (hidden's, " + to_string(args.hidden.device) + ")"
+                                                               : std::string()),
+                      describe(w));
+    } else {
+      EPMOE_CHECK_ARG(w.device.is_cpu(), name, fmt::format("a CPU tensor (the '{}' experts run on the CPU)",
+                                                           experts_->name()), describe(w));
+    }
+    EPMOE_CHECK_ARG(w.is_contiguous(), name, "a contiguous tensor", fmt::format("strides {}", w.strides));
+    EPMOE_CHECK_ARG(w.ndim() == 3, name, fmt::format("3 dimensions {}", layout), describe(w));
+  };
+  const bool gated = is_gated(args.activation);
+  const std::string act = fmt::format("{} activation '{}'", gated ? "gated" : "non-gated",
+                                      activation_name(args.activation));
+  check_weight(args.w1, "w1", gated ? "[E_local, 2N, H]" : "[E_local, N, H]");
+  check_weight(args.w2, "w2", "[E_local, H, N]");
+  // w1 fixes N (with E_local from the prepare/finalize and H from hidden); w2 must agree with it.
+  const std::int64_t rows = args.w1.size(1);
+  EPMOE_CHECK_ARG(args.w1.size(0) == e_local && args.w1.size(2) == H && rows >= 1 && (!gated || rows % 2 == 0), "w1",
+                  fmt::format("shape [{}, {}, {}] ({}, H = {} from hidden, {})", e_local, gated ? "2N" : "N", H, act, H,
+                              e_local_from),
+                  describe(args.w1));
+  const std::int64_t N = gated ? rows / 2 : rows;
+  const Shape w2_shape{e_local, H, N};
+  EPMOE_CHECK_ARG(args.w2.shape == w2_shape, "w2",
+                  fmt::format("shape {} (N = {} from w1 {} with {}, H = {} from hidden, {})", to_string(w2_shape), N,
+                              to_string(args.w1.shape), act, H, e_local_from),
+                  describe(args.w2));
+  if (args.output.defined()) {
+    const Shape out_shape{T, H};
+    EPMOE_CHECK_ARG(args.output.dtype == DType::bf16 && args.output.shape == out_shape && args.output.is_contiguous() &&
+                        args.output.device == args.hidden.device,
+                    "output", fmt::format("contiguous bfloat16 {} on {} (hidden's device)", to_string(out_shape),
+                                          to_string(args.hidden.device)),
+                    describe(args.output));
+  }
+}
+
+MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
+  if (!failed_.empty())
+    raise(ErrorCode::unusable, "MoELayer: an earlier forward failed after its dispatch had started ({}); this rank is "
+          "out of step with the other ranks, so the layer cannot run again (make a new Buffer and layer)", failed_);
+  // Every argument is checked before any communication, so a bad one fails only this call: the other ranks
+  // would otherwise wait in the combine for this rank, and this layer would be left mid-way.
+  check_forward_args(args);
   MoEForwardResult result;
   // Shared experts overlap dispatch, experts and combine on a side thread (the CPU's side stream).
   std::future<Tensor> shared;
@@ -134,8 +207,12 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
       if (result.output.nbytes()) std::memcpy(args.output.data, result.output.data(), result.output.nbytes());
       result.output = Tensor::wrap(args.output, nullptr);
     }
-  } catch (...) {
+  } catch (const std::exception& e) {
     if (shared.valid()) shared.wait();
+    // Failed after dispatch_a had sent (its own argument errors leave the stage at INITIAL): the ranks are out
+    // of step, and the next call says so instead of reporting a stage error.
+    if (prepare_finalize_->stage() != Stage::initial)
+      failed_ = fmt::format("in stage {}: {}", stage_name(prepare_finalize_->stage()), e.what());
     throw;
   }
   if (shared.valid()) result.shared_output = shared.get();

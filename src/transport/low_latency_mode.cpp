@@ -529,7 +529,8 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   check_cpu(a.x, "x");
   EPMOE_CHECK_ARG(
       a.x.ndim() == 3 && a.x.dtype == DType::bf16 && a.x.size(0) == El && a.x.size(1) == rows && a.x.size(2) == H, "x",
-      fmt::format("bfloat16[{}, {}, {}]", El, rows, H), describe(a.x));
+      fmt::format("bfloat16[{}, {}, {}] ([E_local, R * Tmax, H], H = {} of the handle's dispatch)", El, rows, H, H),
+      describe(a.x));
   EPMOE_CHECK_ARG(a.x.stride(2) == 1 && a.x.data != nullptr, "x", "unit stride in dimension 2", strides_of(a.x));
   EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
                   "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
