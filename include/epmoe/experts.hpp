@@ -218,6 +218,14 @@ std::unique_ptr<Experts> make_reference_experts(const ExpertsConfig& config = {}
 /// OpenBLAS threads each GEMM (OPENBLAS_NUM_THREADS); the rest runs on the calling thread.
 std::unique_ptr<Experts> make_blas_experts(const ExpertsConfig& config = {});
 
+/// The most threads that may be inside make_blas_experts' apply at the same time (thread ranks, say).
+/// OpenBLAS keeps a build-time table of max(50, 2 x NUM_THREADS) work buffers (its memory.c), one per
+/// GEMM in flight plus one per pool thread (up to NUM_THREADS - 1); past it, it prints "precompiled
+/// NUM_THREADS exceeded" and falls back to a path that crashes under concurrency. So this returns
+/// max(50, 2 x NUM_THREADS) - (NUM_THREADS - 1), NUM_THREADS read from openblas_get_config()'s
+/// MAX_THREADS (65 for the usual NUM_THREADS = 64; 32 when the build does not say).
+int blas_experts_max_concurrent_threads();
+
 /// The reference experts' result before its final bf16 rounding: float64 values in the layout of
 /// Experts::output_shape (row-major). Batched format: rows past each count are 0. Checks `in` as
 /// Experts::apply does. For tests and for error measurements against the unrounded reference.

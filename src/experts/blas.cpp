@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -223,6 +224,15 @@ class BlasExperts final : public Experts {
 
 std::unique_ptr<Experts> make_blas_experts(const ExpertsConfig& config) {
   return std::make_unique<BlasExperts>(config);
+}
+
+int blas_experts_max_concurrent_threads() {
+  const char* config = openblas_get_config();
+  const char* at = config ? std::strstr(config, "MAX_THREADS=") : nullptr;
+  if (!at) return 32;
+  const long m = std::strtol(at + std::strlen("MAX_THREADS="), nullptr, 10);
+  if (m < 1) return 32;
+  return static_cast<int>(std::max<long>(50, 2 * m) - (m - 1));
 }
 
 }  // namespace epmoe

@@ -1,6 +1,7 @@
 // Replaying recorded routing (SPEC 14).
 #include <epmoe/replay.hpp>
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/check.hpp"
@@ -33,6 +34,20 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
   EPMOE_CHECK_ARG(trace.topk_weights.dtype() == DType::fp32 && trace.topk_weights.shape() == trace.topk_idx.shape(),
                   "routing topk_weights", fmt::format("float32 {}", to_string(trace.topk_idx.shape())),
                   describe(trace.topk_weights));
+  const std::int64_t T = trace.num_tokens(), L = trace.num_layers(), K = trace.num_topk();
+  EPMOE_CHECK_ARG(T >= 1 && L >= 1 && K >= 1, "routing topk_idx", "[tokens, layers, K], each >= 1",
+                  describe(trace.topk_idx));
+  // Replaying takes tokens modulo the count and uses ids and weights as recorded: a bad value is named
+  // here, at its [token, layer, k], rather than surfacing as a wrong layer output or a wrong error metric.
+  const auto where = [&](std::int64_t i) { return fmt::format("[{}, {}, {}]", i / (L * K), i / K % L, i % K); };
+  const auto* ids = trace.topk_idx.ptr<std::int16_t>();
+  const auto* w = trace.topk_weights.ptr<float>();
+  for (std::int64_t i = 0; i < trace.topk_idx.numel(); ++i) {
+    EPMOE_CHECK_ARG(ids[i] >= -1 && ids[i] < trace.num_experts, "routing topk_idx",
+                    fmt::format("ids in [-1, {}) (the recorded model's experts)", trace.num_experts),
+                    fmt::format("{} at {}", ids[i], where(i)));
+    EPMOE_CHECK_ARG(std::isfinite(w[i]), "routing topk_weights", "finite weights", fmt::format("{} at {}", w[i], where(i)));
+  }
   return trace;
 }
 
@@ -49,8 +64,12 @@ ReplayedRouting replay_routing(const RoutingTrace& trace, int layer, std::int64_
   ReplayedRouting out{Tensor::empty(DType::int64, {T, K}), Tensor::empty(DType::fp32, {T, K})};
   const auto* src_idx = trace.topk_idx.ptr<std::int16_t>();
   const auto* src_w = trace.topk_weights.ptr<float>();
+  EPMOE_CHECK_ARG(n >= 1, "trace", "at least one recorded token", n);
+  EPMOE_CHECK_ARG(rank >= 0, "rank", ">= 0", rank);
+  // Reduced modulo n term by term: offset + rank * T + i may not fit in 64 bits.
+  const std::int64_t first = (offset % n + static_cast<std::int64_t>((static_cast<unsigned __int128>(rank) * T) % n)) % n;
   for (std::int64_t i = 0; i < T; ++i) {
-    const std::int64_t t = (offset + rank * T + i) % n;
+    const std::int64_t t = (first + i % n) % n;
     for (int k = 0; k < K; ++k) {
       const std::int64_t at = (t * L + layer) * K + k;
       const std::int64_t e = src_idx[at];

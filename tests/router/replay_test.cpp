@@ -2,9 +2,13 @@
 #include <epmoe/replay.hpp>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <filesystem>
+#include <limits>
 #include <set>
 
 #include "core/npy.hpp"
+#include "support/npy_writer.hpp"
 
 namespace epmoe {
 namespace {
@@ -84,6 +88,71 @@ TEST(Replay, RejectsBadArgumentsNamingThem) {
   EXPECT_THROW(replay_routing(t, 0, 0, 0, 4, 96), Error);
   EXPECT_THROW(load_routing_trace(kDir, "nonexistent"), Error);
   EXPECT_THROW(load_npy(kDir + "/README.md"), Error);
+}
+
+std::string temp_dir(const std::string& leaf) {
+  return ::testing::TempDir() + "epmoe_replay_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" + leaf;
+}
+
+std::string error_of(const std::string& dir) {
+  try {
+    load_routing_trace(dir, "general");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Hand-made traces: a bad value is named at its [token, layer, k] when loading, before any replay.
+TEST(Replay, BadTracesAreRefusedWhenLoadingNamingTheFirstBadEntry) {
+  const std::string good = temp_dir("good");
+  // T=3, L=2, K=2: ids and weights by hand.
+  std::vector<std::int16_t> ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 63};
+  std::vector<float> w = {0.5f, 0.25f, 0.5f, 0.25f, 0.5f, 0.25f, 0.5f, 0.25f, 0.5f, 0.25f, 0.5f, 0.25f};
+  test::write_routing_trace(good, "general", 3, 2, 2, ids, w);
+  const RoutingTrace t = load_routing_trace(good, "general");
+  EXPECT_EQ(t.num_tokens(), 3);
+  EXPECT_EQ(t.topk_idx.ptr<std::int16_t>()[11], 63);
+
+  const std::string empty = temp_dir("empty");
+  test::write_routing_trace(empty, "general", 0, 2, 2, {}, {});
+  EXPECT_NE(error_of(empty).find("'routing topk_idx'"), std::string::npos) << error_of(empty);
+
+  auto w_nan = w;
+  w_nan[7] = std::numeric_limits<float>::quiet_NaN();  // token 1, layer 1, k 1
+  w_nan[9] = std::numeric_limits<float>::infinity();
+  const std::string nan_dir = temp_dir("nan");
+  test::write_routing_trace(nan_dir, "general", 3, 2, 2, ids, w_nan);
+  const std::string m = error_of(nan_dir);
+  EXPECT_NE(m.find("'routing topk_weights'"), std::string::npos) << m;
+  EXPECT_NE(m.find("finite"), std::string::npos) << m;
+  EXPECT_NE(m.find("nan at [1, 1, 1]"), std::string::npos) << m;
+
+  auto ids_bad = ids;
+  ids_bad[4] = 64;  // token 1, layer 0, k 0: the recorded model has 64 experts
+  const std::string id_dir = temp_dir("ids");
+  test::write_routing_trace(id_dir, "general", 3, 2, 2, ids_bad, w);
+  const std::string mi = error_of(id_dir);
+  EXPECT_NE(mi.find("'routing topk_idx'"), std::string::npos) << mi;
+  EXPECT_NE(mi.find("64 at [1, 0, 0]"), std::string::npos) << mi;
+  ids_bad[4] = -2;
+  test::write_routing_trace(id_dir, "general", 3, 2, 2, ids_bad, w);
+  EXPECT_NE(error_of(id_dir).find("-2 at [1, 0, 0]"), std::string::npos) << error_of(id_dir);
+}
+
+TEST(Replay, HugeOffsetWrapsWithoutOverflow) {
+  const std::string dir = temp_dir("trace");
+  // T=4, L=1, K=1: token t routes to expert 10 + t with weight t + 1.
+  test::write_routing_trace(dir, "general", 4, 1, 1, {10, 11, 12, 13}, {1.0f, 2.0f, 3.0f, 4.0f});
+  const RoutingTrace t = load_routing_trace(dir, "general");
+  const std::int64_t big = std::numeric_limits<std::int64_t>::max();  // = 3 mod 4
+  // Rank 1 of T=2 takes tokens (3 + 2 + i) mod 4 = 1, 2.
+  const ReplayedRouting r = replay_routing(t, 0, big, 1, 2, 64);
+  EXPECT_EQ(r.topk_idx.ptr<std::int64_t>()[0], 11);
+  EXPECT_EQ(r.topk_idx.ptr<std::int64_t>()[1], 12);
+  EXPECT_EQ(r.topk_weights.ptr<float>()[0], 2.0f);
+  EXPECT_EQ(r.topk_weights.ptr<float>()[1], 3.0f);
 }
 
 }  // namespace
