@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -24,6 +25,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "support/npy_writer.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -312,6 +314,101 @@ TEST(Cli, RunRoutingAndMpirunMistakesNameTheFlag) {
   r = run_cli("run --device cpu", "OMPI_COMM_WORLD_SIZE=2");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("'--backend'"), std::string::npos) << r.err;
+}
+
+// Found by a fresh user: thread ranks past OpenBLAS's buffer table crashed it (513 ranks: "precompiled
+// NUM_THREADS exceeded", then SIGSEGV); the limit is named, and a run at the limit works.
+TEST(Cli, RunRanksBeyondTheBlasLimitAreRefusedNamingTheLimit) {
+  CliResult r = run_cli("run --device cpu --ranks 513 --experts 513 --tokens 2 --hidden 16 --intermediate 8 --topk 2");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  const std::string want = "invalid argument '--ranks': expected at most ";
+  const auto at = r.err.find(want);
+  ASSERT_NE(at, std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("got 513"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("generating"), std::string::npos) << "refused only after starting\n" << r.err;
+  const int limit = std::atoi(r.err.c_str() + at + want.size());
+  ASSERT_GE(limit, 2) << r.err;
+  ASSERT_LT(limit, 513) << r.err;
+  r = run_cli(fmt_args("run --device cpu --ranks ", limit, " --experts ", limit,
+                       " --tokens 8 --hidden 128 --intermediate 64 --topk 2 --iters 1 --check-tokens 2"));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("NUM_THREADS exceeded"), std::string::npos) << r.err;
+  // The reference experts do not call BLAS: no such limit.
+  r = run_cli(fmt_args("run --device cpu --experts-impl reference --ranks ", limit + 1, " --experts ", limit + 1,
+                       " --tokens 1 --hidden 16 --intermediate 8 --topk 1 --iters 1 --check-tokens 1"));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+}
+
+// A hand-made trace (T=4, L=1, K=2) in the test's directory; `mutate` edits ids/weights first.
+std::string make_trace(const std::string& leaf, std::int64_t T = 4,
+                       const std::function<void(std::vector<std::int16_t>&, std::vector<float>&)>& mutate = {}) {
+  std::vector<std::int16_t> ids;
+  std::vector<float> w;
+  for (std::int64_t t = 0; t < T; ++t) {
+    ids.insert(ids.end(), {static_cast<std::int16_t>(t % 64), static_cast<std::int16_t>((t + 7) % 64)});
+    w.insert(w.end(), {0.75f, 0.25f});
+  }
+  if (mutate) mutate(ids, w);
+  const std::string dir = temp_path(leaf);
+  epmoe::test::write_routing_trace(dir, "general", T, 1, 2, ids, w);
+  return dir;
+}
+
+// Found by a fresh user: an empty trace died of SIGFPE, a huge --offset overflowed into a segfault, NaN
+// weights gave "relative L2 error 0.000e+00" and FAIL, an id past the model's experts reached the layer.
+TEST(Cli, RunBadRoutingTracesAndOffsetsAreNamedBeforeAnyWork) {
+  const std::string tiny = " --device cpu --ranks 2 --experts 64 --tokens 4 --hidden 128 --intermediate 64 --iters 1";
+  CliResult r = run_cli("run --routing '" + make_trace("good") + "'" + tiny);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;  // the hand-made trace itself is fine
+  EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  const struct {
+    std::string args, want, got;
+  } cases[] = {
+      {"--routing '" + make_trace("empty", 0) + "'", "invalid argument '--routing topk_idx'", "[0, 1, 2]"},
+      {"--routing '" + make_trace("good") + "' --offset 9223372036854775807", "invalid argument '--offset': expected in [0, 4)",
+       "got 9223372036854775807"},
+      {"--routing '" + make_trace("good") + "' --offset 4", "invalid argument '--offset'", "got 4"},
+      {"--routing '" + make_trace("nan", 4, [](auto&, auto& w) { w[5] = std::nanf(""); }) + "'",
+       "invalid argument '--routing topk_weights': expected finite weights", "nan at [2, 0, 1]"},
+      {"--routing '" + make_trace("ids", 4, [](auto& ids, auto&) { ids[6] = 64; }) + "'",
+       "invalid argument '--routing topk_idx': expected ids in [-1, 64)", "64 at [3, 0, 0]"},
+  };
+  for (const auto& c : cases) {
+    r = run_cli("run " + c.args + tiny);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.got), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
+  }
+}
+
+// Found by a fresh user: --json /proc/x.json passed the early check and failed after the whole job;
+// /dev/full failed with no reason. The early check opens the file as the final write will.
+TEST(Cli, RunJsonPathsThatCannotBeWrittenAreNamedWithTheReason) {
+  CliResult r = run_cli("run --device cpu --json /proc/epmoe_cli_test.json " + kTinyRun);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("invalid argument '--json': expected a writable file, got /proc/epmoe_cli_test.json ("),
+            std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << "refused only after running\n" << r.out;
+  r = run_cli("run --device cpu --json '" + temp_path("no-such-dir") + "/out.json' " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("No such file or directory"), std::string::npos) << r.err;
+  // A new name is not left behind when the command is refused after the check.
+  const std::string fresh = temp_path("fresh.json");
+  std::filesystem::remove(fresh);
+  r = run_cli("run --device cpu --json '" + fresh + "' --routing '" + temp_path("no-such-routing") + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("'--routing'"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(fresh));
+  // An existing file keeps its contents until the final write.
+  write_file(fresh, "old");
+  r = run_cli("run --device cpu --json '" + fresh + "' --routing '" + temp_path("no-such-routing") + "' " + kTinyRun);
+  EXPECT_EQ(slurp(fresh), "old");
+  if (!std::filesystem::exists("/dev/full")) return;
+  r = run_cli("run --device cpu --json /dev/full " + kTinyRun);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("got /dev/full (No space left on device)"), std::string::npos) << r.err;
 }
 
 TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {

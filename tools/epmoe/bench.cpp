@@ -222,10 +222,7 @@ nlohmann::json sample_json(const Sample& s) {
 }
 
 void write_json(const std::string& path, const nlohmann::json& j, std::string_view flag) {
-  std::ofstream out(path);
-  out << j.dump(2) << "\n";
-  out.close();
-  if (!out) bad(flag, "a writable file", path);
+  write_text_file(flag, path, j.dump(2) + "\n");
 }
 
 // ---------------------------------------------------------------------------------------------- CPU ranks

@@ -1,12 +1,15 @@
 #include "common.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <random>
 #include <thread>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <epmoe/group.hpp>
@@ -66,13 +69,32 @@ const CLI::Validator& non_empty_path() {
 
 void check_writable(std::string_view flag, const std::string& path) {
   namespace fs = std::filesystem;
+  if (path.empty()) bad(flag, "a writable file", "an empty path");
   std::error_code ec;
-  const fs::path p(path);
-  const bool exists = fs::exists(p, ec);
-  if (exists && fs::is_directory(p, ec)) bad(flag, "a writable file", path + " (a directory)");
-  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  const bool ok = exists ? ::access(path.c_str(), W_OK) == 0 : (fs::is_directory(dir, ec) && ::access(dir.c_str(), W_OK) == 0);
-  if (path.empty() || !ok) bad(flag, "a writable file", path.empty() ? std::string("an empty path") : path);
+  const fs::file_status st = fs::status(path, ec);
+  const bool exists = fs::exists(st);
+  if (exists && fs::is_directory(st)) bad(flag, "a writable file", path + " (a directory)");
+  if (exists && !fs::is_regular_file(st)) {
+    // A device or a pipe (/dev/stdout): opening it would block or consume the reader; permissions only.
+    if (::access(path.c_str(), W_OK) != 0) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(errno)));
+    return;
+  }
+  // Opened as the final write will open it (no truncation here); a name that did not exist is created
+  // exclusively and removed again, so a command refused later leaves nothing behind.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | (exists ? 0 : O_CREAT | O_EXCL), 0644);
+  if (fd < 0) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(errno)));
+  ::close(fd);
+  if (!exists) ::unlink(path.c_str());
+}
+
+void write_text_file(std::string_view flag, const std::string& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(errno)));
+  int err = 0;
+  if (std::fwrite(text.data(), 1, text.size(), f) != text.size()) err = errno;
+  if (std::fflush(f) != 0 && err == 0) err = errno;  // a full disk (/dev/full) shows here, not in fwrite
+  if (std::fclose(f) != 0 && err == 0) err = errno;
+  if (err != 0) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(err)));
 }
 
 void check_host_memory(double need, std::string_view flags, std::string_view what) {

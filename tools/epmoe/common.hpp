@@ -41,9 +41,14 @@ DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std
 /// A CLI11 check for path options: an empty path is refused (it would silently write nothing).
 const CLI::Validator& non_empty_path();
 
-/// Raises invalid_argument naming `flag` unless `path` can be written later (an existing writable file, or a new
-/// name in a writable directory); creates nothing, so a command refused afterwards leaves no empty file behind.
+/// Raises invalid_argument naming `flag` (and the OS's reason) unless `path` opens for writing now: an existing
+/// regular file is opened without truncation, a new name is created and removed again, so a command refused
+/// afterwards leaves no file behind; an existing device or pipe is only checked for write permission.
 void check_writable(std::string_view flag, const std::string& path);
+
+/// Writes `text` to `path` (truncating); raises invalid_argument naming `flag`, the path and the OS's reason
+/// (strerror, e.g. "No space left on device") when opening, writing or closing fails.
+void write_text_file(std::string_view flag, const std::string& path, const std::string& text);
 
 /// Raises invalid_argument naming `flags` when `need` bytes (a command's rough host-memory estimate, `what`
 /// describes it) exceed this machine's physical memory: an impossible size is named up front, not by a failed

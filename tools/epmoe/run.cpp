@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -470,6 +471,14 @@ int run(RunConfig c) {
   if (!c.config.empty() && c.kind == DeviceKind::cpu && root)
     fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
+  if (c.kind == DeviceKind::cpu && c.backend == "threads" && c.experts_impl == "blas" &&
+      c.ranks > blas_experts_max_concurrent_threads())
+    // Past OpenBLAS's table of work buffers the thread ranks' concurrent GEMMs crash it (experts.hpp).
+    bad("--ranks",
+        fmt::format("at most {} CPU ranks as threads with the BLAS experts (OpenBLAS's limit; more with --backend mpi "
+                    "or --experts-impl reference)",
+                    blas_experts_max_concurrent_threads()),
+        c.ranks);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
   if (c.experts % c.ranks != 0) {
     if (c.backend != "mpi" && !c.ranks_given)  // the ranks are a default: the experts are what was asked
@@ -506,6 +515,9 @@ int run(RunConfig c) {
       throw Error(ErrorCode::invalid_argument, message);
     }
     if (c.layer >= trace.num_layers()) bad("--layer", fmt::format("in [0, {})", trace.num_layers()), c.layer);
+    // Ranks take tokens from the offset on, wrapping at the end: an offset past the trace means nothing.
+    if (c.offset >= trace.num_tokens())
+      bad("--offset", fmt::format("in [0, {}) (the tokens of --routing)", trace.num_tokens()), c.offset);
     if (c.experts % trace.num_experts != 0)
       bad("--experts", fmt::format("a multiple of the trace's {} experts", trace.num_experts), c.experts);
     if (c.topk_given && c.topk != trace.num_topk())
@@ -590,7 +602,11 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
     finite = finite && r.finite;
     checked += r.checked;
   }
-  const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
+  // NaN anywhere (an output or the reference) makes the metric NaN, printed as nan, never a quiet 0.
+  const double rel = std::isnan(num) || std::isnan(den) ? std::numeric_limits<double>::quiet_NaN()
+                     : den > 0                          ? std::sqrt(num / den)
+                     : num > 0                          ? std::numeric_limits<double>::infinity()
+                                                        : 0.0;
   const bool pass = finite && rel <= c.tolerance && checked > 0;
 
   if (!print) return pass ? 0 : 1;
@@ -622,10 +638,7 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
                         {"domain", replay ? trace->domain : ""}, {"layer", c.layer}, {"offset", c.offset},
                         {"iters", c.iters}, {"phases", jphases}, {"relative_l2_error", rel},
                         {"tokens_checked", checked}, {"tolerance", c.tolerance}, {"pass", pass}};
-    std::ofstream out(c.json);
-    out << j.dump(2) << "\n";
-    out.close();
-    if (!out) throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--json': expected a writable file, got {}", c.json));
+    write_text_file("--json", c.json, j.dump(2) + "\n");
     fmt::print("wrote {}\n", c.json);
   }
   return pass ? 0 : 1;
