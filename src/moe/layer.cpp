@@ -129,8 +129,11 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   EPMOE_CHECK_ARG(e_local >= 1, "global_num_experts",
                   fmt::format("at least one expert per rank for prepare/finalize '{}'", prepare_finalize_->name()),
                   args.global_num_experts);
-  const std::string e_local_from = fmt::format("E_local = {} from global_num_experts = {} ('{}' prepare/finalize)",
-                                               e_local, args.global_num_experts, prepare_finalize_->name());
+  // Message parts, formatted only when a check fails (forward is on the decode path).
+  const auto e_local_from = [&] {
+    return fmt::format("E_local = {} from global_num_experts = {} ('{}' prepare/finalize)", e_local,
+                       args.global_num_experts, prepare_finalize_->name());
+  };
 
   // The weights' device and dtype are what the experts read: the CUDA experts one GPU, the others the CPU.
   const bool cuda_experts = experts_->name() == "cuda";
@@ -152,21 +155,22 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
     EPMOE_CHECK_ARG(w.ndim() == 3, name, fmt::format("3 dimensions {}", layout), describe(w));
   };
   const bool gated = is_gated(args.activation);
-  const std::string act = fmt::format("{} activation '{}'", gated ? "gated" : "non-gated",
-                                      activation_name(args.activation));
+  const auto act = [&] {
+    return fmt::format("{} activation '{}'", gated ? "gated" : "non-gated", activation_name(args.activation));
+  };
   check_weight(args.w1, "w1", gated ? "[E_local, 2N, H]" : "[E_local, N, H]");
   check_weight(args.w2, "w2", "[E_local, H, N]");
   // w1 fixes N (with E_local from the prepare/finalize and H from hidden); w2 must agree with it.
   const std::int64_t rows = args.w1.size(1);
   EPMOE_CHECK_ARG(args.w1.size(0) == e_local && args.w1.size(2) == H && rows >= 1 && (!gated || rows % 2 == 0), "w1",
-                  fmt::format("shape [{}, {}, {}] ({}, H = {} from hidden, {})", e_local, gated ? "2N" : "N", H, act, H,
-                              e_local_from),
+                  fmt::format("shape [{}, {}, {}] ({}, H = {} from hidden, {})", e_local, gated ? "2N" : "N", H, act(), H,
+                              e_local_from()),
                   describe(args.w1));
   const std::int64_t N = gated ? rows / 2 : rows;
   const Shape w2_shape{e_local, H, N};
   EPMOE_CHECK_ARG(args.w2.shape == w2_shape, "w2",
                   fmt::format("shape {} (N = {} from w1 {} with {}, H = {} from hidden, {})", to_string(w2_shape), N,
-                              to_string(args.w1.shape), act, H, e_local_from),
+                              to_string(args.w1.shape), act(), H, e_local_from()),
                   describe(args.w2));
   if (args.output.defined()) {
     const Shape out_shape{T, H};
