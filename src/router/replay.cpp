@@ -46,7 +46,8 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
     EPMOE_CHECK_ARG(ids[i] >= -1 && ids[i] < trace.num_experts, "routing topk_idx",
                     fmt::format("ids in [-1, {}) (the recorded model's experts)", trace.num_experts),
                     fmt::format("{} at {}", ids[i], where(i)));
-    EPMOE_CHECK_ARG(std::isfinite(w[i]), "routing topk_weights", "finite weights", fmt::format("{} at {}", w[i], where(i)));
+    EPMOE_CHECK_ARG(std::isfinite(w[i]), "routing topk_weights", "finite weights",
+                    fmt::format("{} at {}", w[i], where(i)));
   }
   return trace;
 }
@@ -67,7 +68,8 @@ ReplayedRouting replay_routing(const RoutingTrace& trace, int layer, std::int64_
   EPMOE_CHECK_ARG(n >= 1, "trace", "at least one recorded token", n);
   EPMOE_CHECK_ARG(rank >= 0, "rank", ">= 0", rank);
   // Reduced modulo n term by term: offset + rank * T + i may not fit in 64 bits.
-  const std::int64_t first = (offset % n + static_cast<std::int64_t>((static_cast<unsigned __int128>(rank) * T) % n)) % n;
+  const auto rank_start = static_cast<std::int64_t>((static_cast<unsigned __int128>(rank) * T) % n);
+  const std::int64_t first = (offset % n + rank_start) % n;
   for (std::int64_t i = 0; i < T; ++i) {
     const std::int64_t t = (first + i % n) % n;
     for (int k = 0; k < K; ++k) {

@@ -91,7 +91,8 @@ TEST(Replay, RejectsBadArgumentsNamingThem) {
 }
 
 std::string temp_dir(const std::string& leaf) {
-  return ::testing::TempDir() + "epmoe_replay_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" + leaf;
+  const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  return ::testing::TempDir() + "epmoe_replay_" + test + "_" + leaf;
 }
 
 std::string error_of(const std::string& dir) {

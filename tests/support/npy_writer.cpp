@@ -28,7 +28,8 @@ void write_npy(const std::string& path, const char* descr, const std::vector<std
 
 }  // namespace
 
-void write_npy_i16(const std::string& path, const std::vector<std::int64_t>& shape, const std::vector<std::int16_t>& data) {
+void write_npy_i16(const std::string& path, const std::vector<std::int64_t>& shape,
+                   const std::vector<std::int16_t>& data) {
   write_npy(path, "<i2", shape, data.data(), data.size() * sizeof(std::int16_t));
 }
 
@@ -36,8 +37,8 @@ void write_npy_f32(const std::string& path, const std::vector<std::int64_t>& sha
   write_npy(path, "<f4", shape, data.data(), data.size() * sizeof(float));
 }
 
-void write_routing_trace(const std::string& dir, const std::string& domain, std::int64_t T, std::int64_t L, std::int64_t K,
-                         const std::vector<std::int16_t>& ids, const std::vector<float>& weights) {
+void write_routing_trace(const std::string& dir, const std::string& domain, std::int64_t T, std::int64_t L,
+                         std::int64_t K, const std::vector<std::int16_t>& ids, const std::vector<float>& weights) {
   std::filesystem::create_directories(dir);
   write_npy_i16(dir + "/" + domain + ".topk_idx.npy", {T, L, K}, ids);
   write_npy_f32(dir + "/" + domain + ".topk_weights.npy", {T, L, K}, weights);

@@ -98,7 +98,8 @@ TEST(Cli, HelpListsTheCommandsAndFlags) {
   EXPECT_EQ(top.code, 0);
   for (const char* s : {"run", "bench", "tune"}) EXPECT_NE(top.out.find(s), std::string::npos) << s << "\n" << top.out;
   const CliResult run = run_cli("run --help");
-  for (const char* s : {"--device", "--config"}) EXPECT_NE(run.out.find(s), std::string::npos) << s;
+  for (const char* s : {"--device", "--config", "int16 [tokens, layers, K]", "float32, same shape"})
+    EXPECT_NE(run.out.find(s), std::string::npos) << s << "\n" << run.out;
   const CliResult bench = run_cli("bench --help");
   for (const char* s : {"--tokens-min", "--tokens-max", "--hidden", "--topk", "--experts", "--runs", "--json", "--config"})
     EXPECT_NE(bench.out.find(s), std::string::npos) << s;
@@ -366,8 +367,8 @@ TEST(Cli, RunBadRoutingTracesAndOffsetsAreNamedBeforeAnyWork) {
     std::string args, want, got;
   } cases[] = {
       {"--routing '" + make_trace("empty", 0) + "'", "invalid argument '--routing topk_idx'", "[0, 1, 2]"},
-      {"--routing '" + make_trace("good") + "' --offset 9223372036854775807", "invalid argument '--offset': expected in [0, 4)",
-       "got 9223372036854775807"},
+      {"--routing '" + make_trace("good") + "' --offset 9223372036854775807",
+       "invalid argument '--offset': expected in [0, 4)", "got 9223372036854775807"},
       {"--routing '" + make_trace("good") + "' --offset 4", "invalid argument '--offset'", "got 4"},
       {"--routing '" + make_trace("nan", 4, [](auto&, auto& w) { w[5] = std::nanf(""); }) + "'",
        "invalid argument '--routing topk_weights': expected finite weights", "nan at [2, 0, 1]"},

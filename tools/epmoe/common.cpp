@@ -76,7 +76,8 @@ void check_writable(std::string_view flag, const std::string& path) {
   if (exists && fs::is_directory(st)) bad(flag, "a writable file", path + " (a directory)");
   if (exists && !fs::is_regular_file(st)) {
     // A device or a pipe (/dev/stdout): opening it would block or consume the reader; permissions only.
-    if (::access(path.c_str(), W_OK) != 0) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(errno)));
+    if (::access(path.c_str(), W_OK) != 0)
+      bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(errno)));
     return;
   }
   // Opened as the final write will open it (no truncation here); a name that did not exist is created

@@ -650,7 +650,9 @@ std::function<int()> add_run_command(CLI::App& app) {
   auto config = std::make_shared<RunConfig>();
   CLI::App* cmd = app.add_subcommand("run", "Run a full expert-parallel MoE layer and check it against the float64 reference");
   auto& c = *config;
-  cmd->add_option("--ranks", c.ranks, "expert-parallel ranks (threads backend; with mpi, mpirun's -np; on GPUs: all of them)")
+  cmd->add_option("--ranks", c.ranks,
+                  "expert-parallel ranks (threads backend, on CPU at most OpenBLAS's limit, 65 in the usual build; "
+                  "with mpi, mpirun's -np; on GPUs: all of them)")
       ->capture_default_str();
   cmd->add_option("--backend", c.backend, "threads (ranks are threads of this process) or mpi (one rank per process, under mpirun)")
       ->check(CLI::IsMember({"threads", "mpi"}))->capture_default_str();
@@ -670,10 +672,14 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")
       ->check(non_negative_integer())
       ->capture_default_str();
-  cmd->add_option("--routing", c.routing, "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file");
+  cmd->add_option("--routing", c.routing,
+                  "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file; .npy files DOMAIN.topk_idx "
+                  "(int16 [tokens, layers, K], ids in [-1, 64)) and DOMAIN.topk_weights (float32, same shape, finite)");
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory")->capture_default_str();
   cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
-  cmd->add_option("--offset", c.offset, "first token of --routing (rank r takes [offset + r*T, offset + (r+1)*T))")->capture_default_str();
+  cmd->add_option("--offset", c.offset,
+                  "first token of --routing, in [0, tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
+      ->capture_default_str();
   cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
