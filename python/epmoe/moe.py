@@ -119,7 +119,10 @@ class MoELayer:
             apply_router_weight_on_input: K == 1 only: scale the input instead of the output.
 
         Returns: bfloat16 [T, H]; with shared experts a tuple (output, shared_output).
-        Errors: epmoe.Error — invalid_argument for bad shapes/dtypes/ids/activation (naming the argument).
+        Errors: epmoe.Error — invalid_argument for bad shapes/dtypes/ids/activation (naming the argument, the
+        expected and the actual value). Every argument (w1, w2 included) is checked before any communication, so
+        such an error leaves the layer usable. A call that fails after the dispatch started (a timeout, a broken
+        group) leaves the ranks out of step: later calls raise 'unusable' naming that failure.
         """
         if global_num_experts is None or global_num_experts < 0:
             e_local = getattr(w1, "shape", (0,))[0]
