@@ -82,7 +82,9 @@ std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const st
 /// not a timeout or unusable, which are what the other ranks see of a failed one), else the lowest
 /// rank's exception; null when every rank succeeded.
 std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors);
-/// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any.
+/// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any (the failing
+/// rank's own exception, whatever the rank order). Unlike run_thread_ranks_collect, a rank that throws
+/// releases the others at once (ThreadWorld::abort): their collectives raise unusable naming it.
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s = default_timeout_s());
 
 }  // namespace epmoe

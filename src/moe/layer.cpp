@@ -163,8 +163,8 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   // w1 fixes N (with E_local from the prepare/finalize and H from hidden); w2 must agree with it.
   const std::int64_t rows = args.w1.size(1);
   EPMOE_CHECK_ARG(args.w1.size(0) == e_local && args.w1.size(2) == H && rows >= 1 && (!gated || rows % 2 == 0), "w1",
-                  fmt::format("shape [{}, {}, {}] ({}, H = {} from hidden, {})", e_local, gated ? "2N" : "N", H, act(), H,
-                              e_local_from()),
+                  fmt::format("shape [{}, {}, {}] ({}, H = {} from hidden, {})", e_local, gated ? "2N" : "N", H,
+                              act(), H, e_local_from()),
                   describe(args.w1));
   const std::int64_t N = gated ? rows / 2 : rows;
   const Shape w2_shape{e_local, H, N};

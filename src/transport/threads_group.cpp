@@ -127,8 +127,11 @@ std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g) {
   return tg ? tg->state() : nullptr;
 }
 
-std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
-                                                         double timeout_s) {
+namespace {
+// abort_on_failure: a rank that throws marks the world broken (ThreadWorld::abort), so ranks waiting for it
+// raise unusable naming it at once instead of waiting out their timeout.
+std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s,
+                                          bool abort_on_failure) {
   ThreadWorld world(num_ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
   std::vector<std::thread> threads;
@@ -141,15 +144,24 @@ std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const st
         fn(*g);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
+        if (abort_on_failure) world.abort(r, "it threw");
       }
     });
   }
   for (auto& t : threads) t.join();
   return errors;
 }
+}  // namespace
+
+std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
+                                                         double timeout_s) {
+  // Each rank's own outcome is the point here (tests of what every rank sees): no early release.
+  return run_ranks(num_ranks, fn, timeout_s, false);
+}
 
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s) {
-  if (auto e = first_root_cause(run_thread_ranks_collect(num_ranks, fn, timeout_s))) std::rethrow_exception(e);
+  // Only the root cause comes back, so the others need not wait out their timeout for it.
+  if (auto e = first_root_cause(run_ranks(num_ranks, fn, timeout_s, true))) std::rethrow_exception(e);
 }
 
 }  // namespace epmoe

@@ -202,7 +202,8 @@ TEST(MoELayerArgs, AFailureAfterTheDispatchMakesLaterCallsUnusableNamingIt) {
         g.set_timeout_s(1.0);
         MoELayer layer(make_normal_prepare_finalize(std::make_shared<Buffer>(borrow(g))),
                        std::shared_ptr<Experts>(make_blas_experts()));
-        if (r == 1) layer.prepare_finalize().before_combine = [] { throw std::runtime_error("hook failed on purpose"); };
+        if (r == 1)
+          layer.prepare_finalize().before_combine = [] { throw std::runtime_error("hook failed on purpose"); };
         try {
           layer.forward(valid_args(in, r));
         } catch (const std::exception& e) {
