@@ -157,6 +157,12 @@ struct DispatchArgs {
   bool allocate_on_comm_stream = false;
 };
 
+/// The DispatchArgs of a fresh dispatch: x routed by topk_idx (and topk_weights, optional; shapes as in
+/// DispatchArgs) with the counts of `layout` (get_dispatch_layout of the same topk_idx); every other field keeps
+/// its default. Views only: the tensors must outlive the dispatch. No errors here (dispatch checks everything).
+DispatchArgs make_dispatch_args(const DispatchLayout& layout, const TensorView& x, const TensorView& topk_idx,
+                                const TensorView& topk_weights = {});
+
 struct DispatchResult {
   Tensor recv_x;             ///< [rows, H], dtype of x; rows = Nrecv, or num_worst_tokens
   Tensor recv_x_scales;      ///< scales of recv_x (fp8 only), same format as x_scales

@@ -84,6 +84,18 @@ std::int64_t Buffer::get_low_latency_rdma_size_hint(int tmax, std::int64_t hidde
   return LowLatencyMode::size_hint(tmax, hidden, num_ranks, num_experts);
 }
 
+DispatchArgs make_dispatch_args(const DispatchLayout& layout, const TensorView& x, const TensorView& topk_idx,
+                                const TensorView& topk_weights) {
+  DispatchArgs a;
+  a.x = x;
+  a.topk_idx = topk_idx;
+  a.topk_weights = topk_weights;
+  a.num_tokens_per_rank = layout.num_tokens_per_rank;
+  a.is_token_in_rank = layout.is_token_in_rank;
+  a.num_tokens_per_expert = layout.num_tokens_per_expert;
+  return a;
+}
+
 DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts) const {
   return epmoe::get_dispatch_layout(topk_idx, num_experts, num_ranks());
 }

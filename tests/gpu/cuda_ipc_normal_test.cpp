@@ -237,14 +237,8 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
     auto put = [&](const Tensor& t) -> Tensor { return gpu && t.defined() ? to_gpu(t, r) : t; };
     const Tensor x = put(i.x), scales = put(i.scales), idx = put(i.idx), w = put(i.w);
     const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
-    DispatchArgs a;
-    a.x = x;
+    DispatchArgs a = make_dispatch_args(layout, x, idx, w);
     if (scales.defined()) a.x_scales = scales;
-    a.topk_idx = idx;
-    a.topk_weights = w;
-    a.num_tokens_per_rank = layout.num_tokens_per_rank;
-    a.is_token_in_rank = layout.is_token_in_rank;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert;
     a.expert_alignment = c.alignment;
     a.num_worst_tokens = c.worst;
     a.async_finish = c.async;
@@ -430,13 +424,7 @@ TEST(GpuCudaIpcNormal, NumWorstTokensLayoutDispatchCombineCapturedOnceAndReplaye
       StreamGuard on(Stream{st});
       const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
       expect_capture_alive(st, "get_dispatch_layout");
-      DispatchArgs a;
-      a.x = x;
-      a.topk_idx = idx;
-      a.topk_weights = w;
-      a.num_tokens_per_rank = layout.num_tokens_per_rank;
-      a.is_token_in_rank = layout.is_token_in_rank;
-      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      DispatchArgs a = make_dispatch_args(layout, x, idx, w);
       a.num_worst_tokens = c.worst;
       Step out;
       out.d = buf.dispatch(a);
@@ -527,12 +515,7 @@ TEST(GpuCudaIpcNormal, DispatchWithoutNumWorstTokensIsRefusedUnderCapture) {
       const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 8, 256, {}), r);
       const Tensor x = to_gpu(random_x(rng, 64, 2048, false), r);
       const DispatchLayout layout = buf.get_dispatch_layout(idx, 256);
-      DispatchArgs a;
-      a.x = x;
-      a.topk_idx = idx;
-      a.num_tokens_per_rank = layout.num_tokens_per_rank;
-      a.is_token_in_rank = layout.is_token_in_rank;
-      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      const DispatchArgs a = make_dispatch_args(layout, x, idx);
       std::string why;
       cudaGraph_t graph = capture(st, [&] { (void)buf.dispatch(a); }, &why);
       if (graph) {
@@ -645,14 +628,7 @@ TEST(GpuCudaIpcNormal, CopyEngineAndSmStoreOpsInterleavedOnOneBuffer) {
     };
     const auto dispatch = [&](Op& op, int E) {
       const DispatchLayout layout = buf.get_dispatch_layout(op.idx, E);
-      DispatchArgs a;
-      a.x = op.x;
-      a.topk_idx = op.idx;
-      a.topk_weights = op.w;
-      a.num_tokens_per_rank = layout.num_tokens_per_rank;
-      a.is_token_in_rank = layout.is_token_in_rank;
-      a.num_tokens_per_expert = layout.num_tokens_per_expert;
-      op.d = buf.dispatch(a);
+      op.d = buf.dispatch(make_dispatch_args(layout, op.x, op.idx, op.w));
     };
     const auto combine = [&](const Op& op) {
       CombineArgs ca;
@@ -706,14 +682,7 @@ TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
     const Tensor b0 = to_gpu(i.b0, r), b1 = to_gpu(i.b1, r), cw = to_gpu(cpu[static_cast<std::size_t>(r)].comb_w, r);
     for (int round = 0; round < 5; ++round) {
       const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
-      DispatchArgs a;
-      a.x = x;
-      a.topk_idx = idx;
-      a.topk_weights = w;
-      a.num_tokens_per_rank = layout.num_tokens_per_rank;
-      a.is_token_in_rank = layout.is_token_in_rank;
-      a.num_tokens_per_expert = layout.num_tokens_per_expert;
-      const DispatchResult d = buf.dispatch(a);
+      const DispatchResult d = buf.dispatch(make_dispatch_args(layout, x, idx, w));
       CombineArgs ca;
       ca.x = cx;
       ca.handle = &d.handle;
@@ -740,13 +709,7 @@ TEST(GpuCudaIpcNormal, RejectsHostTensorsBeforeAnyCommunication) {
     const Tensor x = test::random_bf16(rng, 16, 128);  // host memory: rejected
     const Tensor idx = test::random_topk_idx(rng, 16, 4, 16);
     const DispatchLayout layout = get_dispatch_layout(idx, 16, kRanks);
-    DispatchArgs a;
-    a.x = x;
-    a.topk_idx = idx;
-    a.num_tokens_per_rank = layout.num_tokens_per_rank;
-    a.is_token_in_rank = layout.is_token_in_rank;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert;
-    buf.dispatch(a);
+    buf.dispatch(make_dispatch_args(layout, x, idx));
   });
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_TRUE(errors[static_cast<std::size_t>(r)] != nullptr) << "rank " << r;
@@ -838,11 +801,7 @@ TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
     std::mt19937_64 rng(test::fresh_seed());
     const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 4, 16), r);
     const DispatchLayout layout = buf.get_dispatch_layout(idx, 16);
-    DispatchArgs a;
-    a.topk_idx = idx;
-    a.num_tokens_per_rank = layout.num_tokens_per_rank;
-    a.is_token_in_rank = layout.is_token_in_rank;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    DispatchArgs a = make_dispatch_args(layout, {}, idx);
     const Tensor bad = to_gpu(test::random_bf16(rng, 64, r == 0 ? 2048 : 4096), r);
     a.x = bad;
     std::string message;
@@ -895,12 +854,7 @@ TEST(GpuCudaIpcNormal, DeviceTimeoutNamesRankPeerAndPhaseAndMarksTheBufferUnusab
         const Tensor idx = to_gpu(test::random_topk_idx(rng, 64, 4, 16), r);
         const Tensor x = to_gpu(test::random_bf16(rng, 64, 2048), r);
         const DispatchLayout layout = buf.get_dispatch_layout(idx, 16);
-        DispatchArgs a;
-        a.x = x;
-        a.topk_idx = idx;
-        a.num_tokens_per_rank = layout.num_tokens_per_rank;
-        a.is_token_in_rank = layout.is_token_in_rank;
-        a.num_tokens_per_expert = layout.num_tokens_per_expert;
+        const DispatchArgs a = make_dispatch_args(layout, x, idx);
         std::string first, second;
         try {
           buf.dispatch(a);

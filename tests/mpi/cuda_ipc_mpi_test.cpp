@@ -74,13 +74,7 @@ Out run(Buffer& buf, const Inputs& in, std::uint64_t seed, std::int64_t H, int K
   auto get = [&](const Tensor& t) { return gpu ? to_cpu(t) : t; };
   const Tensor x = put(in.x), idx = put(in.idx), w = put(in.w);
   const DispatchLayout layout = buf.get_dispatch_layout(idx, E);
-  DispatchArgs a;
-  a.x = x;
-  a.topk_idx = idx;
-  a.topk_weights = w;
-  a.num_tokens_per_rank = layout.num_tokens_per_rank;
-  a.is_token_in_rank = layout.is_token_in_rank;
-  a.num_tokens_per_expert = layout.num_tokens_per_expert;
+  DispatchArgs a = make_dispatch_args(layout, x, idx, w);
   const DispatchResult d = buf.dispatch(a);
   DispatchArgs b;
   b.x = x;

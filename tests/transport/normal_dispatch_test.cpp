@@ -284,13 +284,7 @@ TEST(NormalDispatch, HandMadeTwoRanks) {
     TensorView idx(r == 0 ? ids0 : ids1, DType::int64, {T, 2});
     TensorView w(r == 0 ? w0 : w1, DType::fp32, {T, 2});
     const DispatchLayout l = buf.get_dispatch_layout(idx, 4);
-    DispatchArgs a;
-    a.x = xs[static_cast<std::size_t>(r)];
-    a.topk_idx = idx;
-    a.topk_weights = w;
-    a.num_tokens_per_rank = l.num_tokens_per_rank;
-    a.is_token_in_rank = l.is_token_in_rank;
-    a.num_tokens_per_expert = l.num_tokens_per_expert;
+    DispatchArgs a = make_dispatch_args(l, xs[static_cast<std::size_t>(r)], idx, w);
     got[static_cast<std::size_t>(r)] = buf.dispatch(a);
     CombineArgs ca;
     ca.x = got[static_cast<std::size_t>(r)].recv_x;

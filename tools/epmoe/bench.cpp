@@ -286,13 +286,7 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
       Buffer buf(g, c.options);
       const DispatchLayout layout = buf.get_dispatch_layout(in.idx, c.experts);
       const Fp8Tensor q = quantize_fp8(in.x);
-      DispatchArgs a;
-      a.x = in.x;
-      a.topk_idx = in.idx;
-      a.topk_weights = in.w;
-      a.num_tokens_per_rank = layout.num_tokens_per_rank;
-      a.is_token_in_rank = layout.is_token_in_rank;
-      a.num_tokens_per_expert = layout.num_tokens_per_expert;
+      DispatchArgs a = make_dispatch_args(layout, in.x, in.idx, in.w);
       DispatchResult keep, last;  // cleared before each run, so freeing outputs is not timed
       CombineResult last_combine;
       measure("normal", "dispatch_bf16", [&] { keep = {}; }, [&] { keep = buf.dispatch(a); });
@@ -450,13 +444,7 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
     g.all_gather(&mine, dsts.data(), sizeof(void*), "bench.floor_buffers");
   }
 
-  DispatchArgs a;
-  a.x = x;
-  a.topk_idx = idx;
-  a.topk_weights = w;
-  a.num_tokens_per_rank = layout.num_tokens_per_rank;
-  a.is_token_in_rank = layout.is_token_in_rank;
-  a.num_tokens_per_expert = layout.num_tokens_per_expert;
+  DispatchArgs a = make_dispatch_args(layout, x, idx, w);
   DispatchResult keep, last;
   CombineResult last_combine;
   Tensor cx;
