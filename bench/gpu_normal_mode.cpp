@@ -123,7 +123,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int runs = 100, sms = 0, K = 8, E = 256, copy_engine = 1, chunks = 0;
+  int runs = 100, sms = 0, K = 8, E = 256, copy_engine = 1, chunks = 0, recv_slots = BufferOptions{}.num_recv_slots;
   std::int64_t T = 4096, H = 7168;
   std::string json_path, routing, domain = "general";
   for (int i = 1; i < argc; ++i) {
@@ -148,12 +148,14 @@ int main(int argc, char** argv) {
       chunks = std::atoi(next());
     else if (!std::strcmp(argv[i], "--copy-engine"))
       copy_engine = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--recv-slots"))
+      recv_slots = std::atoi(next());
     else if (!std::strcmp(argv[i], "--json"))
       json_path = next();
     else {
       std::printf(
           "usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] "
-          "[--chunks N] [--routing DIR [--domain D]] [--json PATH]\n",
+          "[--chunks N] [--recv-slots N] [--routing DIR [--domain D]] [--json PATH]\n",
           argv[0]);
       return 2;
     }
@@ -167,8 +169,10 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
   std::printf(
-      "bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, runs=%d, seed %llu\n",
-      prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks, runs,
+      "bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, recv_slots=%d, "
+      "runs=%d, seed %llu\n",
+      prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks,
+      recv_slots, runs,
       static_cast<unsigned long long>(seed));
 
   // times[op][rank][run]
@@ -196,6 +200,7 @@ int main(int argc, char** argv) {
     o.num_sms = sms;
     o.use_copy_engine = copy_engine != 0;
     o.num_chunks = chunks;
+    o.num_recv_slots = recv_slots;
     o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, kRanks, K);
     Buffer buf(std::shared_ptr<Group>(&g, [](Group*) {}), o);
     const std::uint64_t s = seed + 1000003ull * static_cast<std::uint64_t>(r);
@@ -343,9 +348,9 @@ int main(int argc, char** argv) {
     }
     std::fprintf(f,
                  "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, "
-                 "\"sms\": %d, \"copy_engine\": %d, \"chunks\": %d,\n  \"routing\": \"%s\",\n",
+                 "\"sms\": %d, \"copy_engine\": %d, \"chunks\": %d, \"recv_slots\": %d,\n  \"routing\": \"%s\",\n",
                  prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine,
-                 chunks, routing.empty() ? "uniform random" : (routing + ":" + domain + ":layer0").c_str());
+                 chunks, recv_slots, routing.empty() ? "uniform random" : (routing + ":" + domain + ":layer0").c_str());
     std::fprintf(f,
                  "  \"seed\": %llu,\n  \"runs\": %d,\n  \"peer_copy_one_way_gbps\": %.1f,\n  "
                  "\"peer_copy_two_way_gbps\": %.1f,\n",

@@ -109,6 +109,11 @@ NGPU="$(nvidia-smi -L 2>/dev/null | wc -l)"
 if want tests && [ "${NGPU:-0}" -ge 2 ] && command -v mpirun >/dev/null && [ -x "$BUILD/tests/mpi/test_mpi" ]; then
   step "test_mpi cuda_ipc, $NGPU processes" 180 env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     mpirun -np "$NGPU" --oversubscribe "$BUILD/tests/mpi/test_mpi" --gtest_filter='MpiCudaIpc*'
+elif want tests && [ "${NGPU:-0}" -eq 1 ] && command -v mpirun >/dev/null && [ -x "$BUILD/tests/mpi/test_mpi" ]; then
+  # One GPU: two processes share it (time-sliced): the protocol, not the speed.
+  step "test_mpi cuda_ipc, 2 processes sharing one GPU" 180 env OMPI_ALLOW_RUN_AS_ROOT=1 \
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TEST_SHARE_GPU=1 mpirun -np 2 -x EPMOE_TEST_SHARE_GPU --oversubscribe \
+    "$BUILD/tests/mpi/test_mpi" --gtest_filter='MpiCudaIpc*'
 fi
 
 # 3. Benchmarks.

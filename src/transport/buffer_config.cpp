@@ -34,6 +34,7 @@ const Field kFields[] = {
     {"num_chunks", &BufferOptions::num_chunks, 0, 16, "cuda_ipc copy-engine pipeline stages (0 = the default)"},
     {"copy_engine_min_rows", &BufferOptions::copy_engine_min_rows, 0, kNoMax,
      "cuda_ipc: fewer rows per rank take the SM-store path"},
+    {"num_recv_slots", &BufferOptions::num_recv_slots, 0, 64, "cuda_ipc zero-copy receive slots (0 = none)"},
 };
 
 std::string known_fields() {

@@ -192,6 +192,36 @@ class Carver {
 };
 
 
+/// The zero-copy dispatch's receive slots: slot i of a rank's buffer holds one dispatch's outputs (the data
+/// region's whole-op layout) until every tensor viewing it is gone. Shared with the leases, so a tensor that
+/// outlives its buffer keeps the device memory (and the free list) alive.
+class RecvSlots {
+ public:
+  RecvSlots(std::shared_ptr<void> memory, int count)
+      : memory_(std::move(memory)), busy_(static_cast<std::size_t>(count), false) {}
+  /// A free slot: its index, released when the last copy of the lease is dropped; null when every slot is in use.
+  static std::shared_ptr<int> acquire(const std::shared_ptr<RecvSlots>& self) {
+    std::lock_guard<std::mutex> lock(self->mutex_);
+    for (std::size_t i = 0; i < self->busy_.size(); ++i) {
+      if (self->busy_[i]) continue;
+      self->busy_[i] = true;
+      return std::shared_ptr<int>(new int(static_cast<int>(i)), [self](int* p) {
+        {
+          std::lock_guard<std::mutex> relock(self->mutex_);
+          self->busy_[static_cast<std::size_t>(*p)] = false;
+        }
+        delete p;
+      });
+    }
+    return nullptr;
+  }
+
+ private:
+  std::shared_ptr<void> memory_;
+  std::mutex mutex_;
+  std::vector<bool> busy_;
+};
+
 bool capturing(Stream stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   EPMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda_util::to_cuda(stream), &status));
@@ -224,6 +254,9 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     // EPMOE_CUDA_IPC_COPY_ENGINE=0|1 overrides the option (diagnosis: the same program on both paths).
     if (const char* ce = std::getenv("EPMOE_CUDA_IPC_COPY_ENGINE"); ce != nullptr && *ce != '\0')
       use_copy_engine_ = std::string_view(ce) != "0";
+    // EPMOE_CUDA_IPC_COMBINE_PUSH=sm: the copy-engine combine's pushes by SM stores (A/B measurement).
+    if (const char* push = std::getenv("EPMOE_CUDA_IPC_COMBINE_PUSH"); push != nullptr)
+      combine_sm_push_ = std::string_view(push) == "sm";
     chunks_ = o.num_chunks == 0 ? ipc::kDefaultChunks : o.num_chunks;
     EPMOE_CHECK_ARG(chunks_ >= 1 && chunks_ <= ipc::kMaxChunks, "options.num_chunks",
                     fmt::format("0 (default {}) or 1..{}", ipc::kDefaultChunks, ipc::kMaxChunks), o.num_chunks);
@@ -237,12 +270,27 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     int sms = 0;
     EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
     recv_blocks_ = std::max(1, sms);
-    const std::size_t total = ipc::kControlBytes + static_cast<std::size_t>(data_bytes_);
+    EPMOE_CHECK_ARG(o.num_recv_slots >= 0 && o.num_recv_slots <= 64, "options.num_recv_slots", "0..64",
+                    o.num_recv_slots);
+    num_recv_slots_ = o.num_recv_slots;
+    const std::size_t total =
+        ipc::kControlBytes + static_cast<std::size_t>(data_bytes_) * (1 + static_cast<std::size_t>(num_recv_slots_));
     if (cudaMalloc(&base_, total) != cudaSuccess) {
       cudaGetLastError();
-      raise(ErrorCode::out_of_memory, "rank {}: cudaMalloc of the {}-byte cuda_ipc buffer on cuda:{} failed", me_,
-            total, device_);
+      raise(ErrorCode::out_of_memory,
+            "rank {}: cudaMalloc of the {}-byte cuda_ipc buffer on cuda:{} failed (num_nvl_bytes = {} for the data "
+            "region and each of num_recv_slots = {} receive slots)",
+            me_, total, device_, data_bytes_, num_recv_slots_);
     }
+    const int dev = device_;
+    memory_ = std::shared_ptr<void>(base_, [dev](void* p) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(dev);
+      cudaFree(p);
+      cudaSetDevice(previous);
+    });
+    recv_slots_ = std::make_shared<RecvSlots>(memory_, num_recv_slots_);
     EPMOE_CUDA_CHECK(cudaMemset(base_, 0, ipc::kControlBytes));
     EPMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can learn the address
     EPMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(ipc::HostRecord),
@@ -301,7 +349,8 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     if (notified_) cudaEventDestroy(notified_);
     if (comm_) cudaStreamDestroy(comm_);
     if (host_) cudaFreeHost(host_);
-    if (base_) cudaFree(base_);
+    recv_slots_.reset();
+    memory_.reset();  // cudaFree, unless tensors in receive slots still hold it
     cudaSetDevice(previous);
   }
 
@@ -553,6 +602,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::uint64_t buffer_id_;
   int R_ = 0, me_ = 0, device_ = 0, blocks_ = 0, recv_blocks_ = 1;
   bool use_copy_engine_ = true;
+  bool combine_sm_push_ = false;
   std::uint64_t ops_ = 0;  // eager ops so far (the same on every rank): picks the staging's half (half_layout)
   std::int64_t copy_engine_min_rows_ = 1024;  // measured on 2x H200: below ~1K rows the SM path is faster
   static constexpr int kTraceMarks = 16;
@@ -576,7 +626,10 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   cudaEvent_t stage_copied_[ipc::kMaxChunks] = {};  // combine: stage j's pushes done (its signal's start)
   cudaEvent_t caller_done_ = nullptr, comm_done_ = nullptr;  // enter/leave of a synchronous op, reused
   std::int64_t data_bytes_ = 0;
-  void* base_ = nullptr;
+  void* base_ = nullptr;                   // [control | data region | receive slots], owned by memory_
+  std::shared_ptr<void> memory_;
+  int num_recv_slots_ = 0;
+  std::shared_ptr<RecvSlots> recv_slots_;
   void* peers_[ipc::kMaxRanks] = {};
   std::vector<void*> opened_;
   ipc::HostRecord* host_ = nullptr;
@@ -637,6 +690,11 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   const ipc::DataLayout Lh = half_layout(static_cast<int>(ops_++ & 1), data_bytes_, static_cast<std::int64_t>(x_row),
                                          static_cast<std::int64_t>(scale_row), K, !cached);
   bool ce = false;
+  // Zero-copy: a fresh dispatch without num_worst_tokens offers a free receive slot in the count exchange; when
+  // every rank offered one, the senders store straight into the slots, which are the outputs (no staging, no
+  // receive pass), from right after the exchange: their kernel is enqueued before the host read.
+  std::shared_ptr<int> slot;
+  if (worst == 0) slot = RecvSlots::acquire(recv_slots_);
   ipc::NotifyArgs notify;
   if (cached) {
     notify.phase = ipc::kPhaseCachedNotify;
@@ -646,6 +704,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     if (worst == 0) num_recv = a.handle->num_recv_tokens;
     pm_host = a.handle->rank_prefix_matrix_host;
     ce = ce_allowed && ipc::copy_engine_fits(pm_host.data(), R, Lh.capacity, copy_engine_min_rows_);
+    notify.recv_slot = slot ? *slot : -1;
     if (ce) list = Tensor::empty(DType::int32, {R, T}, gpu);
   } else {
     // The routing side of the op in one block: prefix matrix, expert counts, send positions, the handle's copy of
@@ -671,8 +730,26 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     notify.phase = ipc::kPhaseDispatchNotify;
     notify.ce_min_rows = ce_allowed ? copy_engine_min_rows_ : -1;
     notify.ce_capacity = Lh.capacity;
+    notify.recv_slot = slot ? *slot : -1;
     set_dispatch_settings(notify);
   }
+  const auto send_args = [&] {
+    ipc::DispatchSendArgs sa;
+    sa.x = x.data;
+    sa.x_row = x_row;
+    sa.scales = fp8 ? a.x_scales.data : nullptr;
+    sa.scale_row = scale_row;
+    sa.topk_idx = has_topk ? a.topk_idx.data : nullptr;
+    sa.idx64 = has_topk && a.topk_idx.dtype == DType::int64;
+    sa.K = K;
+    sa.weights = has_weights ? static_cast<const float*>(a.topk_weights.data) : nullptr;
+    sa.T = T;
+    sa.send_pos = send_pos.ptr<std::int32_t>();
+    sa.experts_per_rank = E_local;
+    sa.write_src = !cached;
+    sa.layout = L;
+    return sa;
+  };
 
   ipc::GatherArgs ga;
   ga.x = x.data;
@@ -728,7 +805,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     EPMOE_CUDA_CHECK(cudaEventRecord(forked_, s));
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(stage_, forked_, 0));
   };
-  const bool stage_early = cached ? ce : ce_allowed && T >= copy_engine_min_rows_;
+  const bool stage_early = !slot && (cached ? ce : ce_allowed && T >= copy_engine_min_rows_);
   if (stage_early) {
     ipc::launch_begin_op(c, s);
     fork_stage_stream();
@@ -736,7 +813,10 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   notify.advance = !stage_early;
   notify.prestaged = stage_early;
   ipc::launch_notify(c, notify, s);
-  if (!cached && worst == 0) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
+  // The host reads the count exchange's result (a fresh dispatch: the counts and the path; a cached one offering a
+  // slot: whether the zero-copy path was chosen).
+  const bool host_read = worst == 0 && (!cached || slot);
+  if (host_read) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
   trace_mark(cached ? "handshake" : "count exchange");
   if (stage_early) enqueue_staging(true);
   if (!cached) {
@@ -747,12 +827,24 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     sp.send_pos = send_pos.ptr<std::int32_t>();
     ipc::launch_send_pos(c, sp, s);
   }
-  if (!cached && worst == 0) {  // the one host read of normal mode
+  if (slot) {
+    ipc::DispatchSendArgs sa = send_args();
+    sa.slot_base = static_cast<std::size_t>(data_bytes_);
+    sa.slot_bytes = static_cast<std::size_t>(data_bytes_);
+    ipc::launch_dispatch_send(c, sa, blocks_, s);
+    trace_mark("rows sent");
+  }
+  bool direct = false;
+  if (host_read) {  // the one host read of normal mode
     wait_notified(kDispatchPhase);
     trace_mark("host read");
-    num_recv = host_->pm[(R - 1) * R + me];
-    pm_host.assign(host_->pm, host_->pm + R * R);
-    ce = ce_allowed && host_->use_copy_engine != 0;
+    if (!cached) {
+      num_recv = host_->pm[(R - 1) * R + me];
+      pm_host.assign(host_->pm, host_->pm + R * R);
+      ce = ce_allowed && host_->use_copy_engine != 0;
+    }
+    direct = slot && host_->use_direct != 0;
+    if (!direct) slot.reset();
     if (ce && !staging_enqueued) {
       fork_stage_stream();
       enqueue_staging(false);
@@ -762,7 +854,24 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
 
   DispatchResult out;
   Tensor recv_src;
-  {
+  if (direct) {
+    // The outputs are views of this rank's slot (field arrays of layout L); the handle's source indices are copied
+    // out, so a kept handle does not hold the slot.
+    char* mine = static_cast<char*>(base_) + ipc::kControlBytes + data_bytes_ * (1 + *slot);
+    const auto view = [&](std::size_t off, DType dtype, Shape shape) {
+      return Tensor::wrap(TensorView(mine + off, dtype, shape, gpu), slot);
+    };
+    out.recv_x = view(L.x_off, x.dtype, {rows, H});
+    if (fp8) out.recv_x_scales = view(L.scale_off, a.x_scales.dtype, {rows, scale_cols});
+    if (has_topk) out.recv_topk_idx = view(L.idx_off, DType::int64, {rows, K});
+    if (has_weights) out.recv_topk_weights = view(L.w_off, DType::fp32, {rows, K});
+    if (!cached) recv_src = Tensor::empty(DType::int32, {rows}, gpu);
+    ipc::launch_wait(c, blocks_, ipc::kPhaseDispatchData, s);  // every sender's rows are in place
+    trace_mark("received");
+    if (!cached && rows > 0)
+      EPMOE_CUDA_CHECK(
+          cudaMemcpyAsync(recv_src.data(), mine + L.src_off, recv_src.nbytes(), cudaMemcpyDeviceToDevice, s));
+  } else {
     // The outputs in one block (the source indices too: they go into the handle).
     Carver outputs({Carver::bytes(x.dtype, {rows, H}), fp8 ? Carver::bytes(a.x_scales.dtype, {rows, scale_cols}) : 0,
                     has_topk ? Carver::bytes(DType::int64, {rows, K}) : 0,
@@ -848,22 +957,9 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     }
     join_side_streams();
     trace_mark("pulls done");
-  } else {
-    ipc::DispatchSendArgs sa;
-    sa.x = x.data;
-    sa.x_row = x_row;
-    sa.scales = fp8 ? a.x_scales.data : nullptr;
-    sa.scale_row = scale_row;
-    sa.topk_idx = has_topk ? a.topk_idx.data : nullptr;
-    sa.idx64 = has_topk && a.topk_idx.dtype == DType::int64;
-    sa.K = K;
-    sa.weights = has_weights ? static_cast<const float*>(a.topk_weights.data) : nullptr;
-    sa.T = T;
-    sa.send_pos = send_pos.ptr<std::int32_t>();
-    sa.experts_per_rank = E_local;
-    sa.write_src = !cached;
-    sa.layout = L;
-    ipc::launch_dispatch_send(c, sa, blocks_, s);
+  } else if (!direct) {
+    ipc::launch_dispatch_send(c, send_args(), blocks_, s);
+    trace_mark("rows sent");
   }
 
   ipc::DispatchRecvArgs ra;
@@ -878,7 +974,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   ra.recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
   ra.recv_src = cached ? nullptr : recv_src.ptr<std::int32_t>();
   ra.layout = L;
-  if (!ce) ipc::launch_dispatch_recv(c, ra, recv_blocks_, blocks_, s);
+  if (!ce && !direct) ipc::launch_dispatch_recv(c, ra, recv_blocks_, blocks_, s);
 
   if (cached) {
     out.handle = *a.handle;
@@ -948,11 +1044,6 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   const ipc::Common c = common();
   const Device gpu = Device::cuda(dev);
 
-  CombineResult out;
-  Carver outputs({Carver::bytes(DType::bf16, {T, H}), has_w ? Carver::bytes(DType::fp32, {T, K}) : 0}, gpu);
-  out.combined_x = outputs.take(DType::bf16, {T, H});
-  if (has_w) out.combined_topk_weights = outputs.take(DType::fp32, {T, K});
-
   const std::vector<std::int32_t>& pm_host = h.rank_prefix_matrix_host;
   const bool ce = h.num_worst_tokens == 0 && use_copy_engine_ && !pm_host.empty() &&
                   ipc::copy_engine_fits(pm_host.data(), R, L_half.capacity, copy_engine_min_rows_);
@@ -969,9 +1060,14 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   n.phase = ipc::kPhaseCombineNotify;
   n.advance = !ce;
   set_settings(n, {H, K, h.num_worst_tokens});
-  ipc::launch_notify(c, n, s);
-  ++ops_;
-  trace_mark("handshake");
+  // The copy-engine path enqueues its first stage's pushes before the notify and the outputs' allocation (pushes
+  // need no handshake: see launch_push_gate): the GPU is idle until the first push, so host time before it counts.
+  const auto handshake = [&] {
+    ipc::launch_notify(c, n, s);
+    ++ops_;
+    trace_mark("handshake");
+  };
+  if (!ce) handshake();
 
   ipc::CombineSendArgs sa;
   sa.x = x.data;
@@ -997,7 +1093,21 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
         if (d != dst) *slot += at(dst, d) - (dst > 0 ? at(dst - 1, d) : 0);
     };
     const cudaStream_t copies = side_[0], signals = side_[1];
-    for (int dst = 0; dst < R && has_w; ++dst) {
+    if (combine_sm_push_) {
+      ipc::CombinePushArgs pa;
+      pa.x = x.data;
+      pa.x_row = sa.x_row;
+      pa.weights = sa.weights;
+      pa.K = K;
+      pa.chunks = chunks;
+      pa.layout = L;
+      for (int dst = 0; dst < R; ++dst)
+        if (dst != me) run_of(dst, &pa.first[dst], &pa.count[dst], &pa.slot[dst]);
+      ipc::launch_combine_push(c, pa, blocks_, copies);
+      trace_mark("pushed", copies);
+      handshake();
+    }
+    for (int dst = 0; dst < R && has_w && !combine_sm_push_; ++dst) {
       std::int64_t first = 0, count = 0, slot = 0;
       run_of(dst, &first, &count, &slot);
       if (dst == me || count == 0) continue;
@@ -1006,7 +1116,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
                                        static_cast<const float*>(a.topk_weights.data) + first * K,
                                        count * 4 * static_cast<std::size_t>(K), cudaMemcpyDeviceToDevice, copies));
     }
-    for (int j = 0; j < chunks; ++j) {
+    for (int j = 0; j < chunks && !combine_sm_push_; ++j) {
       for (int dst = 0; dst < R; ++dst) {
         if (dst == me) continue;
         std::int64_t first = 0, count = 0, slot = 0;
@@ -1022,10 +1132,16 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
       EPMOE_CUDA_CHECK(cudaStreamWaitEvent(signals, stage_copied_[j], 0));
       ipc::launch_signal_chunk(c, j, signals);
       trace_mark("stage pushed", copies);
+      if (j == 0) handshake();
     }
   } else {
     ipc::launch_combine_send(c, sa, blocks_, s);
   }
+
+  CombineResult out;
+  Carver outputs({Carver::bytes(DType::bf16, {T, H}), has_w ? Carver::bytes(DType::fp32, {T, K}) : 0}, gpu);
+  out.combined_x = outputs.take(DType::bf16, {T, H});
+  if (has_w) out.combined_topk_weights = outputs.take(DType::fp32, {T, K});
 
   ipc::CombineReduceArgs ra;
   ra.send_pos = h.send_pos.ptr<std::int32_t>();

@@ -147,13 +147,16 @@ __global__ void __launch_bounds__(1024)
   for (int d = 0; d < R; ++d) {
     NotifySlot* slot = &control(c.peers[d])->slots[par][me];
     for (int i = threadIdx.x; i < a.num_settings; i += blockDim.x) slot->settings[i] = a.settings[i];
+    if (threadIdx.x == 0) {
+      slot->prestaged = a.prestaged ? 1 : 0;
+      slot->recv_slot = a.recv_slot;
+    }
   }
   if (a.per_rank) {
     for (int d = 0; d < R; ++d) {
       NotifySlot* slot = &control(c.peers[d])->slots[par][me];
       for (int i = threadIdx.x; i < R; i += blockDim.x) slot->counts[i] = a.per_rank[i];
       for (int i = threadIdx.x; i < El; i += blockDim.x) slot->expert_counts[i] = a.per_expert[d * El + i];
-      if (threadIdx.x == 0) slot->prestaged = a.prestaged ? 1 : 0;
     }
   }
   __syncthreads();
@@ -188,7 +191,20 @@ __global__ void __launch_bounds__(1024)
     }
     return;
   }
-  if (!a.per_rank) return;
+  // The zero-copy path: every rank offered a receive slot and none staged early (the same choice everywhere).
+  __shared__ bool any_prestaged, direct;
+  if (threadIdx.x == 0) {
+    bool all_slots = true;
+    any_prestaged = false;
+    for (int s = 0; s < R; ++s) {
+      any_prestaged = any_prestaged || *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].prestaged) != 0;
+      all_slots = all_slots && *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].recv_slot) >= 0;
+    }
+    direct = all_slots && !any_prestaged;
+    if (direct) mine->direct_seq = c.seq;
+    c.host->use_direct = direct ? 1 : 0;
+  }
+  if (!a.per_rank) return;  // a handshake (cached dispatch, combine): the counts are known
 
   __shared__ std::int32_t pm[kMaxRanks * kMaxRanks];
   if (threadIdx.x < R) {
@@ -224,11 +240,8 @@ __global__ void __launch_bounds__(1024)
     h->pm[i] = pm[i];
   }
   if (threadIdx.x == 0) {  // the data path (the same on every rank: pm is)
-    const bool ce = a.ce_min_rows >= 0 && copy_engine_fits(pm, R, a.ce_capacity, a.ce_min_rows);
-    bool any_prestaged = false;
-    for (int s = 0; s < R; ++s)
-      any_prestaged = any_prestaged || *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].prestaged) != 0;
-    if (!ce && any_prestaged) mine->sm_barrier_seq = c.seq;
+    const bool ce = !direct && a.ce_min_rows >= 0 && copy_engine_fits(pm, R, a.ce_capacity, a.ce_min_rows);
+    if (!ce && !direct && any_prestaged) mine->sm_barrier_seq = c.seq;
     h->use_copy_engine = ce ? 1 : 0;
   }
   for (int e = threadIdx.x; e < El; e += blockDim.x) {
@@ -309,9 +322,17 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ long long* dst_idx[kMaxRanks];
   __shared__ float* dst_w[kMaxRanks];
   __shared__ std::int32_t* dst_src[kMaxRanks];
+  Control* mine = control(c.peers[c.rank]);
+  __shared__ int go;
   if (threadIdx.x == 0) {
-    for (int d = 0; d < R; ++d) {
+    // Zero-copy: only when the exchange chose it (else this early launch stores and signals nothing).
+    go = a.slot_bytes == 0 || *reinterpret_cast<volatile unsigned long long*>(&mine->direct_seq) == c.seq;
+    for (int d = 0; d < R && go; ++d) {
       char* region = data_region(c.peers[d]);
+      if (a.slot_bytes) {  // the slot destination d offered (it wrote its index into this rank's slot array)
+        const int slot = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[c.seq & 1][d].recv_slot);
+        region += a.slot_base + static_cast<std::size_t>(slot) * a.slot_bytes;
+      }
       dst_x[d] = region + L.x_off;
       dst_scale[d] = region + L.scale_off;
       dst_idx[d] = reinterpret_cast<long long*>(region + L.idx_off);
@@ -319,14 +340,12 @@ __global__ void __launch_bounds__(kThreads)
       dst_src[d] = reinterpret_cast<std::int32_t*>(region + L.src_off);
     }
   }
+  __syncthreads();
+  if (!go) return;
   // A rank that staged before the count exchange may still be writing its region until its own send kernel starts
   // (its stream waits for the staging first): when the exchange chose this path after such a staging, meet every
-  // peer before storing into its region.
-  __shared__ int go;
-  if (threadIdx.x == 0) go = 1;
-  __syncthreads();
-  Control* mine = control(c.peers[c.rank]);
-  if (blockIdx.x == 0 && threadIdx.x == 0) mine->sm_op_seq = c.seq;
+  // peer before storing into its region. (Never on the zero-copy path: chosen only when no rank staged early.)
+  if (blockIdx.x == 0 && threadIdx.x == 0 && a.slot_bytes == 0) mine->sm_op_seq = c.seq;
   if (*reinterpret_cast<volatile unsigned long long*>(&mine->sm_barrier_seq) == c.seq) {
     if (blockIdx.x == 0 && threadIdx.x < R) st_release_sys(&control(c.peers[threadIdx.x])->sm_go[c.rank], c.seq);
     if (threadIdx.x < R && !wait_geq(&mine->sm_go[threadIdx.x], c, threadIdx.x, kPhaseDispatchData)) go = 0;
@@ -490,6 +509,58 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   signal_done(c);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    combine_push_kernel(const __grid_constant__ Common c_in, const __grid_constant__ CombinePushArgs a) {
+  const Common c = op_common(c_in);
+  const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  const int nvec = static_cast<int>(a.x_row / 16);
+  Control* mine = control(c.peers[me]);
+  for (int j = 0; j < a.chunks; ++j) {
+    std::int64_t lo[kMaxRanks], total = 0;
+    for (int d = 0; d < R; ++d) {
+      lo[d] = stage_begin(a.count[d], j, a.chunks);
+      total += stage_begin(a.count[d], j + 1, a.chunks) - lo[d];
+    }
+    for (std::int64_t w = warp; w < total; w += num_warps) {
+      std::int64_t k = w;
+      int d = 0;
+      for (; d < R; ++d) {
+        const std::int64_t len = stage_begin(a.count[d], j + 1, a.chunks) - lo[d];
+        if (k < len) break;
+        k -= len;
+      }
+      const std::int64_t i = lo[d] + k, src_row = a.first[d] + i, dst_row = a.slot[d] + i;
+      char* region = data_region(c.peers[d]);
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + src_row * a.x_row);
+      int4* dst = reinterpret_cast<int4*>(region + a.layout.x_off + dst_row * a.x_row);
+      for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
+        int4 v[kVec];
+#pragma unroll
+        for (int u = 0; u < kVec; ++u)
+          if (i0 + u * 32 < nvec) v[u] = __ldg(src + i0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < kVec; ++u)
+          if (i0 + u * 32 < nvec) dst[i0 + u * 32] = v[u];
+      }
+      if (a.weights && lane < a.K)
+        reinterpret_cast<float*>(region + a.layout.w_off)[dst_row * a.K + lane] = a.weights[src_row * a.K + lane];
+    }
+    // The last block done with stage j publishes it (as the dispatch's staging does).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      const unsigned old = atomicAdd(&mine->chunk_arrive[j], 1u);
+      if (old == gridDim.x - 1) {
+        __threadfence_system();
+        for (int p = 0; p < R; ++p)
+          if (p != me) st_release_sys(&control(c.peers[p])->chunk_done[me][j], c.seq);
+      }
+    }
+  }
 }
 
 /// NR: ranks rounded up to 2, 4 or 8 (registers: kU x NR 16-byte vectors in flight per lane, 16 in all).
@@ -899,6 +970,13 @@ void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks
 
 void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s) {
   combine_send_kernel<<<blocks, kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_combine_push(const Common& c, const CombinePushArgs& a, int blocks, cudaStream_t s) {
+  auto* own = static_cast<Control*>(c.peers[c.rank]);
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(own->chunk_arrive, 0, sizeof(own->chunk_arrive), s));
+  combine_push_kernel<<<blocks, kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

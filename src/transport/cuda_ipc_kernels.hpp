@@ -27,6 +27,7 @@ struct NotifySlot {
   std::int32_t counts[kMaxRanks];                // tokens the source sends to each rank
   std::int32_t expert_counts[kMaxLocalExperts];  // (token, expert) entries for the receiver's experts
   std::int32_t prestaged;                        // the source staged its rows before this count exchange
+  std::int32_t recv_slot;  // the source's receive slot for this dispatch (zero-copy path), or -1: none free
 };
 
 /// Control region at the start of every rank's mapped buffer. Peers write slots and done flags; the
@@ -44,6 +45,8 @@ struct Control {
   unsigned long long sm_go[kMaxRanks];  // [source] = seq once that source's staging is finished (SM path)
   // owner only: the last op whose ranks stored rows into the whole regions (SM-store path); see launch_push_gate.
   unsigned long long sm_op_seq;
+  // owner only: = seq when the count exchange chose the zero-copy path (every rank offered a receive slot).
+  unsigned long long direct_seq;
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
@@ -72,7 +75,8 @@ struct HostRecord {
   std::int32_t pm[kMaxRanks * kMaxRanks];        // rank_prefix_matrix of the last notify
   std::int32_t expert_counts[kMaxLocalExperts];  // aligned receive counts per local expert
   unsigned long long seq;                        // op whose pm / counts these are
-  int use_copy_engine;                           // the count exchange's choice of data path (dispatch)
+  int use_copy_engine;                           // the count exchange's choice of data path (dispatch) ...
+  int use_direct;                                // ... or the zero-copy path (every rank offered a slot)
   int error_code, error_rank, error_peer, error_phase;
   long long error_value;
   long long error_value2;
@@ -117,6 +121,9 @@ struct NotifyArgs {
   bool advance = true;
   /// This rank staged its rows before this exchange (every rank learns whether any did: see sm_barrier_seq).
   bool prestaged = false;
+  /// This rank's free receive slot (zero-copy path), or -1. The exchange takes the zero-copy path when every rank
+  /// offered one and none staged early (the same choice everywhere); it overrides the copy-engine choice.
+  int recv_slot = -1;
   long long settings[kMaxSettings] = {};  ///< compared with every peer's (kErrSettings on a difference)
   int num_settings = 0;
 };
@@ -130,7 +137,10 @@ struct SendPosArgs {
 };
 
 /// The SM-store dispatch: every row stored into its destination's region at its final row send_pos[t][d]
-/// (the receiver copies the region out).
+/// (the receiver copies the region out); or, zero-copy (slot_bytes > 0), into the receive slot each destination
+/// offered in the count exchange, which is that destination's output: no receive pass. A zero-copy launch is
+/// enqueued before the host reads the counts and returns at once, storing and signalling nothing, unless the
+/// exchange chose the zero-copy path (Control::direct_seq).
 struct DispatchSendArgs {
   const void* x = nullptr;
   std::size_t x_row = 0;  ///< bytes, a multiple of 16
@@ -145,6 +155,8 @@ struct DispatchSendArgs {
   int experts_per_rank = 0;
   bool write_src = true;
   DataLayout layout;
+  std::size_t slot_base = 0;   ///< zero-copy: bytes from the data region's start to receive slot 0
+  std::size_t slot_bytes = 0;  ///< zero-copy: bytes of one slot (its fields at `layout`'s offsets); 0: region
 };
 
 /// The copy-engine dispatch's send side. Rows for peer d are staged in this rank's region grouped by destination
@@ -233,6 +245,22 @@ struct CombineSendArgs {
   DataLayout layout;  ///< x_off / w_off / capacity of the combine rows
 };
 
+/// The copy-engine combine's pushes done by SM stores instead (one kernel, no host call per stage): this rank's rows
+/// for each peer d, the run x[first[d], first[d] + count[d]), go to rows [slot[d], slot[d] + count[d]) of d's half
+/// (layout: x_off, w_off), in `chunks` stages as the copies would (stage_begin); the last block done with a stage
+/// publishes chunk_done[me][j] = seq in every peer. Behind the same gate as the copies (launch_push_gate).
+struct CombinePushArgs {
+  const void* x = nullptr;  ///< bf16 [rows, H]
+  std::size_t x_row = 0;
+  const float* weights = nullptr;  ///< [rows, K] or null
+  int K = 0;
+  int chunks = 1;
+  DataLayout layout;
+  std::int64_t first[kMaxRanks] = {};
+  std::int64_t count[kMaxRanks] = {};  ///< 0 for this rank
+  std::int64_t slot[kMaxRanks] = {};
+};
+
 struct CombineReduceArgs {
   const std::int32_t* send_pos = nullptr;  ///< [T, R]
   const std::int32_t* pm = nullptr;
@@ -299,6 +327,8 @@ void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);
 void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks, int sender_blocks, cudaStream_t s);
 void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s);
+/// Zeroes the stage counters (chunk_arrive) on `s`, then launches the push kernel there.
+void launch_combine_push(const Common& c, const CombinePushArgs& a, int blocks, cudaStream_t s);
 void launch_send_list(const Common& c, const SendListArgs& a, cudaStream_t s);
 void launch_gather(const Common& c, const GatherArgs& a, int blocks, cudaStream_t s);
 void launch_pull_small(const Common& c, const PullSmallArgs& a, int blocks, cudaStream_t s);

@@ -129,6 +129,9 @@ struct Case {
   int chunks = 0;           ///< BufferOptions::num_chunks (0: the default)
   std::int64_t ce_min_rows = 0;  ///< BufferOptions::copy_engine_min_rows (0: the copy-engine path at every size)
   bool olmoe = false;       ///< replay recorded OLMoE routing (SPEC 14, layer 0, ids mapped to E) instead of random
+  /// BufferOptions::num_recv_slots (-1: the default, so a fresh dispatch takes the zero-copy path; 0: the
+  /// copy-engine or SM-store path, as copy_engine and ce_min_rows say).
+  int recv_slots = -1;
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
@@ -136,7 +139,7 @@ struct Case {
        << " p(-1)=" << p_minus_one << " only_expert=" << only_expert << " all-1 rank=" << all_minus_one_rank
        << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "")
        << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks << " ce_min_rows=" << ce_min_rows
-       << (olmoe ? " olmoe routing" : "");
+       << (olmoe ? " olmoe routing" : "") << " recv_slots=" << recv_slots;
     return os.str();
   }
 };
@@ -230,6 +233,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
       opts.use_copy_engine = c.copy_engine;
       opts.copy_engine_min_rows = c.ce_min_rows;
       opts.num_chunks = c.chunks;
+      if (c.recv_slots >= 0) opts.num_recv_slots = c.recv_slots;
     } else {
       opts.backend = Backend::threads;
     }
@@ -344,6 +348,7 @@ TEST(GpuCudaIpcNormal, Fp8WithFloatAndUe8m0ScalesMatches) {
   for (bool ue8m0 : {false, true})
     for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}}) {
       Case c;
+      c.recv_slots = ue8m0 ? -1 : 0;  // zero-copy and copy engine
       c.fp8 = true;
       c.ue8m0 = ue8m0;
       c.H = H;
@@ -538,11 +543,13 @@ TEST(GpuCudaIpcNormal, StagingBeforeOrAfterTheHostReadAndTheDefaultPathChoice) {
   REQUIRE_TWO_GPUS();
   for (bool cached : {false, true}) {
     Case late;
+    late.recv_slots = 0;
     late.ce_min_rows = 1024;
     late.T = {1100, 60};  // rank 0 sends rank 1 >= 1024 rows: the copy-engine path; rank 1 stages late
     late.cached = cached;
     check_case(late);
     Case small;
+    small.recv_slots = 0;
     small.ce_min_rows = 1024;
     small.T = {300, 200};  // nobody moves 1024 rows: SM stores
     small.cached = cached;
@@ -598,6 +605,8 @@ TEST(GpuCudaIpcNormal, CopyEngineAndSmStoreOpsInterleavedOnOneBuffer) {
   // Copy-engine dispatches stage into alternating halves of the region before their count exchange; SM-store ops
   // and combines use the whole region. Interleave them (two dispatches outstanding, combines in another order).
   const std::uint64_t seed = test::fresh_seed();
+  // With one receive slot, zero-copy dispatches join the mix: a dispatch whose previous result still holds the
+  // slot takes the copy-engine or SM-store path.
   Case big, small;
   big.T = {512, 384};  // >= copy_engine_min_rows: copy engine
   big.ce_min_rows = 300;
@@ -605,62 +614,134 @@ TEST(GpuCudaIpcNormal, CopyEngineAndSmStoreOpsInterleavedOnOneBuffer) {
   small.ce_min_rows = 300;
   const std::vector<RankIn> in_big = make_inputs(big, seed), in_small = make_inputs(small, seed + 1);
   const std::vector<RankOut> ref_big = run(big, in_big, nullptr, false), ref_small = run(small, in_small, nullptr, false);
+  for (int slots : {0, 1}) {
+    run_thread_ranks(kRanks, [&](Group& g) {
+      const int r = g.rank();
+      const std::size_t ur = static_cast<std::size_t>(r);
+      BufferOptions o = ipc_options(r, 512, big.H, big.K);
+      o.copy_engine_min_rows = 300;
+      o.num_recv_slots = slots;
+      Buffer buf(borrow(g), o);
+      struct Op {
+        Tensor x, idx, w, cx, cw, b0, b1;
+        DispatchResult d;
+      };
+      const auto prepare = [&](const RankIn& i, const RankOut& ref) {
+        Op op;
+        op.x = to_gpu(i.x, r);
+        op.idx = to_gpu(i.idx, r);
+        op.w = to_gpu(i.w, r);
+        op.cx = to_gpu(ref.comb_x, r);
+        op.cw = to_gpu(ref.comb_w, r);
+        op.b0 = to_gpu(i.b0, r);
+        op.b1 = to_gpu(i.b1, r);
+        return op;
+      };
+      const auto dispatch = [&](Op& op, int E) {
+        const DispatchLayout layout = buf.get_dispatch_layout(op.idx, E);
+        op.d = buf.dispatch(make_dispatch_args(layout, op.x, op.idx, op.w));
+      };
+      const auto combine = [&](const Op& op) {
+        CombineArgs ca;
+        ca.x = op.cx;
+        ca.handle = &op.d.handle;
+        ca.topk_weights = op.cw;
+        ca.bias_0 = op.b0;
+        ca.bias_1 = op.b1;
+        return buf.combine(ca);
+      };
+      const auto expect = [&](const char* what, const Tensor& want, const Tensor& got, int round) {
+        if (!gputest::same_bits(want, to_cpu(got)))
+          throw std::runtime_error("rank " + std::to_string(r) + " slots " + std::to_string(slots) + " round " +
+                                   std::to_string(round) + ": " + what +
+                                   " differs (seed " + std::to_string(seed) + ")");
+      };
+      Op b = prepare(in_big[ur], ref_big[ur]), sm = prepare(in_small[ur], ref_small[ur]);
+      for (int round = 0; round < 3; ++round) {
+        dispatch(b, big.E);        // copy engine
+        dispatch(sm, small.E);     // SM stores, the big dispatch's rows still in the region
+        const CombineResult cb = combine(b);    // copy engine right after an SM-store op
+        const CombineResult cs = combine(sm);   // SM stores after a copy-engine op
+        expect("big recv_x", ref_big[ur].t.at("recv_x"), b.d.recv_x, round);
+        expect("small recv_x", ref_small[ur].t.at("recv_x"), sm.d.recv_x, round);
+        expect("big combined_x", ref_big[ur].t.at("combined_x"), cb.combined_x, round);
+        expect("small combined_x", ref_small[ur].t.at("combined_x"), cs.combined_x, round);
+        dispatch(b, big.E);                     // a copy-engine dispatch after a combine
+        dispatch(b, big.E);                     // ... and right after another one: the other half
+        const CombineResult cb2 = combine(b);
+        expect("big recv_x (2)", ref_big[ur].t.at("recv_x"), b.d.recv_x, round);
+        expect("big combined_x (2)", ref_big[ur].t.at("combined_x"), cb2.combined_x, round);
+      }
+    });
+  }
+}
+
+TEST(GpuCudaIpcNormal, ZeroCopyOutputsLiveInReceiveSlotsUntilDropped) {
+  REQUIRE_TWO_GPUS();
+  // One receive slot per rank. The zero-copy dispatch's recv_x lives in the slot (the same address each time the
+  // slot is free); a dispatch while some rank's slot is held falls back on every rank, and the outputs outlive the
+  // buffer. Every result is compared with the threads backend.
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Case c;
+  c.T = {300, 200};
+  const std::vector<RankIn> in = make_inputs(c, seed);
+  const std::vector<RankOut> cpu = run(c, in, nullptr, false);
+  std::vector<Tensor> kept(kRanks);
   run_thread_ranks(kRanks, [&](Group& g) {
     const int r = g.rank();
     const std::size_t ur = static_cast<std::size_t>(r);
-    BufferOptions o = ipc_options(r, 512, big.H, big.K);
-    o.copy_engine_min_rows = 300;
+    BufferOptions o = ipc_options(r, 300, c.H, c.K);
+    o.num_recv_slots = 1;
+    o.copy_engine_min_rows = 0;  // the fallback takes the copy-engine path
     Buffer buf(borrow(g), o);
-    struct Op {
-      Tensor x, idx, w, cx, cw, b0, b1;
-      DispatchResult d;
+    const RankIn& i = in[ur];
+    const RankOut& ref = cpu[ur];
+    const Tensor x = to_gpu(i.x, r), idx = to_gpu(i.idx, r), w = to_gpu(i.w, r), cx = to_gpu(ref.comb_x, r),
+                 cw = to_gpu(ref.comb_w, r), b0 = to_gpu(i.b0, r), b1 = to_gpu(i.b1, r);
+    const auto fail = [&](const std::string& what) {
+      throw std::runtime_error("rank " + std::to_string(r) + ": " + what + " (seed " + std::to_string(seed) + ")");
     };
-    const auto prepare = [&](const RankIn& i, const RankOut& ref) {
-      Op op;
-      op.x = to_gpu(i.x, r);
-      op.idx = to_gpu(i.idx, r);
-      op.w = to_gpu(i.w, r);
-      op.cx = to_gpu(ref.comb_x, r);
-      op.cw = to_gpu(ref.comb_w, r);
-      op.b0 = to_gpu(i.b0, r);
-      op.b1 = to_gpu(i.b1, r);
-      return op;
-    };
-    const auto dispatch = [&](Op& op, int E) {
-      const DispatchLayout layout = buf.get_dispatch_layout(op.idx, E);
-      op.d = buf.dispatch(make_dispatch_args(layout, op.x, op.idx, op.w));
-    };
-    const auto combine = [&](const Op& op) {
+    const auto dispatch_and_check = [&](const char* what) {
+      const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
+      DispatchResult d = buf.dispatch(make_dispatch_args(layout, x, idx, w));
+      if (!gputest::same_bits(ref.t.at("recv_x"), to_cpu(d.recv_x)) ||
+          !gputest::same_bits(ref.t.at("recv_topk_idx"), to_cpu(d.recv_topk_idx)) ||
+          !gputest::same_bits(ref.t.at("recv_topk_weights"), to_cpu(d.recv_topk_weights)) ||
+          !gputest::same_bits(ref.t.at("handle.recv_src_idx"), to_cpu(d.handle.recv_src_idx)))
+        fail(std::string(what) + ": dispatch differs");
       CombineArgs ca;
-      ca.x = op.cx;
-      ca.handle = &op.d.handle;
-      ca.topk_weights = op.cw;
-      ca.bias_0 = op.b0;
-      ca.bias_1 = op.b1;
-      return buf.combine(ca);
+      ca.x = cx;
+      ca.handle = &d.handle;
+      ca.topk_weights = cw;
+      ca.bias_0 = b0;
+      ca.bias_1 = b1;
+      if (!gputest::same_bits(ref.t.at("combined_x"), to_cpu(buf.combine(ca).combined_x)))
+        fail(std::string(what) + ": combine differs");
+      return d;
     };
-    const auto expect = [&](const char* what, const Tensor& want, const Tensor& got, int round) {
-      if (!gputest::same_bits(want, to_cpu(got)))
-        throw std::runtime_error("rank " + std::to_string(r) + " round " + std::to_string(round) + ": " + what +
-                                 " differs (seed " + std::to_string(seed) + ")");
-    };
-    Op b = prepare(in_big[ur], ref_big[ur]), sm = prepare(in_small[ur], ref_small[ur]);
-    for (int round = 0; round < 3; ++round) {
-      dispatch(b, big.E);        // copy engine
-      dispatch(sm, small.E);     // SM stores, the big dispatch's rows still in the region
-      const CombineResult cb = combine(b);    // copy engine right after an SM-store op
-      const CombineResult cs = combine(sm);   // SM stores after a copy-engine op
-      expect("big recv_x", ref_big[ur].t.at("recv_x"), b.d.recv_x, round);
-      expect("small recv_x", ref_small[ur].t.at("recv_x"), sm.d.recv_x, round);
-      expect("big combined_x", ref_big[ur].t.at("combined_x"), cb.combined_x, round);
-      expect("small combined_x", ref_small[ur].t.at("combined_x"), cs.combined_x, round);
-      dispatch(b, big.E);                     // a copy-engine dispatch after a combine
-      dispatch(b, big.E);                     // ... and right after another one: the other half
-      const CombineResult cb2 = combine(b);
-      expect("big recv_x (2)", ref_big[ur].t.at("recv_x"), b.d.recv_x, round);
-      expect("big combined_x (2)", ref_big[ur].t.at("combined_x"), cb2.combined_x, round);
+    DispatchResult first = dispatch_and_check("first (zero-copy)");
+    void* const slot = first.recv_x.data();
+    {
+      const DispatchResult second = dispatch_and_check("second (slot held: fallback)");
+      if (second.recv_x.data() == slot) fail("the second dispatch wrote into the held slot");
     }
+    first = {};  // frees the slot
+    DispatchResult third = dispatch_and_check("third (zero-copy again)");
+    if (third.recv_x.data() != slot) fail("the third dispatch did not reuse the freed slot");
+    if (r == 1) third = {};  // rank 0 keeps its slot: the next dispatch falls back on both ranks
+    const DispatchResult fourth = dispatch_and_check("fourth (a peer's slot held: fallback)");
+    if (fourth.recv_x.data() == slot) fail("the fourth dispatch took the zero-copy path without every rank's slot");
+    kept[ur] = fourth.recv_x;
+    if (r == 0) kept[ur] = third.recv_x;
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   });
+  // The buffers are gone; rank 0's zero-copy recv_x still holds its slot's memory.
+  for (int r = 0; r < kRanks; ++r)
+    EXPECT_TRUE(gputest::same_bits(cpu[static_cast<std::size_t>(r)].t.at("recv_x"),
+                                   to_cpu(kept[static_cast<std::size_t>(r)])))
+        << "rank " << r;
+  kept.clear();
 }
 
 TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
@@ -729,6 +810,7 @@ TEST(GpuCudaIpcNormal, SmStorePathMatchesThreadsBackend) {
     for (std::int64_t T : {std::int64_t{1}, std::int64_t{gputest::quick() ? 256 : 4096}}) {
       Case c;
       c.copy_engine = false;
+      c.recv_slots = 0;
       c.fp8 = fp8;
       c.cached = true;
       c.T = {T, T / 3 + 1};
@@ -742,6 +824,7 @@ TEST(GpuCudaIpcNormal, CopyEngineWithSkewedRoutingAndSmallK) {
   // K = 2 and one hot expert: few tokens go to both ranks, runs are ragged (a copy-everything design fails).
   for (int K : {1, 2}) {
     Case c;
+    c.recv_slots = 0;
     c.K = K;
     c.T = {gputest::quick() ? 300 : 3000, 777};
     c.H = 4096;
@@ -749,6 +832,7 @@ TEST(GpuCudaIpcNormal, CopyEngineWithSkewedRoutingAndSmallK) {
     check_case(c);
   }
   Case hot;
+  hot.recv_slots = 0;
   hot.only_expert = 200;  // every token to rank 1's expert: rank 0 receives nothing
   hot.T = {1000, 10};
   check_case(hot);
@@ -760,6 +844,7 @@ TEST(GpuCudaIpcNormal, CopyEngineStagesFromOneToSixteenIncludingEmptyOnes) {
   for (int chunks : {1, 3, 16})
     for (std::int64_t T : {std::int64_t{5}, std::int64_t{700}}) {
       Case c;
+      c.recv_slots = 0;
       c.chunks = chunks;
       c.T = {T, T + 2};
       c.fp8 = chunks == 3;
@@ -770,24 +855,29 @@ TEST(GpuCudaIpcNormal, CopyEngineStagesFromOneToSixteenIncludingEmptyOnes) {
 
 TEST(GpuCudaIpcNormal, RealOlmoeRoutingAndLargeBatchesMatch) {
   REQUIRE_TWO_GPUS();
-  // Recorded OLMoE routing (skewed, SPEC 14) on both paths, then T = 16384 per rank (quick mode: 2048).
-  for (bool copy_engine : {true, false}) {
+  // Recorded OLMoE routing (skewed, SPEC 14) on the three paths (zero-copy, copy engine, SM stores), then
+  // T = 16384 per rank (quick mode: 2048).
+  for (int path = 0; path < 3; ++path) {
     Case c;
     c.olmoe = true;
     c.K = 8;
     c.E = 256;
     c.T = {1024, 777};
     c.H = 4096;
-    c.copy_engine = copy_engine;
+    c.recv_slots = path == 0 ? -1 : 0;
+    c.copy_engine = path != 2;
     c.cached = true;
     check_case(c);
   }
-  Case big;
-  const std::int64_t T = gputest::quick() ? 2048 : 16384;
-  big.T = {T, T};
-  big.H = 2048;
-  big.bias = false;
-  check_case(big);
+  for (int slots : {-1, 0}) {
+    Case big;
+    const std::int64_t T = gputest::quick() ? 2048 : 16384;
+    big.T = {T, T};
+    big.H = 2048;
+    big.bias = false;
+    big.recv_slots = slots;
+    check_case(big);
+  }
 }
 
 TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {

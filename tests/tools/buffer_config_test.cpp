@@ -104,10 +104,12 @@ TEST(BufferConfig, FileRoundTrip) {
   o.num_chunks = static_cast<int>(rng() % 16) + 1;
   o.use_copy_engine = (rng() & 1) != 0;
   o.copy_engine_min_rows = static_cast<std::int64_t>(rng() % 100000);
+  o.num_recv_slots = static_cast<int>(rng() % 65);
   const std::string text = buffer_config_json(o);
   // Hand-made: every tunable, keys sorted (nlohmann's object order).
   EXPECT_EQ(text, "{\n  \"copy_engine_min_rows\": " + std::to_string(o.copy_engine_min_rows) +
-                      ",\n  \"num_chunks\": " + std::to_string(o.num_chunks) + ",\n  \"num_sms\": " +
+                      ",\n  \"num_chunks\": " + std::to_string(o.num_chunks) + ",\n  \"num_recv_slots\": " +
+                      std::to_string(o.num_recv_slots) + ",\n  \"num_sms\": " +
                       std::to_string(o.num_sms) + ",\n  \"use_copy_engine\": " +
                       (o.use_copy_engine ? "true" : "false") + "\n}");
   const std::string path = ::testing::TempDir() + "epmoe_buffer_config_test.json";
@@ -118,6 +120,7 @@ TEST(BufferConfig, FileRoundTrip) {
   EXPECT_EQ(back.num_chunks, o.num_chunks);
   EXPECT_EQ(back.use_copy_engine, o.use_copy_engine);
   EXPECT_EQ(back.copy_engine_min_rows, o.copy_engine_min_rows);
+  EXPECT_EQ(back.num_recv_slots, o.num_recv_slots);
   std::remove(path.c_str());
   const std::string msg = error_of([&] { load_buffer_config(path, back); });
   EXPECT_NE(msg.find("'config'"), std::string::npos) << msg;
