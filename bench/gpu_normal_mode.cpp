@@ -231,14 +231,8 @@ int main(int argc, char** argv) {
         if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(ms * 1000.0);
       }
     };
-    DispatchArgs a;
-    a.topk_idx = idx;
-    a.topk_weights = w;
-    a.num_tokens_per_rank = layout.num_tokens_per_rank;
-    a.is_token_in_rank = layout.is_token_in_rank;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    DispatchArgs a = make_dispatch_args(layout, x, idx, w);
     DispatchResult keep;
-    a.x = x;
     timed(0, [&] { keep = buf.dispatch(a); });
     a.x = x8;
     a.x_scales = sc;

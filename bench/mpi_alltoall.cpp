@@ -235,13 +235,7 @@ void BM_normal_mode(benchmark::State& state) {
   epmoe::TensorView topk_weights(const_cast<float*>(in.topk_weights.data()), epmoe::DType::fp32, {in.T, kTopK});
   try {
     const epmoe::DispatchLayout layout = buffer.get_dispatch_layout(topk_idx, kExperts);
-    epmoe::DispatchArgs args;
-    args.x = x;
-    args.topk_idx = topk_idx;
-    args.topk_weights = topk_weights;
-    args.num_tokens_per_rank = layout.num_tokens_per_rank;
-    args.is_token_in_rank = layout.is_token_in_rank;
-    args.num_tokens_per_expert = layout.num_tokens_per_expert;
+    const epmoe::DispatchArgs args = epmoe::make_dispatch_args(layout, x, topk_idx, topk_weights);
     epmoe::DispatchResult result = buffer.dispatch(args);
     if (state.range(2) == 0) {
       time_iterations(state, [&] { result = buffer.dispatch(args); });
@@ -280,13 +274,7 @@ void BM_threads_normal_mode(benchmark::State& state) {
       epmoe::TensorView topk_idx(const_cast<std::int64_t*>(in.topk_idx.data()), epmoe::DType::int64, {T, kTopK});
       epmoe::TensorView topk_weights(const_cast<float*>(in.topk_weights.data()), epmoe::DType::fp32, {T, kTopK});
       const epmoe::DispatchLayout layout = buffer.get_dispatch_layout(topk_idx, kExperts);
-      epmoe::DispatchArgs args;
-      args.x = x;
-      args.topk_idx = topk_idx;
-      args.topk_weights = topk_weights;
-      args.num_tokens_per_rank = layout.num_tokens_per_rank;
-      args.is_token_in_rank = layout.is_token_in_rank;
-      args.num_tokens_per_expert = layout.num_tokens_per_expert;
+      const epmoe::DispatchArgs args = epmoe::make_dispatch_args(layout, x, topk_idx, topk_weights);
       epmoe::DispatchResult result = buffer.dispatch(args);  // warm-up (fills the output pool)
       rows[static_cast<std::size_t>(r)] = result.handle.num_recv_tokens;
       const auto* prefix = result.handle.rank_prefix_matrix.ptr<std::int32_t>();  // [s][d], inclusive over s

@@ -25,15 +25,10 @@ class NormalPrepareFinalize final : public PrepareFinalize {
   }
 
   PrepareOutput do_dispatch_b() override {
-    DispatchArgs a;
     const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
-    a.x = fp8 ? q_.data.view() : side_.hidden.view();
+    DispatchArgs a =
+        make_dispatch_args(layout_, fp8 ? q_.data.view() : side_.hidden.view(), side_.topk_idx, side_.topk_weights);
     if (fp8) a.x_scales = q_.scales;
-    a.topk_idx = side_.topk_idx;
-    a.topk_weights = side_.topk_weights;
-    a.num_tokens_per_rank = layout_.num_tokens_per_rank;
-    a.is_token_in_rank = layout_.is_token_in_rank;
-    a.num_tokens_per_expert = layout_.num_tokens_per_expert;
     recv_ = buffer_->dispatch(a);
     PrepareOutput out;
     out.format = ActivationFormat::standard;

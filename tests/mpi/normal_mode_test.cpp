@@ -85,14 +85,8 @@ struct RankRun {
 };
 
 DispatchArgs dispatch_args(const RankInput& in, const DispatchLayout& layout, const NormalCase& c) {
-  DispatchArgs a;
-  a.x = in.x;
+  DispatchArgs a = make_dispatch_args(layout, in.x, in.topk_idx, in.topk_weights.view());
   a.x_scales = in.x_scales.view();
-  a.topk_idx = in.topk_idx;
-  a.topk_weights = in.topk_weights.view();
-  a.num_tokens_per_rank = layout.num_tokens_per_rank;
-  a.is_token_in_rank = layout.is_token_in_rank;
-  a.num_tokens_per_expert = layout.num_tokens_per_expert;
   a.expert_alignment = c.alignment;
   a.num_worst_tokens = c.num_worst_tokens;
   return a;

@@ -220,20 +220,11 @@ RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int dev
     group->barrier("run.dispatch");
     const auto t1 = Clock::now();
     const DispatchLayout layout = buffer.get_dispatch_layout(routing.topk_idx, c.experts);
-    DispatchArgs a;
     Fp8Tensor q;
-    if (fp8) {
-      q = quantize_fp8(hidden);
-      a.x = q.data;
-      a.x_scales = q.scales;
-    } else {
-      a.x = hidden;
-    }
-    a.topk_idx = routing.topk_idx;
-    a.topk_weights = routing.topk_weights;
-    a.num_tokens_per_rank = layout.num_tokens_per_rank;
-    a.is_token_in_rank = layout.is_token_in_rank;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert;
+    if (fp8) q = quantize_fp8(hidden);
+    DispatchArgs a = make_dispatch_args(layout, fp8 ? q.data.view() : hidden.view(), routing.topk_idx,
+                                        routing.topk_weights);
+    if (fp8) a.x_scales = q.scales;
     const DispatchResult d = buffer.dispatch(a);
     const Tensor recv = fp8 ? dequantize_fp8(d.recv_x, d.recv_x_scales, DType::bf16) : d.recv_x;
     cuda_sync_device();
