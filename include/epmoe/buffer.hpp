@@ -103,14 +103,16 @@ struct BufferOptions {
   /// 16). Each peer's run of rows is moved in this many pieces, sized 1:2:...:2:1, so gathering (dispatch) or
   /// reducing (combine) one piece overlaps the transfer of the next. Equal on all ranks.
   int num_chunks = 0;
-  /// cuda_ipc: zero-copy receive slots per rank, 0..64, each num_nvl_bytes more device memory. A fresh dispatch
-  /// without num_worst_tokens offers a free slot in its count exchange; when every rank offers one, the senders
-  /// store each row (SM stores, num_sms blocks) straight into the receiver's slot, which is its output: recv_x,
-  /// recv_x_scales, recv_topk_idx and recv_topk_weights are views of the slot (no staging, no receive pass), and
-  /// the slot is free again once all four are dropped (the rule of Tensor::empty: after the work that reads them
-  /// is enqueued on the stream the next dispatch is called from). Otherwise (no slot free on some rank, a cached
-  /// dispatch, num_worst_tokens) the op takes the copy-engine or SM-store path. 0: never zero-copy. Per rank.
-  int num_recv_slots = 2;
+  /// cuda_ipc: zero-copy receive slots per rank, 0..64, each num_nvl_bytes (rounded up to 4 KiB) more device
+  /// memory. A dispatch without num_worst_tokens offers a free slot in its count exchange (a cached one in its
+  /// handshake); when every rank offers one, the senders store each row (SM stores, num_sms blocks) straight
+  /// into the receiver's slot, which is its output: recv_x, recv_x_scales, recv_topk_idx and recv_topk_weights
+  /// are views of the slot (no staging, no receive pass), and the slot is free again once all four are dropped
+  /// (the rule of Tensor::empty: after the work that reads them is enqueued on the stream the next dispatch is
+  /// called from). Otherwise (no slot free on some rank, num_worst_tokens) the op takes the copy-engine or
+  /// SM-store path. 0 (the default until it is measured against the copy-engine path on 2 GPUs): never
+  /// zero-copy. Per rank.
+  int num_recv_slots = 0;
 };
 
 /// The tunables of BufferOptions as a JSON object (src/transport/buffer_config.cpp), e.g. {"num_sms": 16}:

@@ -273,8 +273,11 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     EPMOE_CHECK_ARG(o.num_recv_slots >= 0 && o.num_recv_slots <= 64, "options.num_recv_slots", "0..64",
                     o.num_recv_slots);
     num_recv_slots_ = o.num_recv_slots;
+    // Slots start at multiples of 4 KiB past the data region's start (its fields are 16-byte aligned from there;
+    // num_nvl_bytes need not be a multiple of 16).
+    slot_stride_ = (static_cast<std::size_t>(data_bytes_) + 4095) / 4096 * 4096;
     const std::size_t total =
-        ipc::kControlBytes + static_cast<std::size_t>(data_bytes_) * (1 + static_cast<std::size_t>(num_recv_slots_));
+        ipc::kControlBytes + slot_stride_ * (1 + static_cast<std::size_t>(num_recv_slots_));
     if (cudaMalloc(&base_, total) != cudaSuccess) {
       cudaGetLastError();
       raise(ErrorCode::out_of_memory,
@@ -629,6 +632,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   void* base_ = nullptr;                   // [control | data region | receive slots], owned by memory_
   std::shared_ptr<void> memory_;
   int num_recv_slots_ = 0;
+  std::size_t slot_stride_ = 0;  // bytes from one receive slot to the next (slot 0 one stride past the data region)
   std::shared_ptr<RecvSlots> recv_slots_;
   void* peers_[ipc::kMaxRanks] = {};
   std::vector<void*> opened_;
@@ -829,8 +833,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   }
   if (slot) {
     ipc::DispatchSendArgs sa = send_args();
-    sa.slot_base = static_cast<std::size_t>(data_bytes_);
-    sa.slot_bytes = static_cast<std::size_t>(data_bytes_);
+    sa.slot_base = slot_stride_;
+    sa.slot_bytes = slot_stride_;
     ipc::launch_dispatch_send(c, sa, blocks_, s);
     trace_mark("rows sent");
   }
@@ -857,7 +861,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   if (direct) {
     // The outputs are views of this rank's slot (field arrays of layout L); the handle's source indices are copied
     // out, so a kept handle does not hold the slot.
-    char* mine = static_cast<char*>(base_) + ipc::kControlBytes + data_bytes_ * (1 + *slot);
+    char* mine = static_cast<char*>(base_) + ipc::kControlBytes + slot_stride_ * (1 + static_cast<std::size_t>(*slot));
     const auto view = [&](std::size_t off, DType dtype, Shape shape) {
       return Tensor::wrap(TensorView(mine + off, dtype, shape, gpu), slot);
     };

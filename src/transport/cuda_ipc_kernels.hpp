@@ -155,7 +155,7 @@ struct DispatchSendArgs {
   int experts_per_rank = 0;
   bool write_src = true;
   DataLayout layout;
-  std::size_t slot_base = 0;   ///< zero-copy: bytes from the data region's start to receive slot 0
+  std::size_t slot_base = 0;   ///< zero-copy: bytes from the data region's start to receive slot 0 (4 KiB aligned)
   std::size_t slot_bytes = 0;  ///< zero-copy: bytes of one slot (its fields at `layout`'s offsets); 0: region
 };
 

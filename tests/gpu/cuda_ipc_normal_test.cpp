@@ -129,9 +129,9 @@ struct Case {
   int chunks = 0;           ///< BufferOptions::num_chunks (0: the default)
   std::int64_t ce_min_rows = 0;  ///< BufferOptions::copy_engine_min_rows (0: the copy-engine path at every size)
   bool olmoe = false;       ///< replay recorded OLMoE routing (SPEC 14, layer 0, ids mapped to E) instead of random
-  /// BufferOptions::num_recv_slots (-1: the default, so a fresh dispatch takes the zero-copy path; 0: the
+  /// BufferOptions::num_recv_slots (> 0: dispatches without num_worst_tokens take the zero-copy path; 0: the
   /// copy-engine or SM-store path, as copy_engine and ce_min_rows say).
-  int recv_slots = -1;
+  int recv_slots = 2;
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
@@ -233,7 +233,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
       opts.use_copy_engine = c.copy_engine;
       opts.copy_engine_min_rows = c.ce_min_rows;
       opts.num_chunks = c.chunks;
-      if (c.recv_slots >= 0) opts.num_recv_slots = c.recv_slots;
+      opts.num_recv_slots = c.recv_slots;
     } else {
       opts.backend = Backend::threads;
     }
@@ -348,7 +348,7 @@ TEST(GpuCudaIpcNormal, Fp8WithFloatAndUe8m0ScalesMatches) {
   for (bool ue8m0 : {false, true})
     for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}}) {
       Case c;
-      c.recv_slots = ue8m0 ? -1 : 0;  // zero-copy and copy engine
+      c.recv_slots = ue8m0 ? 2 : 0;  // zero-copy and copy engine
       c.fp8 = true;
       c.ue8m0 = ue8m0;
       c.H = H;
@@ -613,7 +613,8 @@ TEST(GpuCudaIpcNormal, CopyEngineAndSmStoreOpsInterleavedOnOneBuffer) {
   small.T = {64, 48};  // SM stores
   small.ce_min_rows = 300;
   const std::vector<RankIn> in_big = make_inputs(big, seed), in_small = make_inputs(small, seed + 1);
-  const std::vector<RankOut> ref_big = run(big, in_big, nullptr, false), ref_small = run(small, in_small, nullptr, false);
+  const std::vector<RankOut> ref_big = run(big, in_big, nullptr, false);
+  const std::vector<RankOut> ref_small = run(small, in_small, nullptr, false);
   for (int slots : {0, 1}) {
     run_thread_ranks(kRanks, [&](Group& g) {
       const int r = g.rank();
@@ -752,32 +753,35 @@ TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
   c.T = {512, 384};
   const std::vector<RankIn> in = make_inputs(c, seed);
   std::vector<RankOut> cpu = run(c, in, nullptr, false);
-  run_thread_ranks(kRanks, [&](Group& g) {
-    const int r = g.rank();
-    BufferOptions o = ipc_options(r, 512, c.H, c.K);
-    o.num_sms = 4;
-    Buffer buf(borrow(g), o);
-    const RankIn& i = in[static_cast<std::size_t>(r)];
-    const Tensor x = to_gpu(i.x, r), idx = to_gpu(i.idx, r), w = to_gpu(i.w, r);
-    const Tensor cx = to_gpu(cpu[static_cast<std::size_t>(r)].comb_x, r);
-    const Tensor b0 = to_gpu(i.b0, r), b1 = to_gpu(i.b1, r), cw = to_gpu(cpu[static_cast<std::size_t>(r)].comb_w, r);
-    for (int round = 0; round < 5; ++round) {
-      const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
-      const DispatchResult d = buf.dispatch(make_dispatch_args(layout, x, idx, w));
-      CombineArgs ca;
-      ca.x = cx;
-      ca.handle = &d.handle;
-      ca.topk_weights = cw;
-      ca.bias_0 = b0;
-      ca.bias_1 = b1;
-      const CombineResult cr = buf.combine(ca);
-      const Tensor got_x = to_cpu(d.recv_x), got_c = to_cpu(cr.combined_x);
-      const RankOut& ref = cpu[static_cast<std::size_t>(r)];
-      if (!gputest::same_bits(ref.t.at("recv_x"), got_x) || !gputest::same_bits(ref.t.at("combined_x"), got_c))
-        throw std::runtime_error("rank " + std::to_string(r) + " round " + std::to_string(round) + " differs (seed " +
-                                 std::to_string(seed) + ")");
-    }
-  });
+  for (int slots : {0, 1}) {
+    run_thread_ranks(kRanks, [&](Group& g) {
+      const int r = g.rank();
+      BufferOptions o = ipc_options(r, 512, c.H, c.K);
+      o.num_sms = 4;
+      o.num_recv_slots = slots;  // one slot: every round's zero-copy dispatch reuses the one the last round freed
+      Buffer buf(borrow(g), o);
+      const RankIn& i = in[static_cast<std::size_t>(r)];
+      const Tensor x = to_gpu(i.x, r), idx = to_gpu(i.idx, r), w = to_gpu(i.w, r);
+      const Tensor cx = to_gpu(cpu[static_cast<std::size_t>(r)].comb_x, r);
+      const Tensor b0 = to_gpu(i.b0, r), b1 = to_gpu(i.b1, r), cw = to_gpu(cpu[static_cast<std::size_t>(r)].comb_w, r);
+      for (int round = 0; round < 5; ++round) {
+        const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
+        const DispatchResult d = buf.dispatch(make_dispatch_args(layout, x, idx, w));
+        CombineArgs ca;
+        ca.x = cx;
+        ca.handle = &d.handle;
+        ca.topk_weights = cw;
+        ca.bias_0 = b0;
+        ca.bias_1 = b1;
+        const CombineResult cr = buf.combine(ca);
+        const Tensor got_x = to_cpu(d.recv_x), got_c = to_cpu(cr.combined_x);
+        const RankOut& ref = cpu[static_cast<std::size_t>(r)];
+        if (!gputest::same_bits(ref.t.at("recv_x"), got_x) || !gputest::same_bits(ref.t.at("combined_x"), got_c))
+          throw std::runtime_error("rank " + std::to_string(r) + " slots " + std::to_string(slots) + " round " +
+                                   std::to_string(round) + " differs (seed " + std::to_string(seed) + ")");
+      }
+    });
+  }
 }
 
 TEST(GpuCudaIpcNormal, RejectsHostTensorsBeforeAnyCommunication) {
@@ -864,12 +868,12 @@ TEST(GpuCudaIpcNormal, RealOlmoeRoutingAndLargeBatchesMatch) {
     c.E = 256;
     c.T = {1024, 777};
     c.H = 4096;
-    c.recv_slots = path == 0 ? -1 : 0;
+    c.recv_slots = path == 0 ? 2 : 0;
     c.copy_engine = path != 2;
     c.cached = true;
     check_case(c);
   }
-  for (int slots : {-1, 0}) {
+  for (int slots : {2, 0}) {
     Case big;
     const std::int64_t T = gputest::quick() ? 2048 : 16384;
     big.T = {T, T};

@@ -103,34 +103,37 @@ TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
   if (gpus() < R && !shared) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
   const int device = me % std::max(1, gpus());
   const std::uint64_t seed = shared_seed();
-  const std::int64_t H = 2048;
   const int K = 4, E = 8 * R;
-  std::vector<Inputs> inputs;
-  for (int r = 0; r < R; ++r) inputs.push_back(make_inputs(seed, r, H, K, E));
-  std::vector<Out> want(static_cast<std::size_t>(R));
-  run_thread_ranks(R, [&](Group& g) {
-    Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
-    want[static_cast<std::size_t>(g.rank())] = run(cpu, inputs[static_cast<std::size_t>(g.rank())], seed, H, K, E, -1);
-  });
-  for (int path = 0; path < 3; ++path) {
-    SCOPED_TRACE(path == 0 ? "zero-copy path" : path == 1 ? "copy-engine path" : "SM-store path");
-    cuda_ok(cudaSetDevice(device), "cudaSetDevice");
-    BufferOptions o;
-    o.backend = Backend::cuda_ipc;
-    o.device = device;
-    o.num_recv_slots = path == 0 ? 2 : 0;
-    o.use_copy_engine = path < 2;
-    o.copy_engine_min_rows = 0;  // the copy-engine path even for these few rows
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, H, R, K);
-    Buffer buf(test_group(), o);
-    const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
-    const Out& ref = want[static_cast<std::size_t>(me)];
-    EXPECT_TRUE(same_tensor(got.recv_x, ref.recv_x)) << "recv_x";
-    EXPECT_TRUE(same_tensor(got.recv_idx, ref.recv_idx)) << "recv_topk_idx";
-    EXPECT_TRUE(same_tensor(got.recv_w, ref.recv_w)) << "recv_topk_weights";
-    EXPECT_TRUE(same_tensor(got.cached_x, ref.cached_x)) << "cached recv_x";
-    EXPECT_TRUE(same_tensor(got.combined_x, ref.combined_x)) << "combined_x";
-    EXPECT_TRUE(same_tensor(got.combined_w, ref.combined_w)) << "combined_topk_weights";
+  for (const std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}}) {
+    SCOPED_TRACE("hidden " + std::to_string(H));
+    std::vector<Inputs> inputs;
+    for (int r = 0; r < R; ++r) inputs.push_back(make_inputs(seed, r, H, K, E));
+    std::vector<Out> want(static_cast<std::size_t>(R));
+    run_thread_ranks(R, [&](Group& g) {
+      Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
+      const auto r = static_cast<std::size_t>(g.rank());
+      want[r] = run(cpu, inputs[r], seed, H, K, E, -1);
+    });
+    for (int path = 0; path < 3; ++path) {
+      SCOPED_TRACE(path == 0 ? "zero-copy path" : path == 1 ? "copy-engine path" : "SM-store path");
+      cuda_ok(cudaSetDevice(device), "cudaSetDevice");
+      BufferOptions o;
+      o.backend = Backend::cuda_ipc;
+      o.device = device;
+      o.num_recv_slots = path == 0 ? 2 : 0;
+      o.use_copy_engine = path < 2;
+      o.copy_engine_min_rows = 0;  // the copy-engine path even for these few rows
+      o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, H, R, K);
+      Buffer buf(test_group(), o);
+      const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
+      const Out& ref = want[static_cast<std::size_t>(me)];
+      EXPECT_TRUE(same_tensor(got.recv_x, ref.recv_x)) << "recv_x";
+      EXPECT_TRUE(same_tensor(got.recv_idx, ref.recv_idx)) << "recv_topk_idx";
+      EXPECT_TRUE(same_tensor(got.recv_w, ref.recv_w)) << "recv_topk_weights";
+      EXPECT_TRUE(same_tensor(got.cached_x, ref.cached_x)) << "cached recv_x";
+      EXPECT_TRUE(same_tensor(got.combined_x, ref.combined_x)) << "combined_x";
+      EXPECT_TRUE(same_tensor(got.combined_w, ref.combined_w)) << "combined_topk_weights";
+    }
   }
 }
 
