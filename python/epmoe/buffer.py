@@ -285,7 +285,7 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm: Any = None, *, backend: Optional[str] = None,
-                 device: Optional[int] = None) -> None:
+                 device: Optional[int] = None, num_recv_slots: int = 0) -> None:
         """Creates this rank's buffer. Collective: every rank of the group calls it.
 
         Arguments:
@@ -310,6 +310,10 @@ class Buffer:
                 thread ranks puts rank r on cuda:r in one process; 'mpi' keeps an MPI group on the CPU.
             device (epmoe, keyword only): this rank's CUDA device for cuda_ipc; None = torch's current
                 device when torch has initialised CUDA, else rank % visible devices.
+            num_recv_slots (epmoe, keyword only): cuda_ipc zero-copy receive slots, 0..64 (each
+                num_nvl_bytes more device memory; 0 = none). With slots, a dispatch's recv_x, scales, ids and
+                weights are views of a slot the senders store into directly; the slot is reused once they are
+                all freed (see BufferOptions::num_recv_slots in include/epmoe/buffer.hpp). Ignored on CPU.
 
         Errors (epmoe.Error): invalid_argument (a bad group, negative sizes, num_nvl_bytes == 0 with
         cuda_ipc, an unknown backend); unsupported (enable_shrink, a torch / mpi4py group without a CUDA
@@ -343,6 +347,9 @@ class Buffer:
             device = int(cuda.current_device()) if backend == "cuda_ipc" and cuda is not None else -1
         elif not isinstance(device, (int, np.integer)) or device < 0:
             raise invalid_argument("device", "None or a CUDA device index >= 0", repr(device))
+        if isinstance(num_recv_slots, bool) or not isinstance(num_recv_slots, (int, np.integer)) \
+                or not 0 <= num_recv_slots <= 64:
+            raise invalid_argument("num_recv_slots", "an int in 0..64", repr(num_recv_slots))
         # Thread ranks on GPUs share one interpreter: an op waits on the host (GIL released) before it returns, also
         # with async_finish, so no later GIL-holding CUDA call of this thread can block the peer thread that must
         # still enqueue its part of the op (seen as device timeouts in the Python GPU suite). Overlap needs one
@@ -360,7 +367,7 @@ class Buffer:
         self.native_group = native_group
         self._side_stream: Any = None
         self.runtime = _ext.Buffer(native_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   backend, int(device), Buffer._num_sms_for_kernels())
+                                   backend, int(device), Buffer._num_sms_for_kernels(), int(num_recv_slots))
         self._combine_scratch: Any = None
 
     # ---------------------------------------------------------------- life cycle and static helpers

@@ -164,7 +164,7 @@ void bind_buffer(nb::module_& m) {
       .def(
           "__init__",
           [](PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std::int64_t num_rdma_bytes,
-             bool low_latency_mode, std::string_view backend, int device, int num_sms) {
+             bool low_latency_mode, std::string_view backend, int device, int num_sms, int num_recv_slots) {
             if (!group.group) throw_invalid_argument("group", "an epmoe Group", "None");
             BufferOptions o;
             o.backend = parse_backend(backend);
@@ -173,6 +173,7 @@ void bind_buffer(nb::module_& m) {
             o.low_latency_mode = low_latency_mode;
             o.device = device;
             o.num_sms = num_sms;
+            o.num_recv_slots = num_recv_slots;
             std::shared_ptr<Buffer> b;
             {
               nb::gil_scoped_release release;
@@ -182,7 +183,7 @@ void bind_buffer(nb::module_& m) {
           },
           nb::arg("group"), nb::arg("num_nvl_bytes") = 0, nb::arg("num_rdma_bytes") = 0,
           nb::arg("low_latency_mode") = false, nb::arg("backend") = "auto", nb::arg("device") = -1,
-          nb::arg("num_sms") = 0)
+          nb::arg("num_sms") = 0, nb::arg("num_recv_slots") = 0)
       .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
       .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
       .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })

@@ -50,7 +50,7 @@ DEEPEP_V1 = {
 
 
 # epmoe's own additions: keyword-only, after DeepEP's parameters, so no DeepEP call can reach them.
-EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None}}
+EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None, "num_recv_slots": 0}}
 
 
 @pytest.mark.parametrize("method", sorted(DEEPEP_V1))
@@ -142,7 +142,9 @@ def test_buffer_groups_and_destroy():
     def rank_main(group):
         out = {}
         for name, call in {"shrink": lambda: epmoe.Buffer(group, enable_shrink=True),
-                           "negative": lambda: epmoe.Buffer(group, num_rdma_bytes=-1)}.items():
+                           "negative": lambda: epmoe.Buffer(group, num_rdma_bytes=-1),
+                           "slots_65": lambda: epmoe.Buffer(group, num_recv_slots=65),
+                           "slots_str": lambda: epmoe.Buffer(group, num_recv_slots="2")}.items():
             with pytest.raises(epmoe.Error) as e:
                 call()
             out[name] = (e.value.code, str(e.value))
@@ -156,6 +158,10 @@ def test_buffer_groups_and_destroy():
     for out in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
         assert out["shrink"][0] == "unsupported"
         assert out["negative"][0] == "invalid_argument" and "num_rdma_bytes" in out["negative"][1]
+        for name, got in (("slots_65", "65"), ("slots_str", "'2'")):
+            code, message = out[name]
+            assert code == "invalid_argument" and "num_recv_slots" in message and "0..64" in message, message
+            assert got in message, message
         assert out["after_destroy"] == "unusable"
 
 
