@@ -128,6 +128,8 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
     instead of waiting out `timeout_s` (the ranks' collective timeout; default epmoe.default_timeout_s(),
     100 s unless EPMOE_TIMEOUT_S says otherwise).
 
-    Errors: epmoe.Error('invalid_argument') for num_ranks < 1 or timeout_s <= 0.
+    Errors: epmoe.Error('invalid_argument') for num_ranks that is not an int in 1..2**31-1, or timeout_s <= 0.
     """
-    return _ext.run_thread_ranks(num_ranks, fn, timeout_s)
+    if isinstance(num_ranks, bool) or not hasattr(num_ranks, "__index__") or not 1 <= int(num_ranks) < 2**31:
+        raise invalid_argument("num_ranks", "an int in 1..2**31-1", repr(num_ranks))
+    return _ext.run_thread_ranks(int(num_ranks), fn, timeout_s)

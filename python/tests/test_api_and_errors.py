@@ -183,8 +183,10 @@ def test_run_thread_ranks_returns_results_and_reraises():
 
     with pytest.raises(ValueError, match="rank one fails"):
         epmoe.run_thread_ranks(2, failing, timeout_s=TIMEOUT_S)
-    with pytest.raises(epmoe.Error, match="num_ranks"):
-        epmoe.run_thread_ranks(0, failing)
+    for bad in (0, 10**12, 2.0, True, "2"):
+        with pytest.raises(epmoe.Error, match="num_ranks") as e:
+            epmoe.run_thread_ranks(bad, failing)
+        assert e.value.code == "invalid_argument" and repr(bad) in str(e.value)
 
 
 @pytest.mark.parametrize("failing", [0, 1])
