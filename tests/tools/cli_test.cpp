@@ -421,6 +421,111 @@ TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {
   EXPECT_EQ(r.out.find("PASS"), std::string::npos) << r.out;
 }
 
+// Found by a fresh user: `bench --device cpu --hidden 256 --tokens-max 4 --ranks 1000 --experts 1000` passed the
+// host-memory pre-check and was OOM-killed at ~24 GB (peak RSS roughly cubic in R: each of R thread ranks holds
+// R x R count and prefix matrices); `run --ranks 1000 --experts-impl reference` likewise. At 8000 ranks and T = 1
+// the old estimates said about 4 GB (bench) and 6 MB (run); the count exchange and handles alone need terabytes.
+// Both must be refused naming --ranks before any thread rank starts. The commands run under a virtual-memory
+// limit (not in sanitizer builds, whose shadow memory needs more), so that a regression fails here instead of
+// taking the machine's memory.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+
+TEST(Cli, RanksWhoseCountExchangeOutgrowsHostMemoryAreRefusedNamingRanks) {
+  const std::string limit = kAsan ? "" : "ulimit -v 8388608 2>/dev/null; ";
+  const struct {
+    std::string args;
+  } cases[] = {
+      {"bench --device cpu --modes normal --hidden 16 --topk 1 --tokens-max 1 --runs 1 --warmup 0 --no-floors "
+       "--ranks 8000 --experts 8000"},
+      {"bench --device cpu --hidden 16 --topk 1 --tokens-max 1 --runs 1 --warmup 0 --ranks 8000 --experts 8000"},
+      {"run --device cpu --experts-impl reference --ranks 8000 --experts 8000 --tokens 1 --hidden 16 "
+       "--intermediate 8 --topk 1 --iters 1 --check-tokens 1"},
+      {"run --device cpu --mode low-latency --experts-impl reference --ranks 8000 --experts 8000 --tokens 1 "
+       "--hidden 16 --intermediate 8 --topk 1 --iters 1 --check-tokens 1"},
+  };
+  for (const auto& c : cases) {
+    const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
+    const int status =
+        std::system(("(" + limit + "'" + cli_path() + "' " + c.args + ") >'" + o + "' 2>'" + e + "'").c_str());
+    const std::string out = slurp(o), err = slurp(e);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << c.args << "\n" << out << err;
+    EXPECT_NE(err.find("epmoe: invalid argument '--ranks/"), std::string::npos) << c.args << "\n" << err;
+    EXPECT_NE(err.find("expected sizes whose host memory fits this machine's"), std::string::npos)
+        << c.args << "\n" << err;
+    EXPECT_NE(err.find("8000 "), std::string::npos) << c.args << ": the ranks are named in the estimate\n" << err;
+    EXPECT_EQ(out.find("epmoe 0."), std::string::npos) << c.args << ": refused only after starting\n" << out;
+    EXPECT_EQ(err.find("T=1:"), std::string::npos) << c.args << ": refused only after starting\n" << err;
+    EXPECT_EQ(err.find("generating"), std::string::npos) << c.args << ": refused only after starting\n" << err;
+  }
+}
+
+// Found by a fresh user: --config read as inline JSON in the help; tune's help offered --device cpu (always
+// refused) and described --ranks as bench's.
+TEST(Cli, HelpSaysConfigIsAFileAndTuneRunsOnGpus) {
+  for (const char* cmd : {"run", "bench", "tune"}) {
+    const CliResult r = run_cli(std::string(cmd) + " --help");
+    EXPECT_EQ(r.code, 0) << cmd;
+    EXPECT_NE(r.out.find("--config FILE"), std::string::npos) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find("a JSON file of BufferOptions tunables"), std::string::npos) << cmd << "\n" << r.out;
+    EXPECT_EQ(r.out.find("tunables as JSON"), std::string::npos) << cmd << "\n" << r.out;
+  }
+  const CliResult tune = run_cli("tune --help");
+  EXPECT_NE(tune.out.find("--device TEXT:{auto,cuda}"), std::string::npos) << tune.out;
+  EXPECT_EQ(tune.out.find("{auto,cpu,cuda}"), std::string::npos) << tune.out;
+  EXPECT_EQ(tune.out.find("bench on CPU"), std::string::npos) << tune.out;
+  EXPECT_NE(tune.out.find("GPU ranks, one per GPU"), std::string::npos) << tune.out;
+  // cpu is not offered but still refused with the reason (TuneRefusesWithoutGpus); other values by the choices.
+  const CliResult bad = run_cli("tune --device tpu");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("--device: expected auto or cuda, got tpu"), std::string::npos) << bad.err;
+}
+
+// Found by a fresh user: the header said "4 CPU ranks (threads)" without why, and the table's bytes column was
+// not explained. Bytes, from a hand-made trace: every token goes to experts 0..10 (rank 0 of 2, E = 64); rank 0
+// replays tokens 0..3 and rank 1 tokens 4..7 = 0..3 (wrapped), one row each to rank 0: 8 rows of 2H each way,
+// rank 0's 4 rows to itself included (only 4 cross ranks).
+TEST(Cli, RunHeaderSaysWhyCpuRanksAndTheBytesColumnCountsEveryReceivedRow) {
+  const std::string out = temp_path("run.json");
+  const std::int64_t H = 128;
+  CliResult r = run_cli("run --device cpu --ranks 2 --experts 64 --tokens 4 --hidden 128 --intermediate 64 --iters 1 "
+                        "--routing '" + make_trace("trace") + "' --json '" + out + "'");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("2 CPU ranks (threads; --device cpu)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bytes: x rows each rank received (dispatch) or sent back (combine), its own rows included"),
+            std::string::npos) << r.out;
+  const nlohmann::json j = read_json(out);
+  ASSERT_EQ(j["phases"].size(), 4u);
+  EXPECT_EQ(j["phases"][1]["phase"], "dispatch");
+  EXPECT_DOUBLE_EQ(j["phases"][1]["bytes"].get<double>(), 8.0 * 2 * H);
+  EXPECT_EQ(j["phases"][3]["phase"], "combine");
+  EXPECT_DOUBLE_EQ(j["phases"][3]["bytes"].get<double>(), 8.0 * 2 * H);
+  if (gpu_count() > 0) {
+    r = run_cli("run --mode low-latency --ranks 2 " + kTinyRun);  // auto with GPUs: low-latency has no GPU path
+    EXPECT_NE(r.out.find("2 CPU ranks (threads; low-latency mode runs on CPU ranks)"), std::string::npos) << r.out;
+    return;
+  }
+  r = run_cli("run --ranks 2 " + kTinyRun);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(r.out.find("2 CPU ranks (threads; no CUDA GPU found)") != std::string::npos ||
+              r.out.find("2 CPU ranks (threads; this epmoe was built without CUDA)") != std::string::npos)
+      << r.out;
+  r = run_cli("bench --modes normal --tokens-max 1 --hidden 64 --experts 4 --topk 1 --runs 1 --warmup 0 --no-floors");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(r.out.find("2 CPU ranks (threads; no CUDA GPU found)") != std::string::npos ||
+              r.out.find("2 CPU ranks (threads; this epmoe was built without CUDA)") != std::string::npos)
+      << r.out;
+}
+
 TEST(Cli, TuneNamesBadFlagsOnAnyMachine) {
   // Flags are checked before the GPU lookup: a bad list or objective is named with or without GPUs.
   CliResult r = run_cli("tune --device cpu --sms 8,abc");

@@ -106,35 +106,52 @@ Counts count_routing(const Tensor& idx, int E, int R) {
   return c;
 }
 
-// Every rank's counts: [source][destination].
+// What a rank needs of every rank's counts: its own row (what it sends to each destination), the totals over
+// all ranks (remote rows, remote pairs, every row), and, only when `full` (GPU ranks: few of them), the whole
+// [source][destination] matrix. The CPU path keeps O(R) per rank: the full matrix on every thread rank was
+// 16 R^2 bytes per rank, R^3 in all (1000 ranks: 16 GB before the library allocated anything).
 struct Matrix {
-  std::vector<std::int64_t> rows, pairs;  // R x R
-  int R = 0;
-  std::int64_t at(const std::vector<std::int64_t>& m, int s, int d) const { return m[static_cast<std::size_t>(s * R + d)]; }
-  // Units of `op` (rows or pairs) that source s sends to destination d.
-  std::int64_t units(std::string_view op, int s, int d) const { return at(per_pair(op) ? pairs : rows, s, d); }
+  int R = 0, me = 0;
+  Counts mine;                             // this rank's row: rows/pairs to each destination
+  std::vector<std::int64_t> rows, pairs;   // full only: R x R, [source][destination]
+  double remote_rows = 0, remote_pairs = 0, all_rows = 0;  // summed over every source (remote: other ranks)
+  // Units of `op` (rows or pairs) that source s sends to destination d (s == me unless gathered in full).
+  std::int64_t units(std::string_view op, int s, int d) const {
+    if (s == me) return (per_pair(op) ? mine.pairs : mine.rows)[static_cast<std::size_t>(d)];
+    EPMOE_ASSERT(!rows.empty());
+    return (per_pair(op) ? pairs : rows)[static_cast<std::size_t>(s * R + d)];
+  }
   // DeepEP's "logical" bytes of a normal-mode op: every received x row (local ones included), x only.
   double logical_bytes(std::string_view op, std::int64_t H) const {
-    double n = 0;
-    for (const auto v : rows) n += static_cast<double>(v);
-    return op.rfind("ll_", 0) == 0 ? -1.0 : n * static_cast<double>(op == "dispatch_fp8" ? H : 2 * H);
+    return op.rfind("ll_", 0) == 0 ? -1.0 : all_rows * static_cast<double>(op == "dispatch_fp8" ? H : 2 * H);
   }
-  double remote_units(std::string_view op) const {
-    double n = 0;
-    for (int s = 0; s < R; ++s)
-      for (int d = 0; d < R; ++d)
-        if (s != d) n += static_cast<double>(units(op, s, d));
-    return n;
-  }
+  double remote_units(std::string_view op) const { return per_pair(op) ? remote_pairs : remote_rows; }
 };
-Matrix gather_counts(Group& g, const Counts& mine) {
-  const int R = g.size();
+Matrix gather_counts(Group& g, const Counts& mine, bool full) {
+  const int R = g.size(), me = g.rank();
+  Matrix m;
+  m.R = R;
+  m.me = me;
+  m.mine = mine;
+  std::int64_t sums[3] = {0, 0, 0};  // remote rows, remote pairs, all rows of this rank
+  for (int d = 0; d < R; ++d) {
+    const auto i = static_cast<std::size_t>(d);
+    if (d != me) sums[0] += mine.rows[i], sums[1] += mine.pairs[i];
+    sums[2] += mine.rows[i];
+  }
+  std::vector<std::int64_t> all_sums(3 * static_cast<std::size_t>(R));
+  g.all_gather(sums, all_sums.data(), sizeof(sums), "bench.counts");
+  std::int64_t total[3] = {0, 0, 0};
+  for (int s = 0; s < R; ++s)
+    for (int k = 0; k < 3; ++k) total[k] += all_sums[static_cast<std::size_t>(3 * s + k)];
+  m.remote_rows = static_cast<double>(total[0]);
+  m.remote_pairs = static_cast<double>(total[1]);
+  m.all_rows = static_cast<double>(total[2]);
+  if (!full) return m;
   std::vector<std::int64_t> send(mine.rows);
   send.insert(send.end(), mine.pairs.begin(), mine.pairs.end());
   std::vector<std::int64_t> all(send.size() * static_cast<std::size_t>(R));
   g.all_gather(send.data(), all.data(), send.size() * sizeof(std::int64_t), "bench.counts");
-  Matrix m;
-  m.R = R;
   for (int s = 0; s < R; ++s) {
     const auto* p = all.data() + static_cast<std::size_t>(s) * send.size();
     m.rows.insert(m.rows.end(), p, p + R);
@@ -238,7 +255,7 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
     const auto t_start = Clock::now();
     if (r == 0) fmt::print(stderr, "[{}/{}] T={}: ", i + 1, Ts.size(), T);
     const HostInputs in = host_inputs(c, seed, r, T);
-    const Matrix m = gather_counts(*g, count_routing(in.idx, c.experts, R));
+    const Matrix m = gather_counts(*g, count_routing(in.idx, c.experts, R), false);
 
     // Floor: this rank's remote bytes of the op, memcpy'd while every other rank does the same.
     double floor_bytes = 0;
@@ -401,7 +418,7 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
                               const std::vector<std::string>& ops, bool floors, Collector& col, bool progress) {
   const int R = g.size(), r = g.rank(), dev = ctx.device;
   const HostInputs hin = host_inputs(c, seed, r, T);
-  const Matrix m = gather_counts(g, count_routing(hin.idx, c.experts, R));
+  const Matrix m = gather_counts(g, count_routing(hin.idx, c.experts, R), true);
   BufferOptions bo = options;
   bo.backend = Backend::cuda_ipc;
   bo.device = dev;
@@ -580,14 +597,29 @@ int bench(BenchConfig c) {
     bad("--tokens-max", fmt::format("a range holding a power of two (--tokens-min {})", c.tokens_min), c.tokens_max);
   if (c.ll_tokens_max < 1) bad("--ll-tokens-max", ">= 1", c.ll_tokens_max);
   if (c.kind == DeviceKind::cpu) {
-    // Roughly: per rank its tokens, the rows it may receive (R x T), the combine output and the threads
-    // transport's copies, at the largest T; low-latency slabs (E_local x R x T x H, dispatch and combine).
+    // Roughly, per rank at the largest T: its tokens, the rows it may receive (R x T) and the combine output;
+    // normal mode's count exchange and two live handles (bf16 and fp8 dispatch), which grow with R^2 per rank
+    // (threads_normal_bytes_per_rank); the low-latency window at the largest low-latency T (what bench
+    // allocates: get_low_latency_rdma_size_hint, which holds E_local x R x T rows and an R x T staging area).
     const double row = 2.0 * static_cast<double>(c.hidden);
-    const double t_max = static_cast<double>(sweep(c).back());
-    double need = R * (2.0 + 2.0 * R) * t_max * row;
-    if (modes.count("low-latency") && c.topk <= kLowLatencyMaxTopk)
-      need += R * 2.0 * (static_cast<double>(c.experts) / R) * R * std::min<double>(c.ll_tokens_max, t_max) * row;
-    check_host_memory(need, "--tokens-max/--hidden/--ranks", fmt::format("{} CPU ranks at T = {}", R, sweep(c).back()));
+    const std::int64_t t_max = sweep(c).back();
+    double normal = 0, ll = 0;
+    if (modes.count("normal"))
+      normal = R * ((2.0 + 2.0 * R) * static_cast<double>(t_max) * row + threads_normal_bytes_per_rank(R, t_max, 2));
+    std::int64_t t_ll = 0;
+    for (const std::int64_t t : sweep(c))
+      if (t <= c.ll_tokens_max) t_ll = t;
+    if (modes.count("low-latency") && c.topk <= kLowLatencyMaxTopk && t_ll > 0)
+      // R x Tmax >= 2^31 is beyond the library's limit (and any memory): counted as such.
+      ll = static_cast<double>(t_ll) * R >= 2147483648.0
+               ? 1e30
+               : R * static_cast<double>(Buffer::get_low_latency_rdma_size_hint(static_cast<int>(t_ll), c.hidden, R,
+                                                                                 c.experts));
+    check_host_memory(normal + ll,
+                      ll > 0 ? "--ranks/--tokens-max/--ll-tokens-max/--hidden/--experts"
+                             : "--ranks/--tokens-max/--hidden",
+                      fmt::format("{} CPU ranks at T = {}: normal mode {:.1f} GiB, low-latency {:.1f} GiB", R, t_max,
+                                  normal / 1073741824.0, ll / 1073741824.0));
   }
   if (!c.json.empty()) check_writable("--json", c.json);
   const std::uint64_t seed = fresh_seed(c.seed);
@@ -595,7 +627,8 @@ int bench(BenchConfig c) {
   const std::string nccl = gpu ? nccl_status() : "n/a on CPU ranks";
 
   fmt::print("epmoe {} bench: {} {} ranks ({}), H={}, K={}, E={}, T in {}..{} (powers of two), {} runs after {} warm-up, seed {}\n",
-             version(), R, gpu ? "GPU" : "CPU", gpu ? fmt::format("cuda_ipc, {} x {}", R, device_name(0)) : "threads",
+             version(), R, gpu ? "GPU" : "CPU",
+             gpu ? fmt::format("cuda_ipc, {} x {}", R, device_name(0)) : "threads; " + cpu_ranks_reason(c.device),
              c.hidden, c.topk, c.experts, sweep(c).front(), sweep(c).back(), c.runs, c.warmup, seed);
   fmt::print("floor: {}; nccl: {}; buffer config: {}\n",
              gpu ? "cudaMemcpyPeerAsync of the same bytes, every direction at once" : "memcpy of the same bytes on every rank at once",
@@ -758,18 +791,19 @@ int tune(BenchConfig c) {
   return 0;
 }
 
-void add_shape_options(CLI::App* cmd, BenchConfig& c) {
+void add_shape_options(CLI::App* cmd, BenchConfig& c, const std::string& ranks_help) {
   cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
   cmd->add_option("-k,--topk", c.topk, "experts per token K")->capture_default_str();
   cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of the ranks)")->capture_default_str();
   cmd->add_option("--runs", c.runs, "timed runs per point (median reported)")->capture_default_str();
   cmd->add_option("--warmup", c.warmup, "untimed runs before them")->capture_default_str();
-  cmd->add_option("--ranks", c.ranks, "ranks (bench on CPU: threads; on GPUs: default all visible GPUs, one rank each)")
-      ->capture_default_str();
+  cmd->add_option("--ranks", c.ranks, ranks_help)->capture_default_str();
   cmd->add_option("--seed", c.seed, "seed of inputs and routing (0: a fresh one, printed)")
       ->check(non_negative_integer())
       ->capture_default_str();
-  cmd->add_option("--config", c.config, "BufferOptions tunables as JSON (what `epmoe tune` writes)");
+  cmd->add_option("--config", c.config,
+                  "a JSON file of BufferOptions tunables (what `epmoe tune` writes), e.g. containing {\"num_sms\": 16}")
+      ->type_name("FILE");
 }
 
 }  // namespace
@@ -787,7 +821,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
   cmd->add_flag("!--no-floors", c.floors, "skip the peer-copy/memcpy floors and NCCL");
   cmd->add_option("--json", c.json, "write the results as JSON (scripts/plot_bench.py plots it)")->check(non_empty_path());
-  add_shape_options(cmd, c);
+  add_shape_options(cmd, c,
+                    "ranks (on CPU: threads of this process; on GPUs: default all visible GPUs, one rank each)");
   return [config, cmd] {
     config->ranks_given = cmd->count("--ranks") > 0;
     return bench(*config);
@@ -805,9 +840,18 @@ std::function<int()> add_tune_command(CLI::App& app) {
   cmd->add_option("--objective", c.objective, "max (of dispatch and combine), sum, dispatch or combine")->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
   cmd->add_option("-o,--output", c.output, "where to write the best config")->capture_default_str();
-  cmd->add_option("--device", c.device, "auto or cuda (cpu: refused, num_sms is a GPU setting)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
-  add_shape_options(cmd, c);
+  // tune runs on GPUs only: the help offers auto and cuda; cpu is still accepted here so that tune() refuses it
+  // with the reason (num_sms is a GPU setting) instead of CLI11's bare "not in" message.
+  const CLI::Validator gpu_device(
+      [](std::string& v) {
+        return v == "auto" || v == "cuda" || v == "cpu" ? std::string() : "expected auto or cuda, got " + v;
+      },
+      "{auto,cuda}");
+  cmd->add_option("--device", c.device, "auto or cuda (tune runs on GPUs only: num_sms is a GPU setting)")
+      ->check(gpu_device)
+      ->capture_default_str();
+  add_shape_options(cmd, c, "GPU ranks, one per GPU (default: all visible GPUs)");
+  cmd->get_option("--ranks")->default_str("");  // bench's CPU default (2) means nothing here
   return [config, cmd] {
     config->ranks_given = cmd->count("--ranks") > 0;
     return tune(*config);

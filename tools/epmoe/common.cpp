@@ -61,6 +61,18 @@ DeviceKind resolve_device(std::string_view choice, bool cuda_allowed, std::strin
   return n > 0 && cuda_allowed ? DeviceKind::cuda : DeviceKind::cpu;
 }
 
+std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed, std::string_view no_gpu_path) {
+  if (choice == "cpu") return "--device cpu";
+#if defined(EPMOE_HAVE_CUDA)
+  if (cuda_device_count() == 0) return "no CUDA GPU found";
+  return cuda_allowed || no_gpu_path.empty() ? std::string("--device auto") : std::string(no_gpu_path);
+#else
+  (void)cuda_allowed;
+  (void)no_gpu_path;
+  return "this epmoe was built without CUDA";
+#endif
+}
+
 const CLI::Validator& non_empty_path() {
   static const CLI::Validator check([](std::string& v) { return v.empty() ? std::string("expected a path, got ''") : std::string(); },
                                     "PATH");
@@ -103,6 +115,12 @@ void check_host_memory(double need, std::string_view flags, std::string_view wha
   if (have > 0 && need > have)
     bad(flags, fmt::format("sizes whose host memory fits this machine's {:.1f} GiB", have / 1073741824.0),
         fmt::format("about {:.1f} GiB ({})", need / 1073741824.0, what));
+}
+
+double threads_normal_bytes_per_rank(int num_ranks, std::int64_t tokens, int live_handles) {
+  const double R = num_ranks, T = static_cast<double>(tokens);
+  const double counts = 8.0 * R * (R + 16), handle = 4.0 * R * R + 8.0 * T * R;
+  return 1.5 * (counts + live_handles * handle) + 128.0 * 1024;
 }
 
 void apply_config_flag(const std::string& path, BufferOptions& options) {

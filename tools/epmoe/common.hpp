@@ -38,6 +38,11 @@ std::string device_name(int device);
 /// has a GPU path), cpu otherwise. cuda without a device throws invalid_argument naming `flag` and why.
 DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std::string_view flag = "--device");
 
+/// Why a command runs on CPU ranks, for its header: "--device cpu", "this epmoe was built without CUDA", "no CUDA
+/// GPU found", or `no_gpu_path` (e.g. a mode without a GPU path) when GPUs are there but `cuda_allowed` is false
+/// ("--device auto" if that is empty, or if GPUs are there and allowed: not a CPU run of resolve_device).
+std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed = true, std::string_view no_gpu_path = "");
+
 /// A CLI11 check for path options: an empty path is refused (it would silently write nothing).
 const CLI::Validator& non_empty_path();
 
@@ -54,6 +59,14 @@ void write_text_file(std::string_view flag, const std::string& path, const std::
 /// describes it) exceed this machine's physical memory: an impossible size is named up front, not by a failed
 /// allocation later.
 void check_host_memory(double need, std::string_view flags, std::string_view what);
+
+/// Host bytes per rank that the CPU threads backend's normal mode allocates besides the payload rows, which grow
+/// with the rank count R: the count all-gather of a dispatch (R x (R + 16) int64 on every rank) and, per live
+/// dispatch handle, its rank_prefix_matrix (R x R int32) and [T, R] tables (is_token_in_rank, send_pos and the
+/// layout's copies), times 1.5 for what glibc's arenas keep of freed ones (peak RSS measured 1.4-1.5x the live
+/// sum at 300-600 thread ranks), plus 128 KiB for the rank's thread. R^2 per rank: R^3 for one process of R
+/// thread ranks (bench at T = 1: 0.6 GB at R = 300, 5 GB at R = 600).
+double threads_normal_bytes_per_rank(int num_ranks, std::int64_t tokens, int live_handles);
 
 /// Reads BufferOptions' tunables from --config PATH (empty: nothing), naming the flag on a bad file.
 void apply_config_flag(const std::string& path, BufferOptions& options);

@@ -522,20 +522,40 @@ int run(RunConfig c) {
                trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
   }
   {
-    // Host memory the job needs, roughly (bf16 weights of every expert, plus each rank's tokens, their K copies
-    // after dispatch and the expert intermediates), against the machine's: an impossible size is named here, not
-    // by a failed allocation later.
+    // Host memory the job needs, roughly, against the machine's: an impossible size is named here, not by a
+    // failed allocation (or the OOM killer) later. The bf16 weights of every expert; per rank its tokens, their
+    // K copies after dispatch and the expert intermediates; the buffers of the CPU transport: normal mode's count
+    // exchange and handles, which grow with R^2 per rank (threads_normal_bytes_per_rank; ranks that are
+    // threads of this process), or the low-latency window (E_local x R x T rows and an R x T staging area).
     const double weights = static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2;
-    const double per_rank = static_cast<double>(c.tokens) * (c.hidden * 2.0 * (3 + c.topk) + 4.0 * c.intermediate * c.topk);
-    check_host_memory(weights + per_rank * c.ranks, "--tokens/--hidden/--experts/--intermediate",
-                      fmt::format("weights {:.1f} GiB", weights / 1073741824.0));
+    double per_rank = static_cast<double>(c.tokens) * (c.hidden * 2.0 * (3 + c.topk) + 4.0 * c.intermediate * c.topk);
+    if (c.kind == DeviceKind::cpu && c.mode == "normal") {
+      per_rank += threads_normal_bytes_per_rank(c.ranks, c.tokens, 1);
+    } else if (c.kind == DeviceKind::cpu) {
+      // R x T >= 2^31 is beyond the library's limit (and any memory): counted as such. Settings the window
+      // cannot have (more than 1024 experts per rank) are left for the layer to name.
+      if (static_cast<double>(c.tokens) * c.ranks >= 2147483648.0) {
+        per_rank += 1e30;
+      } else {
+        try {
+          per_rank += static_cast<double>(
+              Buffer::get_low_latency_rdma_size_hint(static_cast<int>(c.tokens), c.hidden, c.ranks, c.experts));
+        } catch (const Error&) {
+        }
+      }
+    }
+    // With MPI each process holds its own rank's share; the machine's memory is still shared by all of them.
+    check_host_memory(weights + per_rank * c.ranks, "--ranks/--tokens/--hidden/--experts/--intermediate",
+                      fmt::format("weights {:.1f} GiB, {} ranks' tokens and buffers {:.1f} GiB", weights / 1073741824.0,
+                                  c.ranks, per_rank * c.ranks / 1073741824.0));
   }
   if (root) {
     const std::string where =
         c.kind == DeviceKind::cuda
             ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
                           c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
-            : fmt::format("{} CPU rank{} ({})", c.ranks, c.ranks == 1 ? "" : "s", c.backend);
+            : fmt::format("{} CPU rank{} ({}; {})", c.ranks, c.ranks == 1 ? "" : "s", c.backend,
+                          cpu_ranks_reason(c.device, c.mode == "normal", "low-latency mode runs on CPU ranks"));
     fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
                where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
                c.experts_impl);
@@ -613,6 +633,9 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
     jphases.push_back({{"phase", p.name}, {"time_ms", s * 1e3}, {"bytes", p.bytes}, {"gb_per_s", gbs}});
   }
   fmt::print("{:<10} {:>12.3f}\n", "total", total * 1e3);
+  // The payload as DeepEP counts it (see run_rank): not only what crossed ranks, unlike bench's "remote MB".
+  fmt::print("bytes: x rows each rank received (dispatch) or sent back (combine), its own rows included, summed over "
+             "ranks; bench's remote MB counts only rows crossing ranks\n");
   fmt::print("\nrelative L2 error vs float64 reference ({} tokens checked): {:.3e} (tolerance {:.0e})\n", checked, rel,
              c.tolerance);
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
@@ -659,7 +682,9 @@ std::function<int()> add_run_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "blas", "reference", "cuda"}))->capture_default_str();
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
-  cmd->add_option("--config", c.config, "BufferOptions tunables as JSON (what `epmoe tune` writes), e.g. {\"num_sms\": 16}");
+  cmd->add_option("--config", c.config,
+                  "a JSON file of BufferOptions tunables (what `epmoe tune` writes), e.g. containing {\"num_sms\": 16}")
+      ->type_name("FILE");
   cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")
       ->check(non_negative_integer())
       ->capture_default_str();
