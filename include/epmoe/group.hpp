@@ -67,6 +67,11 @@ class ThreadWorld {
   /// a collective or a signal wait throw ErrorCode::unusable naming that rank at once, instead of
   /// waiting out their timeout.
   void abort(int rank, std::string_view reason);
+  /// Runs `body(rank)` on one new thread per rank of this world and joins them all. `body` must not throw (catch
+  /// in it). If the system cannot start a thread (more ranks than this machine runs threads), the world is
+  /// aborted so the started ranks stop at their next collective, they are joined, and Error(out_of_memory)
+  /// names the rank and size() (nothing is left running).
+  void run_threads(const std::function<void(int rank)>& body);
 
   struct State;  // shared by the world's groups and transports
 

@@ -182,28 +182,23 @@ void bind_group(nb::module_& m) {
         {
           // The ranks take the GIL only while they run Python code; every collective releases it.
           nb::gil_scoped_release release;
-          std::vector<std::thread> threads;
-          threads.reserve(static_cast<size_t>(num_ranks));
-          for (int r = 0; r < num_ranks; ++r) {
-            threads.emplace_back([&, r] {
+          world.run_threads([&](int r) {
+            try {
+              PyGroup g{world.group(r)};
+              if (timeout_s) g.group->set_timeout_s(*timeout_s);
+              nb::gil_scoped_acquire gil;
               try {
-                PyGroup g{world.group(r)};
-                if (timeout_s) g.group->set_timeout_s(*timeout_s);
-                nb::gil_scoped_acquire gil;
-                try {
-                  results[static_cast<size_t>(r)] = fn(g);
-                } catch (...) {
-                  errors[static_cast<size_t>(r)] = std::current_exception();
-                }
+                results[static_cast<size_t>(r)] = fn(g);
               } catch (...) {
                 errors[static_cast<size_t>(r)] = std::current_exception();
               }
-              // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
-              // wait out their timeout in the next collective.
-              if (errors[static_cast<size_t>(r)]) world.abort(r, "its function raised");
-            });
-          }
-          for (auto& t : threads) t.join();
+            } catch (...) {
+              errors[static_cast<size_t>(r)] = std::current_exception();
+            }
+            // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
+            // wait out their timeout in the next collective.
+            if (errors[static_cast<size_t>(r)]) world.abort(r, "its function raised");
+          });
         }
         // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else
         // the lowest failing rank's. A Python exception is re-raised as the original object.

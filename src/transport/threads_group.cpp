@@ -4,6 +4,8 @@
 #include <epmoe/group.hpp>
 
 #include <cstring>
+#include <string>
+#include <system_error>
 #include <thread>
 
 #include "transport/threads_world.hpp"
@@ -106,6 +108,29 @@ void ThreadWorld::abort(int rank, std::string_view reason) {
   state_->cv.notify_all();
 }
 
+void ThreadWorld::run_threads(const std::function<void(int rank)>& body) {
+  const int n = size();
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(n));
+  std::string failure;
+  int failed_rank = -1;
+  for (int r = 0; r < n; ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (const std::system_error& e) {  // EAGAIN: the thread limit, or memory for the stack
+      failure = e.what();
+      failed_rank = r;
+      abort(r, "its thread could not be started");
+      break;
+    }
+  }
+  for (auto& t : threads) t.join();
+  if (failed_rank >= 0)
+    raise(ErrorCode::out_of_memory,
+          "could not start the thread of rank {} of {} ({}): this machine runs fewer threads; use fewer ranks",
+          failed_rank, n, failure);
+}
+
 std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors) {
   std::exception_ptr first;
   for (const auto& e : errors) {
@@ -134,21 +159,16 @@ std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<voi
                                           bool abort_on_failure) {
   ThreadWorld world(num_ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(num_ranks));
-  for (int r = 0; r < num_ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto g = world.group(r);
-        g->set_timeout_s(timeout_s);
-        fn(*g);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        if (abort_on_failure) world.abort(r, "it threw");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  world.run_threads([&](int r) {
+    try {
+      auto g = world.group(r);
+      g->set_timeout_s(timeout_s);
+      fn(*g);
+    } catch (...) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      if (abort_on_failure) world.abort(r, "it threw");
+    }
+  });
   return errors;
 }
 }  // namespace

@@ -423,9 +423,9 @@ TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {
 
 // Found by a fresh user: `bench --device cpu --hidden 256 --tokens-max 4 --ranks 1000 --experts 1000` passed the
 // host-memory pre-check and was OOM-killed at ~24 GB (peak RSS roughly cubic in R: each of R thread ranks holds
-// R x R count and prefix matrices); `run --ranks 1000 --experts-impl reference` likewise. At 8000 ranks and T = 1
-// the old estimates said about 4 GB (bench) and 6 MB (run); the count exchange and handles alone need terabytes.
-// Both must be refused naming --ranks before any thread rank starts. The commands run under a virtual-memory
+// R x R count and prefix matrices); `run --ranks 1000 --experts-impl reference` likewise. At 40000 ranks and T = 1
+// every estimate exceeds any machine's memory (low-latency run: ~718 GiB; 8000 ranks fit the GPU machine's 128 GiB,
+// where 8000 threads then could not start). Both must be refused naming --ranks before any thread rank starts. The commands run under a virtual-memory
 // limit (not in sanitizer builds, whose shadow memory needs more), so that a regression fails here instead of
 // taking the machine's memory.
 #if defined(__SANITIZE_ADDRESS__)
@@ -446,11 +446,11 @@ TEST(Cli, RanksWhoseCountExchangeOutgrowsHostMemoryAreRefusedNamingRanks) {
     std::string args;
   } cases[] = {
       {"bench --device cpu --modes normal --hidden 16 --topk 1 --tokens-max 1 --runs 1 --warmup 0 --no-floors "
-       "--ranks 8000 --experts 8000"},
-      {"bench --device cpu --hidden 16 --topk 1 --tokens-max 1 --runs 1 --warmup 0 --ranks 8000 --experts 8000"},
-      {"run --device cpu --experts-impl reference --ranks 8000 --experts 8000 --tokens 1 --hidden 16 "
+       "--ranks 40000 --experts 40000"},
+      {"bench --device cpu --hidden 16 --topk 1 --tokens-max 1 --runs 1 --warmup 0 --ranks 40000 --experts 40000"},
+      {"run --device cpu --experts-impl reference --ranks 40000 --experts 40000 --tokens 1 --hidden 16 "
        "--intermediate 8 --topk 1 --iters 1 --check-tokens 1"},
-      {"run --device cpu --mode low-latency --experts-impl reference --ranks 8000 --experts 8000 --tokens 1 "
+      {"run --device cpu --mode low-latency --experts-impl reference --ranks 40000 --experts 40000 --tokens 1 "
        "--hidden 16 --intermediate 8 --topk 1 --iters 1 --check-tokens 1"},
   };
   for (const auto& c : cases) {
@@ -462,7 +462,7 @@ TEST(Cli, RanksWhoseCountExchangeOutgrowsHostMemoryAreRefusedNamingRanks) {
     EXPECT_NE(err.find("epmoe: invalid argument '--ranks/"), std::string::npos) << c.args << "\n" << err;
     EXPECT_NE(err.find("expected sizes whose host memory fits this machine's"), std::string::npos)
         << c.args << "\n" << err;
-    EXPECT_NE(err.find("8000 "), std::string::npos) << c.args << ": the ranks are named in the estimate\n" << err;
+    EXPECT_NE(err.find("40000 "), std::string::npos) << c.args << ": the ranks are named in the estimate\n" << err;
     EXPECT_EQ(out.find("epmoe 0."), std::string::npos) << c.args << ": refused only after starting\n" << out;
     EXPECT_EQ(err.find("T=1:"), std::string::npos) << c.args << ": refused only after starting\n" << err;
     EXPECT_EQ(err.find("generating"), std::string::npos) << c.args << ": refused only after starting\n" << err;

@@ -159,17 +159,14 @@ Tensor random_topk(std::int64_t T, int K, int E, std::uint64_t seed) {
 void launch_ranks(int num_ranks, const std::function<void(const std::shared_ptr<Group>&)>& fn) {
   ThreadWorld world(num_ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < num_ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(world.group(r));
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        world.abort(r, e.what());
-      }
-    });
-  for (auto& t : threads) t.join();
+  world.run_threads([&](int r) {
+    try {
+      fn(world.group(r));
+    } catch (const std::exception& e) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      world.abort(r, e.what());
+    }
+  });
   if (auto e = first_root_cause(errors)) std::rethrow_exception(e);
 }
 

@@ -385,18 +385,15 @@ std::vector<RankResult> launch_threads(const RunConfig& c, Shared& sh) {
   std::vector<RankResult> results(static_cast<std::size_t>(c.ranks));
   ThreadWorld world(c.ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(c.ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        results[static_cast<std::size_t>(r)] =
-            c.kind == DeviceKind::cuda ? run_rank_gpu(world.group(r), sh, r) : run_rank(world.group(r), sh);
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        world.abort(r, e.what());  // the other ranks stop waiting for this one at once
-      }
-    });
-  for (auto& t : threads) t.join();
+  world.run_threads([&](int r) {
+    try {
+      results[static_cast<std::size_t>(r)] =
+          c.kind == DeviceKind::cuda ? run_rank_gpu(world.group(r), sh, r) : run_rank(world.group(r), sh);
+    } catch (const std::exception& e) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      world.abort(r, e.what());  // the other ranks stop waiting for this one at once
+    }
+  });
   if (auto e = first_root_cause(errors)) std::rethrow_exception(e);
   return results;
 }
