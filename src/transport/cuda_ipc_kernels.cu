@@ -95,6 +95,34 @@ __device__ void signal_done(const Common& c) {
   }
 }
 
+/// One warp copies a row of `nvec` 16-byte vectors, kVec loads in flight per lane before their stores.
+__device__ __forceinline__ void warp_copy_row(const int4* src, int4* dst, int nvec, int lane) {
+  for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
+    int4 v[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (i0 + u * 32 < nvec) v[u] = __ldg(src + i0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (i0 + u * 32 < nvec) dst[i0 + u * 32] = v[u];
+  }
+}
+
+/// After this block's rows of pipeline stage j (every thread calls it): the last block of the grid to finish the
+/// stage publishes chunk_done[me][j] = seq in every peer. One thread fences after the barrier (cumulative, as in
+/// signal_done). Counting warps instead (no barrier, one fence per warp) was measured slower: 1536 system fences
+/// per op instead of 96.
+__device__ void publish_stage_if_last(const Common& c, int j) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  const unsigned old = atomicAdd(&control(c.peers[c.rank])->chunk_arrive[j], 1u);
+  if (old != gridDim.x - 1) return;
+  __threadfence_system();
+  for (int p = 0; p < c.num_ranks; ++p)
+    if (p != c.rank) st_release_sys(&control(c.peers[p])->chunk_done[c.rank][j], c.seq);
+}
+
 /// `c_in` with the current op's sequence number (set on the device by the op's notify kernel).
 __device__ __forceinline__ Common op_common(const Common& c_in) {
   Common c = c_in;
@@ -495,15 +523,7 @@ __global__ void __launch_bounds__(kThreads)
       char* base = data_region(c.peers[s]);
       const int4* sx = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + r * a.x_row);
       int4* dx = reinterpret_cast<int4*>(base + L.x_off + row * a.x_row);
-      for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
-        int4 v[kVec];
-#pragma unroll
-        for (int u = 0; u < kVec; ++u)
-          if (i0 + u * 32 < nvec) v[u] = __ldg(sx + i0 + u * 32);
-#pragma unroll
-        for (int u = 0; u < kVec; ++u)
-          if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
-      }
+      warp_copy_row(sx, dx, nvec, lane);
       if (a.weights && lane < a.K)
         reinterpret_cast<float*>(base + L.w_off)[row * a.K + lane] = a.weights[r * a.K + lane];
     }
@@ -514,11 +534,10 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     combine_push_kernel(const __grid_constant__ Common c_in, const __grid_constant__ CombinePushArgs a) {
   const Common c = op_common(c_in);
-  const int R = c.num_ranks, me = c.rank, lane = threadIdx.x & 31;
+  const int R = c.num_ranks, lane = threadIdx.x & 31;
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
   const int nvec = static_cast<int>(a.x_row / 16);
-  Control* mine = control(c.peers[me]);
   for (int j = 0; j < a.chunks; ++j) {
     std::int64_t lo[kMaxRanks], total = 0;
     for (int d = 0; d < R; ++d) {
@@ -537,29 +556,11 @@ __global__ void __launch_bounds__(kThreads)
       char* region = data_region(c.peers[d]);
       const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + src_row * a.x_row);
       int4* dst = reinterpret_cast<int4*>(region + a.layout.x_off + dst_row * a.x_row);
-      for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
-        int4 v[kVec];
-#pragma unroll
-        for (int u = 0; u < kVec; ++u)
-          if (i0 + u * 32 < nvec) v[u] = __ldg(src + i0 + u * 32);
-#pragma unroll
-        for (int u = 0; u < kVec; ++u)
-          if (i0 + u * 32 < nvec) dst[i0 + u * 32] = v[u];
-      }
+      warp_copy_row(src, dst, nvec, lane);
       if (a.weights && lane < a.K)
         reinterpret_cast<float*>(region + a.layout.w_off)[dst_row * a.K + lane] = a.weights[src_row * a.K + lane];
     }
-    // The last block done with stage j publishes it (as the dispatch's staging does).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      const unsigned old = atomicAdd(&mine->chunk_arrive[j], 1u);
-      if (old == gridDim.x - 1) {
-        __threadfence_system();
-        for (int p = 0; p < R; ++p)
-          if (p != me) st_release_sys(&control(c.peers[p])->chunk_done[me][j], c.seq);
-      }
-    }
+    publish_stage_if_last(c, j);
   }
 }
 
@@ -714,15 +715,7 @@ __device__ __forceinline__ void gather_row(const GatherArgs& a, std::int64_t t, 
   const int nvec = static_cast<int>(a.x_row / 16);
   const int4* sx = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + t * a.x_row);
   int4* dx = reinterpret_cast<int4*>(x + row * a.x_row);
-  for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
-    int4 v[kVec];
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (i0 + u * 32 < nvec) v[u] = __ldg(sx + i0 + u * 32);
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (i0 + u * 32 < nvec) dx[i0 + u * 32] = v[u];
-  }
+  warp_copy_row(sx, dx, nvec, lane);
   if (a.scales) {
     const int nscale = static_cast<int>(a.scale_row / 4);
     const std::int32_t* ss =
@@ -765,7 +758,6 @@ __global__ void __launch_bounds__(kThreads)
   char* region = data_region(c.peers[me]);
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const std::int64_t num_warps = static_cast<std::int64_t>(gridDim.x) * kWarps;
-  Control* mine = control(c.peers[me]);
   const int first = own ? a.chunks : 0, last = own ? a.chunks : a.chunks - 1;
   for (int j = first; j <= last; ++j) {
     std::int64_t lo[kMaxRanks], total = 0;
@@ -796,19 +788,7 @@ __global__ void __launch_bounds__(kThreads)
                    staged[d] + i, lane);
     }
     if (own) break;
-    // Stage j done in this block; the last block to finish it publishes it to every peer. One thread fences
-    // after the barrier (cumulative, as in signal_done). Counting warps instead (no barrier, one fence per warp)
-    // was measured slower: 1536 system fences per op instead of 96.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      const unsigned old = atomicAdd(&mine->chunk_arrive[j], 1u);
-      if (old == gridDim.x - 1) {
-        __threadfence_system();
-        for (int p = 0; p < R; ++p)
-          if (p != me) st_release_sys(&control(c.peers[p])->chunk_done[me][j], c.seq);
-      }
-    }
+    publish_stage_if_last(c, j);
   }
 }
 
