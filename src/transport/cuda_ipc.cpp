@@ -272,18 +272,18 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     recv_blocks_ = std::max(1, sms);
     EPMOE_CHECK_ARG(o.num_recv_slots >= 0 && o.num_recv_slots <= 64, "options.num_recv_slots", "0..64",
                     o.num_recv_slots);
-    num_recv_slots_ = o.num_recv_slots;
+    const int num_recv_slots = o.num_recv_slots;
     // Slots start at multiples of 4 KiB past the data region's start (its fields are 16-byte aligned from there;
     // num_nvl_bytes need not be a multiple of 16).
     slot_stride_ = (static_cast<std::size_t>(data_bytes_) + 4095) / 4096 * 4096;
     const std::size_t total =
-        ipc::kControlBytes + slot_stride_ * (1 + static_cast<std::size_t>(num_recv_slots_));
+        ipc::kControlBytes + slot_stride_ * (1 + static_cast<std::size_t>(num_recv_slots));
     if (cudaMalloc(&base_, total) != cudaSuccess) {
       cudaGetLastError();
       raise(ErrorCode::out_of_memory,
             "rank {}: cudaMalloc of the {}-byte cuda_ipc buffer on cuda:{} failed (num_nvl_bytes = {} for the data "
             "region and each of num_recv_slots = {} receive slots)",
-            me_, total, device_, data_bytes_, num_recv_slots_);
+            me_, total, device_, data_bytes_, num_recv_slots);
     }
     const int dev = device_;
     memory_ = std::shared_ptr<void>(base_, [dev](void* p) {
@@ -293,7 +293,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       cudaFree(p);
       cudaSetDevice(previous);
     });
-    recv_slots_ = std::make_shared<RecvSlots>(memory_, num_recv_slots_);
+    recv_slots_ = std::make_shared<RecvSlots>(memory_, num_recv_slots);
     EPMOE_CUDA_CHECK(cudaMemset(base_, 0, ipc::kControlBytes));
     EPMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can learn the address
     EPMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(ipc::HostRecord),
@@ -631,7 +631,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::int64_t data_bytes_ = 0;
   void* base_ = nullptr;                   // [control | data region | receive slots], owned by memory_
   std::shared_ptr<void> memory_;
-  int num_recv_slots_ = 0;
   std::size_t slot_stride_ = 0;  // bytes from one receive slot to the next (slot 0 one stride past the data region)
   std::shared_ptr<RecvSlots> recv_slots_;
   void* peers_[ipc::kMaxRanks] = {};
