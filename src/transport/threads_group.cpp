@@ -3,6 +3,7 @@
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <system_error>
@@ -12,19 +13,38 @@
 
 namespace epmoe {
 
+ThreadWorld::State::State(int n)
+    : num_ranks(n),
+      spin_before_sleep(static_cast<unsigned>(n) <= std::thread::hardware_concurrency()),
+      arrived(static_cast<std::size_t>(n), false),
+      slots(static_cast<std::size_t>(n)),
+      pointers(static_cast<std::size_t>(n), nullptr) {}
+
 void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeout_s) {
   std::unique_lock lock(mutex);
   if (broken) raise(ErrorCode::unusable, "rank {}: thread group is unusable after an earlier fault ({})", rank, broken_reason);
-  const std::uint64_t gen = generation;
+  const std::uint64_t gen = generation.load(std::memory_order_relaxed);
   arrived[static_cast<std::size_t>(rank)] = true;
   if (++count == num_ranks) {
     count = 0;
     std::fill(arrived.begin(), arrived.end(), false);
-    ++generation;
+    generation.fetch_add(1, std::memory_order_release);
     cv.notify_all();
     return;
   }
   const Deadline deadline(timeout_s);
+  // Poll a while before sleeping: a condition variable wakes its waiters tens of microseconds after the last
+  // arrival (measured on the GPU machine: a rank's GPU handshake waited ~20 us for its peer's thread), skew that
+  // the ranks' next step pays (a GPU op with a handshake, a timed run). Yielding keeps an oversubscribed core
+  // usable; with more ranks than hardware threads there is no polling at all.
+  if (spin_before_sleep) {
+    lock.unlock();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (generation.load(std::memory_order_acquire) == gen && !aborted.load(std::memory_order_relaxed) &&
+           std::chrono::steady_clock::now() < until)
+      std::this_thread::yield();
+    lock.lock();
+  }
   const bool done = cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken; });
   if (done && generation != gen) return;
   // Woken because a rank failed (ThreadWorld::abort): that failure is the cause, not the ranks still missing.

@@ -13,13 +13,13 @@
 namespace epmoe {
 
 struct ThreadWorld::State {
-  explicit State(int n) : num_ranks(n), arrived(static_cast<std::size_t>(n), false), slots(static_cast<std::size_t>(n)),
-                          pointers(static_cast<std::size_t>(n), nullptr) {}
+  explicit State(int n);
 
   const int num_ranks;
   std::mutex mutex;
   std::condition_variable cv;
-  std::uint64_t generation = 0;  // completed barriers
+  std::atomic<std::uint64_t> generation{0};  // completed barriers (written under `mutex`; spinning waiters read it)
+  const bool spin_before_sleep;               // as many hardware threads as ranks (see barrier)
   int count = 0;                 // ranks arrived at the current barrier
   std::vector<bool> arrived;
   bool broken = false;
