@@ -1,0 +1,169 @@
+// Checks of low-latency arguments shared by the CPU and GPU implementations: see low_latency_args.hpp.
+#include "transport/low_latency_args.hpp"
+
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+
+namespace epmoe::low_latency_args {
+
+namespace {
+constexpr int kMaxTopk = kLowLatencyMaxTopk;  // SPEC 1: K in 1..16 in low-latency mode
+constexpr int kMaxLocalExperts = 1024;        // SPEC 1
+}  // namespace
+
+std::string strides_of(const TensorView& t) {
+  return fmt::format("{} with strides {}", describe(t), to_string(t.strides));
+}
+
+void check_on(const TensorView& t, std::string_view name, Device device) {
+  if (device.is_cpu())
+    EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor (the threads/mpi low-latency backends run on the host)",
+                    describe(t));
+  else
+    EPMOE_CHECK_ARG(t.device == device, name,
+                    fmt::format("a tensor on {} (this rank's device of the cuda_ipc buffer; CPU tensors go to the "
+                                "group's CPU transport, all of a call's tensors on one side)",
+                                to_string(device)),
+                    describe(t));
+}
+
+// topk_idx [T, K] int64/int32, K in 1..16, ids in [-1, E) and distinct per token (a token has at most
+// one row per expert: the R*Tmax rows of an expert hold every token of every rank at most once).
+// Returns it as int32, row-major.
+std::vector<std::int32_t> read_topk_idx(const TensorView& t, std::int64_t T, int E) {
+  EPMOE_CHECK_ARG(t.defined(), "topk_idx", "an int64 or int32 tensor [T, K]", "None");
+  check_on(t, "topk_idx", Device::cpu());
+  EPMOE_CHECK_ARG(t.ndim() == 2 && (t.dtype == DType::int64 || t.dtype == DType::int32), "topk_idx",
+                  "a 2-d int64 or int32 tensor [T, K]", describe(t));
+  EPMOE_CHECK_ARG(t.size(0) == T, "topk_idx", fmt::format("{} rows (T of x)", T), describe(t));
+  const std::int64_t K = t.size(1);
+  EPMOE_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk_idx", fmt::format("K in 1..{} in low-latency mode", kMaxTopk),
+                  fmt::format("K = {}", K));
+  EPMOE_CHECK_ARG(t.data != nullptr || T == 0, "topk_idx", "a non-null data pointer", "nullptr");
+  std::vector<std::int32_t> out(static_cast<std::size_t>(T * K));
+  for (std::int64_t i = 0; i < T; ++i)
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t off = i * t.stride(0) + k * t.stride(1);
+      const std::int64_t v = t.dtype == DType::int64 ? static_cast<const std::int64_t*>(t.data)[off]
+                                                     : static_cast<const std::int32_t*>(t.data)[off];
+      if (v < -1 || v >= E)
+        throw_invalid_argument("topk_idx", fmt::format("expert ids in [-1, {})", E),
+                               fmt::format("{} at [{}, {}]", v, i, k));
+      out[static_cast<std::size_t>(i * K + k)] = static_cast<std::int32_t>(v);
+      for (std::int64_t j = 0; j < k && v >= 0; ++j)
+        if (out[static_cast<std::size_t>(i * K + j)] == v)
+          throw_invalid_argument("topk_idx", "distinct expert ids per token (or -1)",
+                                 fmt::format("expert {} at both [{}, {}] and [{}, {}]", v, i, j, i, k));
+    }
+  return out;
+}
+
+std::vector<float> read_topk_weights(const TensorView& t, std::int64_t T, std::int64_t K) {
+  check_on(t, "topk_weights", Device::cpu());
+  EPMOE_CHECK_ARG(t.ndim() == 2 && t.dtype == DType::fp32 && t.size(0) == T && t.size(1) == K, "topk_weights",
+                  fmt::format("float32[{}, {}]", T, K), describe(t));
+  EPMOE_CHECK_ARG(t.data != nullptr || T == 0, "topk_weights", "a non-null data pointer", "nullptr");
+  std::vector<float> out(static_cast<std::size_t>(T * K));
+  for (std::int64_t i = 0; i < T; ++i)
+    for (std::int64_t k = 0; k < K; ++k)
+      out[static_cast<std::size_t>(i * K + k)] = static_cast<const float*>(t.data)[i * t.stride(0) + k * t.stride(1)];
+  return out;
+}
+
+void check_settings(int tmax, std::int64_t hidden, int R, int E) {
+  EPMOE_CHECK_ARG(tmax >= 1, "num_max_dispatch_tokens_per_rank", ">= 1", tmax);
+  EPMOE_CHECK_ARG(static_cast<std::int64_t>(tmax) * R < (std::int64_t{1} << 31), "num_max_dispatch_tokens_per_rank",
+                  fmt::format("R * Tmax < 2^31 (R = {})", R), tmax);
+  EPMOE_CHECK_ARG(hidden >= 8 && hidden % 8 == 0, "hidden", "a positive multiple of 8 (bf16 rows of 16-byte units)",
+                  hidden);
+  EPMOE_CHECK_ARG(R >= 1, "num_ranks", ">= 1", R);
+  EPMOE_CHECK_ARG(E >= 1 && E % R == 0, "num_experts", fmt::format("a positive multiple of num_ranks = {}", R), E);
+  EPMOE_CHECK_ARG(E / R <= kMaxLocalExperts, "num_experts",
+                  fmt::format("at most {} experts per rank ({} ranks)", kMaxLocalExperts, R), E);
+}
+
+void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
+                          int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed) {
+  if (set) {
+    EPMOE_CHECK_ARG(tmax == cfg_tmax, "num_max_dispatch_tokens_per_rank",
+                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_tmax), tmax);
+    EPMOE_CHECK_ARG(hidden == cfg_hidden, "hidden",
+                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_hidden), hidden);
+    EPMOE_CHECK_ARG(num_experts == cfg_e, "num_experts",
+                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_e), num_experts);
+    return;
+  }
+  if (num_rdma_bytes > 0 && num_rdma_bytes < needed)
+    raise(ErrorCode::out_of_memory,
+          "invalid argument 'num_rdma_bytes': the low-latency buffer needs {} bytes per rank (Tmax = {}, H = {}, "
+          "R = {}, E = {}; see get_low_latency_rdma_size_hint), got {}",
+          needed, tmax, hidden, R, num_experts, num_rdma_bytes);
+}
+
+DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device device) {
+  const int tmax = a.num_max_dispatch_tokens_per_rank, E = a.num_experts;
+  const bool cpu = device.is_cpu();
+  EPMOE_CHECK_ARG(a.x.defined(), "x", "a bfloat16 tensor [T, H]", "None");
+  check_on(a.x, "x", device);
+  EPMOE_CHECK_ARG(a.x.ndim() == 2 && a.x.dtype == DType::bf16, "x", "a 2-d bfloat16 tensor [T, H]", describe(a.x));
+  const std::int64_t T = a.x.size(0), H = a.x.size(1);
+  EPMOE_CHECK_ARG(H <= 1 || a.x.stride(1) == 1, "x", "unit stride in dimension 1", strides_of(a.x));
+  EPMOE_CHECK_ARG(T <= 1 || a.x.stride(0) >= H, "x", fmt::format("a row stride >= {}", H), strides_of(a.x));
+  EPMOE_CHECK_ARG(a.x.data != nullptr || T == 0, "x", "a non-null data pointer", "nullptr");
+  if (!cpu)  // the GPU kernels move rows as 16-byte vectors
+    EPMOE_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.x.data) % 16 == 0 && (T <= 1 || a.x.stride(0) % 8 == 0), "x",
+                    "16-byte aligned rows on CUDA (data pointer and row stride)", strides_of(a.x));
+  check_settings(tmax, H, R, E);
+  if (T > tmax)
+    throw_invalid_argument("x", fmt::format("at most num_max_dispatch_tokens_per_rank = {} tokens", tmax),
+                           fmt::format("T = {} tokens ({} > {})", T, T, tmax));
+  EPMOE_CHECK_ARG(!a.use_fp8 || H % 16 == 0, "x", "H a multiple of 16 with use_fp8 (fp8 rows of 16-byte units)",
+                  fmt::format("H = {}", H));
+  EPMOE_CHECK_ARG(a.use_fp8 || (!a.round_scale && !a.use_ue8m0), "use_fp8", "true when round_scale or use_ue8m0 is set",
+                  "false");
+  EPMOE_CHECK_ARG(!a.use_ue8m0 || a.round_scale, "use_ue8m0", "round_scale = true (UE8M0 holds powers of two only)",
+                  "round_scale = false");
+  EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
+                  "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  DispatchSpec spec;
+  spec.T = T;
+  spec.H = H;
+  spec.tmax = tmax;
+  spec.E = E;
+  spec.El = E / R;
+  if (cpu) {
+    spec.idx = read_topk_idx(a.topk_idx, T, E);
+  } else {
+    const TensorView& t = a.topk_idx;
+    EPMOE_CHECK_ARG(t.defined(), "topk_idx", "an int64 or int32 tensor [T, K]", "None");
+    check_on(t, "topk_idx", device);
+    EPMOE_CHECK_ARG(t.ndim() == 2 && (t.dtype == DType::int64 || t.dtype == DType::int32), "topk_idx",
+                    "a 2-d int64 or int32 tensor [T, K]", describe(t));
+    EPMOE_CHECK_ARG(t.size(0) == T, "topk_idx", fmt::format("{} rows (T of x)", T), describe(t));
+    EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kMaxTopk, "topk_idx",
+                    fmt::format("K in 1..{} in low-latency mode", kMaxTopk), fmt::format("K = {}", t.size(1)));
+    EPMOE_CHECK_ARG(t.data != nullptr || T == 0, "topk_idx", "a non-null data pointer", "nullptr");
+    EPMOE_CHECK_ARG(T <= 1 || (t.stride(1) == 1 && t.stride(0) == t.size(1)), "topk_idx", "a contiguous tensor on CUDA",
+                    strides_of(t));
+  }
+  spec.K = a.topk_idx.size(1);
+  if (a.topk_weights.defined()) {
+    if (cpu) {
+      (void)read_topk_weights(a.topk_weights, T, spec.K);
+    } else {
+      const TensorView& w = a.topk_weights;
+      check_on(w, "topk_weights", device);
+      EPMOE_CHECK_ARG(w.ndim() == 2 && w.dtype == DType::fp32 && w.size(0) == T && w.size(1) == spec.K,
+                      "topk_weights", fmt::format("float32[{}, {}]", T, spec.K), describe(w));
+    }
+  }
+  if (a.cumulative_local_expert_recv_stats.defined()) {
+    const TensorView& s = a.cumulative_local_expert_recv_stats;
+    check_on(s, "cumulative_local_expert_recv_stats", device);
+    EPMOE_CHECK_ARG(s.ndim() == 1 && s.dtype == DType::int32 && s.size(0) == spec.El && s.data != nullptr,
+                    "cumulative_local_expert_recv_stats", fmt::format("int32[{}]", spec.El), describe(s));
+  }
+  return spec;
+}
+
+}  // namespace epmoe::low_latency_args

@@ -1,0 +1,43 @@
+// Checks of low-latency arguments (SPEC 5, 11), shared by the CPU implementation (low_latency_mode.cpp) and the
+// cuda_ipc GPU implementation (cuda_ipc_low_latency.cpp), so each argument has one rule and one message.
+#pragma once
+
+#include <epmoe/buffer.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace epmoe::low_latency_args {
+
+/// "<describe(t)> with strides [...]", for messages about strides.
+std::string strides_of(const TensorView& t);
+/// `t` lives on `device` (CPU: the threads/mpi backends; CUDA: this rank's device of the cuda_ipc backend).
+void check_on(const TensorView& t, std::string_view name, Device device);
+/// Tmax >= 1 with R * Tmax < 2^31, H a positive multiple of 8, R >= 1, E a positive multiple of R, E / R <= 1024.
+void check_settings(int tmax, std::int64_t hidden, int R, int E);
+/// A host topk_idx [T, K] int64/int32, K in 1..16, ids in [-1, E) and distinct per token (a token has at most one
+/// row per expert). Returns it as int32, row-major. Errors: invalid_argument naming 'topk_idx'.
+std::vector<std::int32_t> read_topk_idx(const TensorView& t, std::int64_t T, int E);
+/// A host topk_weights float32 [T, K], row-major copy.
+std::vector<float> read_topk_weights(const TensorView& t, std::int64_t T, std::int64_t K);
+/// Tmax/H/E against the buffer's first call (set), or else num_rdma_bytes (> 0) against `needed` bytes.
+void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
+                          int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed);
+
+/// What a checked dispatch looks like.
+struct DispatchSpec {
+  std::int64_t T = 0, H = 0, K = 0;
+  int tmax = 0, E = 0, El = 0;
+  std::vector<std::int32_t> idx;  ///< topk_idx as int32 [T * K] when `device` is the CPU (values checked); else empty
+};
+
+/// Every check of a low-latency dispatch that needs no peer: x bfloat16 [T, H] on `device` (unit stride in dimension
+/// 1; on CUDA also contiguous rows, 16-byte aligned), the settings (check_settings), T <= Tmax (the message names
+/// both), fp8 H % 16 == 0, round_scale / use_ue8m0 rules, hook and async_finish exclusive, topk_idx (shape, K in
+/// 1..16; on the CPU also the values), topk_weights float32 [T, K], cumulative_local_expert_recv_stats int32
+/// [E_local]. Errors: invalid_argument naming the argument, the expected and the actual value.
+DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device device);
+
+}  // namespace epmoe::low_latency_args
