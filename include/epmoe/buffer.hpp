@@ -23,6 +23,9 @@
 //    skipping -1 ids, rounded to bfloat16 once.
 //  - two receive buffers alternate, one per low-latency call (dispatch or combine); a handle from
 //    two or more low-latency calls ago is rejected (ErrorCode::stale_handle).
+//  - cuda_ipc buffers: low-latency calls on CUDA tensors run on the GPUs (src/transport/cuda_ipc_low_latency.hpp:
+//    no host synchronisation, CUDA-graph capturable in whole calls, an even number per graph; results bit-identical
+//    to the threads backend); calls on CPU tensors still use the group's CPU transport.
 #pragma once
 
 #include <epmoe/group.hpp>
@@ -82,7 +85,9 @@ struct BufferOptions {
   /// get_low_latency_rdma_size_hint() gives the size needed.
   std::int64_t num_rdma_bytes = 0;
   bool low_latency_mode = false;
-  /// Validate topk_idx values eagerly (always on for CPU ranks).
+  /// Validate topk_idx values eagerly (always on for CPU ranks). cuda_ipc low-latency mode: eager calls copy
+  /// topk_idx to the host first (a synchronisation: turn it off for latency); without it, or under graph capture,
+  /// the kernels skip bad ids and the next call raises the error.
   bool debug_validate = true;
   /// cuda_ipc: the CUDA device of this rank; -1 = rank % the number of visible devices.
   int device = -1;

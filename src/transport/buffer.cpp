@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "transport/cuda_ipc.hpp"
+#include "transport/cuda_ipc_low_latency.hpp"
 #include "transport/low_latency_mode.hpp"
 #include "transport/normal_mode.hpp"
 #include "transport/transport.hpp"
@@ -23,6 +24,13 @@ struct Buffer::Impl {
   std::unique_ptr<NormalMode> normal;
   std::unique_ptr<LowLatencyMode> low_latency;
   std::unique_ptr<CudaIpcNormal> cuda_ipc;  ///< set for Backend::cuda_ipc: normal mode runs there
+  /// cuda_ipc: low-latency calls on CUDA tensors (created at the first one; CPU tensors use `low_latency`).
+  std::unique_ptr<CudaIpcLowLatency> cuda_low_latency;
+  BufferOptions options;
+  CudaIpcLowLatency& gpu_low_latency() {
+    if (!cuda_low_latency) cuda_low_latency = make_cuda_ipc_low_latency(group, cuda_ipc->device(), options, id);
+    return *cuda_low_latency;
+  }
 };
 
 namespace {
@@ -50,6 +58,7 @@ Buffer::Buffer(std::shared_ptr<Group> group, BufferOptions options) : impl_(std:
   EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
   EPMOE_CHECK_ARG(options.num_rdma_bytes >= 0, "num_rdma_bytes", ">= 0", options.num_rdma_bytes);
   impl_->group = group;
+  impl_->options = options;
   // cuda_ipc moves normal mode over NVLink; the group's own transport still serves low-latency mode.
   const bool ipc = options.backend == Backend::cuda_ipc;
   // A group of another kind (e.g. one adapted from Python's torch.distributed) has no CPU transport: with
@@ -112,14 +121,24 @@ CombineResult Buffer::combine(const CombineArgs& args) {
   return impl_->cuda_ipc ? impl_->cuda_ipc->combine(args) : impl_->normal->combine(args);
 }
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
+  // cuda_ipc: CUDA tensors take the GPU low-latency mode (cuda_ipc_low_latency.hpp).
+  if (impl_->cuda_ipc && args.x.device.is_cuda()) return impl_->gpu_low_latency().dispatch(args);
   require_low_latency(impl_->low_latency, *impl_->group);
   return impl_->low_latency->dispatch(args);
 }
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
+  if (impl_->cuda_ipc &&
+      (args.x.device.is_cuda() || (args.handle != nullptr && args.handle->src_info.device.is_cuda())))
+    return impl_->gpu_low_latency().combine(args);
   require_low_latency(impl_->low_latency, *impl_->group);
   return impl_->low_latency->combine(args);
 }
 void Buffer::clean_low_latency_buffer(int tmax, std::int64_t hidden, int num_experts) {
+  // cuda_ipc: the GPU mode's window once it is in use (the same on every rank), else the CPU one as before.
+  if (impl_->cuda_low_latency && impl_->cuda_low_latency->configured()) {
+    impl_->cuda_low_latency->clean(tmax, hidden, num_experts);
+    return;
+  }
   require_low_latency(impl_->low_latency, *impl_->group);
   impl_->low_latency->clean(tmax, hidden, num_experts);
 }

@@ -71,6 +71,7 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 #include "core/cuda_check.hpp"
 #include "layout/cuda_util.cuh"
 #include "transport/cuda_ipc_kernels.hpp"
+#include "transport/cuda_ipc_memory.hpp"
 
 namespace epmoe {
 
@@ -278,24 +279,17 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     slot_stride_ = (static_cast<std::size_t>(data_bytes_) + 4095) / 4096 * 4096;
     const std::size_t total =
         ipc::kControlBytes + slot_stride_ * (1 + static_cast<std::size_t>(num_recv_slots));
-    if (cudaMalloc(&base_, total) != cudaSuccess) {
-      cudaGetLastError();
-      raise(ErrorCode::out_of_memory,
-            "rank {}: cudaMalloc of the {}-byte cuda_ipc buffer on cuda:{} failed (num_nvl_bytes = {} for the data "
-            "region and each of num_recv_slots = {} receive slots)",
-            me_, total, device_, data_bytes_, num_recv_slots);
-    }
-    const int dev = device_;
-    memory_ = std::shared_ptr<void>(base_, [dev](void* p) {
-      int previous = 0;
-      cudaGetDevice(&previous);
-      cudaSetDevice(dev);
-      cudaFree(p);
-      cudaSetDevice(previous);
-    });
+    // Allocated, its control region zeroed, and mapped by every peer (collective; CudaIpcMemory).
+    mem_ = std::make_unique<CudaIpcMemory>(
+        g, device_, total, ipc::kControlBytes,
+        fmt::format("cuda_ipc buffer (num_nvl_bytes = {} for the data region and each of num_recv_slots = {} "
+                    "receive slots)",
+                    data_bytes_, num_recv_slots),
+        kSetupPhase);
+    base_ = mem_->local();
+    memory_ = mem_->owner();
+    for (int r = 0; r < R_; ++r) peers_[r] = mem_->peer(r);
     recv_slots_ = std::make_shared<RecvSlots>(memory_, num_recv_slots);
-    EPMOE_CUDA_CHECK(cudaMemset(base_, 0, ipc::kControlBytes));
-    EPMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can learn the address
     EPMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(ipc::HostRecord),
                                    cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(static_cast<void*>(host_), 0, sizeof(ipc::HostRecord));
@@ -318,7 +312,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     if (trace_)
       for (cudaEvent_t& e : trace_ev_) EPMOE_CUDA_CHECK(cudaEventCreate(&e));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&notified_, cudaEventDisableTiming));
-    map_peers();
     timeout_ns_ = static_cast<long long>(g.timeout_s() * 1e9);
   }
 
@@ -348,7 +341,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       trace_print();
       for (cudaEvent_t e : trace_ev_) cudaEventDestroy(e);
     }
-    for (void* p : opened_) cudaIpcCloseMemHandle(p);
+    mem_.reset();  // closes the opened IPC handles
     if (notified_) cudaEventDestroy(notified_);
     if (comm_) cudaStreamDestroy(comm_);
     if (host_) cudaFreeHost(host_);
@@ -363,60 +356,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   CombineResult combine(const CombineArgs& a) override;
 
  private:
-  struct PeerInfo {
-    std::int64_t pid;
-    std::int64_t device;
-    std::uint64_t ptr;
-    std::int64_t has_handle;
-    cudaIpcMemHandle_t handle;
-  };
-
-  void map_peers() {
-    PeerInfo mine{};
-    mine.pid = static_cast<std::int64_t>(::getpid());
-    mine.device = device_;
-    mine.ptr = reinterpret_cast<std::uint64_t>(base_);
-    mine.has_handle = cudaIpcGetMemHandle(&mine.handle, base_) == cudaSuccess ? 1 : 0;
-    if (!mine.has_handle) cudaGetLastError();
-    std::vector<PeerInfo> all(static_cast<std::size_t>(R_));
-    group_->all_gather(&mine, all.data(), sizeof(PeerInfo), kSetupPhase);
-    for (int r = 0; r < R_; ++r) {
-      const PeerInfo& p = all[static_cast<std::size_t>(r)];
-      if (r == me_) {
-        peers_[r] = base_;
-      } else if (p.pid == mine.pid) {  // one process drives both GPUs: plain peer access
-        if (p.device != device_) {
-          int can = 0;
-          EPMOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, static_cast<int>(p.device)));
-          if (!can)
-            raise(ErrorCode::unsupported, "rank {}: cuda:{} cannot access cuda:{} (rank {}) as a peer", me_, device_,
-                  p.device, r);
-          // Once per (device, peer) in this process: repeating it returns 'already enabled', which
-          // compute-sanitizer reports as an API error.
-          static std::mutex enabled_mutex;
-          static std::set<std::pair<int, int>> enabled;
-          std::lock_guard<std::mutex> lock(enabled_mutex);
-          if (enabled.insert({device_, static_cast<int>(p.device)}).second) {
-            const cudaError_t e = cudaDeviceEnablePeerAccess(static_cast<int>(p.device), 0);
-            if (e == cudaErrorPeerAccessAlreadyEnabled)
-              cudaGetLastError();
-            else
-              EPMOE_CUDA_CHECK(e);
-          }
-        }
-        peers_[r] = reinterpret_cast<void*>(p.ptr);
-      } else {
-        if (!p.has_handle)
-          raise(ErrorCode::unsupported, "rank {}: rank {} could not export a CUDA IPC handle of its buffer", me_, r);
-        void* q = nullptr;
-        EPMOE_CUDA_CHECK(cudaIpcOpenMemHandle(&q, p.handle, cudaIpcMemLazyEnablePeerAccess));
-        opened_.push_back(q);
-        peers_[r] = q;
-      }
-    }
-    group_->barrier(kSetupPhase);
-  }
-
   ipc::Common common() const {
     ipc::Common c;
     for (int r = 0; r < R_; ++r) c.peers[r] = peers_[r];
@@ -634,7 +573,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::size_t slot_stride_ = 0;  // bytes from one receive slot to the next (slot 0 one stride past the data region)
   std::shared_ptr<RecvSlots> recv_slots_;
   void* peers_[ipc::kMaxRanks] = {};
-  std::vector<void*> opened_;
+  std::unique_ptr<CudaIpcMemory> mem_;  // base_'s allocation and its mappings in every peer
   ipc::HostRecord* host_ = nullptr;
   ipc::HostRecord* host_dev_ = nullptr;
   cudaStream_t comm_ = nullptr;

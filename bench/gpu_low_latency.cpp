@@ -1,0 +1,300 @@
+// Low-latency dispatch and combine over NVLink (cuda_ipc backend, GPU mode) on 2 GPUs, DeepEP's decode shapes
+// (SPEC 12: T=128 tokens per rank, H=7168, K=8, E=256), beside DeepEP's figures on the same machine (PERF.md:
+// dispatch 27.8 us, combine 41.4 us; hooks: dispatch send 19.7 + receive 8.1, combine send 31.0 + receive 9.9).
+//
+// One process, one thread per rank, rank r on cuda:r (threads group, peer access). Each figure is the median over
+// >= 50 runs after 5 warm-up runs; one run = both devices idle and the L2 flushed (256 MiB memset), a host barrier,
+// then CUDA events on each rank's caller stream around one Buffer call; the run's time is the slower rank's.
+// Routing is fresh uniform random top-K of E for every run set (seed printed); debug_validate is off (it would
+// copy topk_idx to the host). Ops:
+//  - dispatch_fp8 / dispatch_bf16: one low_latency_dispatch (send + receive);
+//  - combine_bf16: one low_latency_combine (a dispatch before it, outside the timed region);
+//  - *_send / *_recv (return_recv_hook): the call alone, then, once both ranks' sends are done (device sync and a
+//    barrier), the hook alone (as DeepEP measures its hooks).
+// Remote bytes (both directions together): what crosses NVLink: dispatch, per token sent to the peer its 80-byte
+// TokenMeta and its record (bf16 row, or fp8 row + scales, 16-byte aligned), plus a 64-byte header; combine, one bf16
+// row per (token, k) routed to the peer, plus the header. GB/s = remote bytes / 2 / time (per direction).
+//
+// Usage: bench_gpu_low_latency [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]
+#if !defined(EPMOE_HAVE_CUDA)
+#include <cstdio>
+int main() {
+  std::printf("bench_gpu_low_latency: CPU-only build, nothing to measure\n");
+  return 77;
+}
+#else
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/quant.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+namespace {
+
+using namespace epmoe;
+
+constexpr int kRanks = 2;
+constexpr int kWarmup = 5;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "bench_gpu_low_latency: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+std::uint64_t splitmix(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/// bf16 in [-2, 2) (finite, non-zero) or float32 weights in (0, 1], on cuda:device.
+Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
+  Tensor h = Tensor::empty(dtype, shape);
+  for (std::int64_t i = 0; i < h.numel(); ++i) {
+    const std::uint64_t r = splitmix(seed);
+    if (dtype == DType::bf16)
+      h.ptr<bf16_t>()[i].bits = static_cast<std::uint16_t>((r & 0x807f) | 0x3f00);
+    else
+      h.ptr<float>()[i] = 0.01f + static_cast<float>(r % 997) / 1000.0f;
+  }
+  Tensor d = Tensor::empty(dtype, shape, Device::cuda(device));
+  check(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+/// Uniform random top-K of E (distinct ids per token), on the host.
+std::vector<std::int64_t> random_routing(std::int64_t T, int K, int E, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::int64_t> h(static_cast<std::size_t>(T * K));
+  std::vector<int> ids(static_cast<std::size_t>(E));
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> pick(k, E - 1);
+      std::swap(ids[static_cast<std::size_t>(k)], ids[static_cast<std::size_t>(pick(rng))]);
+      h[static_cast<std::size_t>(t * K + k)] = ids[static_cast<std::size_t>(k)];
+    }
+  }
+  return h;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int runs = 100, K = 8, E = 256;
+  std::int64_t T = 128, H = 7168;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&] { return i + 1 < argc ? argv[++i] : argv[i]; };
+    if (!std::strcmp(argv[i], "--runs"))
+      runs = std::max(50, std::atoi(next()));
+    else if (!std::strcmp(argv[i], "--tokens"))
+      T = std::atoll(next());
+    else if (!std::strcmp(argv[i], "--hidden"))
+      H = std::atoll(next());
+    else if (!std::strcmp(argv[i], "--topk"))
+      K = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--experts"))
+      E = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--json"))
+      json_path = next();
+    else {
+      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]\n", argv[0]);
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) {
+    std::printf("bench_gpu_low_latency: needs %d GPUs, found %d: skipped\n", kRanks, devices);
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
+  const int tmax = static_cast<int>(T);
+  std::printf("bench_gpu_low_latency: %s x%d, T=%lld (Tmax) H=%lld K=%d E=%d, runs=%d, seed %llu\n", prop.name, kRanks,
+              static_cast<long long>(T), static_cast<long long>(H), K, E, runs, static_cast<unsigned long long>(seed));
+
+  const char* ops[] = {"dispatch_fp8",      "dispatch_bf16",     "combine_bf16",     "dispatch_fp8_send",
+                       "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv"};
+  constexpr int kOps = 7;
+  const double deepep[kOps] = {27.8, 0, 41.4, 19.7, 8.1, 31.0, 9.9};
+  std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(kRanks));
+  // Tokens each rank sends its peer and (token, k) pairs it routes there, summed over the routing sets.
+  std::vector<double> tokens_to_peer(kRanks), pairs_to_peer(kRanks);
+  std::mutex mutex;
+  const int El = E / kRanks;
+  const std::int64_t G = num_scale_groups(H);
+
+  run_thread_ranks(kRanks, [&](Group& g) {
+    const int r = g.rank(), peer = 1 - r;
+    check(cudaSetDevice(r), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = r;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, H, kRanks, 1);  // normal mode unused
+    o.debug_validate = false;
+    Buffer buf(std::shared_ptr<Group>(&g, [](Group*) {}), o);
+    const std::uint64_t s = seed + 1000003ull * static_cast<std::uint64_t>(r);
+    const Tensor x = random_device(DType::bf16, {T, H}, r, s + 1);
+    const Tensor w = random_device(DType::fp32, {T, K}, r, s + 2);
+    const Tensor y = random_device(DType::bf16, {El, kRanks * T, H}, r, s + 3);
+    Tensor idx = Tensor::empty(DType::int64, {T, K}, Device::cuda(r));
+    double tokens = 0, pairs = 0, sets = 0;
+    auto new_routing = [&](std::uint64_t k) {
+      const std::vector<std::int64_t> h = random_routing(T, K, E, s + 100 + k);
+      check(cudaMemcpy(idx.data(), h.data(), h.size() * 8, cudaMemcpyHostToDevice), "H2D");
+      for (std::int64_t t = 0; t < T; ++t) {
+        bool to_peer = false;
+        for (int j = 0; j < K; ++j)
+          if (h[static_cast<std::size_t>(t * K + j)] / El == peer) {
+            to_peer = true;
+            ++pairs;
+          }
+        tokens += to_peer ? 1 : 0;
+      }
+      ++sets;
+    };
+    void* flush = nullptr;
+    const std::size_t flush_bytes = std::size_t{256} << 20;
+    check(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
+    cudaEvent_t start, stop;
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+    auto prepare = [&](int i) {
+      if (i % 10 == 0) new_routing(static_cast<std::uint64_t>(i));  // fresh routing every 10 runs
+      check(cudaMemsetAsync(flush, i & 0xff, flush_bytes, nullptr), "flush");
+      check(cudaDeviceSynchronize(), "sync");
+      g.barrier("bench");
+    };
+    auto time_it = [&](int op, int i, const std::function<void()>& fn) {
+      check(cudaEventRecord(start, nullptr), "record");
+      fn();
+      check(cudaEventRecord(stop, nullptr), "record");
+      check(cudaEventSynchronize(stop), "sync");
+      float ms = 0;
+      check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(ms * 1000.0);
+    };
+    auto dispatch_args = [&](bool fp8, bool hook) {
+      LowLatencyDispatchArgs a;
+      a.x = x;
+      a.topk_idx = idx;
+      a.topk_weights = w;
+      a.num_max_dispatch_tokens_per_rank = tmax;
+      a.num_experts = E;
+      a.use_fp8 = fp8;
+      a.return_recv_hook = hook;
+      return a;
+    };
+    auto combine_args = [&](const LowLatencyHandle& h, bool hook) {
+      LowLatencyCombineArgs ca;
+      ca.x = y;
+      ca.topk_idx = idx;
+      ca.topk_weights = w;
+      ca.handle = &h;
+      ca.return_recv_hook = hook;
+      return ca;
+    };
+    for (int i = 0; i < kWarmup + runs; ++i) {
+      prepare(i);
+      time_it(0, i, [&] { buf.low_latency_dispatch(dispatch_args(true, false)); });
+      prepare(i + 1);
+      time_it(1, i, [&] { buf.low_latency_dispatch(dispatch_args(false, false)); });
+      prepare(i + 2);
+      const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(true, false));
+      time_it(2, i, [&] { buf.low_latency_combine(combine_args(d.handle, false)); });
+      // hooks: send, then (both ranks' sends done) receive
+      prepare(i + 3);
+      LowLatencyDispatchResult dh;
+      time_it(3, i, [&] { dh = buf.low_latency_dispatch(dispatch_args(true, true)); });
+      check(cudaDeviceSynchronize(), "sync");
+      g.barrier("bench hook");
+      time_it(4, i, [&] { dh.hook(); });
+      prepare(i + 4);
+      LowLatencyCombineResult ch;
+      time_it(5, i, [&] { ch = buf.low_latency_combine(combine_args(dh.handle, true)); });
+      check(cudaDeviceSynchronize(), "sync");
+      g.barrier("bench hook");
+      time_it(6, i, [&] { ch.hook(); });
+    }
+    check(cudaDeviceSynchronize(), "sync");
+    g.barrier("bench done");
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      tokens_to_peer[static_cast<std::size_t>(r)] = tokens / sets;
+      pairs_to_peer[static_cast<std::size_t>(r)] = pairs / sets;
+    }
+    cudaFree(flush);
+  });
+
+  const double meta = 80, header = 64;
+  const double fp8_record = static_cast<double>((H + 4 * G + 15) / 16 * 16), bf16_record = 2.0 * H;
+  const double tokens = tokens_to_peer[0] + tokens_to_peer[1], pairs = pairs_to_peer[0] + pairs_to_peer[1];
+  const double dispatch_fp8_bytes = tokens * (meta + fp8_record) + 2 * header;
+  const double dispatch_bf16_bytes = tokens * (meta + bf16_record) + 2 * header;
+  const double combine_bytes = pairs * 2.0 * H + 2 * header;
+  const double remote[kOps] = {
+      dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes, dispatch_fp8_bytes, 0, combine_bytes, 0};
+  std::printf(
+      "\n| op | median us | min us | remote MB | remote GB/s/dir | DeepEP us |\n| --- | --- | --- | --- | --- | --- "
+      "|\n");
+  std::vector<double> med(kOps), mins(kOps);
+  for (int op = 0; op < kOps; ++op) {
+    std::vector<double> slow(times[static_cast<std::size_t>(op)][0].size());
+    for (std::size_t i = 0; i < slow.size(); ++i)
+      slow[i] = std::max(times[static_cast<std::size_t>(op)][0][i], times[static_cast<std::size_t>(op)][1][i]);
+    med[static_cast<std::size_t>(op)] = median(slow);
+    mins[static_cast<std::size_t>(op)] = slow.empty() ? 0 : *std::min_element(slow.begin(), slow.end());
+    const double gbps = remote[op] > 0 ? remote[op] / 2 / med[static_cast<std::size_t>(op)] / 1e3 : 0;
+    std::printf("| %s | %.1f | %.1f | %.2f | %.0f | %s |\n", ops[op], med[static_cast<std::size_t>(op)],
+                mins[static_cast<std::size_t>(op)], remote[op] / 1e6, gbps,
+                deepep[op] > 0 ? std::to_string(deepep[op]).substr(0, 4).c_str() : "-");
+  }
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (!f) {
+      std::perror(json_path.c_str());
+      return 1;
+    }
+    std::fprintf(f,
+                 "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d,\n  "
+                 "\"seed\": %llu,\n  \"runs\": %d,\n  \"results\": [\n",
+                 prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E,
+                 static_cast<unsigned long long>(seed), runs);
+    for (int op = 0; op < kOps; ++op) {
+      const auto u = static_cast<std::size_t>(op);
+      std::fprintf(f,
+                   "    {\"op\": \"%s\", \"median_us\": %.3f, \"min_us\": %.3f, \"remote_bytes\": %.0f, "
+                   "\"remote_gbps_per_direction\": %.1f, \"deepep_us\": %.1f}%s\n",
+                   ops[op], med[u], mins[u], remote[op], remote[op] > 0 ? remote[op] / 2 / med[u] / 1e3 : 0.0,
+                   deepep[op], op + 1 < kOps ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
+
+#endif  // EPMOE_HAVE_CUDA

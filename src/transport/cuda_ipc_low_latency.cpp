@@ -1,0 +1,653 @@
+// cuda_ipc low-latency mode: the host side (argument checks, window, streams, hooks, errors). Kernels:
+// cuda_ipc_low_latency_kernels.cu. Protocol: cuda_ipc_low_latency.hpp and docs/cuda_ipc_design.md.
+#include "transport/cuda_ipc_low_latency.hpp"
+
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+
+#if !defined(EPMOE_HAVE_CUDA)
+
+namespace epmoe {
+std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Group>, int, const BufferOptions&,
+                                                             std::uint64_t) {
+  raise(ErrorCode::unsupported, "backend cuda_ipc needs a CUDA build of epmoe (this one is CPU-only)");
+}
+}  // namespace epmoe
+
+#else
+
+#include <epmoe/quant.hpp>
+#include <epmoe/stream.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.hpp"
+#include "layout/cuda_util.cuh"
+#include "transport/cuda_ipc_low_latency_kernels.hpp"
+#include "transport/cuda_ipc_memory.hpp"
+#include "transport/low_latency_args.hpp"
+#include "transport/low_latency_mode.hpp"
+
+namespace epmoe {
+
+namespace {
+
+using cuda_util::DeviceGuard;
+namespace ll = cuda_ipc_ll;
+namespace args = low_latency_args;
+
+const char* phase_name(int phase) {
+  switch (phase) {
+    case ll::kPhaseDispatchSend: return "low_latency_dispatch send";
+    case ll::kPhaseDispatchRecv: return "low_latency_dispatch receive";
+    case ll::kPhaseCombineSend: return "low_latency_combine send";
+    case ll::kPhaseCombineRecv: return "low_latency_combine receive";
+    default: return "unknown phase";
+  }
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+/// An async_finish event on the buffer's communication stream (as cuda_ipc.cpp's).
+class LowLatencyEvent final : public EventImpl {
+ public:
+  LowLatencyEvent(int device, cudaStream_t stream) {
+    DeviceGuard guard(Device::cuda(device));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~LowLatencyEvent() override { cudaEventDestroy(event_); }
+  void current_stream_wait() const override {
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), event_, 0));
+  }
+  bool done() const override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return false;
+    EPMOE_CUDA_CHECK(e);
+    return true;
+  }
+
+ private:
+  cudaEvent_t event_{};
+};
+
+std::uint32_t dispatch_flags(bool fp8, bool round_scale, bool ue8m0) {
+  return (fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (ue8m0 ? 4u : 0u);
+}
+
+/// A contiguous device int tensor's values on the host (a synchronisation on `s`): debug_validate only.
+std::vector<std::int32_t> host_ids(const TensorView& idx, std::int64_t T, int E, cudaStream_t s) {
+  Tensor h = Tensor::empty(idx.dtype, idx.shape);
+  if (idx.nbytes() > 0) {
+    EPMOE_CUDA_CHECK(cudaMemcpyAsync(h.data(), idx.data, idx.nbytes(), cudaMemcpyDeviceToHost, s));
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  return args::read_topk_idx(h.view(), T, E);
+}
+
+class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
+ public:
+  CudaIpcLowLatencyImpl(std::shared_ptr<Group> group, int device, const BufferOptions& o, std::uint64_t buffer_id)
+      : group_(std::move(group)),
+        buffer_id_(buffer_id),
+        device_(device),
+        num_rdma_bytes_(o.num_rdma_bytes),
+        debug_validate_(o.debug_validate) {
+    R_ = group_->size();
+    me_ = group_->rank();
+    EPMOE_CHECK_ARG(R_ <= ll::kMaxRanks, "group", fmt::format("at most {} ranks (one NVLink host)", ll::kMaxRanks), R_);
+    DeviceGuard guard(Device::cuda(device_));
+    EPMOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(ll::HostRecord),
+                                   cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(static_cast<void*>(host_), 0, sizeof(ll::HostRecord));
+    EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
+    EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
+    timeout_ns_ = static_cast<long long>(group_->timeout_s() * 1e9);
+  }
+
+  ~CudaIpcLowLatencyImpl() override {
+    // No collective: once this rank's work is done no peer writes here any more (every peer call waits for this
+    // rank's flags first), and the window memory outlives the views only as long as mem_ does.
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    if (comm_) cudaStreamSynchronize(comm_);
+    if (has_last_) cudaEventSynchronize(last_event_);
+    mem_.reset();
+    scratch_ = Tensor{};
+    sent_idx_ = Tensor{};
+    if (last_event_) cudaEventDestroy(last_event_);
+    if (caller_done_) cudaEventDestroy(caller_done_);
+    if (comm_) cudaStreamDestroy(comm_);
+    if (host_) cudaFreeHost(host_);
+    cudaSetDevice(previous);
+  }
+
+  LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& a) override;
+  LowLatencyCombineResult combine(const LowLatencyCombineArgs& a) override;
+  void clean(int tmax, std::int64_t hidden, int num_experts) override;
+  bool configured() const override { return config_.set; }
+
+ private:
+  struct Config {
+    bool set = false;
+    int tmax = 0;
+    std::int64_t hidden = 0;
+    int num_experts = 0;
+  };
+  // What the receive of a call needs; kept per half so a hook can run after the call returned.
+  struct Pending {
+    bool active = false;
+    bool is_dispatch = true;
+    std::uint64_t generation = 0;
+    std::uint32_t flags = 0;
+    int scale_cols = 0;
+    std::int32_t* stats = nullptr;
+    std::int64_t stats_stride = 1;
+    // combine
+    const void* topk_idx = nullptr;
+    bool idx64 = true;
+    int K = 0;
+    const float* weights = nullptr;
+    std::int64_t T = 0;
+    Tensor out;
+  };
+  struct Sent {
+    std::uint64_t generation = ~0ull;
+    std::int64_t num_tokens = 0, topk = 0;
+    std::vector<std::int32_t> topk_idx;  // host copy when debug_validate read it
+  };
+
+  void check_state();
+  void ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase);
+  void begin_call(std::string_view what);
+  ll::Common common() const;
+  /// Orders a launch on `s` after this buffer's previous launch (on whatever stream it was).
+  void order(cudaStream_t s);
+  void launched(cudaStream_t s);
+  void enter(cudaStream_t caller) {
+    EPMOE_CUDA_CHECK(cudaEventRecord(caller_done_, caller));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done_, 0));
+  }
+  void receive(std::uint64_t generation, cudaStream_t s, long long lag);
+  void receive_hook(std::uint64_t generation);
+  char* half_base(std::uint64_t index) const {
+    return static_cast<char*>(mem_->local()) + ll::kControlBytes + (index % 2) * layout_.half_bytes;
+  }
+
+  std::shared_ptr<Group> group_;
+  std::uint64_t buffer_id_;
+  int device_ = 0, R_ = 0, me_ = 0;
+  std::int64_t num_rdma_bytes_ = 0;
+  bool debug_validate_ = true;
+  long long timeout_ns_ = 0;
+  Config config_;
+  LowLatencyMode::Layout layout_;
+  std::unique_ptr<CudaIpcMemory> mem_;
+  Tensor scratch_;   // fp8 records (quantized rows + scales, record_bytes apart) before they are sent
+  Tensor sent_idx_;  // int32 [2, Tmax * 16]: each half's dispatch ids, for combine's check (device)
+  ll::HostRecord* host_ = nullptr;
+  ll::HostRecord* host_dev_ = nullptr;
+  cudaStream_t comm_ = nullptr;
+  cudaEvent_t caller_done_ = nullptr;
+  cudaEvent_t last_event_ = nullptr;  // after this buffer's last launch
+  cudaStream_t last_stream_ = nullptr;
+  bool has_last_ = false;
+  std::string broken_;
+  std::uint64_t generation_ = 0, base_ = 0;  // as the CPU class: calls over the buffer's life, and at the last clean
+  std::array<Pending, 2> pending_;
+  std::array<Sent, 2> sent_;
+};
+
+void CudaIpcLowLatencyImpl::check_state() {
+  if (!broken_.empty())
+    raise(ErrorCode::unusable, "rank {}: the low-latency buffer is unusable after an earlier fault ({}); re-create it",
+          me_, broken_);
+  volatile ll::HostRecord* h = host_;
+  const int code = h->error_code;
+  if (code == ll::kErrNone) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const int rank = h->error_rank, peer = h->error_peer, phase = h->error_phase;
+  const long long value = h->error_value, value2 = h->error_value2;
+  const unsigned long long index = h->error_index;
+  const std::string where = fmt::format("rank {}, peer {}, phase '{}', call {}", rank, peer, phase_name(phase), index);
+  switch (code) {
+    case ll::kErrTimeout:
+      broken_ = "device timeout: " + where;
+      raise(ErrorCode::timeout,
+            "rank {}: timed out after {} s on the device waiting for rank {} ({}; the flag read {})", me_,
+            static_cast<double>(timeout_ns_) / 1e9, peer, where, value);
+    case ll::kErrOtherCall:
+      broken_ = "peer in another call: " + where;
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: rank {} is not in the same low-latency call: this rank is in call {}, rank {} sent {} of call {} "
+            "(every rank must make the same sequence of low-latency calls; {})",
+            me_, peer, index, peer,
+            value2 == ll::kKindCombine    ? "a combine"
+            : value2 == ll::kKindDispatch ? "a dispatch"
+                                          : "data",
+            value, where);
+    case ll::kErrFlags:
+      broken_ = "settings differ: " + where;
+      raise(
+          ErrorCode::rank_mismatch,
+          "rank {}: setting 'use_fp8/round_scale/use_ue8m0' must be equal on all ranks: rank {} has {}/{}/{}, rank {} "
+          "has {}/{}/{} ({})",
+          me_, rank, (value2 & 1) != 0, (value2 & 2) != 0, (value2 & 4) != 0, peer, (value & 1) != 0, (value & 2) != 0,
+          (value & 4) != 0, where);
+    case ll::kErrShape:
+      broken_ = "settings differ: " + where;
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: Tmax/H/E must be equal on all ranks: rank {} sent hidden = {}, Tmax = {}, E = {} ({})", me_, peer,
+            value, value2 >> 32, value2 & 0xffffffff, where);
+    case ll::kErrCount:
+      broken_ = "row counts differ: " + where;
+      raise(ErrorCode::rank_mismatch,
+            "rank {}: rank {} sent {} rows back at combine for this rank's tokens, but this rank's topk_idx routes {} "
+            "(token, k) pairs to it ({})",
+            me_, peer, value, value2, where);
+    default: break;
+  }
+  // Id errors: every rank skipped the same ids, so the buffer stays usable; the record is reset.
+  h->error_code = ll::kErrNone;
+  auto* ctrl = static_cast<ll::Control*>(mem_->local());
+  const int zero = 0;
+  EPMOE_CUDA_CHECK(cudaMemcpy(&ctrl->claim, &zero, sizeof(int), cudaMemcpyHostToDevice));
+  const long long K = sent_[0].topk > 0 ? sent_[0].topk : sent_[1].topk;
+  const std::string at = K > 0 ? fmt::format("[{}, {}]", value2 / K, value2 % K) : fmt::format("flat {}", value2);
+  if (code == ll::kErrBadId)
+    throw_invalid_argument("topk_idx", fmt::format("expert ids in [-1, {})", config_.num_experts),
+                           fmt::format("{} at {} (found on the device in {}; the id was skipped)", value, at, where));
+  if (code == ll::kErrDuplicateId)
+    throw_invalid_argument("topk_idx", "distinct expert ids per token (or -1)",
+                           fmt::format("expert {} twice in token {} (found on the device in {}; skipped)", value,
+                                       K > 0 ? value2 / K : value2, where));
+  throw_invalid_argument("topk_idx", "the topk_idx given to the dispatch of this handle",
+                         fmt::format("{} at {} (found on the device in {})", value, at, where));
+}
+
+void CudaIpcLowLatencyImpl::ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase) {
+  if (config_.set) return;
+  const LowLatencyMode::Layout L = LowLatencyMode::Layout::make(tmax, hidden, R_, num_experts);
+  const std::int64_t bytes = num_rdma_bytes_ > 0 ? num_rdma_bytes_ : static_cast<std::int64_t>(2 * L.half_bytes);
+  const Setting settings[] = {{"num_max_dispatch_tokens_per_rank", tmax},
+                              {"hidden", hidden},
+                              {"num_experts", num_experts},
+                              {"num_rdma_bytes (low-latency window bytes)", bytes}};
+  group_->check_agreement(settings, fmt::format("{}: low-latency settings", phase));
+  DeviceGuard guard(Device::cuda(device_));
+  const std::size_t total = ll::kControlBytes + static_cast<std::size_t>(bytes);
+  mem_ = std::make_unique<CudaIpcMemory>(
+      *group_, device_, total, total,
+      fmt::format("low-latency window (num_rdma_bytes = {} plus a {}-byte control block)", bytes, ll::kControlBytes),
+      fmt::format("{}: map the low-latency window", phase));
+  {
+    StreamGuard on_comm(Stream{comm_});
+    scratch_ = Tensor::empty(DType::int8, {static_cast<std::int64_t>(tmax) * static_cast<std::int64_t>(L.record_bytes)},
+                             Device::cuda(device_));
+    sent_idx_ =
+        Tensor::empty(DType::int32, {2 * static_cast<std::int64_t>(tmax) * ll::kMaxTopk}, Device::cuda(device_));
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(sent_idx_.data(), 0xff, sent_idx_.nbytes(), comm_));
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(comm_));
+  }
+  layout_ = L;
+  config_ = {true, tmax, hidden, num_experts};
+}
+
+void CudaIpcLowLatencyImpl::begin_call(std::string_view what) {
+  const Pending& p = pending_[(generation_ - base_) % 2];
+  if (p.active)
+    raise(ErrorCode::stale_handle,
+          "rank {}: {} would reuse the receive buffer of low-latency call {}, whose recv hook was never called; "
+          "call that hook first (at most two low-latency calls can be in flight)",
+          me_, what, p.generation);
+}
+
+ll::Common CudaIpcLowLatencyImpl::common() const {
+  ll::Common c;
+  for (int r = 0; r < R_; ++r) c.peers[r] = mem_->peer(r);
+  c.rank = me_;
+  c.num_ranks = R_;
+  c.timeout_ns = timeout_ns_;
+  c.host = host_dev_;
+  const LowLatencyMode::Layout& L = layout_;
+  c.tmax = L.tmax;
+  c.local_experts = L.local_experts;
+  c.num_experts = L.num_experts;
+  c.hidden = L.hidden;
+  c.half_bytes = L.half_bytes;
+  c.packed_x = L.packed_x;
+  c.scales = L.scales;
+  c.count = L.count;
+  c.src_info = L.src_info;
+  c.layout_range = L.layout_range;
+  c.packed_k = L.packed_k;
+  c.staging = L.staging;
+  c.dispatch_slot_bytes = L.dispatch_slot_bytes;
+  c.record_bytes = L.record_bytes;
+  c.meta_bytes = L.meta_bytes;
+  c.sent_idx = sent_idx_.ptr<std::int32_t>();
+  return c;
+}
+
+// Every kernel of this buffer runs after the one enqueued before it (they share the window's counters and
+// halves), also across streams (async_finish, hooks on another stream): the stream waits for an event after the
+// previous launch. Inside a capture the stream is the capture's, so nothing is waited for there.
+void CudaIpcLowLatencyImpl::order(cudaStream_t s) {
+  if (has_last_ && last_stream_ != s && !capturing(s)) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(s, last_event_, 0));
+}
+void CudaIpcLowLatencyImpl::launched(cudaStream_t s) {
+  if (capturing(s)) {
+    has_last_ = false;
+    return;
+  }
+  EPMOE_CUDA_CHECK(cudaEventRecord(last_event_, s));
+  last_stream_ = s;
+  has_last_ = true;
+}
+
+// ------------------------------------------------------------------------------------------------
+
+LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatchArgs& a) {
+  check_state();
+  const Device gpu = Device::cuda(device_);
+  // --- every argument, before any communication
+  args::DispatchSpec spec = args::check_dispatch(a, R_, gpu);
+  const std::int64_t T = spec.T, H = spec.H, K = spec.K;
+  const int tmax = spec.tmax, E = spec.E, El = spec.El;
+  args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, H, E, R_,
+                             num_rdma_bytes_, config_.set ? 0 : LowLatencyMode::size_hint(tmax, H, R_, E));
+  DeviceGuard guard(gpu);
+  const cudaStream_t caller = cuda_util::to_cuda(current_stream());
+  std::vector<std::int32_t> ids;
+  if (debug_validate_ && !capturing(caller)) ids = host_ids(a.topk_idx, T, E, caller);
+  begin_call("low_latency_dispatch");
+
+  ensure_configured(tmax, H, E, "low_latency_dispatch");
+  const LowLatencyMode::Layout& L = layout_;
+  const std::uint64_t gen = generation_, index = gen - base_;
+  const std::int64_t sc_cols = a.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
+  const cudaStream_t s = a.async_finish ? comm_ : caller;
+  try {
+    if (a.async_finish) enter(caller);
+    order(s);
+    const ll::Common c = common();
+    if (a.use_fp8 && T > 0) {
+      StreamGuard on(Stream{s});
+      const auto stride = static_cast<std::int64_t>(L.record_bytes);
+      auto* rec = static_cast<std::byte*>(scratch_.data());
+      const TensorView q(rec, DType::fp8_e4m3, {T, H}, {stride, 1}, gpu);
+      const TensorView sc(rec + H, a.use_ue8m0 ? DType::int32 : DType::fp32, {T, sc_cols}, {stride / 4, 1}, gpu);
+      quantize_fp8_into(a.x, q, sc, Fp8Options{a.round_scale, a.use_ue8m0});
+    }
+    ll::DispatchSendArgs sa;
+    sa.x = a.x.data;
+    sa.x_stride = T > 1 ? a.x.stride(0) : H;
+    sa.records = a.use_fp8 ? scratch_.data() : nullptr;
+    sa.topk_idx = a.topk_idx.data;
+    sa.idx64 = a.topk_idx.dtype == DType::int64;
+    sa.K = static_cast<int>(K);
+    sa.T = T;
+    sa.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+    sa.scale_cols = static_cast<int>(sc_cols);
+    ll::launch_dispatch_send(c, sa, s);
+    launched(s);
+  } catch (...) {
+    broken_ = "a dispatch failed while being enqueued";
+    throw;
+  }
+  ++generation_;
+  Sent& sent = sent_[index % 2];
+  sent = {gen, T, K, std::move(ids)};
+  Pending& p = pending_[index % 2];
+  p = Pending{};
+  p.active = true;
+  p.is_dispatch = true;
+  p.generation = gen;
+  p.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+  p.scale_cols = static_cast<int>(sc_cols);
+  if (a.cumulative_local_expert_recv_stats.defined()) {
+    p.stats = static_cast<std::int32_t*>(a.cumulative_local_expert_recv_stats.data);
+    p.stats_stride = a.cumulative_local_expert_recv_stats.stride(0);
+  }
+
+  char* base = half_base(index);
+  const std::int64_t rows = static_cast<std::int64_t>(R_) * tmax;
+  LowLatencyDispatchResult r;
+  r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H}, gpu);
+  if (a.use_fp8)
+    r.packed_recv_x_scales = a.use_ue8m0 ? TensorView(base + L.scales, DType::int32, {El, rows, sc_cols}, gpu)
+                                         : TensorView(base + L.scales, DType::fp32, {El, rows, L.groups}, gpu);
+  r.packed_recv_count = TensorView(base + L.count, DType::int32, {El}, gpu);
+  r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows}, gpu);
+  r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R_}, gpu);
+  r.handle.num_max_dispatch_tokens_per_rank = tmax;
+  r.handle.hidden = H;
+  r.handle.num_experts = E;
+  r.handle.generation = gen;
+  r.handle.buffer_id = buffer_id_;
+  if (a.return_recv_hook) {
+    r.hook = RecvHook([this, gen] { receive_hook(gen); });
+  } else {
+    receive(gen, s, 0);
+    if (a.async_finish) r.event = Event::from_backend(std::make_shared<LowLatencyEvent>(device_, comm_));
+  }
+  return r;
+}
+
+void CudaIpcLowLatencyImpl::receive_hook(std::uint64_t gen) {
+  check_state();
+  DeviceGuard guard(Device::cuda(device_));
+  receive(gen, cuda_util::to_cuda(current_stream()), static_cast<long long>(generation_ - 1 - gen));
+}
+
+void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long lag) {
+  Pending& p = pending_[(gen - base_) % 2];
+  if (gen < base_ || !p.active || p.generation != gen)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the receive of low-latency call {} is no longer pending (the buffer was cleaned since)", me_, gen);
+  try {
+    order(s);
+    const ll::Common c = common();
+    if (p.is_dispatch) {
+      ll::DispatchRecvArgs ra;
+      ra.lag = lag;
+      ra.flags = p.flags;
+      ra.scale_cols = p.scale_cols;
+      ra.stats = p.stats;
+      ra.stats_stride = p.stats_stride;
+      ll::launch_dispatch_recv(c, ra, s);
+    } else {
+      ll::CombineRecvArgs ra;
+      ra.lag = lag;
+      ra.topk_idx = p.topk_idx;
+      ra.idx64 = p.idx64;
+      ra.K = p.K;
+      ra.weights = p.weights;
+      ra.T = p.T;
+      ra.out = p.out.data();
+      ra.out_stride = p.T > 1 ? p.out.view().stride(0) : layout_.hidden;
+      ll::launch_combine_recv(c, ra, s);
+    }
+    launched(s);
+  } catch (...) {
+    p = Pending{};
+    broken_ = "a receive failed while being enqueued";
+    throw;
+  }
+  p = Pending{};
+}
+
+// ------------------------------------------------------------------------------------------------
+
+LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineArgs& a) {
+  const Device gpu = Device::cuda(device_);
+  // --- every argument, before any communication (the handle checks are the CPU class's)
+  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a low_latency_dispatch",
+                  "an empty handle");
+  const LowLatencyHandle& hd = *a.handle;
+  EPMOE_CHECK_ARG(hd.buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
+                  fmt::format("a handle of buffer {}", hd.buffer_id));
+  check_state();
+  EPMOE_CHECK_ARG(config_.set, "handle", "the handle of a low_latency_dispatch on CUDA tensors of this buffer",
+                  "a handle of its CPU low-latency mode");
+  const LowLatencyMode::Layout& L = layout_;
+  const int El = L.local_experts, tmax = L.tmax;
+  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R_) * tmax;
+  EPMOE_CHECK_ARG(
+      hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == H && hd.num_experts == L.num_experts, "handle",
+      fmt::format("Tmax = {}, H = {}, E = {}", tmax, H, L.num_experts),
+      fmt::format("Tmax = {}, H = {}, E = {}", hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts));
+  if (hd.generation < base_ || hd.generation + 1 != generation_)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the handle comes from low-latency call {}, {} (this combine is call {}); only the handle of the "
+          "call just before can be combined (two buffers alternate)",
+          me_, hd.generation, hd.generation < base_ ? "before clean_low_latency_buffer" : "two or more calls ago",
+          generation_);
+  const Sent& sent = sent_[(hd.generation - base_) % 2];
+  if (sent.generation != hd.generation)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this buffer", me_, hd.generation);
+  const Pending& unreceived = pending_[(hd.generation - base_) % 2];
+  EPMOE_CHECK_ARG(!(unreceived.active && unreceived.generation == hd.generation), "handle",
+                  "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
+  const std::int64_t T = sent.num_tokens, K = sent.topk;
+
+  EPMOE_CHECK_ARG(a.x.defined(), "x", fmt::format("bfloat16[{}, {}, {}]", El, rows, H), "None");
+  args::check_on(a.x, "x", gpu);
+  EPMOE_CHECK_ARG(
+      a.x.ndim() == 3 && a.x.dtype == DType::bf16 && a.x.size(0) == El && a.x.size(1) == rows && a.x.size(2) == H, "x",
+      fmt::format("bfloat16[{}, {}, {}] ([E_local, R * Tmax, H], H = {} of the handle's dispatch)", El, rows, H, H),
+      describe(a.x));
+  EPMOE_CHECK_ARG(a.x.stride(2) == 1 && a.x.data != nullptr && reinterpret_cast<std::uintptr_t>(a.x.data) % 16 == 0 &&
+                      a.x.stride(1) % 8 == 0 && a.x.stride(0) % 8 == 0,
+                  "x", "unit stride in dimension 2 and 16-byte aligned rows on CUDA", args::strides_of(a.x));
+  EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
+                  "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
+  args::check_on(a.topk_idx, "topk_idx", gpu);
+  EPMOE_CHECK_ARG(a.topk_idx.dtype == DType::int64 || a.topk_idx.dtype == DType::int32, "topk_idx",
+                  "an int64 or int32 tensor", describe(a.topk_idx));
+  EPMOE_CHECK_ARG(T <= 1 || (a.topk_idx.stride(1) == 1 && a.topk_idx.stride(0) == K), "topk_idx",
+                  "a contiguous tensor on CUDA", args::strides_of(a.topk_idx));
+  EPMOE_CHECK_ARG(a.topk_weights.defined(), "topk_weights", fmt::format("float32[{}, {}]", T, K), "None");
+  args::check_on(a.topk_weights, "topk_weights", gpu);
+  EPMOE_CHECK_ARG(a.topk_weights.ndim() == 2 && a.topk_weights.dtype == DType::fp32 && a.topk_weights.size(0) == T &&
+                      a.topk_weights.size(1) == K &&
+                      (T <= 1 || (a.topk_weights.stride(1) == 1 && a.topk_weights.stride(0) == K)),
+                  "topk_weights", fmt::format("contiguous float32[{}, {}]", T, K), args::strides_of(a.topk_weights));
+  if (a.out.defined()) {
+    args::check_on(a.out, "out", gpu);
+    EPMOE_CHECK_ARG(
+        a.out.ndim() == 2 && a.out.dtype == DType::bf16 && a.out.size(0) == T && a.out.size(1) == H &&
+            (H <= 1 || a.out.stride(1) == 1) && (T <= 1 || (a.out.stride(0) >= H && a.out.stride(0) % 8 == 0)) &&
+            (a.out.data != nullptr || T == 0) && reinterpret_cast<std::uintptr_t>(a.out.data) % 16 == 0,
+        "out", fmt::format("bfloat16[{}, {}] with unit stride in dimension 1 and 16-byte aligned rows", T, H),
+        args::strides_of(a.out));
+  }
+  EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
+                  "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  if (a.zero_copy)
+    raise(ErrorCode::unsupported,
+          "argument 'zero_copy': the cuda_ipc low-latency combine always copies (expected false, got true)");
+  DeviceGuard guard(gpu);
+  const cudaStream_t caller = cuda_util::to_cuda(current_stream());
+  if (debug_validate_ && !capturing(caller) && !sent.topk_idx.empty()) {
+    const std::vector<std::int32_t> idx = host_ids(a.topk_idx, T, L.num_experts, caller);
+    for (std::size_t i = 0; i < idx.size(); ++i)
+      if (idx[i] != sent.topk_idx[i])
+        throw_invalid_argument(
+            "topk_idx", "the topk_idx given to the dispatch of this handle",
+            fmt::format("{} at [{}, {}] where the dispatch had {}", idx[i], i / K, i % K, sent.topk_idx[i]));
+  }
+  begin_call("low_latency_combine");
+
+  const std::uint64_t gen = generation_, index = gen - base_;
+  const cudaStream_t s = a.async_finish ? comm_ : caller;
+  Tensor out;
+  try {
+    if (a.async_finish) enter(caller);
+    order(s);
+    {
+      StreamGuard on(Stream{s});  // a fresh output is allocated (stream-ordered) where the receive runs first
+      out = a.out.defined() ? Tensor::wrap(a.out, nullptr) : Tensor::empty(DType::bf16, {T, H}, gpu);
+    }
+    ll::CombineSendArgs sa;
+    sa.x = a.x.data;
+    sa.stride0 = a.x.stride(0);
+    sa.stride1 = a.x.stride(1);
+    ll::launch_combine_send(common(), sa, s);
+    launched(s);
+  } catch (...) {
+    broken_ = "a combine failed while being enqueued";
+    throw;
+  }
+  ++generation_;
+
+  LowLatencyCombineResult r;
+  r.combined_x = out;
+  Pending& p = pending_[index % 2];
+  p = Pending{};
+  p.active = true;
+  p.is_dispatch = false;
+  p.generation = gen;
+  p.topk_idx = a.topk_idx.data;
+  p.idx64 = a.topk_idx.dtype == DType::int64;
+  p.K = static_cast<int>(K);
+  p.weights = static_cast<const float*>(a.topk_weights.data);
+  p.T = T;
+  p.out = out;
+  if (a.return_recv_hook) {
+    r.hook = RecvHook([this, gen] { receive_hook(gen); });
+  } else {
+    receive(gen, s, 0);
+    if (a.async_finish) r.event = Event::from_backend(std::make_shared<LowLatencyEvent>(device_, comm_));
+  }
+  return r;
+}
+
+void CudaIpcLowLatencyImpl::clean(int tmax, std::int64_t hidden, int num_experts) {
+  args::check_settings(tmax, hidden, R_, num_experts);
+  args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, hidden, num_experts,
+                             R_, num_rdma_bytes_,
+                             config_.set ? 0 : LowLatencyMode::size_hint(tmax, hidden, R_, num_experts));
+  check_state();
+  if (!config_.set) {
+    ensure_configured(tmax, hidden, num_experts, "clean_low_latency_buffer");
+  } else {
+    // Every rank's kernels are done before any window is zeroed, and every window is zeroed before any rank's
+    // next call (its kernels write into the peers' windows).
+    DeviceGuard guard(Device::cuda(device_));
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(comm_));
+    if (has_last_) EPMOE_CUDA_CHECK(cudaEventSynchronize(last_event_));
+    group_->barrier("clean_low_latency_buffer: kernels done");
+    EPMOE_CUDA_CHECK(cudaMemset(mem_->local(), 0, mem_->bytes()));
+    EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    group_->barrier("clean_low_latency_buffer: windows zeroed");
+  }
+  base_ = generation_;
+  pending_ = {};
+  sent_ = {};
+}
+
+}  // namespace
+
+std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Group> group, int device,
+                                                             const BufferOptions& options, std::uint64_t buffer_id) {
+  return std::make_unique<CudaIpcLowLatencyImpl>(std::move(group), device, options, buffer_id);
+}
+
+}  // namespace epmoe
+
+#endif

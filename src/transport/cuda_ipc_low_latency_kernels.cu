@@ -1,0 +1,542 @@
+// Kernels of the cuda_ipc low-latency mode: dispatch send/receive, combine send/receive. Protocol and byte layout:
+// cuda_ipc_low_latency.hpp (the CPU implementation's, low_latency_mode.cpp).
+//
+// Every kernel learns its call index on the device: Control::calls counts the send kernels that finished since the
+// last clean, so a send kernel's index is `calls` (its last block advances it) and a receive kernel's is
+// calls - 1 - lag, lag being the calls sent after it when it was enqueued (0 unless a recv hook runs late). A
+// captured CUDA graph therefore replays with fresh indices. Memory ordering as in cuda_ipc_kernels.cu: rows are
+// plain stores into the peer's window; the last block of a kernel (an arrive counter) fences system-wide and
+// publishes with st.release.sys; receivers poll with ld.acquire.sys and read staging with ld.global.cg. Every spin
+// has a %globaltimer deadline: on expiry the first failing thread records (code, rank, peer, phase) in the
+// host-mapped record (atomicCAS on Control::claim) and the kernel returns (no trap).
+#include <epmoe/dtype.hpp>
+
+#include "transport/cuda_ipc_low_latency_kernels.hpp"
+
+#include "core/cuda_check.hpp"
+
+namespace epmoe::cuda_ipc_ll {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVec = 4;  // 16-byte vectors each lane keeps in flight when moving a row
+constexpr int kMaxSendBlocks = 48;
+
+__device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
+__device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
+  return static_cast<char*>(c.peers[r]) + kControlBytes + static_cast<std::size_t>(half) * c.half_bytes;
+}
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<long long>(t);
+}
+__device__ __forceinline__ unsigned long long read_volatile(const unsigned long long* p) {
+  return *reinterpret_cast<const volatile unsigned long long*>(p);
+}
+
+/// Records the first error of this rank's window in the host-mapped record (later ones are dropped).
+__device__ void report(const Common& c, int code, int peer, int phase, unsigned long long index, long long value,
+                       long long value2 = 0) {
+  Control* mine = control(c.peers[c.rank]);
+  if (atomicCAS(&mine->claim, 0, 1) != 0) return;
+  volatile HostRecord* h = c.host;
+  h->error_rank = c.rank;
+  h->error_peer = peer;
+  h->error_phase = phase;
+  h->error_value = value;
+  h->error_value2 = value2;
+  h->error_index = index;
+  __threadfence_system();
+  h->error_code = code;
+  __threadfence_system();
+}
+
+/// Spins until *p >= target; false (and a timeout recorded) after the group's timeout.
+__device__ bool wait_geq(const unsigned long long* p, unsigned long long target, const Common& c, int peer, int phase,
+                         unsigned long long index) {
+  if (ld_acquire_sys(p) >= target) return true;
+  const long long start = now_ns();
+  while (ld_acquire_sys(p) < target) {
+    if (now_ns() - start > c.timeout_ns) {
+      report(c, kErrTimeout, peer, phase, index, static_cast<long long>(ld_acquire_sys(p)));
+      return false;
+    }
+  }
+  return true;
+}
+
+/// Exclusive prefix of `flag` over the block (thread order) and the block's total. Every thread calls it.
+__device__ int block_scan(int flag, int* total) {
+  __shared__ int warp_sums[kWarps + 1];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag != 0);
+  const int prefix = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) warp_sums[w] = __popc(ballot);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int i = 0; i < kWarps; ++i) {
+      const int v = warp_sums[i];
+      warp_sums[i] = run;
+      run += v;
+    }
+    warp_sums[kWarps] = run;
+  }
+  __syncthreads();
+  const int r = warp_sums[w] + prefix;
+  *total = warp_sums[kWarps];
+  __syncthreads();
+  return r;
+}
+
+/// One warp copies `bytes` (a multiple of 16) from src to dst, kVec 16-byte loads in flight per lane. `fresh`:
+/// the source was written by another GPU (read through L2).
+template <bool kFresh>
+__device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::size_t bytes, int lane) {
+  const int4* src = static_cast<const int4*>(src_v);
+  int4* dst = static_cast<int4*>(dst_v);
+  const int n = static_cast<int>(bytes / 16);
+  for (int i0 = lane; i0 < n; i0 += 32 * kVec) {
+    int4 v[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (i0 + u * 32 < n) v[u] = kFresh ? __ldcg(src + i0 + u * 32) : __ldg(src + i0 + u * 32);
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (i0 + u * 32 < n) dst[i0 + u * 32] = v[u];
+  }
+}
+
+/// Token t's ids as the protocol uses them: an id outside [-1, E) or one already seen in the token becomes -1
+/// (the host raises the recorded error at the next call, SPEC 11). `report_errors`: this thread may record them.
+__device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, long long t, int* ids,
+                          bool report_errors, int phase, unsigned long long index) {
+  for (int k = 0; k < K; ++k) {
+    const long long raw = idx64 ? static_cast<const long long*>(idx)[t * K + k]
+                                : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
+    int id = static_cast<int>(raw);
+    if (raw < -1 || raw >= c.num_experts) {
+      if (report_errors) report(c, kErrBadId, c.rank, phase, index, raw, t * K + k);
+      id = -1;
+    }
+    for (int j = 0; j < k && id >= 0; ++j)
+      if (ids[j] == id) {
+        if (report_errors) report(c, kErrDuplicateId, c.rank, phase, index, id, t * K + k);
+        id = -1;
+      }
+    ids[k] = id;
+  }
+}
+
+/// The last block of the grid to get here (every thread calls it, after its stores): returns true in that block's
+/// thread 0, after a system-wide fence that orders every block's stores before what it publishes next.
+__device__ bool last_block(unsigned int* arrive) {
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  __threadfence_system();
+  const unsigned old = atomicAdd(arrive, 1u);
+  if (old != gridDim.x - 1) return false;
+  __threadfence_system();
+  *arrive = 0;  // ready for the next kernel (stream order)
+  return true;
+}
+
+// ---- dispatch ----
+
+struct SendTask {
+  int t, d, pos;
+};
+
+__global__ void __launch_bounds__(kThreads)
+    dispatch_send_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs a) {
+  Control* own = control(c.peers[c.rank]);
+  __shared__ unsigned long long s_index;
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    s_index = read_volatile(&own->calls);
+    s_ok = 1;
+  }
+  __syncthreads();
+  const unsigned long long index = s_index;
+  const int half = static_cast<int>(index & 1), R = c.num_ranks, me = c.rank, El = c.local_experts, K = a.K;
+  // A half is written again (call index) only once every destination has read it (call index - 2).
+  if (index >= 2 && threadIdx.x < R &&
+      !wait_geq(&own->consumed[half][threadIdx.x], index - 1, c, threadIdx.x, kPhaseDispatchSend, index))
+    s_ok = 0;
+  __syncthreads();
+  if (!s_ok) return;
+
+  __shared__ int carry[kMaxRanks];
+  __shared__ SendTask tasks[kThreads * kMaxRanks];
+  __shared__ int num_tasks;
+  if (threadIdx.x < kMaxRanks) carry[threadIdx.x] = 0;
+  const std::size_t slot_off =
+      c.staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(me) * c.dispatch_slot_bytes;
+  const std::size_t records_off = slot_off + static_cast<std::size_t>(c.tmax) * c.meta_bytes;
+  const bool fp8 = (a.flags & 1u) != 0;
+  // fp8: the row and its scales only (the record's stride fits a bf16 row)
+  const std::size_t payload = fp8 ? (static_cast<std::size_t>(c.hidden) + 4u * a.scale_cols + 15) / 16 * 16
+                                  : static_cast<std::size_t>(2 * c.hidden);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+
+  for (long long base = 0; base < a.T; base += kThreads) {
+    const long long t = base + threadIdx.x;
+    int ids[kMaxTopk];
+    unsigned mask = 0;
+    if (t < a.T) {
+      // Errors are recorded once, by block 0; every block skips the same ids.
+      clean_ids(c, a.topk_idx, a.idx64, K, t, ids, blockIdx.x == 0, kPhaseDispatchSend, index);
+      for (int k = 0; k < K; ++k) {
+        if (ids[k] >= 0) mask |= 1u << (ids[k] / El);
+        if (blockIdx.x == 0) c.sent_idx[static_cast<std::size_t>(half) * c.tmax * kMaxTopk + t * K + k] = ids[k];
+      }
+    }
+    int pos[kMaxRanks];
+    for (int d = 0; d < R; ++d) {
+      const int before = carry[d];  // read by every thread before block_scan's first barrier
+      int total = 0;
+      pos[d] = before + block_scan((mask >> d) & 1u, &total);
+      if (threadIdx.x == 0) carry[d] = before + total;
+    }
+    if (threadIdx.x == 0) num_tasks = 0;
+    __syncthreads();
+    if (t < a.T && t % gridDim.x == blockIdx.x)
+      for (int d = 0; d < R; ++d)
+        if ((mask >> d) & 1u) tasks[atomicAdd(&num_tasks, 1)] = SendTask{static_cast<int>(t), d, pos[d]};
+    __syncthreads();
+    for (int i = warp; i < num_tasks; i += kWarps) {
+      const SendTask task = tasks[i];
+      char* dst_half = half_base(c, task.d, half);
+      if (lane == 0) {
+        int row_ids[kMaxTopk];
+        // The same cleaning as the scan (without reporting again).
+        clean_ids(c, a.topk_idx, a.idx64, K, task.t, row_ids, false, kPhaseDispatchSend, index);
+        TokenMeta* m =
+            reinterpret_cast<TokenMeta*>(dst_half + slot_off + static_cast<std::size_t>(task.pos) * c.meta_bytes);
+        int n = 0;
+        for (int k = 0; k < K; ++k)
+          if (row_ids[k] >= 0 && row_ids[k] / El == task.d)
+            m->entries[n++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(row_ids[k] % El);
+        m->token = task.t;
+        m->num_entries = n;
+      }
+      const char* src = fp8 ? static_cast<const char*>(a.records) + static_cast<std::size_t>(task.t) * c.record_bytes
+                            : static_cast<const char*>(a.x) + static_cast<std::size_t>(task.t) * a.x_stride * 2;
+      warp_copy<false>(src, dst_half + records_off + static_cast<std::size_t>(task.pos) * c.record_bytes, payload,
+                       lane);
+    }
+    __syncthreads();
+  }
+
+  if (!last_block(&own->send_arrive)) return;
+  for (int d = 0; d < R; ++d) {
+    Header* h =
+        reinterpret_cast<Header*>(half_base(c, d, half) + c.staging + static_cast<std::size_t>(me) * kHeaderBytes);
+    h->magic = kMagic;
+    h->kind = kKindDispatch;
+    h->index = index;
+    h->count = carry[d];
+    h->hidden = c.hidden;
+    h->flags = a.flags;
+    h->tmax = c.tmax;
+    h->num_experts = c.num_experts;
+  }
+  __threadfence_system();
+  for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->data[half][me], index + 1);
+  own->calls = index + 1;
+}
+
+/// Threads s < R wait for source s's data flag of call `index` and check its header; false on every thread when
+/// some source failed (recorded). `counts` receives each source's count.
+__device__ bool receive_headers(const Common& c, int half, unsigned long long index, std::uint32_t kind,
+                                std::uint32_t flags, const long long* expected, long long* counts, int phase) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  const int s = threadIdx.x;
+  if (s < c.num_ranks) {
+    Control* own = control(c.peers[c.rank]);
+    if (!wait_geq(&own->data[half][s], index + 1, c, s, phase, index)) {
+      ok = 0;
+    } else {
+      const Header* hp = reinterpret_cast<const Header*>(half_base(c, c.rank, half) + c.staging +
+                                                         static_cast<std::size_t>(s) * kHeaderBytes);
+      const std::uint32_t magic = __ldcg(&hp->magic), hkind = __ldcg(&hp->kind), hflags = __ldcg(&hp->flags);
+      const unsigned long long hindex = __ldcg(reinterpret_cast<const unsigned long long*>(&hp->index));
+      const long long count = __ldcg(reinterpret_cast<const long long*>(&hp->count));
+      const long long hidden = __ldcg(reinterpret_cast<const long long*>(&hp->hidden));
+      const int tmax = __ldcg(&hp->tmax), E = __ldcg(&hp->num_experts);
+      if (magic != kMagic || hkind != kind || hindex != index) {
+        report(c, kErrOtherCall, s, phase, index, static_cast<long long>(hindex), magic != kMagic ? 0 : hkind);
+        ok = 0;
+      } else if (hidden != c.hidden || tmax != c.tmax || E != c.num_experts) {
+        report(c, kErrShape, s, phase, index, hidden, static_cast<long long>(tmax) << 32 | E);
+        ok = 0;
+      } else if (kind == kKindDispatch && hflags != flags) {
+        report(c, kErrFlags, s, phase, index, hflags, flags);
+        ok = 0;
+      } else if (count < 0 || (kind == kKindDispatch && count > c.tmax) ||
+                 (expected != nullptr && count != expected[s])) {
+        report(c, kErrCount, s, phase, index, count, expected != nullptr ? expected[s] : c.tmax);
+        ok = 0;
+      } else {
+        counts[s] = count;
+      }
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+struct RecvItem {
+  int j, k, token;
+};
+
+__global__ void __launch_bounds__(kThreads)
+    dispatch_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchRecvArgs a) {
+  Control* own = control(c.peers[c.rank]);
+  const unsigned long long index = read_volatile(&own->calls) - 1 - static_cast<unsigned long long>(a.lag);
+  const int half = static_cast<int>(index & 1), R = c.num_ranks, El = c.local_experts;
+  __shared__ long long n[kMaxRanks];
+  if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv)) return;
+
+  const bool fp8 = (a.flags & 1u) != 0;
+  const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
+  const std::size_t x_row = fp8 ? static_cast<std::size_t>(H) : static_cast<std::size_t>(2 * H);
+  const int sc_cols = fp8 ? a.scale_cols : 0;
+  char* base = half_base(c, c.rank, half);
+  char* packed_x = base + c.packed_x;
+  auto* scales = reinterpret_cast<int*>(base + c.scales);
+  auto* count = reinterpret_cast<std::int32_t*>(base + c.count);
+  auto* src_info = reinterpret_cast<std::int32_t*>(base + c.src_info);
+  auto* range = reinterpret_cast<long long*>(base + c.layout_range);
+  auto* packed_k = reinterpret_cast<std::uint8_t*>(base + c.packed_k);
+  const char* staging = base + c.staging;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ RecvItem items[kThreads];
+
+  for (int e = blockIdx.x; e < El; e += gridDim.x) {
+    int fill = 0;  // uniform over the block
+    for (int s = 0; s < R; ++s) {
+      const int begin = fill;
+      const char* metas =
+          staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(s) * c.dispatch_slot_bytes;
+      const char* records = metas + static_cast<std::size_t>(c.tmax) * c.meta_bytes;
+      for (long long j0 = 0; j0 < n[s]; j0 += kThreads) {
+        const long long j = j0 + threadIdx.x;
+        int match = 0, k = 0, token = 0;
+        if (j < n[s]) {
+          const TokenMeta* m = reinterpret_cast<const TokenMeta*>(metas + static_cast<std::size_t>(j) * c.meta_bytes);
+          int ne = __ldcg(&m->num_entries);
+          ne = ne < 0 ? 0 : (ne > kMaxTopk ? kMaxTopk : ne);
+          for (int q = 0; q < ne; ++q) {
+            const std::uint32_t ent = __ldcg(&m->entries[q]);
+            if (static_cast<int>(ent & 0xffffu) == e) {
+              match = 1;
+              k = static_cast<int>(ent >> 16);
+              break;
+            }
+          }
+          token = __ldcg(&m->token);
+        }
+        int total = 0;
+        const int at = block_scan(match, &total);
+        if (match) items[at] = RecvItem{static_cast<int>(j), k, token};
+        __syncthreads();
+        for (int i = warp; i < total; i += kWarps) {
+          const RecvItem it = items[i];
+          const long long row = static_cast<long long>(e) * rows + fill + i;
+          const char* rec = records + static_cast<std::size_t>(it.j) * c.record_bytes;
+          warp_copy<true>(rec, packed_x + static_cast<std::size_t>(row) * x_row, x_row, lane);
+          for (int w = lane; w < sc_cols; w += 32)
+            scales[static_cast<std::size_t>(row) * sc_cols + w] = __ldcg(reinterpret_cast<const int*>(rec + H) + w);
+          if (lane == 0) {
+            src_info[row] = it.token;
+            packed_k[row] = static_cast<std::uint8_t>(it.k);
+          }
+        }
+        fill += total;
+        __syncthreads();
+      }
+      if (threadIdx.x == 0)
+        range[static_cast<std::size_t>(e) * R + s] =
+            static_cast<long long>(begin) << 32 | static_cast<long long>(fill - begin);
+    }
+    if (threadIdx.x == 0) {
+      count[e] = fill;
+      if (a.stats) a.stats[e * a.stats_stride] += fill;
+    }
+  }
+
+  if (!last_block(&own->recv_arrive)) return;
+  for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->consumed[half][c.rank], index + 1);
+}
+
+// ---- combine ----
+
+__global__ void __launch_bounds__(kThreads)
+    combine_send_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs a) {
+  Control* own = control(c.peers[c.rank]);
+  __shared__ unsigned long long s_index;
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    s_index = read_volatile(&own->calls);
+    s_ok = 1;
+  }
+  __syncthreads();
+  const unsigned long long index = s_index;
+  const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, me = c.rank, El = c.local_experts;
+  if (index >= 2 && threadIdx.x < R &&
+      !wait_geq(&own->consumed[half][threadIdx.x], index - 1, c, threadIdx.x, kPhaseCombineSend, index))
+    s_ok = 0;
+  __syncthreads();
+  if (!s_ok) return;
+
+  const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
+  const char* dbase = half_base(c, me, dh);  // the dispatch's half (the call just before)
+  const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + c.src_info);
+  const auto* range = reinterpret_cast<const long long*>(dbase + c.layout_range);
+  const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + c.packed_k);
+  const std::size_t body = c.staging + static_cast<std::size_t>(R) * kHeaderBytes;
+  const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = blockIdx.x; e < El; e += gridDim.x)
+    for (int s = 0; s < R; ++s) {
+      const long long rg = range[static_cast<std::size_t>(e) * R + s];
+      const long long b = rg >> 32, cnt = rg & 0xffffffffll;
+      char* dst_body = half_base(c, s, half) + body;
+      for (long long r = b + warp; r < b + cnt; r += kWarps) {
+        const long long row = static_cast<long long>(e) * rows + r;
+        const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
+        const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
+        warp_copy<false>(src, dst_body + dst * row_bytes, row_bytes, lane);
+      }
+    }
+
+  if (!last_block(&own->send_arrive)) return;
+  for (int s = 0; s < R; ++s) {
+    long long rows_back = 0;
+    for (int e = 0; e < El; ++e) rows_back += range[static_cast<std::size_t>(e) * R + s] & 0xffffffffll;
+    Header* h =
+        reinterpret_cast<Header*>(half_base(c, s, half) + c.staging + static_cast<std::size_t>(me) * kHeaderBytes);
+    h->magic = kMagic;
+    h->kind = kKindCombine;
+    h->index = index;
+    h->count = rows_back;
+    h->hidden = H;
+    h->flags = 0;
+    h->tmax = c.tmax;
+    h->num_experts = c.num_experts;
+  }
+  __threadfence_system();
+  for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], index + 1);
+  own->calls = index + 1;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    combine_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineRecvArgs a) {
+  Control* own = control(c.peers[c.rank]);
+  const unsigned long long index = read_volatile(&own->calls) - 1 - static_cast<unsigned long long>(a.lag);
+  const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, El = c.local_experts, K = a.K;
+  // Rows each rank must send back: this rank's (token, k) pairs routed to it.
+  __shared__ long long expected[kMaxRanks];
+  __shared__ long long n[kMaxRanks];
+  if (threadIdx.x < kMaxRanks) expected[threadIdx.x] = 0;
+  __syncthreads();
+  const std::int32_t* sent = c.sent_idx + static_cast<std::size_t>(dh) * c.tmax * kMaxTopk;
+  for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
+    int ids[kMaxTopk];
+    clean_ids(c, a.topk_idx, a.idx64, K, t, ids, blockIdx.x == 0, kPhaseCombineRecv, index);
+    for (int k = 0; k < K; ++k) {
+      if (ids[k] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[ids[k] / El]), 1ull);
+      if (blockIdx.x == 0 && ids[k] != sent[t * K + k])
+        report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
+    }
+  }
+  __syncthreads();
+  if (!receive_headers(c, half, index, kKindCombine, 0, expected, n, kPhaseCombineRecv)) return;
+
+  // out[t] = sum over k ascending of w[t, k] * row(t, k): float32 from +0.0f, each product rounded before it is
+  // added (no fused multiply-add, as the CPU), one rounding to bf16.
+  const long long H = c.hidden;
+  const auto* body = reinterpret_cast<const int4*>(half_base(c, c.rank, half) + c.staging +
+                                                   static_cast<std::size_t>(R) * kHeaderBytes);
+  const int lane = threadIdx.x & 31;
+  const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t < a.T) {
+    int ids[kMaxTopk];
+    float w[kMaxTopk];
+    clean_ids(c, a.topk_idx, a.idx64, K, t, ids, false, kPhaseCombineRecv, index);
+    for (int k = 0; k < K; ++k) w[k] = a.weights[t * K + k];
+    const int nvec = static_cast<int>(H / 8);
+    int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
+    for (int v = lane; v < nvec; v += 32) {
+      float acc[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        if (ids[k] < 0) continue;
+        const int4 raw =
+            __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * static_cast<std::size_t>(nvec) + v);
+        const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
+                                        static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[k], __uint_as_float(words[j] << 16)));
+          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[k], __uint_as_float(words[j] & 0xffff0000u)));
+        }
+      }
+      std::uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        packed[j] = static_cast<std::uint32_t>(float_to_bf16(acc[2 * j]).bits) |
+                    static_cast<std::uint32_t>(float_to_bf16(acc[2 * j + 1]).bits) << 16;
+      out[v] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                         static_cast<int>(packed[3]));
+    }
+  }
+
+  if (!last_block(&own->recv_arrive)) return;
+  for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->consumed[half][c.rank], index + 1);
+}
+
+}  // namespace
+
+void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s) {
+  long long blocks = (a.T + 3) / 4;
+  blocks = blocks < 1 ? 1 : (blocks > kMaxSendBlocks ? kMaxSendBlocks : blocks);
+  dispatch_send_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, cudaStream_t s) {
+  dispatch_recv_kernel<<<static_cast<unsigned>(c.local_experts), kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t s) {
+  combine_send_kernel<<<static_cast<unsigned>(c.local_experts), kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_combine_recv(const Common& c, const CombineRecvArgs& a, cudaStream_t s) {
+  long long blocks = (a.T + kWarps - 1) / kWarps;
+  if (blocks < 1) blocks = 1;
+  combine_recv_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  EPMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace epmoe::cuda_ipc_ll

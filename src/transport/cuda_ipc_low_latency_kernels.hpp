@@ -1,0 +1,131 @@
+// Kernels of the cuda_ipc low-latency mode (CUDA builds only): the window's control block, the byte protocol's
+// records (the same as the CPU implementation's, low_latency_mode.cpp), the kernels' parameter records and thin
+// launchers. No fmt here (this header is included by the .cu). Protocol: cuda_ipc_low_latency.hpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace epmoe::cuda_ipc_ll {
+
+inline constexpr int kMaxRanks = 8;                  // one NVLink host
+inline constexpr int kMaxTopk = 16;                  // SPEC 1, low-latency mode
+inline constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL", as the CPU implementation
+inline constexpr std::size_t kHeaderBytes = 64;
+enum : std::uint32_t { kKindDispatch = 1, kKindCombine = 2 };
+
+/// What a source writes before its flag (byte-compatible with low_latency_mode.cpp's Header).
+struct Header {
+  std::uint32_t magic;
+  std::uint32_t kind;
+  std::uint64_t index;  // call index since the last clean
+  std::int64_t count;   // dispatch: tokens sent; combine: rows sent
+  std::int64_t hidden;
+  std::uint32_t flags;  // dispatch: 1 use_fp8, 2 round_scale, 4 use_ue8m0
+  std::int32_t tmax;
+  std::int32_t num_experts;
+  std::int32_t reserved[5];
+};
+static_assert(sizeof(Header) == kHeaderBytes);
+
+/// One dispatched token (low_latency_mode.cpp's TokenMeta): its index at the source and the (k, local expert)
+/// pairs of this destination in ascending k, entry = k << 16 | local expert.
+struct TokenMeta {
+  std::int32_t token;
+  std::int32_t num_entries;
+  std::uint32_t entries[kMaxTopk];
+};
+
+/// Control block at the start of every rank's window (the halves follow it). Peers write `data` and `consumed`;
+/// the owner alone uses the rest.
+struct Control {
+  unsigned long long data[2][kMaxRanks];      // [half][source] = index + 1 once the source's data of call index is in
+  unsigned long long consumed[2][kMaxRanks];  // [half][reader] = index + 1 once reader read its staging of call index
+  unsigned long long calls;  // owner: calls since the last clean whose send kernel finished (the next call's index)
+  unsigned int send_arrive;  // owner: blocks of the running send kernel that finished
+  unsigned int recv_arrive;  // owner: blocks of the running receive kernel that finished
+  int claim;                 // first error wins the host record
+};
+inline constexpr std::size_t kControlBytes = 4096;
+static_assert(sizeof(Control) <= kControlBytes);
+
+/// Error codes (HostRecord::error_code).
+enum : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrOtherCall = 2,    ///< a peer's header is of another call or kind: value = its index, value2 = its kind
+  kErrFlags = 3,        ///< use_fp8/round_scale/use_ue8m0 differ: value = the peer's flags, value2 = this rank's
+  kErrShape = 4,        ///< hidden/Tmax/E differ: value = the peer's hidden, value2 = its tmax << 32 | E
+  kErrBadId = 5,        ///< an id outside [-1, E) (skipped): value = the id, value2 = its flat index t * K + k
+  kErrDuplicateId = 6,  ///< an id twice in one token (the second skipped): value = the id, value2 = t * K + k
+  kErrCount = 7,        ///< combine: the peer sent `value` rows, this rank's topk_idx routes value2 to it
+  kErrIdsDiffer = 8     ///< combine's topk_idx differs from the dispatch's: value = the id, value2 = t * K + k
+};
+/// Phases (HostRecord::error_phase).
+enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend = 2, kPhaseCombineRecv = 3 };
+
+/// Host-mapped record of the first error.
+struct HostRecord {
+  int error_code, error_rank, error_peer, error_phase;
+  long long error_value, error_value2;
+  unsigned long long error_index;  // the call
+};
+
+/// What every kernel needs: the mapped windows and the layout of one half (LowLatencyMode::Layout's offsets).
+struct Common {
+  void* peers[kMaxRanks] = {};  ///< every rank's window base as mapped here (control block first)
+  int rank = 0, num_ranks = 0;
+  long long timeout_ns = 0;
+  HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
+  int tmax = 0, local_experts = 0, num_experts = 0;
+  long long hidden = 0;
+  std::size_t half_bytes = 0;  ///< halves start at kControlBytes + half * half_bytes
+  std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0, staging = 0;
+  std::size_t dispatch_slot_bytes = 0, record_bytes = 0, meta_bytes = 0;
+  std::int32_t* sent_idx = nullptr;  ///< this rank's device scratch [2][tmax * kMaxTopk]: dispatch ids per half
+};
+
+struct DispatchSendArgs {
+  const void* x = nullptr;  ///< bf16 [T, H] rows of x_stride elements (bf16 dispatch)
+  long long x_stride = 0;
+  const void* records = nullptr;   ///< fp8: quantized rows + scales, record_bytes apart (device scratch); else null
+  const void* topk_idx = nullptr;  ///< [T, K] contiguous
+  bool idx64 = true;
+  int K = 0;
+  long long T = 0;
+  std::uint32_t flags = 0;
+  int scale_cols = 0;  ///< fp8: float32 groups or UE8M0 words per row
+};
+
+struct DispatchRecvArgs {
+  long long lag = 0;  ///< calls sent after this one when the receive was enqueued (index = calls - 1 - lag)
+  std::uint32_t flags = 0;
+  int scale_cols = 0;             ///< float32 groups, or UE8M0 words
+  std::int32_t* stats = nullptr;  ///< cumulative_local_expert_recv_stats or null
+  long long stats_stride = 1;
+};
+
+struct CombineSendArgs {
+  const void* x = nullptr;             ///< bf16 [E_local, R * Tmax, H]
+  long long stride0 = 0, stride1 = 0;  ///< elements
+};
+
+struct CombineRecvArgs {
+  long long lag = 0;
+  const void* topk_idx = nullptr;  ///< [T, K] contiguous
+  bool idx64 = true;
+  int K = 0;
+  const float* weights = nullptr;  ///< [T, K] contiguous
+  long long T = 0;
+  void* out = nullptr;  ///< bf16 [T, H], rows out_stride elements apart
+  long long out_stride = 0;
+};
+
+void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s);
+void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, cudaStream_t s);
+void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t s);
+void launch_combine_recv(const Common& c, const CombineRecvArgs& a, cudaStream_t s);
+
+}  // namespace epmoe::cuda_ipc_ll

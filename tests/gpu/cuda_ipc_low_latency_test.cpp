@@ -1,0 +1,616 @@
+// cuda_ipc low-latency mode against the threads backend, bit for bit (SPEC 5, 13): the same fresh random inputs go
+// through a threads Buffer on CPU ranks and a cuda_ipc Buffer on R = min(2, visible GPUs) GPUs (thread rank r on
+// cuda:r; R = 1 sends to itself). Compared: packed_recv_x and its scales (valid rows), packed_recv_count, the
+// handle's src_info (valid rows) and layout_range, cumulative stats, combined_x. Window outputs of a call are
+// poisoned on the GPU once read, so a later call that used the same half must have rewritten them. Covers bf16 and
+// fp8 (float32, round_scale, UE8M0), T = 0 on a rank, all ids -1, one expert taking every token, T = Tmax, K = 1 and
+// 8, H in {2048, 2880, 4096, 7168}, hooks (also two dispatches in flight, hooks called out of order), async_finish,
+// repeated calls, a CUDA graph of dispatch + combine replayed with new inputs, and the errors (T > Tmax, bad ids
+// eagerly and on the device, the two-buffer rule, a hook called twice).
+#include <gtest/gtest.h>
+
+#include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
+#include <epmoe/group.hpp>
+#include <epmoe/quant.hpp>
+#include <epmoe/stream.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "gpu/gpu_util.hpp"
+#include "support/random.hpp"
+
+namespace epmoe {
+namespace {
+
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+// Two ranks as threads on ONE GPU starve each other's spinning kernels: one rank per GPU, at most 2.
+int num_ranks() { return std::min(2, gpu_count()); }
+
+std::shared_ptr<Group> borrow(Group& g) {
+  return std::shared_ptr<Group>(&g, [](Group*) {});
+}
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+Tensor to_gpu(const Tensor& h, int device) {
+  if (!h.defined()) return {};
+  Tensor d = Tensor::empty(h.dtype(), h.shape(), Device::cuda(device));
+  if (h.nbytes() > 0) cuda_ok(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+/// Host copy of a contiguous view (device: after the device is idle).
+Tensor to_cpu(const TensorView& v) {
+  Tensor h = Tensor::empty(v.dtype, v.shape);
+  if (v.numel() == 0) return h;
+  if (v.device.is_cuda()) {
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+  } else {
+    std::memcpy(h.data(), v.data, v.nbytes());
+  }
+  return h;
+}
+
+void poison_gpu(const TensorView& v) {
+  if (v.defined() && v.nbytes() > 0) cuda_ok(cudaMemset(v.data, 0xff, v.nbytes()), "poison");
+}
+
+struct Case {
+  std::vector<std::int64_t> T = {64, 37};  // per rank
+  std::int64_t H = 2048;
+  int K = 8, E = 32, tmax = 64;
+  bool fp8 = false, round_scale = false, ue8m0 = false, int32_idx = false;
+  double p_minus_one = 0.1;
+  int only_expert = -1, all_minus_one_rank = -1;
+  int calls = 2;  // dispatch + combine pairs
+  bool hooks = false, async = false, stats = false, out_param = true;
+  std::string name() const {
+    std::ostringstream os;
+    os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E << " Tmax=" << tmax
+       << (fp8 ? (ue8m0         ? " fp8/ue8m0"
+                  : round_scale ? " fp8/round"
+                                : " fp8/f32")
+               : " bf16")
+       << (int32_idx ? " int32 ids" : "") << " p(-1)=" << p_minus_one << " only_expert=" << only_expert
+       << " all-1 rank=" << all_minus_one_rank << " calls=" << calls << (hooks ? " hooks" : "")
+       << (async ? " async" : "") << (stats ? " stats" : "");
+    return os.str();
+  }
+};
+
+struct CallIn {
+  Tensor x, idx, w, comb_x;  // host
+};
+using RankIns = std::vector<std::vector<CallIn>>;  // [rank][call]
+
+RankIns make_inputs(const Case& c, int R, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  RankIns in(static_cast<std::size_t>(R));
+  const int El = c.E / R;
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < c.calls; ++i) {
+      const std::int64_t T = c.T[static_cast<std::size_t>(r)];
+      CallIn ci;
+      ci.x = test::random_bf16(rng, T, c.H, 3.0f);
+      test::RoutingOptions ro;
+      ro.p_minus_one = r == c.all_minus_one_rank ? 1.0 : c.p_minus_one;
+      ro.only_expert = c.only_expert;
+      Tensor idx = test::random_topk_idx(rng, T, c.K, c.E, ro);
+      ci.w = test::random_topk_weights(rng, idx);
+      if (c.int32_idx) {
+        ci.idx = Tensor::empty(DType::int32, idx.shape());
+        for (std::int64_t j = 0; j < idx.numel(); ++j)
+          ci.idx.ptr<std::int32_t>()[j] = static_cast<std::int32_t>(idx.ptr<std::int64_t>()[j]);
+      } else {
+        ci.idx = idx;
+      }
+      ci.comb_x = Tensor::empty(DType::bf16, {El, static_cast<std::int64_t>(R) * c.tmax, c.H});
+      gputest::fill_random(rng(), ci.comb_x, 2.0f);
+      in[static_cast<std::size_t>(r)].push_back(std::move(ci));
+    }
+  return in;
+}
+
+using Outs = std::vector<std::map<std::string, Tensor>>;  // [rank] name -> host tensor
+
+/// The valid part of a dispatch's outputs, on the host: rows [0, count[e]) of each expert, concatenated.
+void keep_dispatch(std::map<std::string, Tensor>& o, const std::string& p, const LowLatencyDispatchResult& d) {
+  const Tensor count = to_cpu(d.packed_recv_count);
+  o[p + "packed_recv_count"] = count;
+  o[p + "layout_range"] = to_cpu(d.handle.layout_range);
+  const auto valid_rows = [&](const TensorView& v, const std::string& name) {
+    if (!v.defined()) return;
+    const Tensor all = to_cpu(v);
+    const std::int64_t El = v.size(0), rows = v.size(1);
+    const std::size_t row_bytes = static_cast<std::size_t>(v.ndim() == 3 ? v.size(2) : 1) * dtype_size(v.dtype);
+    std::int64_t total = 0;
+    for (std::int64_t e = 0; e < El; ++e) total += count.ptr<std::int32_t>()[e];
+    Tensor out = Tensor::empty(DType::int8, {std::max<std::int64_t>(1, total * static_cast<std::int64_t>(row_bytes))});
+    std::int64_t at = 0;
+    for (std::int64_t e = 0; e < El; ++e) {
+      const std::int64_t n = count.ptr<std::int32_t>()[e];
+      ASSERT_TRUE(n >= 0 && n <= rows) << name << " count " << n;
+      std::memcpy(static_cast<char*>(out.data()) + at, static_cast<const char*>(all.data()) + e * rows * row_bytes,
+                  static_cast<std::size_t>(n) * row_bytes);
+      at += n * static_cast<std::int64_t>(row_bytes);
+    }
+    o[p + name] = out;
+  };
+  valid_rows(d.packed_recv_x, "packed_recv_x");
+  valid_rows(d.packed_recv_x_scales, "packed_recv_x_scales");
+  valid_rows(d.handle.src_info, "src_info");
+}
+
+void poison_dispatch(const LowLatencyDispatchResult& d) {
+  poison_gpu(d.packed_recv_x);
+  poison_gpu(d.packed_recv_x_scales);
+  poison_gpu(d.packed_recv_count);
+  poison_gpu(d.handle.src_info);
+  poison_gpu(d.handle.layout_range);
+}
+
+BufferOptions gpu_options(int r, int R, const Case& c) {
+  cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+  BufferOptions o;
+  o.backend = Backend::cuda_ipc;
+  o.device = r;
+  o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, c.H, R, 1);  // normal mode unused here
+  return o;
+}
+
+/// Runs the case's calls on R ranks through the threads backend (gpu = false) or cuda_ipc.
+Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) {
+  Outs outs(static_cast<std::size_t>(R));
+  const int El = c.E / R;
+  run_thread_ranks(R, [&](Group& g) {
+    const int r = g.rank();
+    auto& o = outs[static_cast<std::size_t>(r)];
+    BufferOptions opts;
+    if (gpu)
+      opts = gpu_options(r, R, c);
+    else
+      opts.backend = Backend::threads;
+    Buffer buf(borrow(g), opts);
+    auto put = [&](const Tensor& t) { return gpu ? to_gpu(t, r) : t; };
+    std::mt19937_64 srng(seed + 17 + static_cast<std::uint64_t>(r));
+    Tensor stats = Tensor::empty(DType::int32, {El});
+    for (std::int64_t e = 0; e < El; ++e) stats.ptr<std::int32_t>()[e] = static_cast<std::int32_t>(srng() % 100);
+    Tensor stats_d = put(stats);
+    for (int i = 0; i < c.calls; ++i) {
+      const CallIn& ci = in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
+      const std::string p = "call" + std::to_string(i) + ".";
+      const Tensor x = put(ci.x), idx = put(ci.idx), w = put(ci.w), cx = put(ci.comb_x);
+      LowLatencyDispatchArgs a;
+      a.x = x;
+      a.topk_idx = idx;
+      a.topk_weights = w;
+      a.num_max_dispatch_tokens_per_rank = c.tmax;
+      a.num_experts = c.E;
+      a.use_fp8 = c.fp8;
+      a.round_scale = c.round_scale;
+      a.use_ue8m0 = c.ue8m0;
+      a.async_finish = c.async;
+      a.return_recv_hook = c.hooks;
+      if (c.stats) a.cumulative_local_expert_recv_stats = stats_d;
+      const LowLatencyDispatchResult d = buf.low_latency_dispatch(a);
+      if (c.hooks) d.hook();
+      if (c.async) d.event.current_stream_wait();
+      keep_dispatch(o, p, d);
+      LowLatencyCombineArgs ca;
+      ca.x = cx;
+      ca.topk_idx = idx;
+      ca.topk_weights = w;
+      ca.handle = &d.handle;
+      ca.async_finish = c.async;
+      ca.return_recv_hook = c.hooks;
+      Tensor out;
+      if (c.out_param && i % 2 == 1) {
+        out = put(Tensor::empty(DType::bf16, {c.T[static_cast<std::size_t>(r)], c.H}));
+        if (gpu) poison_gpu(out);
+        ca.out = out;
+      }
+      const LowLatencyCombineResult cr = buf.low_latency_combine(ca);
+      if (c.hooks) cr.hook();
+      if (c.async) cr.event.current_stream_wait();
+      o[p + "combined_x"] = to_cpu(cr.combined_x);
+      if (gpu) poison_dispatch(d);
+    }
+    if (c.stats) o["stats"] = to_cpu(stats_d);
+    if (gpu) cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  });
+  return outs;
+}
+
+void compare(const Outs& want, const Outs& got) {
+  ASSERT_EQ(want.size(), got.size());
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    for (const auto& [name, t] : want[r]) {
+      const auto it = got[r].find(name);
+      ASSERT_TRUE(it != got[r].end()) << name << " missing from the cuda_ipc results";
+      EXPECT_TRUE(gputest::same_bits(t, it->second)) << name;
+    }
+  }
+}
+
+void check_case(Case c) {
+  const int R = num_ranks();
+  if (R == 0) GTEST_SKIP() << "no GPU";
+  c.T.resize(2, c.T.back());
+  for (auto& t : c.T) t = std::min<std::int64_t>(t, c.tmax);
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(c.name() + " R=" + std::to_string(R) + " seed " + std::to_string(seed));
+  const RankIns in = make_inputs(c, R, seed);
+  const Outs cpu = run(c, in, R, false, seed);
+  const Outs gpu = run(c, in, R, true, seed);
+  compare(cpu, gpu);
+}
+
+TEST(GpuCudaIpcLowLatency, Bf16DispatchCombineMatchThreadsBackend) {
+  Case c;
+  c.calls = 3;
+  check_case(c);
+  Case i32 = c;
+  i32.int32_idx = true;
+  i32.calls = 1;
+  check_case(i32);
+}
+
+TEST(GpuCudaIpcLowLatency, Fp8FloatRoundScaleAndUe8m0Match) {
+  for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}})
+    for (int mode = 0; mode < 3; ++mode) {
+      Case c;
+      c.H = H;
+      c.fp8 = true;
+      c.round_scale = mode >= 1;
+      c.ue8m0 = mode == 2;
+      c.calls = 2;
+      check_case(c);
+    }
+}
+
+TEST(GpuCudaIpcLowLatency, HiddenSizes) {
+  for (std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{4096}, std::int64_t{7168}})
+    for (bool fp8 : {false, true}) {
+      Case c;
+      c.H = H;
+      c.fp8 = fp8;
+      c.E = 16;
+      c.tmax = 32;
+      c.T = {32, 19};
+      c.calls = 1;
+      check_case(c);
+    }
+}
+
+TEST(GpuCudaIpcLowLatency, ZeroTokensAllMinusOneOneExpertAndTmax) {
+  Case zero;
+  zero.T = {0, 23};
+  check_case(zero);
+  Case zero_all;
+  zero_all.T = {0, 0};
+  check_case(zero_all);
+  Case none;
+  none.all_minus_one_rank = 0;
+  check_case(none);
+  Case every;
+  every.p_minus_one = 0.0;
+  every.only_expert = 31;  // on the last rank
+  check_case(every);
+  Case full;
+  full.T = {64, 64};
+  full.fp8 = true;
+  check_case(full);
+}
+
+TEST(GpuCudaIpcLowLatency, TopK1And8And16) {
+  for (int K : {1, 8, 16}) {
+    Case c;
+    c.K = K;
+    c.E = K == 16 ? 32 : 16;
+    c.calls = 2;
+    check_case(c);
+  }
+}
+
+TEST(GpuCudaIpcLowLatency, HooksAndAsyncFinish) {
+  Case hooks;
+  hooks.hooks = true;
+  hooks.calls = 3;
+  hooks.fp8 = true;
+  check_case(hooks);
+  Case async;
+  async.async = true;
+  async.calls = 3;
+  check_case(async);
+}
+
+TEST(GpuCudaIpcLowLatency, CumulativeStatsOverManyCalls) {
+  Case c;
+  c.stats = true;
+  c.calls = 24;
+  c.T = {16, 9};
+  c.tmax = 16;
+  c.H = 1024;
+  c.fp8 = true;
+  check_case(c);
+}
+
+// Two dispatches in flight with hooks (DeepEP's two micro-batches): dispatch A and B send, then B's hook and A's
+// hook receive (out of order), then B is combined. Every output against the threads backend doing the same.
+TEST(GpuCudaIpcLowLatency, TwoDispatchesInFlightHooksCalledOutOfOrder) {
+  const int R = num_ranks();
+  if (R == 0) GTEST_SKIP() << "no GPU";
+  Case c;
+  c.calls = 2;
+  c.fp8 = true;
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(c.name() + " seed " + std::to_string(seed));
+  const RankIns in = make_inputs(c, R, seed);
+  const auto body = [&](bool gpu) {
+    Outs outs(static_cast<std::size_t>(R));
+    run_thread_ranks(R, [&](Group& g) {
+      const int r = g.rank();
+      BufferOptions opts;
+      if (gpu)
+        opts = gpu_options(r, R, c);
+      else
+        opts.backend = Backend::threads;
+      Buffer buf(borrow(g), opts);
+      auto put = [&](const Tensor& t) { return gpu ? to_gpu(t, r) : t; };
+      std::vector<Tensor> keep;
+      std::vector<LowLatencyDispatchResult> ds;
+      for (int i = 0; i < 2; ++i) {
+        const CallIn& ci = in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
+        keep.push_back(put(ci.x));
+        keep.push_back(put(ci.idx));
+        LowLatencyDispatchArgs a;
+        a.x = keep[keep.size() - 2];
+        a.topk_idx = keep.back();
+        a.num_max_dispatch_tokens_per_rank = c.tmax;
+        a.num_experts = c.E;
+        a.use_fp8 = true;
+        a.return_recv_hook = true;
+        ds.push_back(buf.low_latency_dispatch(a));
+      }
+      ds[1].hook();
+      ds[0].hook();
+      auto& o = outs[static_cast<std::size_t>(r)];
+      keep_dispatch(o, "A.", ds[0]);
+      keep_dispatch(o, "B.", ds[1]);
+      const CallIn& cb = in[static_cast<std::size_t>(r)][1];
+      const Tensor cx = put(cb.comb_x), w = put(cb.w);
+      LowLatencyCombineArgs ca;
+      ca.x = cx;
+      ca.topk_idx = keep[3];
+      ca.topk_weights = w;
+      ca.handle = &ds[1].handle;
+      o["combined_x"] = to_cpu(buf.low_latency_combine(ca).combined_x);
+    });
+    return outs;
+  };
+  const Outs want = body(false);
+  const Outs got = body(true);
+  compare(want, got);
+}
+
+struct Failure {
+  bool thrown = false;
+  ErrorCode code = ErrorCode::internal;
+  std::string what;
+};
+Failure failure(const std::function<void()>& fn) {
+  Failure f;
+  try {
+    fn();
+  } catch (const Error& e) {
+    f.thrown = true;
+    f.code = e.code();
+    f.what = e.what();
+  }
+  return f;
+}
+
+// Every error of the brief, raised on every rank before any communication (T > Tmax, K > 16, bad ids with
+// debug_validate; the two-buffer rule; a hook called twice), or on the device and raised by the next call (bad ids
+// without debug_validate); the buffer stays usable after each.
+TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
+  const int R = num_ranks();
+  if (R == 0) GTEST_SKIP() << "no GPU";
+  const std::uint64_t seed = test::fresh_seed();
+  Case c;
+  c.calls = 1;
+  const RankIns in = make_inputs(c, R, seed);
+  for (bool eager : {true, false}) {
+    run_thread_ranks(R, [&](Group& g) {
+      const int r = g.rank();
+      BufferOptions opts = gpu_options(r, R, c);
+      opts.debug_validate = eager;
+      Buffer buf(borrow(g), opts);
+      const CallIn& ci = in[static_cast<std::size_t>(r)][0];
+      Tensor x = to_gpu(ci.x, r), idx = to_gpu(ci.idx, r), w = to_gpu(ci.w, r), cx = to_gpu(ci.comb_x, r);
+      auto args = [&] {
+        LowLatencyDispatchArgs a;
+        a.x = x;
+        a.topk_idx = idx;
+        a.topk_weights = w;
+        a.num_max_dispatch_tokens_per_rank = c.tmax;
+        a.num_experts = c.E;
+        a.use_fp8 = false;
+        return a;
+      };
+      // T > Tmax: names both.
+      LowLatencyDispatchArgs big = args();
+      big.num_max_dispatch_tokens_per_rank = static_cast<int>(std::max<std::int64_t>(1, x.shape()[0] - 1));
+      if (x.shape()[0] > 1) {
+        const Failure f = failure([&] { buf.low_latency_dispatch(big); });
+        EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        EXPECT_NE(f.what.find("num_max_dispatch_tokens_per_rank"), std::string::npos) << f.what;
+      }
+      // K = 17.
+      Tensor idx17 = to_gpu(Tensor::empty(DType::int64, {x.shape()[0], 17}), r);
+      LowLatencyDispatchArgs k17 = args();
+      k17.topk_idx = idx17;
+      k17.topk_weights = {};
+      EXPECT_EQ(failure([&] { buf.low_latency_dispatch(k17); }).code, ErrorCode::invalid_argument);
+      // A bad id (E) in every rank's first token.
+      Tensor bad_host = Tensor::empty(DType::int64, ci.idx.shape());
+      std::memcpy(bad_host.data(), ci.idx.data(), ci.idx.nbytes());
+      if (bad_host.numel() > 0) bad_host.ptr<std::int64_t>()[0] = c.E;
+      Tensor bad = to_gpu(bad_host, r);
+      LowLatencyDispatchArgs b = args();
+      b.topk_idx = bad;
+      if (bad_host.numel() > 0) {
+        if (eager) {
+          const Failure f = failure([&] { buf.low_latency_dispatch(b); });
+          EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        } else {
+          // The device skips the id and records it; the next call raises it (on every rank: all sent one).
+          const LowLatencyDispatchResult d = buf.low_latency_dispatch(b);
+          cuda_ok(cudaDeviceSynchronize(), "sync");
+          const Failure f = failure([&] { buf.low_latency_dispatch(args()); });
+          EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+          EXPECT_NE(f.what.find("topk_idx"), std::string::npos) << f.what;
+        }
+      }
+      // Usable afterwards; the two-buffer rule; a hook called twice.
+      const LowLatencyDispatchResult d1 = buf.low_latency_dispatch(args());
+      LowLatencyDispatchArgs hooked = args();
+      hooked.return_recv_hook = true;
+      const LowLatencyDispatchResult d2 = buf.low_latency_dispatch(hooked);
+      d2.hook();
+      EXPECT_EQ(failure([&] { d2.hook(); }).code, ErrorCode::stale_handle);
+      LowLatencyCombineArgs ca;
+      ca.x = cx;
+      ca.topk_idx = idx;
+      ca.topk_weights = w;
+      ca.handle = &d1.handle;
+      EXPECT_EQ(failure([&] { buf.low_latency_combine(ca); }).code, ErrorCode::stale_handle);
+      ca.handle = &d2.handle;
+      const LowLatencyCombineResult cr = buf.low_latency_combine(ca);
+      cuda_ok(cudaDeviceSynchronize(), "sync");
+      EXPECT_FALSE(failure([&] { buf.low_latency_dispatch(args()); }).thrown);
+      cuda_ok(cudaDeviceSynchronize(), "sync");
+    });
+  }
+}
+
+// One CUDA graph per rank holds a dispatch (fp8) and its combine; it is replayed with new inputs and routing
+// written into the captured tensors, and every replay matches the threads backend bit for bit (the call index lives
+// on the device, so replays do not reuse the captured one).
+TEST(GpuCudaIpcLowLatency, DispatchCombineCapturedOnceAndReplayed) {
+  const int R = num_ranks();
+  if (R == 0) GTEST_SKIP() << "no GPU";
+  Case c;
+  c.fp8 = true;
+  c.round_scale = true;
+  c.calls = 1;
+  c.T = {48, 48};           // fixed shapes: the graph's
+  constexpr int kSets = 4;  // set 0: the eager warm-up; sets 1..3: one replay each
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(c.name() + " seed " + std::to_string(seed));
+  std::mt19937_64 seeds(seed);
+  std::vector<RankIns> ins;
+  std::vector<Outs> want;
+  for (int k = 0; k < kSets; ++k) {
+    const std::uint64_t s = seeds();
+    ins.push_back(make_inputs(c, R, s));
+    want.push_back(run(c, ins.back(), R, false, s));
+  }
+  std::vector<Outs> got(kSets, Outs(static_cast<std::size_t>(R)));
+  run_thread_ranks(R, [&](Group& g) {
+    const int r = g.rank();
+    const auto ru = static_cast<std::size_t>(r);
+    BufferOptions opts = gpu_options(r, R, c);
+    Buffer buf(borrow(g), opts);
+    const CallIn& first = ins[0][ru][0];
+    Tensor x = to_gpu(first.x, r), idx = to_gpu(first.idx, r), w = to_gpu(first.w, r), cx = to_gpu(first.comb_x, r);
+    Tensor out = to_gpu(Tensor::empty(DType::bf16, {c.T[ru], c.H}), r);
+    cudaStream_t st = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    StreamGuard on(Stream{st});
+    auto call = [&](LowLatencyDispatchResult* keep) {
+      LowLatencyDispatchArgs a;
+      a.x = x;
+      a.topk_idx = idx;
+      a.topk_weights = w;
+      a.num_max_dispatch_tokens_per_rank = c.tmax;
+      a.num_experts = c.E;
+      a.use_fp8 = true;
+      a.round_scale = true;
+      *keep = buf.low_latency_dispatch(a);
+      LowLatencyCombineArgs ca;
+      ca.x = cx;
+      ca.topk_idx = idx;
+      ca.topk_weights = w;
+      ca.handle = &keep->handle;
+      ca.out = out;
+      buf.low_latency_combine(ca);
+    };
+    auto keep_all = [&](int k, const LowLatencyDispatchResult& d) {
+      cuda_ok(cudaStreamSynchronize(st), "sync");
+      auto& o = got[static_cast<std::size_t>(k)][ru];
+      keep_dispatch(o, "call0.", d);
+      o["call0.combined_x"] = to_cpu(out);
+      poison_dispatch(d);
+      poison_gpu(out);
+      cuda_ok(cudaDeviceSynchronize(), "sync");
+    };
+    LowLatencyDispatchResult eager;
+    call(&eager);  // configures the window; set 0
+    keep_all(0, eager);
+    LowLatencyDispatchResult captured;
+    cudaGraph_t graph = nullptr;
+    cuda_ok(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "begin capture");
+    std::string why;
+    try {
+      call(&captured);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    const cudaError_t end = cudaStreamEndCapture(st, &graph);
+    ASSERT_TRUE(why.empty()) << why;
+    ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    for (int k = 1; k < kSets; ++k) {
+      const CallIn& ci = ins[static_cast<std::size_t>(k)][ru][0];
+      const std::pair<Tensor*, const Tensor*> pairs[] = {{&x, &ci.x}, {&idx, &ci.idx}, {&w, &ci.w}, {&cx, &ci.comb_x}};
+      for (auto [dev, host] : pairs)
+        cuda_ok(cudaMemcpy(dev->data(), host->data(), host->nbytes(), cudaMemcpyHostToDevice), "refill");
+      cuda_ok(cudaGraphLaunch(exec, st), "replay");
+      keep_all(k, captured);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cuda_ok(cudaStreamSynchronize(st), "sync");
+    cudaStreamDestroy(st);
+  });
+  for (int k = 0; k < kSets; ++k) {
+    SCOPED_TRACE("set " + std::to_string(k));
+    compare(want[static_cast<std::size_t>(k)], got[static_cast<std::size_t>(k)]);
+  }
+}
+
+}  // namespace
+}  // namespace epmoe
