@@ -372,7 +372,13 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   DeviceGuard guard(gpu);
   const cudaStream_t caller = cuda_util::to_cuda(current_stream());
   std::vector<std::int32_t> ids;
-  if (debug_validate_ && !capturing(caller)) ids = host_ids(a.topk_idx, T, E, caller);
+  const bool graph = capturing(caller);
+  if (!config_.set && graph)
+    raise(ErrorCode::unsupported,
+          "rank {}: the first low-latency call of a cuda_ipc buffer allocates and maps its window (collective, with "
+          "host synchronisation) and cannot be captured in a CUDA graph: make one eager call first",
+          me_);
+  if (debug_validate_ && !graph) ids = host_ids(a.topk_idx, T, E, caller);
   begin_call("low_latency_dispatch");
 
   ensure_configured(tmax, H, E, "low_latency_dispatch");

@@ -145,7 +145,7 @@ void keep_dispatch(std::map<std::string, Tensor>& o, const std::string& p, const
     const std::size_t row_bytes = static_cast<std::size_t>(v.ndim() == 3 ? v.size(2) : 1) * dtype_size(v.dtype);
     std::int64_t total = 0;
     for (std::int64_t e = 0; e < El; ++e) total += count.ptr<std::int32_t>()[e];
-    Tensor out = Tensor::empty(DType::int8, {std::max<std::int64_t>(1, total * static_cast<std::int64_t>(row_bytes))});
+    Tensor out = Tensor::empty(DType::int8, {total * static_cast<std::int64_t>(row_bytes)});
     std::int64_t at = 0;
     for (std::int64_t e = 0; e < El; ++e) {
       const std::int64_t n = count.ptr<std::int32_t>()[e];
