@@ -21,6 +21,7 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -115,6 +116,10 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
     timeout_ns_ = static_cast<long long>(group_->timeout_s() * 1e9);
+    // EPMOE_CUDA_IPC_LL_QUANT=separate: fp8 rows quantized by the library's quantizer into a scratch first (one
+    // more launch) instead of inside the send kernel (A/B and diagnosis; both give the CPU's bits).
+    const char* quant = std::getenv("EPMOE_CUDA_IPC_LL_QUANT");
+    separate_quant_ = quant != nullptr && std::string_view(quant) == "separate";
   }
 
   ~CudaIpcLowLatencyImpl() override {
@@ -192,6 +197,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   int device_ = 0, R_ = 0, me_ = 0;
   std::int64_t num_rdma_bytes_ = 0;
   bool debug_validate_ = true;
+  bool separate_quant_ = false;  // EPMOE_CUDA_IPC_LL_QUANT=separate
   long long timeout_ns_ = 0;
   Config config_;
   LowLatencyMode::Layout layout_;
@@ -390,7 +396,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     if (a.async_finish) enter(caller);
     order(s);
     const ll::Common c = common();
-    if (a.use_fp8 && T > 0) {
+    if (a.use_fp8 && T > 0 && separate_quant_) {
       StreamGuard on(Stream{s});
       const auto stride = static_cast<std::int64_t>(L.record_bytes);
       auto* rec = static_cast<std::byte*>(scratch_.data());
@@ -401,7 +407,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     ll::DispatchSendArgs sa;
     sa.x = a.x.data;
     sa.x_stride = T > 1 ? a.x.stride(0) : H;
-    sa.records = a.use_fp8 ? scratch_.data() : nullptr;
+    sa.records = a.use_fp8 && separate_quant_ ? scratch_.data() : nullptr;  // null: quantized in the send kernel
     sa.topk_idx = a.topk_idx.data;
     sa.idx64 = a.topk_idx.dtype == DType::int64;
     sa.K = static_cast<int>(K);

@@ -14,6 +14,7 @@
 #include "transport/cuda_ipc_low_latency_kernels.hpp"
 
 #include "core/cuda_check.hpp"
+#include "quant/fp8_device.cuh"
 
 namespace epmoe::cuda_ipc_ll {
 
@@ -153,6 +154,64 @@ __device__ bool last_block(unsigned int* arrive) {
   return true;
 }
 
+/// One warp quantizes bf16 row `x_row` (H channels, H % 16 == 0) to fp8 e4m3 with one scale per group of 128
+/// channels, exactly as quant/cuda.cu's quantize_kernel does (one UE8M0 word's four groups per step, 8 lanes per
+/// group, 16 channels per lane; the helpers of quant/fp8_device.cuh), and stores the record (fp8 row, then float32
+/// scales or UE8M0 words) at each of `num_dst` destinations.
+__device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_scale, bool ue8m0, char* const* dst,
+                                int num_dst, int lane) {
+  using namespace quant_detail;
+  const int G = (H + 127) / 128, words = (G + 3) / 4;
+  for (int word = 0; word < words; ++word) {
+    const int g = word * 4 + (lane >> 3);
+    const int c = g * 8 + (lane & 7);  // 16-channel chunk of the row
+    const bool active = g < G && c * 16 < H;
+    float v[16];
+    float amax = 0.0f, probe = 0.0f;
+    if (active) {
+      const uint4* src = reinterpret_cast<const uint4*>(x_row) + 2 * c;
+      const uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const std::uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          v[8 * j + 2 * e] = __uint_as_float(w[e] << 16);
+          v[8 * j + 2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        amax = fmaxf(amax, fabsf(v[e]));
+        probe = __fmaf_rn(v[e], 0.0f, probe);
+      }
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const DeviceGroupScale sc = device_group_scale(amax, round_scale);
+    if (active) {
+      const uint4 out = probe != probe ? convert16<true, true>(v, sc.inv) : convert16<true, false>(v, sc.inv);
+      for (int d = 0; d < num_dst; ++d) *reinterpret_cast<uint4*>(dst[d] + static_cast<std::size_t>(c) * 16) = out;
+    }
+    if (!ue8m0) {
+      if ((lane & 7) == 0 && g < G)
+        for (int d = 0; d < num_dst; ++d) reinterpret_cast<float*>(dst[d] + H)[g] = sc.scale;
+    } else {
+      int e = sc.exponent + 127;
+      e = e < 0 ? 0 : (e > 255 ? 255 : e);
+      const std::uint32_t byte = g < G ? static_cast<std::uint32_t>(e) : 0u;  // bytes past the last group are 0
+      const std::uint32_t b1 = __shfl_sync(0xffffffffu, byte, 8);
+      const std::uint32_t b2 = __shfl_sync(0xffffffffu, byte, 16);
+      const std::uint32_t b3 = __shfl_sync(0xffffffffu, byte, 24);
+      if (lane == 0)
+        for (int d = 0; d < num_dst; ++d)
+          reinterpret_cast<std::int32_t*>(dst[d] + H)[word] =
+              static_cast<std::int32_t>(byte | (b1 << 8) | (b2 << 16) | (b3 << 24));
+    }
+  }
+}
+
 // ---- dispatch ----
 
 struct SendTask {
@@ -178,14 +237,20 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (!s_ok) return;
 
+  const bool fp8 = (a.flags & 1u) != 0;
   __shared__ int carry[kMaxRanks];
   __shared__ SendTask tasks[kThreads * kMaxRanks];
   __shared__ int num_tasks;
+  // Fused fp8 path: a warp per token (quantized once, stored at every destination).
+  __shared__ int tok_pos[kThreads][kMaxRanks];
+  __shared__ unsigned tok_mask[kThreads];
+  __shared__ int tok_tasks[kThreads];
+  __shared__ int num_tok_tasks;
+  const bool fused = fp8 && a.records == nullptr;
   if (threadIdx.x < kMaxRanks) carry[threadIdx.x] = 0;
   const std::size_t slot_off =
       c.staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(me) * c.dispatch_slot_bytes;
   const std::size_t records_off = slot_off + static_cast<std::size_t>(c.tmax) * c.meta_bytes;
-  const bool fp8 = (a.flags & 1u) != 0;
   // fp8: the row and its scales only (the record's stride fits a bf16 row)
   const std::size_t payload = fp8 ? (static_cast<std::size_t>(c.hidden) + 4u * a.scale_cols + 15) / 16 * 16
                                   : static_cast<std::size_t>(2 * c.hidden);
@@ -211,12 +276,52 @@ __global__ void __launch_bounds__(kThreads)
       pos[d] = before + block_scan((mask >> d) & 1u, &total);
       if (threadIdx.x == 0) carry[d] = before + total;
     }
-    if (threadIdx.x == 0) num_tasks = 0;
+    if (threadIdx.x == 0) {
+      num_tasks = 0;
+      num_tok_tasks = 0;
+    }
     __syncthreads();
-    if (t < a.T && t % gridDim.x == blockIdx.x)
+    if (t < a.T && t % gridDim.x == blockIdx.x) {
+      if (fused) {
+        if (mask != 0) {
+          for (int d = 0; d < R; ++d) tok_pos[threadIdx.x][d] = pos[d];
+          tok_mask[threadIdx.x] = mask;
+          tok_tasks[atomicAdd(&num_tok_tasks, 1)] = threadIdx.x;
+        }
+      } else {
+        for (int d = 0; d < R; ++d)
+          if ((mask >> d) & 1u) tasks[atomicAdd(&num_tasks, 1)] = SendTask{static_cast<int>(t), d, pos[d]};
+      }
+    }
+    __syncthreads();
+    for (int i = warp; i < num_tok_tasks; i += kWarps) {
+      const int j = tok_tasks[i];
+      const long long tt = base + j;
+      const unsigned m_d = tok_mask[j];
+      char* dst[kMaxRanks];
+      int nd = 0;
       for (int d = 0; d < R; ++d)
-        if ((mask >> d) & 1u) tasks[atomicAdd(&num_tasks, 1)] = SendTask{static_cast<int>(t), d, pos[d]};
-    __syncthreads();
+        if ((m_d >> d) & 1u)
+          dst[nd++] = half_base(c, d, half) + records_off + static_cast<std::size_t>(tok_pos[j][d]) * c.record_bytes;
+      if (lane == 0) {
+        int row_ids[kMaxTopk];
+        clean_ids(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
+        for (int d = 0; d < R; ++d) {
+          if (!((m_d >> d) & 1u)) continue;
+          TokenMeta* m = reinterpret_cast<TokenMeta*>(half_base(c, d, half) + slot_off +
+                                                      static_cast<std::size_t>(tok_pos[j][d]) * c.meta_bytes);
+          int n = 0;
+          for (int k = 0; k < K; ++k)
+            if (row_ids[k] >= 0 && row_ids[k] / El == d)
+              m->entries[n++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(row_ids[k] % El);
+          m->token = static_cast<int>(tt);
+          m->num_entries = n;
+        }
+      }
+      quantize_row_to(reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(a.x) +
+                                                             static_cast<std::size_t>(tt) * a.x_stride * 2),
+                      static_cast<int>(c.hidden), (a.flags & 2u) != 0, (a.flags & 4u) != 0, dst, nd, lane);
+    }
     for (int i = warp; i < num_tasks; i += kWarps) {
       const SendTask task = tasks[i];
       char* dst_half = half_base(c, task.d, half);

@@ -90,7 +90,9 @@ struct Common {
 struct DispatchSendArgs {
   const void* x = nullptr;  ///< bf16 [T, H] rows of x_stride elements (bf16 dispatch)
   long long x_stride = 0;
-  const void* records = nullptr;   ///< fp8: quantized rows + scales, record_bytes apart (device scratch); else null
+  /// fp8 with EPMOE_CUDA_IPC_LL_QUANT=separate: quantized rows + scales, record_bytes apart (device scratch); null:
+  /// an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
+  const void* records = nullptr;
   const void* topk_idx = nullptr;  ///< [T, K] contiguous
   bool idx64 = true;
   int K = 0;

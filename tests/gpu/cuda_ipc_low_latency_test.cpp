@@ -3,10 +3,11 @@
 // cuda:r; R = 1 sends to itself). Compared: packed_recv_x and its scales (valid rows), packed_recv_count, the
 // handle's src_info (valid rows) and layout_range, cumulative stats, combined_x. Window outputs of a call are
 // poisoned on the GPU once read, so a later call that used the same half must have rewritten them. Covers bf16 and
-// fp8 (float32, round_scale, UE8M0), T = 0 on a rank, all ids -1, one expert taking every token, T = Tmax, K = 1 and
-// 8, H in {2048, 2880, 4096, 7168}, hooks (also two dispatches in flight, hooks called out of order), async_finish,
-// repeated calls, a CUDA graph of dispatch + combine replayed with new inputs, and the errors (T > Tmax, bad ids
-// eagerly and on the device, the two-buffer rule, a hook called twice).
+// fp8 (float32, round_scale, UE8M0; quantized in the send kernel or beforehand), T = 0 on a rank, all ids -1, one
+// expert taking every token, T = Tmax, K = 1, 8 and 16, H in {2048, 2880, 4096, 7168}, hooks (also two dispatches in
+// flight, hooks called out of order), async_finish, repeated calls, a CUDA graph of dispatch + combine replayed with
+// new inputs, and the errors (T > Tmax, K > 16, bad ids eagerly and on the device, the two-buffer rule, a hook called
+// twice, a device timeout).
 #include <gtest/gtest.h>
 
 #include <epmoe/buffer.hpp>
@@ -16,6 +17,7 @@
 #include <epmoe/stream.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -276,17 +278,23 @@ TEST(GpuCudaIpcLowLatency, Bf16DispatchCombineMatchThreadsBackend) {
   check_case(i32);
 }
 
+// Both quantization paths: inside the send kernel (the default) and the library's quantizer first
+// (EPMOE_CUDA_IPC_LL_QUANT=separate, read when the buffer's low-latency mode starts).
 TEST(GpuCudaIpcLowLatency, Fp8FloatRoundScaleAndUe8m0Match) {
-  for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}})
-    for (int mode = 0; mode < 3; ++mode) {
-      Case c;
-      c.H = H;
-      c.fp8 = true;
-      c.round_scale = mode >= 1;
-      c.ue8m0 = mode == 2;
-      c.calls = 2;
-      check_case(c);
-    }
+  for (const char* quant : {"fused", "separate"})
+    for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}})
+      for (int mode = 0; mode < 3; ++mode) {
+        SCOPED_TRACE(std::string("quantization ") + quant);
+        setenv("EPMOE_CUDA_IPC_LL_QUANT", quant, 1);
+        Case c;
+        c.H = H;
+        c.fp8 = true;
+        c.round_scale = mode >= 1;
+        c.ue8m0 = mode == 2;
+        c.calls = 2;
+        check_case(c);
+        unsetenv("EPMOE_CUDA_IPC_LL_QUANT");
+      }
 }
 
 TEST(GpuCudaIpcLowLatency, HiddenSizes) {
@@ -610,6 +618,52 @@ TEST(GpuCudaIpcLowLatency, DispatchCombineCapturedOnceAndReplayed) {
     SCOPED_TRACE("set " + std::to_string(k));
     compare(want[static_cast<std::size_t>(k)], got[static_cast<std::size_t>(k)]);
   }
+}
+
+}  // namespace
+}  // namespace epmoe
+
+namespace epmoe {
+namespace {
+
+// A rank that does not make a call: the other rank's receive kernel times out on the device (group timeout 1 s),
+// returns, and its next call raises timeout naming rank, peer and phase; every call after that raises unusable.
+TEST(GpuCudaIpcLowLatency, DeviceTimeoutIsRaisedByTheNextCallThenUnusable) {
+  if (num_ranks() < 2) GTEST_SKIP() << "needs 2 GPUs (a peer that stays away)";
+  const int R = 2;
+  Case c;
+  c.calls = 1;
+  const std::uint64_t seed = test::fresh_seed();
+  const RankIns in = make_inputs(c, R, seed);
+  run_thread_ranks(R, [&](Group& g) {
+    const int r = g.rank();
+    BufferOptions opts = gpu_options(r, R, c);
+    Buffer buf(borrow(g), opts);
+    const CallIn& ci = in[static_cast<std::size_t>(r)][0];
+    Tensor x = to_gpu(ci.x, r), idx = to_gpu(ci.idx, r);
+    LowLatencyDispatchArgs a;
+    a.x = x;
+    a.topk_idx = idx;
+    a.num_max_dispatch_tokens_per_rank = c.tmax;
+    a.num_experts = c.E;
+    a.use_fp8 = false;
+    g.barrier("test: inputs ready");
+    g.set_timeout_s(1.0);  // read by the low-latency mode at its first call (device spins)
+    buf.low_latency_dispatch(a);  // together: configures the window
+    cuda_ok(cudaDeviceSynchronize(), "sync");
+    g.barrier("test: warm-up done");
+    g.set_timeout_s(60.0);  // the host waits below; the buffer keeps the 1 s it read at its first call
+    if (r == 0) {
+      buf.low_latency_dispatch(a);  // rank 1 stays away: the receive times out on the device
+      cuda_ok(cudaDeviceSynchronize(), "sync");
+      const Failure f = failure([&] { buf.low_latency_dispatch(a); });
+      EXPECT_EQ(f.code, ErrorCode::timeout) << f.what;
+      EXPECT_NE(f.what.find("peer 1"), std::string::npos) << f.what;
+      EXPECT_NE(f.what.find("low_latency_dispatch receive"), std::string::npos) << f.what;
+      EXPECT_EQ(failure([&] { buf.low_latency_dispatch(a); }).code, ErrorCode::unusable);
+    }
+    g.barrier("test: done");
+  });
 }
 
 }  // namespace
