@@ -72,6 +72,7 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 #include "layout/cuda_util.cuh"
 #include "transport/cuda_ipc_kernels.hpp"
 #include "transport/cuda_ipc_memory.hpp"
+#include "transport/cuda_ipc_stream.hpp"
 
 namespace epmoe {
 
@@ -79,6 +80,8 @@ namespace {
 
 using cuda_util::DeviceGuard;
 namespace ipc = cuda_ipc;
+using ipc::capturing;
+using ipc::CudaEvent;
 
 constexpr std::string_view kSetupPhase = "cuda_ipc setup";
 constexpr std::string_view kDispatchPhase = "cuda_ipc normal dispatch";
@@ -140,30 +143,6 @@ const char* phase_name(int phase) {
   }
 }
 
-class CudaEvent final : public EventImpl {
- public:
-  CudaEvent(int device, cudaStream_t stream) : device_(device) {
-    DeviceGuard guard(Device::cuda(device));
-    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    EPMOE_CUDA_CHECK(cudaEventRecord(event_, stream));
-  }
-  ~CudaEvent() override { cudaEventDestroy(event_); }
-  void current_stream_wait() const override {
-    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), event_, 0));
-  }
-  bool done() const override {
-    const cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) return false;
-    EPMOE_CUDA_CHECK(e);
-    return true;
-  }
-  cudaEvent_t get() const { return event_; }
-
- private:
-  int device_;
-  cudaEvent_t event_{};
-};
-
 /// Several tensors carved out of one pool allocation: an op's outputs cost one allocation instead of one each
 /// (host time per allocation adds up at small T). Each piece keeps the whole block alive.
 class Carver {
@@ -222,12 +201,6 @@ class RecvSlots {
   std::mutex mutex_;
   std::vector<bool> busy_;
 };
-
-bool capturing(Stream stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda_util::to_cuda(stream), &status));
-  return status != cudaStreamCaptureStatusNone;
-}
 
 constexpr int kPullSmallBlocks = 16;  // the small fields' kernel: latency-bound reads over NVLink
 
@@ -384,7 +357,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     const std::string where = fmt::format("rank {}, peer {}, phase '{}', op {}", rank, peer, phase_name(phase),
                                           static_cast<unsigned long long>(h->error_seq));
     const long long value2 = h->error_value2;
-    const int index = h->error_index;
+    const int index = static_cast<int>(h->error_index);
     if (code == ipc::kErrTimeout) {
       unusable_ = "device timeout: " + where;
       raise(ErrorCode::timeout,
@@ -607,7 +580,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   DeviceGuard guard(Device::cuda(dev));
   const cudaStream_t s = comm_;
   const Stream caller = current_stream();
-  if (worst == 0 && capturing(caller))
+  if (worst == 0 && capturing(cuda_util::to_cuda(caller)))
     throw_invalid_argument("num_worst_tokens",
                            "> 0 while the caller's stream captures a CUDA graph (without it the receive counts are "
                            "read on the host, which a graph cannot do)",

@@ -10,11 +10,14 @@
 #include <epmoe/dtype.hpp>
 
 #include "layout/cuda_util.cuh"
+#include "transport/cuda_ipc_device.cuh"
 #include "transport/cuda_ipc_kernels.hpp"
 
 namespace epmoe::cuda_ipc {
 
 namespace {
+
+using namespace cuda_ipc_device;
 
 constexpr int kThreads = 512;  // 16 warps per data block
 constexpr int kWarps = kThreads / 32;
@@ -25,51 +28,19 @@ constexpr int kVec = 8;
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
 __device__ __forceinline__ char* data_region(void* base) { return static_cast<char*>(base) + kControlBytes; }
 
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return static_cast<long long>(t);
-}
-
 /// Records the first error of this rank's buffer in the host-mapped record (later errors are dropped).
 __device__ void report(const Common& c, int code, int peer, int phase, long long value, long long value2 = 0,
                        int index = 0) {
-  Control* mine = control(c.peers[c.rank]);
-  if (atomicCAS(&mine->claim, 0, 1) != 0) return;
-  volatile HostRecord* h = c.host;
-  h->error_rank = c.rank;
-  h->error_peer = peer;
-  h->error_phase = phase;
-  h->error_value = value;
-  h->error_value2 = value2;
-  h->error_index = index;
-  h->error_seq = c.seq;
-  __threadfence_system();
-  h->error_code = code;
-  __threadfence_system();
+  report_error(&control(c.peers[c.rank])->claim, c.host, code, c.rank, peer, phase, value, value2,
+               static_cast<unsigned long long>(index), c.seq);
 }
 
 /// Spins until *p >= seq; false (and an error recorded) after the timeout. `sleep_ns` > 0 backs off between
 /// polls: for waits that overlap bulk transfers, where a hot polled line slows the L2 slice the data lands in.
 __device__ bool wait_geq(const unsigned long long* p, const Common& c, int peer, int phase, unsigned sleep_ns = 0) {
-  if (ld_acquire_sys(p) >= c.seq) return true;
-  const long long start = now_ns();
-  while (ld_acquire_sys(p) < c.seq) {
-    if (sleep_ns) __nanosleep(sleep_ns);
-    if (now_ns() - start > c.timeout_ns) {
-      report(c, kErrTimeout, peer, phase, static_cast<long long>(ld_acquire_sys(p)));
-      return false;
-    }
-  }
-  return true;
+  if (spin_geq(p, c.seq, c.timeout_ns, sleep_ns)) return true;
+  report(c, kErrTimeout, peer, phase, static_cast<long long>(ld_acquire_sys(p)));
+  return false;
 }
 
 /// Every thread of the block: waits for done[s][b] == seq from every source s and sender block b.
@@ -97,15 +68,7 @@ __device__ void signal_done(const Common& c) {
 
 /// One warp copies a row of `nvec` 16-byte vectors, kVec loads in flight per lane before their stores.
 __device__ __forceinline__ void warp_copy_row(const int4* src, int4* dst, int nvec, int lane) {
-  for (int i0 = lane; i0 < nvec; i0 += 32 * kVec) {
-    int4 v[kVec];
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (i0 + u * 32 < nvec) v[u] = __ldg(src + i0 + u * 32);
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (i0 + u * 32 < nvec) dst[i0 + u * 32] = v[u];
-  }
+  warp_copy_vectors<kVec, false>(src, dst, nvec, lane);
 }
 
 /// After this block's rows of pipeline stage j (every thread calls it): the last block of the grid to finish the

@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include "transport/cuda_ipc_error.hpp"
+
 namespace epmoe::cuda_ipc {
 
 inline constexpr int kMaxRanks = 8;            // one NVLink host
@@ -71,17 +73,12 @@ enum : int {
 
 /// Host-mapped record (cudaHostAlloc mapped) the kernels report to: the count exchange's result for
 /// the host read, and the first error.
-struct HostRecord {
+struct HostRecord : ErrorRecord {
   std::int32_t pm[kMaxRanks * kMaxRanks];        // rank_prefix_matrix of the last notify
   std::int32_t expert_counts[kMaxLocalExperts];  // aligned receive counts per local expert
   unsigned long long seq;                        // op whose pm / counts these are
   int use_copy_engine;                           // the count exchange's choice of data path (dispatch) ...
   int use_direct;                                // ... or the zero-copy path (every rank offered a slot)
-  int error_code, error_rank, error_peer, error_phase;
-  long long error_value;
-  long long error_value2;
-  int error_index;
-  unsigned long long error_seq;
 };
 
 /// What every kernel of an op needs.

@@ -32,6 +32,7 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 #include "layout/cuda_util.cuh"
 #include "transport/cuda_ipc_low_latency_kernels.hpp"
 #include "transport/cuda_ipc_memory.hpp"
+#include "transport/cuda_ipc_stream.hpp"
 #include "transport/low_latency_args.hpp"
 #include "transport/low_latency_mode.hpp"
 
@@ -42,6 +43,7 @@ namespace {
 using cuda_util::DeviceGuard;
 namespace ll = cuda_ipc_ll;
 namespace args = low_latency_args;
+using cuda_ipc::capturing;
 
 const char* phase_name(int phase) {
   switch (phase) {
@@ -52,35 +54,6 @@ const char* phase_name(int phase) {
     default: return "unknown phase";
   }
 }
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
-/// An async_finish event on the buffer's communication stream (as cuda_ipc.cpp's).
-class LowLatencyEvent final : public EventImpl {
- public:
-  LowLatencyEvent(int device, cudaStream_t stream) {
-    DeviceGuard guard(Device::cuda(device));
-    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    EPMOE_CUDA_CHECK(cudaEventRecord(event_, stream));
-  }
-  ~LowLatencyEvent() override { cudaEventDestroy(event_); }
-  void current_stream_wait() const override {
-    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), event_, 0));
-  }
-  bool done() const override {
-    const cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) return false;
-    EPMOE_CUDA_CHECK(e);
-    return true;
-  }
-
- private:
-  cudaEvent_t event_{};
-};
 
 std::uint32_t dispatch_flags(bool fp8, bool round_scale, bool ue8m0) {
   return (fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (ue8m0 ? 4u : 0u);
@@ -454,7 +427,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     r.hook = RecvHook([this, gen] { receive_hook(gen); });
   } else {
     receive(gen, s, 0);
-    if (a.async_finish) r.event = Event::from_backend(std::make_shared<LowLatencyEvent>(device_, comm_));
+    if (a.async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
   }
   return r;
 }
@@ -624,7 +597,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
     r.hook = RecvHook([this, gen] { receive_hook(gen); });
   } else {
     receive(gen, s, 0);
-    if (a.async_finish) r.event = Event::from_backend(std::make_shared<LowLatencyEvent>(device_, comm_));
+    if (a.async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
   }
   return r;
 }

@@ -14,11 +14,14 @@
 #include "transport/cuda_ipc_low_latency_kernels.hpp"
 
 #include "core/cuda_check.hpp"
+#include "transport/cuda_ipc_device.cuh"
 #include "quant/fp8_device.cuh"
 
 namespace epmoe::cuda_ipc_ll {
 
 namespace {
+
+using namespace cuda_ipc_device;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -30,52 +33,18 @@ __device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
   return static_cast<char*>(c.peers[r]) + kControlBytes + static_cast<std::size_t>(half) * c.half_bytes;
 }
 
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return static_cast<long long>(t);
-}
-__device__ __forceinline__ unsigned long long read_volatile(const unsigned long long* p) {
-  return *reinterpret_cast<const volatile unsigned long long*>(p);
-}
-
 /// Records the first error of this rank's window in the host-mapped record (later ones are dropped).
 __device__ void report(const Common& c, int code, int peer, int phase, unsigned long long index, long long value,
                        long long value2 = 0) {
-  Control* mine = control(c.peers[c.rank]);
-  if (atomicCAS(&mine->claim, 0, 1) != 0) return;
-  volatile HostRecord* h = c.host;
-  h->error_rank = c.rank;
-  h->error_peer = peer;
-  h->error_phase = phase;
-  h->error_value = value;
-  h->error_value2 = value2;
-  h->error_index = index;
-  __threadfence_system();
-  h->error_code = code;
-  __threadfence_system();
+  report_error(&control(c.peers[c.rank])->claim, c.host, code, c.rank, peer, phase, value, value2, index, 0);
 }
 
 /// Spins until *p >= target; false (and a timeout recorded) after the group's timeout.
 __device__ bool wait_geq(const unsigned long long* p, unsigned long long target, const Common& c, int peer, int phase,
                          unsigned long long index) {
-  if (ld_acquire_sys(p) >= target) return true;
-  const long long start = now_ns();
-  while (ld_acquire_sys(p) < target) {
-    if (now_ns() - start > c.timeout_ns) {
-      report(c, kErrTimeout, peer, phase, index, static_cast<long long>(ld_acquire_sys(p)));
-      return false;
-    }
-  }
-  return true;
+  if (spin_geq(p, target, c.timeout_ns)) return true;
+  report(c, kErrTimeout, peer, phase, index, static_cast<long long>(ld_acquire_sys(p)));
+  return false;
 }
 
 /// Exclusive prefix of `flag` over the block (thread order) and the block's total. Every thread calls it.
@@ -106,18 +75,8 @@ __device__ int block_scan(int flag, int* total) {
 /// the source was written by another GPU (read through L2).
 template <bool kFresh>
 __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::size_t bytes, int lane) {
-  const int4* src = static_cast<const int4*>(src_v);
-  int4* dst = static_cast<int4*>(dst_v);
-  const int n = static_cast<int>(bytes / 16);
-  for (int i0 = lane; i0 < n; i0 += 32 * kVec) {
-    int4 v[kVec];
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (i0 + u * 32 < n) v[u] = kFresh ? __ldcg(src + i0 + u * 32) : __ldg(src + i0 + u * 32);
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (i0 + u * 32 < n) dst[i0 + u * 32] = v[u];
-  }
+  warp_copy_vectors<kVec, kFresh>(static_cast<const int4*>(src_v), static_cast<int4*>(dst_v),
+                                  static_cast<int>(bytes / 16), lane);
 }
 
 /// Token t's ids as the protocol uses them: an id outside [-1, E) or one already seen in the token becomes -1

@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include "transport/cuda_ipc_error.hpp"
+
 namespace epmoe::cuda_ipc_ll {
 
 inline constexpr int kMaxRanks = 8;                  // one NVLink host
@@ -66,12 +68,8 @@ enum : int {
 /// Phases (HostRecord::error_phase).
 enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend = 2, kPhaseCombineRecv = 3 };
 
-/// Host-mapped record of the first error.
-struct HostRecord {
-  int error_code, error_rank, error_peer, error_phase;
-  long long error_value, error_value2;
-  unsigned long long error_index;  // the call
-};
+/// Host-mapped record of the first error (error_index: the call).
+using HostRecord = cuda_ipc::ErrorRecord;
 
 /// What every kernel needs: the mapped windows and the layout of one half (LowLatencyMode::Layout's offsets).
 struct Common {

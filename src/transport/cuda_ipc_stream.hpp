@@ -1,0 +1,47 @@
+// Host-side stream helpers shared by the cuda_ipc modes (normal: cuda_ipc.cpp, low-latency:
+// cuda_ipc_low_latency.cpp). CUDA builds only.
+#pragma once
+
+#include <epmoe/stream.hpp>
+
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.hpp"
+#include "layout/cuda_util.cuh"
+
+namespace epmoe::cuda_ipc {
+
+/// Whether `s` is capturing a CUDA graph (a capture cannot wait for host-recorded events nor synchronise).
+inline bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+/// An async_finish event: recorded on a buffer's communication stream `stream` of GPU `device` when made.
+class CudaEvent final : public EventImpl {
+ public:
+  CudaEvent(int device, cudaStream_t stream) {
+    cuda_util::DeviceGuard guard(Device::cuda(device));
+    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    EPMOE_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  void current_stream_wait() const override {
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(cuda_util::to_cuda(current_stream()), event_, 0));
+  }
+  bool done() const override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return false;
+    EPMOE_CUDA_CHECK(e);
+    return true;
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_{};
+};
+
+}  // namespace epmoe::cuda_ipc
