@@ -55,10 +55,6 @@ const char* phase_name(int phase) {
   }
 }
 
-std::uint32_t dispatch_flags(bool fp8, bool round_scale, bool ue8m0) {
-  return (fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (ue8m0 ? 4u : 0u);
-}
-
 /// A contiguous device int tensor's values on the host (a synchronisation on `s`): debug_validate only.
 std::vector<std::int32_t> host_ids(const TensorView& idx, std::int64_t T, int E, cudaStream_t s) {
   Tensor h = Tensor::empty(idx.dtype, idx.shape);
@@ -119,12 +115,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   bool configured() const override { return config_.set; }
 
  private:
-  struct Config {
-    bool set = false;
-    int tmax = 0;
-    std::int64_t hidden = 0;
-    int num_experts = 0;
-  };
+  using Config = low_latency_args::Config;
   // What the receive of a call needs; kept per half so a hook can run after the call returned.
   struct Pending {
     bool active = false;
@@ -296,27 +287,11 @@ void CudaIpcLowLatencyImpl::begin_call(std::string_view what) {
 
 ll::Common CudaIpcLowLatencyImpl::common() const {
   ll::Common c;
+  static_cast<LowLatencyMode::Layout&>(c) = layout_;  // its num_ranks is R_ (made for this group)
   for (int r = 0; r < R_; ++r) c.peers[r] = mem_->peer(r);
   c.rank = me_;
-  c.num_ranks = R_;
   c.timeout_ns = timeout_ns_;
   c.host = host_dev_;
-  const LowLatencyMode::Layout& L = layout_;
-  c.tmax = L.tmax;
-  c.local_experts = L.local_experts;
-  c.num_experts = L.num_experts;
-  c.hidden = L.hidden;
-  c.half_bytes = L.half_bytes;
-  c.packed_x = L.packed_x;
-  c.scales = L.scales;
-  c.count = L.count;
-  c.src_info = L.src_info;
-  c.layout_range = L.layout_range;
-  c.packed_k = L.packed_k;
-  c.staging = L.staging;
-  c.dispatch_slot_bytes = L.dispatch_slot_bytes;
-  c.record_bytes = L.record_bytes;
-  c.meta_bytes = L.meta_bytes;
   c.sent_idx = sent_idx_.ptr<std::int32_t>();
   return c;
 }
@@ -385,7 +360,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     sa.idx64 = a.topk_idx.dtype == DType::int64;
     sa.K = static_cast<int>(K);
     sa.T = T;
-    sa.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+    sa.flags = ll::dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
     sa.scale_cols = static_cast<int>(sc_cols);
     ll::launch_dispatch_send(c, sa, s);
     launched(s);
@@ -401,7 +376,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   p.active = true;
   p.is_dispatch = true;
   p.generation = gen;
-  p.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+  p.flags = ll::dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
   p.scale_cols = static_cast<int>(sc_cols);
   if (a.cumulative_local_expert_recv_stats.defined()) {
     p.stats = static_cast<std::int32_t*>(a.cumulative_local_expert_recv_stats.data);
@@ -491,20 +466,8 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   const LowLatencyMode::Layout& L = layout_;
   const int El = L.local_experts, tmax = L.tmax;
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R_) * tmax;
-  EPMOE_CHECK_ARG(
-      hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == H && hd.num_experts == L.num_experts, "handle",
-      fmt::format("Tmax = {}, H = {}, E = {}", tmax, H, L.num_experts),
-      fmt::format("Tmax = {}, H = {}, E = {}", hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts));
-  if (hd.generation < base_ || hd.generation + 1 != generation_)
-    raise(ErrorCode::stale_handle,
-          "rank {}: the handle comes from low-latency call {}, {} (this combine is call {}); only the handle of the "
-          "call just before can be combined (two buffers alternate)",
-          me_, hd.generation, hd.generation < base_ ? "before clean_low_latency_buffer" : "two or more calls ago",
-          generation_);
   const Sent& sent = sent_[(hd.generation - base_) % 2];
-  if (sent.generation != hd.generation)
-    raise(ErrorCode::stale_handle,
-          "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this buffer", me_, hd.generation);
+  args::check_combine_handle(hd, me_, tmax, H, L.num_experts, base_, generation_, sent.generation);
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
   EPMOE_CHECK_ARG(!(unreceived.active && unreceived.generation == hd.generation), "handle",
                   "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");

@@ -9,36 +9,19 @@
 #include <cuda_runtime.h>
 
 #include "transport/cuda_ipc_error.hpp"
+#include "transport/low_latency_protocol.hpp"
 
 namespace epmoe::cuda_ipc_ll {
 
 inline constexpr int kMaxRanks = 8;                  // one NVLink host
-inline constexpr int kMaxTopk = 16;                  // SPEC 1, low-latency mode
-inline constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL", as the CPU implementation
-inline constexpr std::size_t kHeaderBytes = 64;
-enum : std::uint32_t { kKindDispatch = 1, kKindCombine = 2 };
-
-/// What a source writes before its flag (byte-compatible with low_latency_mode.cpp's Header).
-struct Header {
-  std::uint32_t magic;
-  std::uint32_t kind;
-  std::uint64_t index;  // call index since the last clean
-  std::int64_t count;   // dispatch: tokens sent; combine: rows sent
-  std::int64_t hidden;
-  std::uint32_t flags;  // dispatch: 1 use_fp8, 2 round_scale, 4 use_ue8m0
-  std::int32_t tmax;
-  std::int32_t num_experts;
-  std::int32_t reserved[5];
-};
-static_assert(sizeof(Header) == kHeaderBytes);
-
-/// One dispatched token (low_latency_mode.cpp's TokenMeta): its index at the source and the (k, local expert)
-/// pairs of this destination in ascending k, entry = k << 16 | local expert.
-struct TokenMeta {
-  std::int32_t token;
-  std::int32_t num_entries;
-  std::uint32_t entries[kMaxTopk];
-};
+using low_latency_protocol::dispatch_flags;
+using low_latency_protocol::Header;
+using low_latency_protocol::kHeaderBytes;
+using low_latency_protocol::kKindCombine;
+using low_latency_protocol::kKindDispatch;
+using low_latency_protocol::kMagic;
+using low_latency_protocol::kMaxTopk;
+using low_latency_protocol::TokenMeta;
 
 /// Control block at the start of every rank's window (the halves follow it). Peers write `data` and `consumed`;
 /// the owner alone uses the rest.
@@ -71,17 +54,13 @@ enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend =
 /// Host-mapped record of the first error (error_index: the call).
 using HostRecord = cuda_ipc::ErrorRecord;
 
-/// What every kernel needs: the mapped windows and the layout of one half (LowLatencyMode::Layout's offsets).
-struct Common {
+/// What every kernel needs: the layout of one half (LowLatencyMode::Layout; num_ranks is the group's size) and the
+/// mapped windows.
+struct Common : low_latency_protocol::Layout {
   void* peers[kMaxRanks] = {};  ///< every rank's window base as mapped here (control block first)
-  int rank = 0, num_ranks = 0;
+  int rank = 0;
   long long timeout_ns = 0;
   HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
-  int tmax = 0, local_experts = 0, num_experts = 0;
-  long long hidden = 0;
-  std::size_t half_bytes = 0;  ///< halves start at kControlBytes + half * half_bytes
-  std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0, staging = 0;
-  std::size_t dispatch_slot_bytes = 0, record_bytes = 0, meta_bytes = 0;
   std::int32_t* sent_idx = nullptr;  ///< this rank's device scratch [2][tmax * kMaxTopk]: dispatch ids per half
 };
 

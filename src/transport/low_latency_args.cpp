@@ -166,4 +166,22 @@ DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device devic
   return spec;
 }
 
+void check_combine_handle(const LowLatencyHandle& hd, int rank, int tmax, std::int64_t hidden, int num_experts,
+                          std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation) {
+  EPMOE_CHECK_ARG(
+      hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == hidden && hd.num_experts == num_experts, "handle",
+      fmt::format("Tmax = {}, H = {}, E = {}", tmax, hidden, num_experts),
+      fmt::format("Tmax = {}, H = {}, E = {}", hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts));
+  if (hd.generation < base || hd.generation + 1 != generation)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the handle comes from low-latency call {}, {} (this combine is call {}); only the handle of the "
+          "call just before can be combined (two buffers alternate)",
+          rank, hd.generation, hd.generation < base ? "before clean_low_latency_buffer" : "two or more calls ago",
+          generation);
+  if (sent_generation != hd.generation)
+    raise(ErrorCode::stale_handle,
+          "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this buffer", rank,
+          hd.generation);
+}
+
 }  // namespace epmoe::low_latency_args

@@ -22,9 +22,24 @@ void check_settings(int tmax, std::int64_t hidden, int R, int E);
 std::vector<std::int32_t> read_topk_idx(const TensorView& t, std::int64_t T, int E);
 /// A host topk_weights float32 [T, K], row-major copy.
 std::vector<float> read_topk_weights(const TensorView& t, std::int64_t T, std::int64_t K);
+/// A low-latency buffer's settings, fixed by its first call (`set`) until it is destroyed.
+struct Config {
+  bool set = false;
+  int tmax = 0;
+  std::int64_t hidden = 0;
+  int num_experts = 0;
+};
+
 /// Tmax/H/E against the buffer's first call (set), or else num_rdma_bytes (> 0) against `needed` bytes.
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
                           int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed);
+
+/// Combine's checks of its handle (of this buffer, which is configured as `tmax`, `hidden`, `num_experts`) on rank
+/// `rank`: the handle's settings (invalid_argument naming 'handle'), then that it is the handle of the call just
+/// before (`generation`: the buffer's calls so far, `base`: their count at the last clean) and that this call was
+/// a dispatch (`sent_generation`: the call recorded as the last dispatch of the handle's half). Errors: stale_handle.
+void check_combine_handle(const LowLatencyHandle& handle, int rank, int tmax, std::int64_t hidden, int num_experts,
+                          std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation);
 
 /// What a checked dispatch looks like.
 struct DispatchSpec {

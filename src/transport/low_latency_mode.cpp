@@ -32,35 +32,16 @@ namespace epmoe {
 
 namespace {
 
-constexpr int kMaxTopk = kLowLatencyMaxTopk;  // SPEC 1: K in 1..16 in low-latency mode
-constexpr int kMaxLocalExperts = 1024;        // SPEC 1
-constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL"
-constexpr std::size_t kHeaderBytes = 64;
-
-enum class Kind : std::uint32_t { dispatch = 1, combine = 2 };
-
-// What a source writes before its data; the receiver checks it, so two ranks in different calls or
-// with different per-call settings fail loudly instead of misreading each other's bytes.
-struct Header {
-  std::uint32_t magic;
-  std::uint32_t kind;
-  std::uint64_t index;  // call index since the last clean
-  std::int64_t count;   // dispatch: tokens sent; combine: rows sent
-  std::int64_t hidden;
-  std::uint32_t flags;  // dispatch: 1 use_fp8, 2 round_scale, 4 use_ue8m0
-  std::int32_t tmax;
-  std::int32_t num_experts;
-  std::int32_t reserved[5];
-};
-static_assert(sizeof(Header) == kHeaderBytes);
-
-// One dispatched token: its index at the source and the (k, local expert) pairs of this destination,
-// in ascending k.
-struct TokenMeta {
-  std::int32_t token;
-  std::int32_t num_entries;
-  std::uint32_t entries[kMaxTopk];  // k << 16 | local expert
-};
+constexpr int kMaxLocalExperts = 1024;  // SPEC 1
+using low_latency_protocol::dispatch_flags;
+using low_latency_protocol::Header;
+using low_latency_protocol::kHeaderBytes;
+using low_latency_protocol::kKindCombine;
+using low_latency_protocol::kKindDispatch;
+using low_latency_protocol::kMagic;
+using low_latency_protocol::kMaxTopk;
+using low_latency_protocol::TokenMeta;
+static_assert(kMaxTopk == kLowLatencyMaxTopk);
 
 constexpr std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
 
@@ -81,13 +62,9 @@ void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int c
 int data_slot(int half, int source, int R) { return half * R + source; }
 int consumed_slot(int half, int reader, int R) { return 2 * R + half * R + reader; }
 
-std::uint32_t dispatch_flags(bool fp8, bool round_scale, bool ue8m0) {
-  return (fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (ue8m0 ? 4u : 0u);
-}
-
 }  // namespace
 
-LowLatencyMode::Layout LowLatencyMode::Layout::make(int tmax, std::int64_t hidden, int R, int E) {
+low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::int64_t hidden, int R, int E) {
   check_settings(tmax, hidden, R, E);
   Layout L;
   L.tmax = tmax;
@@ -241,7 +218,7 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
       transport_.put(d, slot, metas.data(), static_cast<std::size_t>(n) * L.meta_bytes);
       Header h{};
       h.magic = kMagic;
-      h.kind = static_cast<std::uint32_t>(Kind::dispatch);
+      h.kind = kKindDispatch;
       h.index = index;
       h.count = n;
       h.hidden = H;
@@ -344,11 +321,11 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
     transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
     Header h;
     std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
-    if (h.magic != kMagic || h.kind != static_cast<std::uint32_t>(Kind::dispatch) || h.index != index)
+    if (h.magic != kMagic || h.kind != kKindDispatch || h.index != index)
       raise(ErrorCode::rank_mismatch,
             "rank {}: rank {} is not in the same low-latency call: this rank is in dispatch call {}, rank {} sent "
             "{} of call {} (every rank must make the same sequence of low-latency calls)",
-            me, s, index, s, h.kind == static_cast<std::uint32_t>(Kind::combine) ? "a combine" : "data", h.index);
+            me, s, index, s, h.kind == kKindCombine ? "a combine" : "data", h.index);
     if (h.flags != flags)
       raise(ErrorCode::rank_mismatch,
             "rank {}: setting 'use_fp8/round_scale/use_ue8m0' must be equal on all ranks: rank {} has {}/{}/{}, "
@@ -410,22 +387,8 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   const Layout& L = layout_;
   const int El = L.local_experts, tmax = L.tmax;
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * tmax;
-  EPMOE_CHECK_ARG(
-      hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == H && hd.num_experts == L.num_experts, "handle",
-      fmt::format("Tmax = {}, H = {}, E = {}", tmax, H, L.num_experts),
-      fmt::format("Tmax = {}, H = {}, E = {}", hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts));
-  if (hd.generation < base_ || hd.generation + 1 != generation_)
-    raise(ErrorCode::stale_handle,
-          "rank {}: the handle comes from low-latency call {}, {} (this combine is call {}); only the handle of the "
-          "call just before can be combined (two buffers alternate)",
-          me, hd.generation, hd.generation < base_ ? "before clean_low_latency_buffer" : "two or more calls ago",
-          generation_);
   const Sent& sent = sent_[(hd.generation - base_) % 2];
-  if (sent.generation != hd.generation)
-    raise(ErrorCode::stale_handle,
-          "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this "
-          "buffer",
-          me, hd.generation);
+  low_latency_args::check_combine_handle(hd, me, tmax, H, L.num_experts, base_, generation_, sent.generation);
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
   EPMOE_CHECK_ARG(!(unreceived.active && unreceived.generation == hd.generation), "handle",
                   "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
@@ -489,7 +452,7 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
       }
       Header h{};
       h.magic = kMagic;
-      h.kind = static_cast<std::uint32_t>(Kind::combine);
+      h.kind = kKindCombine;
       h.index = index;
       h.count = n;
       h.hidden = H;
@@ -542,11 +505,11 @@ void LowLatencyMode::receive_combine(Pending& p) {
     transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
     Header h;
     std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
-    if (h.magic != kMagic || h.kind != static_cast<std::uint32_t>(Kind::combine) || h.index != index)
+    if (h.magic != kMagic || h.kind != kKindCombine || h.index != index)
       raise(ErrorCode::rank_mismatch,
             "rank {}: rank {} is not in the same low-latency call: this rank is in combine call {}, rank {} sent "
             "{} of call {} (every rank must make the same sequence of low-latency calls)",
-            me, s, index, s, h.kind == static_cast<std::uint32_t>(Kind::dispatch) ? "a dispatch" : "data", h.index);
+            me, s, index, s, h.kind == kKindDispatch ? "a dispatch" : "data", h.index);
     if (h.count != expected[static_cast<std::size_t>(s)])
       raise(ErrorCode::rank_mismatch,
             "rank {}: rank {} sent {} rows back at combine for this rank's tokens, but this rank's topk_idx routes {} "

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "transport/low_latency_args.hpp"
+#include "transport/low_latency_protocol.hpp"
 #include "transport/transport.hpp"
 
 namespace epmoe {
@@ -39,25 +41,10 @@ class LowLatencyMode {
   void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);
 
   /// Byte layout of one rank's window (public so tests and other backends can reason about it).
-  struct Layout {
-    int tmax = 0, num_ranks = 0, num_experts = 0, local_experts = 0;
-    std::int64_t hidden = 0, groups = 0;
-    std::size_t record_bytes = 0;  // payload of one dispatched token (bf16 row, or fp8 row + scales)
-    std::size_t meta_bytes = 0;    // TokenMeta of one dispatched token
-    std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0;  // offsets
-    std::size_t staging = 0;              // offset of the area peers put into
-    std::size_t dispatch_slot_bytes = 0;  // one source's dispatch staging (meta + records)
-    std::size_t half_bytes = 0;
-    static Layout make(int tmax, std::int64_t hidden, int num_ranks, int num_experts);
-  };
+  using Layout = low_latency_protocol::Layout;
 
  private:
-  struct Config {
-    bool set = false;
-    int tmax = 0;
-    std::int64_t hidden = 0;
-    int num_experts = 0;
-  };
+  using Config = low_latency_args::Config;
   // What the receive half of a call needs; kept per half so a hook can run after the call returned.
   struct Pending {
     bool active = false;

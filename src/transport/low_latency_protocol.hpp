@@ -1,0 +1,60 @@
+// The low-latency mode's byte protocol (SPEC 5), one definition for the CPU implementation (low_latency_mode.cpp)
+// and the cuda_ipc kernels (cuda_ipc_low_latency_kernels.cu): the records a source writes into a peer's window,
+// the flag bits, and the window's layout. Plain C++ without fmt or CUDA, so .cu files include it too. The layout
+// is described at the top of low_latency_mode.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace epmoe::low_latency_protocol {
+
+inline constexpr int kMaxTopk = 16;                  // SPEC 1: K in 1..16 (kLowLatencyMaxTopk)
+inline constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL"
+inline constexpr std::size_t kHeaderBytes = 64;
+/// Header::kind.
+enum : std::uint32_t { kKindDispatch = 1, kKindCombine = 2 };
+
+/// Header::flags of a dispatch: its per-call settings, which every rank must pass equal.
+constexpr std::uint32_t dispatch_flags(bool use_fp8, bool round_scale, bool use_ue8m0) {
+  return (use_fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (use_ue8m0 ? 4u : 0u);
+}
+
+/// What a source writes before its data; the receiver checks it, so two ranks in different calls or with different
+/// per-call settings fail loudly instead of misreading each other's bytes.
+struct Header {
+  std::uint32_t magic;
+  std::uint32_t kind;
+  std::uint64_t index;  // call index since the last clean
+  std::int64_t count;   // dispatch: tokens sent; combine: rows sent
+  std::int64_t hidden;
+  std::uint32_t flags;  // dispatch: dispatch_flags
+  std::int32_t tmax;
+  std::int32_t num_experts;
+  std::int32_t reserved[5];
+};
+static_assert(sizeof(Header) == kHeaderBytes);
+
+/// One dispatched token: its index at the source and the (k, local expert) pairs of this destination, in ascending
+/// k.
+struct TokenMeta {
+  std::int32_t token;
+  std::int32_t num_entries;
+  std::uint32_t entries[kMaxTopk];  // k << 16 | local expert
+};
+
+/// Byte layout of one rank's window: offsets inside one half, and the half's size.
+struct Layout {
+  int tmax = 0, num_ranks = 0, num_experts = 0, local_experts = 0;
+  std::int64_t hidden = 0, groups = 0;
+  std::size_t record_bytes = 0;  // payload of one dispatched token (bf16 row, or fp8 row + scales)
+  std::size_t meta_bytes = 0;    // TokenMeta of one dispatched token
+  std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0;  // offsets
+  std::size_t staging = 0;              // offset of the area peers put into
+  std::size_t dispatch_slot_bytes = 0;  // one source's dispatch staging (meta + records)
+  std::size_t half_bytes = 0;
+  /// Checks the settings (low_latency_args::check_settings: invalid_argument naming the first bad one).
+  static Layout make(int tmax, std::int64_t hidden, int num_ranks, int num_experts);
+};
+
+}  // namespace epmoe::low_latency_protocol
