@@ -73,50 +73,17 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     const int c = g * kLanesPerGroup + (lane & 7);
     const bool active = g < G && c * kChannelsPerLane < H;
 
+    static_assert(kChannelsPerLane == 16, "quantize_lane16 takes 16 channels per lane");
     float v[kChannelsPerLane];
-    float amax = 0.0f, probe = 0.0f;
-    if (active) {
-#pragma unroll
-      for (int j = 0; j < kVecs; ++j) {
-        const std::uint32_t w[4] = {raw[i][j].x, raw[i][j].y, raw[i][j].z, raw[i][j].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if constexpr (sizeof(In) == 2) {
-            v[8 * j + 2 * e] = __uint_as_float(w[e] << 16);
-            v[8 * j + 2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
-          } else {
-            v[4 * j + e] = __uint_as_float(w[e]);
-          }
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < kChannelsPerLane; ++e) {
-        amax = fmaxf(amax, fabsf(v[e]));
-        probe = __fmaf_rn(v[e], 0.0f, probe);
-      }
-    }
-    // The 8 lanes of a group hold the same maximum after these.
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const DeviceGroupScale s = device_group_scale(amax, round_scale);
-
-    if (active) {
-      const uint4 out = probe != probe ? convert16<kHardware, true>(v, s.inv) : convert16<kHardware, false>(v, s.inv);
-      *reinterpret_cast<uint4*>(q + t * q_stride + static_cast<std::int64_t>(c) * kChannelsPerLane) = out;
-    }
+    if (active) unpack16<static_cast<int>(sizeof(In))>(raw[i], v);
+    uint4 out;
+    const DeviceGroupScale s = quantize_lane16<kHardware>(v, active, round_scale, &out);
+    if (active) *reinterpret_cast<uint4*>(q + t * q_stride + static_cast<std::int64_t>(c) * kChannelsPerLane) = out;
     if (!ue8m0) {
       if ((lane & 7) == 0 && g < G) static_cast<float*>(scales)[t * s_stride + g] = s.scale;
     } else {
-      int e = s.exponent + 127;
-      e = e < 0 ? 0 : (e > 255 ? 255 : e);
-      const std::uint32_t byte = g < G ? static_cast<std::uint32_t>(e) : 0u;  // bytes past the last group are 0
-      const std::uint32_t b1 = __shfl_sync(0xffffffffu, byte, 8);
-      const std::uint32_t b2 = __shfl_sync(0xffffffffu, byte, 16);
-      const std::uint32_t b3 = __shfl_sync(0xffffffffu, byte, 24);
-      if (lane == 0)
-        static_cast<std::int32_t*>(scales)[t * s_stride + word] =
-            static_cast<std::int32_t>(byte | (b1 << 8) | (b2 << 16) | (b3 << 24));
+      const std::int32_t packed = ue8m0_word(s.exponent, g < G);  // bytes past the last group are 0
+      if (lane == 0) static_cast<std::int32_t*>(scales)[t * s_stride + word] = packed;
     }
     if (++word == words_per_row) {
       word = 0;

@@ -60,4 +60,60 @@ __device__ __forceinline__ uint4 convert16(const float* v, float inv) {
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// A lane's 16 channels from its 16-byte loads `raw`: two of bf16 (kInBytes = 2) or four of float32 (kInBytes = 4).
+template <int kInBytes>
+__device__ __forceinline__ void unpack16(const uint4* raw, float* v) {
+#pragma unroll
+  for (int j = 0; j < (kInBytes == 2 ? 2 : 4); ++j) {
+    const std::uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (kInBytes == 2) {
+        v[8 * j + 2 * e] = __uint_as_float(w[e] << 16);
+        v[8 * j + 2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+      } else {
+        v[4 * j + e] = __uint_as_float(w[e]);
+      }
+    }
+  }
+}
+
+// One lane's share of a group of 128 channels held by 8 consecutive lanes (16 channels `v` each): the group's
+// scale (every lane of the group gets it) and, where `active` (the lane holds channels of the row), its 16 codes in
+// *codes. Every lane of the warp calls it (shuffles). The maximum is fmaxf over |x| (NaN skipped, as the CPU's
+// integer max of |x| bits with NaN counted as 0); probe = fma(x, 0, probe) turns NaN iff some x is an inf or a NaN,
+// only then is the conversion's NaN fix-up needed.
+template <bool kHardware>
+__device__ __forceinline__ DeviceGroupScale quantize_lane16(const float* v, bool active, bool round_scale,
+                                                            uint4* codes) {
+  float amax = 0.0f, probe = 0.0f;
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      amax = fmaxf(amax, fabsf(v[e]));
+      probe = __fmaf_rn(v[e], 0.0f, probe);
+    }
+  }
+  // The 8 lanes of a group hold the same maximum after these.
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  const DeviceGroupScale s = device_group_scale(amax, round_scale);
+  if (active) *codes = probe != probe ? convert16<kHardware, true>(v, s.inv) : convert16<kHardware, false>(v, s.inv);
+  return s;
+}
+
+// The UE8M0 word of the four groups held by lanes 0-7, 8-15, 16-23 and 24-31 (group i in byte i): each group's
+// `exponent` + 127 clamped to a byte, 0 for a group past the row's last (`valid` false). Every lane calls it
+// (shuffles); lane 0's result is the word.
+__device__ __forceinline__ std::int32_t ue8m0_word(int exponent, bool valid) {
+  int e = exponent + 127;
+  e = e < 0 ? 0 : (e > 255 ? 255 : e);
+  const std::uint32_t byte = valid ? static_cast<std::uint32_t>(e) : 0u;
+  const std::uint32_t b1 = __shfl_sync(0xffffffffu, byte, 8);
+  const std::uint32_t b2 = __shfl_sync(0xffffffffu, byte, 16);
+  const std::uint32_t b3 = __shfl_sync(0xffffffffu, byte, 24);
+  return static_cast<std::int32_t>(byte | (b1 << 8) | (b2 << 16) | (b3 << 24));
+}
+
 }  // namespace epmoe::quant_detail

@@ -126,49 +126,45 @@ __device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_sc
     const int c = g * 8 + (lane & 7);  // 16-channel chunk of the row
     const bool active = g < G && c * 16 < H;
     float v[16];
-    float amax = 0.0f, probe = 0.0f;
     if (active) {
       const uint4* src = reinterpret_cast<const uint4*>(x_row) + 2 * c;
       const uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const std::uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          v[8 * j + 2 * e] = __uint_as_float(w[e] << 16);
-          v[8 * j + 2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < 16; ++e) {
-        amax = fmaxf(amax, fabsf(v[e]));
-        probe = __fmaf_rn(v[e], 0.0f, probe);
-      }
+      unpack16<2>(raw, v);
     }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const DeviceGroupScale sc = device_group_scale(amax, round_scale);
-    if (active) {
-      const uint4 out = probe != probe ? convert16<true, true>(v, sc.inv) : convert16<true, false>(v, sc.inv);
+    uint4 out;
+    const DeviceGroupScale sc = quantize_lane16<true>(v, active, round_scale, &out);
+    if (active)
       for (int d = 0; d < num_dst; ++d) *reinterpret_cast<uint4*>(dst[d] + static_cast<std::size_t>(c) * 16) = out;
-    }
     if (!ue8m0) {
       if ((lane & 7) == 0 && g < G)
         for (int d = 0; d < num_dst; ++d) reinterpret_cast<float*>(dst[d] + H)[g] = sc.scale;
     } else {
-      int e = sc.exponent + 127;
-      e = e < 0 ? 0 : (e > 255 ? 255 : e);
-      const std::uint32_t byte = g < G ? static_cast<std::uint32_t>(e) : 0u;  // bytes past the last group are 0
-      const std::uint32_t b1 = __shfl_sync(0xffffffffu, byte, 8);
-      const std::uint32_t b2 = __shfl_sync(0xffffffffu, byte, 16);
-      const std::uint32_t b3 = __shfl_sync(0xffffffffu, byte, 24);
+      const std::int32_t packed = ue8m0_word(sc.exponent, g < G);  // bytes past the last group are 0
       if (lane == 0)
-        for (int d = 0; d < num_dst; ++d)
-          reinterpret_cast<std::int32_t*>(dst[d] + H)[word] =
-              static_cast<std::int32_t>(byte | (b1 << 8) | (b2 << 16) | (b3 << 24));
+        for (int d = 0; d < num_dst; ++d) reinterpret_cast<std::int32_t*>(dst[d] + H)[word] = packed;
     }
   }
+}
+
+/// A send kernel's start (every thread calls it): its call index (Control::calls, which its last block advances) in
+/// *index, and whether it may write: a half is written again (call index) only once every destination has read it
+/// (call index - 2); false after a timeout (recorded).
+__device__ bool begin_send(const Common& c, int phase, unsigned long long* index) {
+  Control* own = control(c.peers[c.rank]);
+  __shared__ unsigned long long s_index;
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    s_index = read_volatile(&own->calls);
+    s_ok = 1;
+  }
+  __syncthreads();
+  *index = s_index;
+  const int half = static_cast<int>(*index & 1);
+  if (*index >= 2 && threadIdx.x < c.num_ranks &&
+      !wait_geq(&own->consumed[half][threadIdx.x], *index - 1, c, threadIdx.x, phase, *index))
+    s_ok = 0;
+  __syncthreads();
+  return s_ok != 0;
 }
 
 // ---- dispatch ----
@@ -180,21 +176,9 @@ struct SendTask {
 __global__ void __launch_bounds__(kThreads)
     dispatch_send_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs a) {
   Control* own = control(c.peers[c.rank]);
-  __shared__ unsigned long long s_index;
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) {
-    s_index = read_volatile(&own->calls);
-    s_ok = 1;
-  }
-  __syncthreads();
-  const unsigned long long index = s_index;
+  unsigned long long index = 0;
+  if (!begin_send(c, kPhaseDispatchSend, &index)) return;
   const int half = static_cast<int>(index & 1), R = c.num_ranks, me = c.rank, El = c.local_experts, K = a.K;
-  // A half is written again (call index) only once every destination has read it (call index - 2).
-  if (index >= 2 && threadIdx.x < R &&
-      !wait_geq(&own->consumed[half][threadIdx.x], index - 1, c, threadIdx.x, kPhaseDispatchSend, index))
-    s_ok = 0;
-  __syncthreads();
-  if (!s_ok) return;
 
   const bool fp8 = (a.flags & 1u) != 0;
   __shared__ int carry[kMaxRanks];
@@ -454,20 +438,9 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs a) {
   Control* own = control(c.peers[c.rank]);
-  __shared__ unsigned long long s_index;
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) {
-    s_index = read_volatile(&own->calls);
-    s_ok = 1;
-  }
-  __syncthreads();
-  const unsigned long long index = s_index;
+  unsigned long long index = 0;
+  if (!begin_send(c, kPhaseCombineSend, &index)) return;
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, me = c.rank, El = c.local_experts;
-  if (index >= 2 && threadIdx.x < R &&
-      !wait_geq(&own->consumed[half][threadIdx.x], index - 1, c, threadIdx.x, kPhaseCombineSend, index))
-    s_ok = 0;
-  __syncthreads();
-  if (!s_ok) return;
 
   const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
   const char* dbase = half_base(c, me, dh);  // the dispatch's half (the call just before)
