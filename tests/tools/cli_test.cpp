@@ -551,13 +551,19 @@ TEST(Cli, BenchOnGpusHasPeerCopyFloorsAndNcclStatus) {
   EXPECT_EQ(j["floor"], "peer_copy");
   EXPECT_EQ(j["ranks"], gpu_count());
   const bool nccl = j["nccl"].get<std::string>().find('.') != std::string::npos;  // a version, else why not
-  ASSERT_EQ(j["results"].size(), 6u);  // T = 2, 4; three normal-mode ops (low-latency: no GPU path)
+  ASSERT_EQ(j["results"].size(), 12u);  // T = 2, 4; three normal-mode and three low-latency ops each
+  std::map<std::string, int> ops;
   for (const auto& s : j["results"]) {
-    EXPECT_EQ(s["mode"], "normal");
+    const std::string op = s["op"];
+    ++ops[op];
+    EXPECT_EQ(s["mode"], op.rfind("ll_", 0) == 0 ? "low-latency" : "normal") << s.dump();
     EXPECT_GT(s["median_us"].get<double>(), 0.0);
     if (gpu_count() > 1) EXPECT_GT(s["floor_us"].get<double>(), 0.0);
     EXPECT_EQ(s["nccl_us"].is_null(), !nccl) << s.dump();
   }
+  for (const char* op : {"dispatch_bf16", "dispatch_fp8", "combine_bf16", "ll_dispatch_fp8", "ll_dispatch_bf16",
+                         "ll_combine_bf16"})
+    EXPECT_EQ(ops[op], 2) << op;
 }
 
 TEST(Cli, TuneOnGpusWritesTheBestConfig) {

@@ -411,8 +411,9 @@ struct DeviceBytes {
   DeviceBytes& operator=(const DeviceBytes&) = delete;
 };
 
-// One normal-mode point on the GPUs: dispatch bf16, dispatch fp8, combine bf16 (those in `ops`) at T with
-// `options`, with floors (peer copies, NCCL) when `floors`. Collective; returns the samples on every rank.
+// One point on the GPUs at T with `options`: the ops of `ops` (normal mode: dispatch_bf16, dispatch_fp8,
+// combine_bf16; low-latency mode, Tmax = T: ll_dispatch_fp8, ll_dispatch_bf16, ll_combine_bf16), each with floors
+// (peer copies, NCCL) of its bytes when `floors`. Collective; returns the samples on every rank.
 std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuContext& ctx, const BenchConfig& c,
                               std::uint64_t seed, std::int64_t T, const BufferOptions& options,
                               const std::vector<std::string>& ops, bool floors, Collector& col, bool progress) {
@@ -450,7 +451,11 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
   };
 
   // Floor buffers: chunk p of src goes to rank p; chunk s of each rank's dst receives from rank s.
-  const std::size_t chunk = static_cast<std::size_t>(static_cast<double>(T) * row_bytes("dispatch_bf16", c.hidden, c.topk)) + 256;
+  // (a low-latency combine sends up to K rows per token to a rank: one per (token, k) pair)
+  const bool any_ll = std::any_of(ops.begin(), ops.end(), [](const std::string& op) { return op.rfind("ll_", 0) == 0; });
+  const double per_token = std::max(row_bytes("dispatch_bf16", c.hidden, c.topk),
+                                    any_ll ? c.topk * row_bytes("ll_combine_bf16", c.hidden, c.topk) : 0.0);
+  const std::size_t chunk = static_cast<std::size_t>(static_cast<double>(T) * per_token) + 256;
   std::optional<DeviceBytes> src, dst;
   std::vector<void*> dsts(static_cast<std::size_t>(R));
   if (floors) {
@@ -467,6 +472,40 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
   Tensor cx;
   std::vector<Sample> out;
   auto want = [&](const char* op) { return std::find(ops.begin(), ops.end(), op) != ops.end(); };
+  // A measured op's bytes and, with `floors`, the peer copies and NCCL moving the same bytes; then the sample.
+  const auto finish = [&](Sample& s) {
+    const double rb = row_bytes(s.op, c.hidden, c.topk);
+    s.remote_bytes = m.remote_units(s.op) * rb;
+    s.logical_bytes = m.logical_bytes(s.op, c.hidden);
+    s.ranks = R;
+    if (floors) {
+      std::vector<std::size_t> send(static_cast<std::size_t>(R)), recv(send.size()), off(send.size());
+      for (int p = 0; p < R; ++p) {
+        const auto q2 = static_cast<std::size_t>(p);
+        off[q2] = q2 * chunk;
+        send[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(s.op, r, p)) * rb));
+        recv[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(s.op, p, r)) * rb));
+      }
+      // Peer copies, every direction at once: one stream per peer, forked from and joined to the caller's.
+      s.floor_us = timed([&] {
+                     cuda_check(cudaEventRecord(ctx.fork, nullptr), "cudaEventRecord");
+                     for (int p = 0; p < R; ++p) {
+                       const auto q2 = static_cast<std::size_t>(p);
+                       if (send[q2] == 0) continue;
+                       cuda_check(cudaStreamWaitEvent(ctx.streams[q2], ctx.fork, 0), "cudaStreamWaitEvent");
+                       cuda_check(cudaMemcpyPeerAsync(static_cast<char*>(dsts[q2]) + static_cast<std::size_t>(r) * chunk, p,
+                                                      static_cast<char*>(src->p) + off[q2], dev, send[q2], ctx.streams[q2]),
+                                  "cudaMemcpyPeerAsync");
+                       cuda_check(cudaEventRecord(ctx.joins[q2], ctx.streams[q2]), "cudaEventRecord");
+                       cuda_check(cudaStreamWaitEvent(nullptr, ctx.joins[q2], 0), "cudaStreamWaitEvent");
+                     }
+                   }).first;
+      if (ctx.nccl)
+        s.nccl_us = timed([&] { ctx.nccl->all_to_all_v(src->p, send, off, dst->p, recv, off, nullptr); }).first;
+    }
+    if (progress && r == 0) fmt::print(stderr, "{} ", s.op);
+    out.push_back(s);
+  };
   for (const char* op : {"dispatch_bf16", "dispatch_fp8", "combine_bf16"}) {
     if (!want(op) && !(std::string_view(op) == "dispatch_bf16" && want("combine_bf16"))) continue;
     Sample s;
@@ -493,37 +532,60 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
       last_combine = {};
     }
     if (!want(op)) continue;  // dispatch_bf16 ran only to make the combine's handle
-    const double rb = row_bytes(op, c.hidden, c.topk);
-    s.remote_bytes = m.remote_units(op) * rb;
-    s.logical_bytes = m.logical_bytes(op, c.hidden);
-    s.ranks = R;
-    if (floors) {
-      std::vector<std::size_t> send(static_cast<std::size_t>(R)), recv(send.size()), off(send.size());
-      for (int p = 0; p < R; ++p) {
-        const auto q2 = static_cast<std::size_t>(p);
-        off[q2] = q2 * chunk;
-        send[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(op, r, p)) * rb));
-        recv[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(op, p, r)) * rb));
+    finish(s);
+  }
+  keep = {};
+
+  // Low-latency mode: its own buffer (Tmax = T). debug_validate off: it copies topk_idx to the host on each call.
+  if (any_ll) {
+    BufferOptions lo = options;
+    lo.backend = Backend::cuda_ipc;
+    lo.device = dev;
+    lo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, c.hidden, R, 1);  // normal mode unused
+    lo.low_latency_mode = true;
+    lo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(static_cast<int>(T), c.hidden, R, c.experts);
+    lo.debug_validate = false;
+    Buffer llbuf(gp, lo);
+    LowLatencyDispatchArgs la;
+    la.x = x;
+    la.topk_idx = idx;
+    la.topk_weights = w;
+    la.num_max_dispatch_tokens_per_rank = static_cast<int>(T);
+    la.num_experts = c.experts;
+    Tensor ll_x;  // combine input [E_local, R*T, H]
+    LowLatencyDispatchResult ld;
+    for (const char* op : {"ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine_bf16"}) {
+      if (!want(op)) continue;
+      Sample s;
+      s.mode = "low-latency";
+      s.op = op;
+      s.tokens = T;
+      s.num_sms = options.num_sms;
+      if (std::string_view(op) != "ll_combine_bf16") {
+        la.use_fp8 = std::string_view(op) == "ll_dispatch_fp8";
+        std::tie(s.median_us, s.min_us) = timed([&] { llbuf.low_latency_dispatch(la); });
+      } else {
+        la.use_fp8 = false;
+        if (!ll_x.defined()) {
+          Tensor hx = Tensor::empty(DType::bf16, {c.experts / R, R * T, c.hidden});
+          fill_bf16(hx.ptr<bf16_t>(), hx.numel(), seed, 13 + static_cast<std::uint64_t>(r), 1.0f);
+          ll_x = to_device(hx, dev);
+        }
+        LowLatencyCombineArgs lc;
+        lc.x = ll_x;
+        lc.topk_idx = idx;
+        lc.topk_weights = w;
+        // Each run combines the handle of a dispatch made (untimed) just before it.
+        std::tie(s.median_us, s.min_us) = timed(
+            [&] {
+              lc.handle = &ld.handle;
+              llbuf.low_latency_combine(lc);
+            },
+            [&] { ld = llbuf.low_latency_dispatch(la); });
       }
-      // Peer copies, every direction at once: one stream per peer, forked from and joined to the caller's.
-      s.floor_us = timed([&] {
-                     cuda_check(cudaEventRecord(ctx.fork, nullptr), "cudaEventRecord");
-                     for (int p = 0; p < R; ++p) {
-                       const auto q2 = static_cast<std::size_t>(p);
-                       if (send[q2] == 0) continue;
-                       cuda_check(cudaStreamWaitEvent(ctx.streams[q2], ctx.fork, 0), "cudaStreamWaitEvent");
-                       cuda_check(cudaMemcpyPeerAsync(static_cast<char*>(dsts[q2]) + static_cast<std::size_t>(r) * chunk, p,
-                                                      static_cast<char*>(src->p) + off[q2], dev, send[q2], ctx.streams[q2]),
-                                  "cudaMemcpyPeerAsync");
-                       cuda_check(cudaEventRecord(ctx.joins[q2], ctx.streams[q2]), "cudaEventRecord");
-                       cuda_check(cudaStreamWaitEvent(nullptr, ctx.joins[q2], 0), "cudaStreamWaitEvent");
-                     }
-                   }).first;
-      if (ctx.nccl)
-        s.nccl_us = timed([&] { ctx.nccl->all_to_all_v(src->p, send, off, dst->p, recv, off, nullptr); }).first;
+      finish(s);
     }
-    if (progress && r == 0) fmt::print(stderr, "{} ", op);
-    out.push_back(s);
+    cuda_sync_device();
   }
   cuda_sync_device();
   g.barrier("bench.point_done");  // every rank done with the peers' floor buffers before they are freed
@@ -533,12 +595,17 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
 void gpu_bench_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64_t seed, Collector& col,
                     const std::function<void(const Sample&)>& emit) {
   GpuContext ctx(*g, c.floors);
+  const bool normal = c.modes.find("normal") != std::string::npos;
+  const bool ll = c.modes.find("low-latency") != std::string::npos && c.topk <= kLowLatencyMaxTopk;
   const std::vector<std::int64_t> Ts = sweep(c);
   for (std::size_t i = 0; i < Ts.size(); ++i) {
+    std::vector<std::string> ops;
+    if (normal) ops = {"dispatch_bf16", "dispatch_fp8", "combine_bf16"};
+    if (ll && Ts[i] <= c.ll_tokens_max) ops.insert(ops.end(), {"ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine_bf16"});
+    if (ops.empty()) continue;
     const auto t0 = Clock::now();
     if (g->rank() == 0) fmt::print(stderr, "[{}/{}] T={}: ", i + 1, Ts.size(), Ts[i]);
-    const auto samples = gpu_point(*g, g, ctx, c, seed, Ts[i], c.options, {"dispatch_bf16", "dispatch_fp8", "combine_bf16"},
-                                   c.floors, col, true);
+    const auto samples = gpu_point(*g, g, ctx, c, seed, Ts[i], c.options, ops, c.floors, col, true);
     if (g->rank() == 0) {
       fmt::print(stderr, "({:.1f} s)\n", seconds_since(t0));
       for (const auto& s : samples) emit(s);
@@ -633,9 +700,7 @@ int bench(BenchConfig c) {
   fmt::print("floor: {}; nccl: {}; buffer config: {}\n",
              gpu ? "cudaMemcpyPeerAsync of the same bytes, every direction at once" : "memcpy of the same bytes on every rank at once",
              nccl, nlohmann::json::parse(buffer_config_json(c.options)).dump());
-  if (gpu && modes.count("low-latency"))
-    fmt::print("low-latency: skipped on GPU ranks (the cuda_ipc backend has no low-latency path yet; --device cpu measures it)\n");
-  if (!gpu && modes.count("low-latency")) {
+  if (modes.count("low-latency")) {
     if (c.topk > kLowLatencyMaxTopk)
       fmt::print("low-latency: skipped (K = {} > {})\n", c.topk, kLowLatencyMaxTopk);
     else
@@ -674,8 +739,7 @@ int bench(BenchConfig c) {
   Collector col(R);
   if (gpu) {
 #if defined(EPMOE_HAVE_CUDA)
-    if (modes.count("normal"))
-      launch_ranks(R, [&](const std::shared_ptr<Group>& g) { gpu_bench_rank(g, run_c, seed, col, emit); });
+    launch_ranks(R, [&](const std::shared_ptr<Group>& g) { gpu_bench_rank(g, run_c, seed, col, emit); });
 #endif
   } else {
     launch_ranks(R, [&](const std::shared_ptr<Group>& g) { cpu_rank(g, run_c, seed, col, emit); });
@@ -815,7 +879,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
       "bench", "Time dispatch and combine over T = powers of two, beside a peer-copy (or memcpy) floor and NCCL");
   cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank)")->capture_default_str();
   cmd->add_option("--tokens-max", c.tokens_max, "largest T")->capture_default_str();
-  cmd->add_option("--ll-tokens-max", c.ll_tokens_max, "largest T of the low-latency sweep (CPU ranks)")->capture_default_str();
+  cmd->add_option("--ll-tokens-max", c.ll_tokens_max, "largest T of the low-latency sweep")->capture_default_str();
   cmd->add_option("--modes", c.modes, "normal,low-latency or one of them")->capture_default_str();
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
