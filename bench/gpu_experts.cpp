@@ -44,6 +44,8 @@ int main() {
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "bench_util.hpp"
+
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
 
@@ -51,12 +53,7 @@ namespace {
 
 using namespace epmoe;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_gpu_experts: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_experts", e, what); }
 void check_blas(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "bench_gpu_experts: %s: %s\n", what, cublasGetStatusString(s));
@@ -96,12 +93,7 @@ struct Timer {
   }
 };
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+using bench::splitmix;
 
 // Fills `bytes` of device memory with bf16 values uniform in (-scale, scale): a 64 MiB random tile
 // (distinct per call) repeated. Repetition does not matter to GEMM or copy speed; zeros would.

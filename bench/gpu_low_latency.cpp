@@ -42,6 +42,8 @@ int main() {
 
 #include <cuda_runtime.h>
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace epmoe;
@@ -49,19 +51,10 @@ using namespace epmoe;
 constexpr int kRanks = 2;
 constexpr int kWarmup = 5;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_gpu_low_latency: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_low_latency", e, what); }
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+using bench::median;
+using bench::splitmix;
 
 /// bf16 in [-2, 2) (finite, non-zero) or float32 weights in (0, 1], on cuda:device.
 Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
@@ -76,27 +69,6 @@ Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
   Tensor d = Tensor::empty(dtype, shape, Device::cuda(device));
   check(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
   return d;
-}
-
-/// Uniform random top-K of E (distinct ids per token), on the host.
-std::vector<std::int64_t> random_routing(std::int64_t T, int K, int E, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<std::int64_t> h(static_cast<std::size_t>(T * K));
-  std::vector<int> ids(static_cast<std::size_t>(E));
-  for (std::int64_t t = 0; t < T; ++t) {
-    std::iota(ids.begin(), ids.end(), 0);
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> pick(k, E - 1);
-      std::swap(ids[static_cast<std::size_t>(k)], ids[static_cast<std::size_t>(pick(rng))]);
-      h[static_cast<std::size_t>(t * K + k)] = ids[static_cast<std::size_t>(k)];
-    }
-  }
-  return h;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 }  // namespace
@@ -131,7 +103,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
+  const std::uint64_t seed = bench::run_seed();
   const int tmax = static_cast<int>(T);
   std::printf("bench_gpu_low_latency: %s x%d, T=%lld (Tmax) H=%lld K=%d E=%d, runs=%d, seed %llu\n", prop.name, kRanks,
               static_cast<long long>(T), static_cast<long long>(H), K, E, runs, static_cast<unsigned long long>(seed));
@@ -163,7 +135,7 @@ int main(int argc, char** argv) {
     Tensor idx = Tensor::empty(DType::int64, {T, K}, Device::cuda(r));
     double tokens = 0, pairs = 0, sets = 0;
     auto new_routing = [&](std::uint64_t k) {
-      const std::vector<std::int64_t> h = random_routing(T, K, E, s + 100 + k);
+      const std::vector<std::int64_t> h = bench::random_topk_ids(T, K, E, s + 100 + k);
       check(cudaMemcpy(idx.data(), h.data(), h.size() * 8, cudaMemcpyHostToDevice), "H2D");
       for (std::int64_t t = 0; t < T; ++t) {
         bool to_peer = false;
@@ -263,9 +235,8 @@ int main(int argc, char** argv) {
       "|\n");
   std::vector<double> med(kOps), mins(kOps);
   for (int op = 0; op < kOps; ++op) {
-    std::vector<double> slow(times[static_cast<std::size_t>(op)][0].size());
-    for (std::size_t i = 0; i < slow.size(); ++i)
-      slow[i] = std::max(times[static_cast<std::size_t>(op)][0][i], times[static_cast<std::size_t>(op)][1][i]);
+    const std::vector<double> slow =
+        bench::slower_of(times[static_cast<std::size_t>(op)][0], times[static_cast<std::size_t>(op)][1]);
     med[static_cast<std::size_t>(op)] = median(slow);
     mins[static_cast<std::size_t>(op)] = slow.empty() ? 0 : *std::min_element(slow.begin(), slow.end());
     const double gbps = remote[op] > 0 ? remote[op] / 2 / med[static_cast<std::size_t>(op)] / 1e3 : 0;

@@ -40,18 +40,15 @@ int main() {
 
 #include <cuda_runtime.h>
 
+#include "bench_util.hpp"
+
 #include "router/cuda.hpp"
 
 namespace {
 
 using namespace epmoe;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_gpu_moe_layer: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_moe_layer", e, what); }
 
 struct Timer {
   cudaEvent_t start{}, stop{};
@@ -85,12 +82,7 @@ struct Timer {
   }
 };
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+using bench::splitmix;
 
 float uniform(std::uint64_t& seed) {
   return (static_cast<float>(splitmix(seed) & 0xffffffu) + 0.5f) / 16777216.0f * 2.0f - 1.0f;

@@ -44,6 +44,8 @@ int main() {
 
 #include <cuda_runtime.h>
 
+#include "bench_util.hpp"
+
 namespace {
 
 using namespace epmoe;
@@ -51,19 +53,10 @@ using namespace epmoe;
 constexpr int kRanks = 2;
 constexpr int kWarmup = 5;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_gpu_normal_mode: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_normal_mode", e, what); }
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+using bench::median;
+using bench::splitmix;
 
 /// Random bytes that are finite, non-zero values for bf16 / fp32 / fp8 (exponent bits kept in range).
 Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
@@ -84,20 +77,11 @@ Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
   return d;
 }
 
+/// Uniform random top-K of E (bench::random_topk_ids), on cuda:device.
 Tensor random_routing(std::int64_t T, int K, int E, int device, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  Tensor h = Tensor::empty(DType::int64, {T, K});
-  std::vector<int> ids(static_cast<std::size_t>(E));
-  for (std::int64_t t = 0; t < T; ++t) {
-    std::iota(ids.begin(), ids.end(), 0);
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> pick(k, E - 1);
-      std::swap(ids[static_cast<std::size_t>(k)], ids[static_cast<std::size_t>(pick(rng))]);
-      h.ptr<std::int64_t>()[t * K + k] = ids[static_cast<std::size_t>(k)];
-    }
-  }
+  const std::vector<std::int64_t> h = bench::random_topk_ids(T, K, E, seed);
   Tensor d = Tensor::empty(DType::int64, {T, K}, Device::cuda(device));
-  check(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  check(cudaMemcpy(d.data(), h.data(), h.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice), "H2D");
   return d;
 }
 
@@ -114,11 +98,6 @@ struct Result {
   double median_us = 0, min_us = 0, remote_bytes = 0, logical_bytes = 0;
   double remote_gbps = 0, logical_gbps = 0, of_copy = 0, of_bidir = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 }  // namespace
 
@@ -167,7 +146,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  const std::uint64_t seed = std::random_device{}() ^ (static_cast<std::uint64_t>(std::time(nullptr)) << 20);
+  const std::uint64_t seed = bench::run_seed();
   std::printf(
       "bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, recv_slots=%d, "
       "runs=%d, seed %llu\n",
@@ -310,9 +289,8 @@ int main(int argc, char** argv) {
   const double logical_row[kOps] = {2.0 * H, static_cast<double>(H), 2.0 * H, 2.0 * H};
   std::vector<Result> results;
   for (int op = 0; op < kOps; ++op) {
-    std::vector<double> slow(times[static_cast<std::size_t>(op)][0].size());
-    for (std::size_t i = 0; i < slow.size(); ++i)
-      slow[i] = std::max(times[static_cast<std::size_t>(op)][0][i], times[static_cast<std::size_t>(op)][1][i]);
+    const std::vector<double> slow =
+        bench::slower_of(times[static_cast<std::size_t>(op)][0], times[static_cast<std::size_t>(op)][1]);
     Result res;
     res.op = ops[op];
     res.median_us = median(slow);

@@ -25,6 +25,8 @@
 
 #include <cuda_runtime.h>
 
+#include "bench_util.hpp"
+
 #include "layout/cuda.hpp"
 #include "quant/cuda.hpp"
 
@@ -32,12 +34,7 @@ namespace {
 
 using namespace epmoe;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_gpu_stages: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_stages", e, what); }
 
 struct Result {
   std::string stage, shape;
@@ -76,12 +73,7 @@ struct Timer {
   }
 };
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+using bench::splitmix;
 
 // Random bf16 values in (-4, 4), never zero.
 Tensor random_bf16_device(std::uint64_t& seed, std::int64_t rows, std::int64_t cols) {
