@@ -269,13 +269,8 @@ void check_case(Case c) {
 }
 
 TEST(GpuCudaIpcLowLatency, Bf16DispatchCombineMatchThreadsBackend) {
-  Case c;
-  c.calls = 3;
-  check_case(c);
-  Case i32 = c;
-  i32.int32_idx = true;
-  i32.calls = 1;
-  check_case(i32);
+  check_case({.calls = 3});
+  check_case({.int32_idx = true, .calls = 1});
 }
 
 // Both quantization paths: inside the send kernel (the default) and the library's quantizer first
@@ -286,82 +281,35 @@ TEST(GpuCudaIpcLowLatency, Fp8FloatRoundScaleAndUe8m0Match) {
       for (int mode = 0; mode < 3; ++mode) {
         SCOPED_TRACE(std::string("quantization ") + quant);
         setenv("EPMOE_CUDA_IPC_LL_QUANT", quant, 1);
-        Case c;
-        c.H = H;
-        c.fp8 = true;
-        c.round_scale = mode >= 1;
-        c.ue8m0 = mode == 2;
-        c.calls = 2;
-        check_case(c);
+        check_case({.H = H, .fp8 = true, .round_scale = mode >= 1, .ue8m0 = mode == 2, .calls = 2});
         unsetenv("EPMOE_CUDA_IPC_LL_QUANT");
       }
 }
 
 TEST(GpuCudaIpcLowLatency, HiddenSizes) {
   for (std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{4096}, std::int64_t{7168}})
-    for (bool fp8 : {false, true}) {
-      Case c;
-      c.H = H;
-      c.fp8 = fp8;
-      c.E = 16;
-      c.tmax = 32;
-      c.T = {32, 19};
-      c.calls = 1;
-      check_case(c);
-    }
+    for (bool fp8 : {false, true}) check_case({.T = {32, 19}, .H = H, .E = 16, .tmax = 32, .fp8 = fp8, .calls = 1});
 }
 
 TEST(GpuCudaIpcLowLatency, ZeroTokensAllMinusOneOneExpertAndTmax) {
-  Case zero;
-  zero.T = {0, 23};
-  check_case(zero);
-  Case zero_all;
-  zero_all.T = {0, 0};
-  check_case(zero_all);
-  Case none;
-  none.all_minus_one_rank = 0;
-  check_case(none);
-  Case every;
-  every.p_minus_one = 0.0;
-  every.only_expert = 31;  // on the last rank
-  check_case(every);
-  Case full;
-  full.T = {64, 64};
-  full.fp8 = true;
-  check_case(full);
+  check_case({.T = {0, 23}});
+  check_case({.T = {0, 0}});
+  check_case({.all_minus_one_rank = 0});
+  check_case({.p_minus_one = 0.0, .only_expert = 31});  // every token to one expert, on the last rank
+  check_case({.T = {64, 64}, .fp8 = true});
 }
 
 TEST(GpuCudaIpcLowLatency, TopK1And8And16) {
-  for (int K : {1, 8, 16}) {
-    Case c;
-    c.K = K;
-    c.E = K == 16 ? 32 : 16;
-    c.calls = 2;
-    check_case(c);
-  }
+  for (int K : {1, 8, 16}) check_case({.K = K, .E = K == 16 ? 32 : 16, .calls = 2});
 }
 
 TEST(GpuCudaIpcLowLatency, HooksAndAsyncFinish) {
-  Case hooks;
-  hooks.hooks = true;
-  hooks.calls = 3;
-  hooks.fp8 = true;
-  check_case(hooks);
-  Case async;
-  async.async = true;
-  async.calls = 3;
-  check_case(async);
+  check_case({.fp8 = true, .calls = 3, .hooks = true});
+  check_case({.calls = 3, .async = true});
 }
 
 TEST(GpuCudaIpcLowLatency, CumulativeStatsOverManyCalls) {
-  Case c;
-  c.stats = true;
-  c.calls = 24;
-  c.T = {16, 9};
-  c.tmax = 16;
-  c.H = 1024;
-  c.fp8 = true;
-  check_case(c);
+  check_case({.T = {16, 9}, .H = 1024, .tmax = 16, .fp8 = true, .calls = 24, .stats = true});
 }
 
 // Two dispatches in flight with hooks (DeepEP's two micro-batches): dispatch A and B send, then B's hook and A's

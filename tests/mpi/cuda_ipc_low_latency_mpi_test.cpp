@@ -25,39 +25,6 @@
 namespace epmoe::test {
 namespace {
 
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-int gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-Tensor to_gpu(const Tensor& h, int device) {
-  if (!h.defined()) return {};
-  Tensor d = Tensor::empty(h.dtype(), h.shape(), Device::cuda(device));
-  if (h.nbytes()) cuda_ok(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
-  return d;
-}
-
-/// Host copy of a contiguous view (device: after the device is idle).
-Tensor to_cpu(const TensorView& v) {
-  Tensor h = Tensor::empty(v.dtype, v.shape);
-  if (v.numel() == 0) return h;
-  if (v.device.is_cuda()) {
-    cuda_ok(cudaDeviceSynchronize(), "sync");
-    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
-  } else {
-    std::memcpy(h.data(), v.data, v.nbytes());
-  }
-  return h;
-}
-
 constexpr int kTmax = 64;
 
 struct Inputs {
@@ -142,10 +109,9 @@ Out run(Buffer& buf, std::uint64_t seed, int R, std::int64_t H, int K, int E, bo
 
 TEST(MpiCudaIpcLowLatency, OneProcessPerGpuMatchesTheThreadsBackend) {
   const int R = world_size(), me = world_rank();
-  const char* share = std::getenv("EPMOE_TEST_SHARE_GPU");
-  const bool shared = share != nullptr && std::string(share) == "1" && gpus() > 0;
-  if (gpus() < R && !shared) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
-  const int device = me % std::max(1, gpus());
+  const std::optional<int> gpu = rank_device(R, me);
+  if (!gpu) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
+  const int device = *gpu;
   const std::uint64_t seed = shared_seed();
   const int K = 4, E = 8 * R;
   for (const std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}})

@@ -21,34 +21,6 @@
 namespace epmoe::test {
 namespace {
 
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-int gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-Tensor to_gpu(const Tensor& h, int device) {
-  if (!h.defined()) return {};
-  Tensor d = Tensor::empty(h.dtype(), h.shape(), Device::cuda(device));
-  if (h.nbytes()) cuda_ok(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
-  return d;
-}
-
-Tensor to_cpu(const Tensor& d) {
-  if (!d.defined()) return {};
-  cuda_ok(cudaDeviceSynchronize(), "sync");
-  Tensor h = Tensor::empty(d.dtype(), d.shape());
-  if (h.nbytes()) cuda_ok(cudaMemcpy(h.data(), d.data(), h.nbytes(), cudaMemcpyDeviceToHost), "D2H");
-  return h;
-}
-
 struct Inputs {
   Tensor x, idx, w, y, yw;
 };
@@ -96,12 +68,10 @@ Out run(Buffer& buf, const Inputs& in, std::uint64_t seed, std::int64_t H, int K
 
 TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
   const int R = world_size(), me = world_rank();
-  // EPMOE_TEST_SHARE_GPU=1: ranks share the GPUs there are (rank % count; processes time-slice a GPU): the protocol
-  // on a one-GPU machine, not its speed.
-  const char* share = std::getenv("EPMOE_TEST_SHARE_GPU");
-  const bool shared = share != nullptr && std::string(share) == "1" && gpus() > 0;
-  if (gpus() < R && !shared) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
-  const int device = me % std::max(1, gpus());
+  // EPMOE_TEST_SHARE_GPU=1: ranks share the GPUs there are (rank_device).
+  const std::optional<int> gpu = rank_device(R, me);
+  if (!gpu) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
+  const int device = *gpu;
   const std::uint64_t seed = shared_seed();
   const int K = 4, E = 8 * R;
   for (const std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}}) {

@@ -16,6 +16,17 @@
 
 #include "support/random.hpp"
 
+#if defined(EPMOE_HAVE_CUDA)
+#include <epmoe/tensor.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include <cuda_runtime.h>
+#endif
+
 namespace epmoe::test {
 
 inline int world_rank() {
@@ -60,5 +71,56 @@ inline std::optional<Error> catch_error(const std::function<void()>& fn) {
   ADD_FAILURE() << "expected an epmoe::Error";
   return std::nullopt;
 }
+
+#if defined(EPMOE_HAVE_CUDA)
+// ---- the cuda_ipc MPI tests (one process per GPU) ----
+
+/// Throws std::runtime_error naming `what` unless `e` is cudaSuccess.
+inline void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+/// GPUs of this host (0 when CUDA has none or no driver).
+inline int gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/// This rank's GPU (rank % GPUs), or nullopt (skip the test) when the host has fewer GPUs than the R ranks, unless
+/// EPMOE_TEST_SHARE_GPU=1 and it has one: ranks then share the GPUs there are (processes time-slice a GPU), which
+/// tests the protocol on a one-GPU machine, not its speed.
+inline std::optional<int> rank_device(int R, int rank) {
+  const char* share = std::getenv("EPMOE_TEST_SHARE_GPU");
+  const bool shared = share != nullptr && std::string(share) == "1" && gpus() > 0;
+  if (gpus() < R && !shared) return std::nullopt;
+  return rank % std::max(1, gpus());
+}
+
+/// A device copy of host tensor `h` on cuda:device (undefined stays undefined).
+inline Tensor to_gpu(const Tensor& h, int device) {
+  if (!h.defined()) return {};
+  Tensor d = Tensor::empty(h.dtype(), h.shape(), Device::cuda(device));
+  if (h.nbytes()) cuda_ok(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+/// Host copy of a contiguous view (a device view: after the device is idle); undefined stays undefined.
+inline Tensor to_cpu(const TensorView& v) {
+  if (!v.defined()) return {};
+  Tensor h = Tensor::empty(v.dtype, v.shape);
+  if (v.numel() == 0) return h;
+  if (v.device.is_cuda()) {
+    cuda_ok(cudaDeviceSynchronize(), "sync");
+    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+  } else {
+    std::memcpy(h.data(), v.data, v.nbytes());
+  }
+  return h;
+}
+#endif  // EPMOE_HAVE_CUDA
 
 }  // namespace epmoe::test
