@@ -151,6 +151,17 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done_, 0));
   }
   void receive(std::uint64_t generation, cudaStream_t s, long long lag);
+  /// A call's end: with `hook`, its receive as the result's hook; else the receive enqueued now on `s`, and with
+  /// async_finish an event on the communication stream.
+  template <class Result>
+  void finish(Result& r, std::uint64_t generation, bool hook, bool async_finish, cudaStream_t s) {
+    if (hook) {
+      r.hook = RecvHook([this, generation] { receive_hook(generation); });
+      return;
+    }
+    receive(generation, s, 0);
+    if (async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
+  }
   void receive_hook(std::uint64_t generation);
   char* half_base(std::uint64_t index) const {
     return static_cast<char*>(mem_->local()) + ll::kControlBytes + (index % 2) * layout_.half_bytes;
@@ -398,12 +409,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   r.handle.num_experts = E;
   r.handle.generation = gen;
   r.handle.buffer_id = buffer_id_;
-  if (a.return_recv_hook) {
-    r.hook = RecvHook([this, gen] { receive_hook(gen); });
-  } else {
-    receive(gen, s, 0);
-    if (a.async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
-  }
+  finish(r, gen, a.return_recv_hook, a.async_finish, s);
   return r;
 }
 
@@ -556,12 +562,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   p.weights = static_cast<const float*>(a.topk_weights.data);
   p.T = T;
   p.out = out;
-  if (a.return_recv_hook) {
-    r.hook = RecvHook([this, gen] { receive_hook(gen); });
-  } else {
-    receive(gen, s, 0);
-    if (a.async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
-  }
+  finish(r, gen, a.return_recv_hook, a.async_finish, s);
   return r;
 }
 

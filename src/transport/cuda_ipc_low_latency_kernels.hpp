@@ -14,14 +14,8 @@
 namespace epmoe::cuda_ipc_ll {
 
 inline constexpr int kMaxRanks = 8;                  // one NVLink host
-using low_latency_protocol::dispatch_flags;
-using low_latency_protocol::Header;
-using low_latency_protocol::kHeaderBytes;
-using low_latency_protocol::kKindCombine;
-using low_latency_protocol::kKindDispatch;
-using low_latency_protocol::kMagic;
-using low_latency_protocol::kMaxTopk;
-using low_latency_protocol::TokenMeta;
+// The byte protocol (Header, TokenMeta, kMagic, kinds, dispatch_flags) is the CPU implementation's.
+using namespace low_latency_protocol;
 
 /// Control block at the start of every rank's window (the halves follow it). Peers write `data` and `consumed`;
 /// the owner alone uses the rest.

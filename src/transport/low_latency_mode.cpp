@@ -33,14 +33,7 @@ namespace epmoe {
 namespace {
 
 constexpr int kMaxLocalExperts = 1024;  // SPEC 1
-using low_latency_protocol::dispatch_flags;
-using low_latency_protocol::Header;
-using low_latency_protocol::kHeaderBytes;
-using low_latency_protocol::kKindCombine;
-using low_latency_protocol::kKindDispatch;
-using low_latency_protocol::kMagic;
-using low_latency_protocol::kMaxTopk;
-using low_latency_protocol::TokenMeta;
+using namespace low_latency_protocol;
 static_assert(kMaxTopk == kLowLatencyMaxTopk);
 
 constexpr std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
