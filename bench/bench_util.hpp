@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <ctime>
 #include <numeric>
 #include <random>
@@ -67,5 +68,45 @@ inline std::vector<std::int64_t> random_topk_ids(std::int64_t T, int K, int E, s
   }
   return h;
 }
+
+/// One rank's run timing in the multi-GPU benchmarks, on the current device and the legacy default stream: the L2
+/// flush (a 256 MiB memset) before a run, and CUDA events around the timed call. Errors exit as check_cuda.
+class RankTimer {
+ public:
+  explicit RankTimer(const char* program) : program_(program) {
+    check_cuda(program_, cudaMalloc(&flush_, kFlushBytes), "cudaMalloc flush");
+    check_cuda(program_, cudaEventCreate(&start_), "cudaEventCreate");
+    check_cuda(program_, cudaEventCreate(&stop_), "cudaEventCreate");
+  }
+  ~RankTimer() {
+    cudaEventDestroy(stop_);
+    cudaEventDestroy(start_);
+    cudaFree(flush_);
+  }
+  RankTimer(const RankTimer&) = delete;
+  RankTimer& operator=(const RankTimer&) = delete;
+
+  /// Overwrites the L2 (bytes of run `i`), then waits until the device is idle.
+  void flush_l2(int i) {
+    check_cuda(program_, cudaMemsetAsync(flush_, i & 0xff, kFlushBytes, nullptr), "flush");
+    check_cuda(program_, cudaDeviceSynchronize(), "sync");
+  }
+  /// Microseconds between events recorded before and after `fn` on the legacy default stream.
+  double time_us(const std::function<void()>& fn) {
+    check_cuda(program_, cudaEventRecord(start_, nullptr), "record");
+    fn();
+    check_cuda(program_, cudaEventRecord(stop_, nullptr), "record");
+    check_cuda(program_, cudaEventSynchronize(stop_), "sync");
+    float ms = 0;
+    check_cuda(program_, cudaEventElapsedTime(&ms, start_, stop_), "elapsed");
+    return ms * 1000.0;
+  }
+
+ private:
+  static constexpr std::size_t kFlushBytes = std::size_t{256} << 20;
+  const char* program_;
+  void* flush_ = nullptr;
+  cudaEvent_t start_{}, stop_{};
+};
 
 }  // namespace epmoe::bench

@@ -148,27 +148,16 @@ int main(int argc, char** argv) {
       }
       ++sets;
     };
-    void* flush = nullptr;
-    const std::size_t flush_bytes = std::size_t{256} << 20;
-    check(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
-    cudaEvent_t start, stop;
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
+    bench::RankTimer timer("bench_gpu_low_latency");
     // Fresh routing every 10 runs, only before a run's first op (a combine must see its dispatch's routing).
     auto prepare = [&](int i, bool first = false) {
       if (first && i % 10 == 0) new_routing(static_cast<std::uint64_t>(i));
-      check(cudaMemsetAsync(flush, i & 0xff, flush_bytes, nullptr), "flush");
-      check(cudaDeviceSynchronize(), "sync");
+      timer.flush_l2(i);
       g.barrier("bench");
     };
     auto time_it = [&](int op, int i, const std::function<void()>& fn) {
-      check(cudaEventRecord(start, nullptr), "record");
-      fn();
-      check(cudaEventRecord(stop, nullptr), "record");
-      check(cudaEventSynchronize(stop), "sync");
-      float ms = 0;
-      check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-      if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(ms * 1000.0);
+      const double us = timer.time_us(fn);
+      if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(us);
     };
     auto dispatch_args = [&](bool fp8, bool hook) {
       LowLatencyDispatchArgs a;
@@ -219,7 +208,6 @@ int main(int argc, char** argv) {
       tokens_to_peer[static_cast<std::size_t>(r)] = tokens / sets;
       pairs_to_peer[static_cast<std::size_t>(r)] = pairs / sets;
     }
-    cudaFree(flush);
   });
 
   const double meta = 80, header = 64;

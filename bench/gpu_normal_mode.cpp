@@ -189,25 +189,14 @@ int main(int argc, char** argv) {
     const Tensor idx = routing.empty() ? random_routing(T, K, E, r, s + 4) : replayed_routing(trace, T, E, r, r);
     const Tensor w = random_device(DType::fp32, {T, K}, r, s + 5);
     const DispatchLayout layout = buf.get_dispatch_layout(idx, E);
-    void* flush = nullptr;
-    const std::size_t flush_bytes = std::size_t{256} << 20;
-    check(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
-    cudaEvent_t start, stop;
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
+    bench::RankTimer timer("bench_gpu_normal_mode");
 
     auto timed = [&](int op, const std::function<void()>& fn) {
       for (int i = 0; i < kWarmup + runs; ++i) {
-        check(cudaMemsetAsync(flush, i & 0xff, flush_bytes, nullptr), "flush");
-        check(cudaDeviceSynchronize(), "sync");
+        timer.flush_l2(i);
         g.barrier("bench");
-        check(cudaEventRecord(start, nullptr), "record");
-        fn();
-        check(cudaEventRecord(stop, nullptr), "record");
-        check(cudaEventSynchronize(stop), "sync");
-        float ms = 0;
-        check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-        if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(ms * 1000.0);
+        const double us = timer.time_us(fn);
+        if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(us);
       }
     };
     DispatchArgs a = make_dispatch_args(layout, x, idx, w);
@@ -255,14 +244,11 @@ int main(int argc, char** argv) {
       for (int i = 0; i < kWarmup + runs; ++i) {
         check(cudaDeviceSynchronize(), "sync");
         g.barrier("bench copy");
-        check(cudaEventRecord(start, nullptr), "record");
-        if (mode == 1 || r == 0)
-          check(cudaMemcpyPeerAsync(dsts[static_cast<std::size_t>(peer)], peer, src, r, bytes, nullptr), "peer copy");
-        check(cudaEventRecord(stop, nullptr), "record");
-        check(cudaEventSynchronize(stop), "sync");
-        float ms = 0;
-        check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-        if (i >= kWarmup) ts.push_back(ms * 1000.0);
+        const double us = timer.time_us([&] {
+          if (mode == 1 || r == 0)
+            check(cudaMemcpyPeerAsync(dsts[static_cast<std::size_t>(peer)], peer, src, r, bytes, nullptr), "peer copy");
+        });
+        if (i >= kWarmup) ts.push_back(us);
       }
       std::lock_guard<std::mutex> lock(mutex);
       if (mode == 0 && r == 0) copy_one_us = ts;
@@ -276,7 +262,6 @@ int main(int argc, char** argv) {
     g.barrier("bench done");
     cudaFree(src);
     cudaFree(dst);
-    cudaFree(flush);
   });
 
   const double copy_bytes = sent_rows[0] * static_cast<double>(2 * H + 12 * K + 4);

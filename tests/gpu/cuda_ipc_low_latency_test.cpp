@@ -180,6 +180,14 @@ BufferOptions gpu_options(int r, int R, const Case& c) {
   return o;
 }
 
+/// Rank r's buffer options: cuda_ipc on cuda:r (made current) when `gpu`, else the threads backend (the reference).
+BufferOptions rank_options(bool gpu, int r, int R, const Case& c) {
+  if (gpu) return gpu_options(r, R, c);
+  BufferOptions o;
+  o.backend = Backend::threads;
+  return o;
+}
+
 /// Runs the case's calls on R ranks through the threads backend (gpu = false) or cuda_ipc.
 Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) {
   Outs outs(static_cast<std::size_t>(R));
@@ -187,12 +195,7 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
   run_thread_ranks(R, [&](Group& g) {
     const int r = g.rank();
     auto& o = outs[static_cast<std::size_t>(r)];
-    BufferOptions opts;
-    if (gpu)
-      opts = gpu_options(r, R, c);
-    else
-      opts.backend = Backend::threads;
-    Buffer buf(borrow(g), opts);
+    Buffer buf(borrow(g), rank_options(gpu, r, R, c));
     auto put = [&](const Tensor& t) { return gpu ? to_gpu(t, r) : t; };
     std::mt19937_64 srng(seed + 17 + static_cast<std::uint64_t>(r));
     Tensor stats = Tensor::empty(DType::int32, {El});
@@ -327,12 +330,7 @@ TEST(GpuCudaIpcLowLatency, TwoDispatchesInFlightHooksCalledOutOfOrder) {
     Outs outs(static_cast<std::size_t>(R));
     run_thread_ranks(R, [&](Group& g) {
       const int r = g.rank();
-      BufferOptions opts;
-      if (gpu)
-        opts = gpu_options(r, R, c);
-      else
-        opts.backend = Backend::threads;
-      Buffer buf(borrow(g), opts);
+      Buffer buf(borrow(g), rank_options(gpu, r, R, c));
       auto put = [&](const Tensor& t) { return gpu ? to_gpu(t, r) : t; };
       std::vector<Tensor> keep;
       std::vector<LowLatencyDispatchResult> ds;
