@@ -3,14 +3,30 @@
 // (bench/CMakeLists.txt) and the benches share no library beyond epmoe.
 #pragma once
 
+#include <cstdio>
+
+namespace epmoe::bench {
+
+/// A GPU benchmark's main in a CPU-only build: says so and returns 77 (skipped).
+inline int cpu_only_build(const char* program) {
+  std::printf("%s: CPU-only build, nothing to measure\n", program);
+  return 77;
+}
+
+}  // namespace epmoe::bench
+
+// The rest needs the CUDA headers (present in every CUDA build; gpu_stages and gpu_experts include them in any).
+#if __has_include(<cuda_runtime.h>)
+
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <ctime>
 #include <numeric>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -69,6 +85,46 @@ inline std::vector<std::int64_t> random_topk_ids(std::int64_t T, int K, int E, s
   return h;
 }
 
+/// The options of the 2-GPU op benchmarks (gpu_normal_mode, gpu_low_latency): --runs N (at least 50),
+/// --tokens T, --hidden H, --topk K, --experts E, --json PATH.
+struct OpOptions {
+  int runs = 100;
+  std::int64_t T = 0, H = 7168;
+  int K = 8, E = 256;
+  std::string json_path;
+};
+
+/// When argv[i] is one of OpOptions' flags: stores its value (the next argument; i advances past it) and returns
+/// true; else false.
+inline bool parse_op_option(int argc, char** argv, int& i, OpOptions& o) {
+  auto next = [&] { return i + 1 < argc ? argv[++i] : argv[i]; };
+  if (!std::strcmp(argv[i], "--runs"))
+    o.runs = std::max(50, std::atoi(next()));
+  else if (!std::strcmp(argv[i], "--tokens"))
+    o.T = std::atoll(next());
+  else if (!std::strcmp(argv[i], "--hidden"))
+    o.H = std::atoll(next());
+  else if (!std::strcmp(argv[i], "--topk"))
+    o.K = std::atoi(next());
+  else if (!std::strcmp(argv[i], "--experts"))
+    o.E = std::atoi(next());
+  else if (!std::strcmp(argv[i], "--json"))
+    o.json_path = next();
+  else
+    return false;
+  return true;
+}
+
+/// Whether at least `n` GPUs are visible; else prints "<program>: needs n GPUs, found m: skipped".
+inline bool have_gpus(const char* program, int n) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < n) {
+    std::printf("%s: needs %d GPUs, found %d: skipped\n", program, n, devices);
+    return false;
+  }
+  return true;
+}
+
 /// One rank's run timing in the multi-GPU benchmarks, on the current device and the legacy default stream: the L2
 /// flush (a 256 MiB memset) before a run, and CUDA events around the timed call. Errors exit as check_cuda.
 class RankTimer {
@@ -110,3 +166,5 @@ class RankTimer {
 };
 
 }  // namespace epmoe::bench
+
+#endif  // __has_include(<cuda_runtime.h>)

@@ -16,12 +16,10 @@
 // row per (token, k) routed to the peer, plus the header. GB/s = remote bytes / 2 / time (per direction).
 //
 // Usage: bench_gpu_low_latency [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]
+#include "bench_util.hpp"
+
 #if !defined(EPMOE_HAVE_CUDA)
-#include <cstdio>
-int main() {
-  std::printf("bench_gpu_low_latency: CPU-only build, nothing to measure\n");
-  return 77;
-}
+int main() { return epmoe::bench::cpu_only_build("bench_gpu_low_latency"); }
 #else
 
 #include <epmoe/buffer.hpp>
@@ -41,8 +39,6 @@ int main() {
 #include <vector>
 
 #include <cuda_runtime.h>
-
-#include "bench_util.hpp"
 
 namespace {
 
@@ -74,33 +70,17 @@ Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int runs = 100, K = 8, E = 256;
-  std::int64_t T = 128, H = 7168;
-  std::string json_path;
+  bench::OpOptions opt;
+  opt.T = 128;
   for (int i = 1; i < argc; ++i) {
-    auto next = [&] { return i + 1 < argc ? argv[++i] : argv[i]; };
-    if (!std::strcmp(argv[i], "--runs"))
-      runs = std::max(50, std::atoi(next()));
-    else if (!std::strcmp(argv[i], "--tokens"))
-      T = std::atoll(next());
-    else if (!std::strcmp(argv[i], "--hidden"))
-      H = std::atoll(next());
-    else if (!std::strcmp(argv[i], "--topk"))
-      K = std::atoi(next());
-    else if (!std::strcmp(argv[i], "--experts"))
-      E = std::atoi(next());
-    else if (!std::strcmp(argv[i], "--json"))
-      json_path = next();
-    else {
-      std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]\n", argv[0]);
-      return 2;
-    }
+    if (bench::parse_op_option(argc, argv, i, opt)) continue;
+    std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]\n", argv[0]);
+    return 2;
   }
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) {
-    std::printf("bench_gpu_low_latency: needs %d GPUs, found %d: skipped\n", kRanks, devices);
-    return 77;
-  }
+  const int runs = opt.runs, K = opt.K, E = opt.E;
+  const std::int64_t T = opt.T, H = opt.H;
+  const std::string json_path = opt.json_path;
+  if (!bench::have_gpus("bench_gpu_low_latency", kRanks)) return 77;
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = bench::run_seed();

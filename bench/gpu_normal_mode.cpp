@@ -16,12 +16,10 @@
 //
 // Usage: bench_gpu_normal_mode [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N]
 //                              [--json PATH]
+#include "bench_util.hpp"
+
 #if !defined(EPMOE_HAVE_CUDA)
-#include <cstdio>
-int main() {
-  std::printf("bench_gpu_normal_mode: CPU-only build, nothing to measure\n");
-  return 77;
-}
+int main() { return epmoe::bench::cpu_only_build("bench_gpu_normal_mode"); }
 #else
 
 #include <epmoe/buffer.hpp>
@@ -43,8 +41,6 @@ int main() {
 #include <vector>
 
 #include <cuda_runtime.h>
-
-#include "bench_util.hpp"
 
 namespace {
 
@@ -102,22 +98,14 @@ struct Result {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int runs = 100, sms = 0, K = 8, E = 256, copy_engine = 1, chunks = 0, recv_slots = BufferOptions{}.num_recv_slots;
-  std::int64_t T = 4096, H = 7168;
-  std::string json_path, routing, domain = "general";
+  int sms = 0, copy_engine = 1, chunks = 0, recv_slots = BufferOptions{}.num_recv_slots;
+  std::string routing, domain = "general";
+  bench::OpOptions opt;
+  opt.T = 4096;
   for (int i = 1; i < argc; ++i) {
+    if (bench::parse_op_option(argc, argv, i, opt)) continue;
     auto next = [&] { return i + 1 < argc ? argv[++i] : argv[i]; };
-    if (!std::strcmp(argv[i], "--runs"))
-      runs = std::max(50, std::atoi(next()));
-    else if (!std::strcmp(argv[i], "--tokens"))
-      T = std::atoll(next());
-    else if (!std::strcmp(argv[i], "--hidden"))
-      H = std::atoll(next());
-    else if (!std::strcmp(argv[i], "--topk"))
-      K = std::atoi(next());
-    else if (!std::strcmp(argv[i], "--experts"))
-      E = std::atoi(next());
-    else if (!std::strcmp(argv[i], "--sms"))
+    if (!std::strcmp(argv[i], "--sms"))
       sms = std::atoi(next());
     else if (!std::strcmp(argv[i], "--routing"))
       routing = next();
@@ -129,8 +117,6 @@ int main(int argc, char** argv) {
       copy_engine = std::atoi(next());
     else if (!std::strcmp(argv[i], "--recv-slots"))
       recv_slots = std::atoi(next());
-    else if (!std::strcmp(argv[i], "--json"))
-      json_path = next();
     else {
       std::printf(
           "usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] "
@@ -139,11 +125,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks) {
-    std::printf("bench_gpu_normal_mode: needs %d GPUs, found %d: skipped\n", kRanks, devices);
-    return 77;
-  }
+  if (!bench::have_gpus("bench_gpu_normal_mode", kRanks)) return 77;
+  const int runs = opt.runs, E = opt.E;
+  int K = opt.K;  // a replayed routing sets it
+  const std::int64_t T = opt.T, H = opt.H;
+  const std::string json_path = opt.json_path;
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = bench::run_seed();

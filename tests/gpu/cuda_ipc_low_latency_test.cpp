@@ -180,6 +180,20 @@ BufferOptions gpu_options(int r, int R, const Case& c) {
   return o;
 }
 
+/// A dispatch of the case's Tmax and E: x, topk_idx, topk_weights (optional) and use_fp8; the other settings are
+/// the defaults.
+LowLatencyDispatchArgs dispatch_args(const Case& c, const TensorView& x, const TensorView& idx, const TensorView& w,
+                                     bool fp8) {
+  LowLatencyDispatchArgs a;
+  a.x = x;
+  a.topk_idx = idx;
+  a.topk_weights = w;
+  a.num_max_dispatch_tokens_per_rank = c.tmax;
+  a.num_experts = c.E;
+  a.use_fp8 = fp8;
+  return a;
+}
+
 /// Rank r's buffer options: cuda_ipc on cuda:r (made current) when `gpu`, else the threads backend (the reference).
 BufferOptions rank_options(bool gpu, int r, int R, const Case& c) {
   if (gpu) return gpu_options(r, R, c);
@@ -205,13 +219,7 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
       const CallIn& ci = in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
       const std::string p = "call" + std::to_string(i) + ".";
       const Tensor x = put(ci.x), idx = put(ci.idx), w = put(ci.w), cx = put(ci.comb_x);
-      LowLatencyDispatchArgs a;
-      a.x = x;
-      a.topk_idx = idx;
-      a.topk_weights = w;
-      a.num_max_dispatch_tokens_per_rank = c.tmax;
-      a.num_experts = c.E;
-      a.use_fp8 = c.fp8;
+      LowLatencyDispatchArgs a = dispatch_args(c, x, idx, w, c.fp8);
       a.round_scale = c.round_scale;
       a.use_ue8m0 = c.ue8m0;
       a.async_finish = c.async;
@@ -338,12 +346,7 @@ TEST(GpuCudaIpcLowLatency, TwoDispatchesInFlightHooksCalledOutOfOrder) {
         const CallIn& ci = in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
         keep.push_back(put(ci.x));
         keep.push_back(put(ci.idx));
-        LowLatencyDispatchArgs a;
-        a.x = keep[keep.size() - 2];
-        a.topk_idx = keep.back();
-        a.num_max_dispatch_tokens_per_rank = c.tmax;
-        a.num_experts = c.E;
-        a.use_fp8 = true;
+        LowLatencyDispatchArgs a = dispatch_args(c, keep[keep.size() - 2], keep.back(), {}, true);
         a.return_recv_hook = true;
         ds.push_back(buf.low_latency_dispatch(a));
       }
@@ -403,16 +406,7 @@ TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
       Buffer buf(borrow(g), opts);
       const CallIn& ci = in[static_cast<std::size_t>(r)][0];
       Tensor x = to_gpu(ci.x, r), idx = to_gpu(ci.idx, r), w = to_gpu(ci.w, r), cx = to_gpu(ci.comb_x, r);
-      auto args = [&] {
-        LowLatencyDispatchArgs a;
-        a.x = x;
-        a.topk_idx = idx;
-        a.topk_weights = w;
-        a.num_max_dispatch_tokens_per_rank = c.tmax;
-        a.num_experts = c.E;
-        a.use_fp8 = false;
-        return a;
-      };
+      auto args = [&] { return dispatch_args(c, x, idx, w, false); };
       // T > Tmax: names both.
       LowLatencyDispatchArgs big = args();
       big.num_max_dispatch_tokens_per_rank = static_cast<int>(std::max<std::int64_t>(1, x.shape()[0] - 1));
@@ -504,13 +498,7 @@ TEST(GpuCudaIpcLowLatency, DispatchCombineCapturedOnceAndReplayed) {
     cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
     StreamGuard on(Stream{st});
     auto call = [&](LowLatencyDispatchResult* keep) {
-      LowLatencyDispatchArgs a;
-      a.x = x;
-      a.topk_idx = idx;
-      a.topk_weights = w;
-      a.num_max_dispatch_tokens_per_rank = c.tmax;
-      a.num_experts = c.E;
-      a.use_fp8 = true;
+      LowLatencyDispatchArgs a = dispatch_args(c, x, idx, w, true);
       a.round_scale = true;
       *keep = buf.low_latency_dispatch(a);
       LowLatencyCombineArgs ca;
@@ -587,12 +575,7 @@ TEST(GpuCudaIpcLowLatency, DeviceTimeoutIsRaisedByTheNextCallThenUnusable) {
     Buffer buf(borrow(g), opts);
     const CallIn& ci = in[static_cast<std::size_t>(r)][0];
     Tensor x = to_gpu(ci.x, r), idx = to_gpu(ci.idx, r);
-    LowLatencyDispatchArgs a;
-    a.x = x;
-    a.topk_idx = idx;
-    a.num_max_dispatch_tokens_per_rank = c.tmax;
-    a.num_experts = c.E;
-    a.use_fp8 = false;
+    const LowLatencyDispatchArgs a = dispatch_args(c, x, idx, {}, false);
     g.barrier("test: inputs ready");
     g.set_timeout_s(1.0);  // read by the low-latency mode at its first call (device spins)
     buf.low_latency_dispatch(a);  // together: configures the window
