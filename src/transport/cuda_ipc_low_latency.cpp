@@ -461,11 +461,7 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
 LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineArgs& a) {
   const Device gpu = Device::cuda(device_);
   // --- every argument, before any communication (the handle checks are the CPU class's)
-  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a low_latency_dispatch",
-                  "an empty handle");
-  const LowLatencyHandle& hd = *a.handle;
-  EPMOE_CHECK_ARG(hd.buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
-                  fmt::format("a handle of buffer {}", hd.buffer_id));
+  const LowLatencyHandle& hd = args::combine_handle(a, buffer_id_);
   check_state();
   EPMOE_CHECK_ARG(config_.set, "handle", "the handle of a low_latency_dispatch on CUDA tensors of this buffer",
                   "a handle of its CPU low-latency mode");
@@ -479,15 +475,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
                   "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
-  EPMOE_CHECK_ARG(a.x.defined(), "x", fmt::format("bfloat16[{}, {}, {}]", El, rows, H), "None");
-  args::check_on(a.x, "x", gpu);
-  EPMOE_CHECK_ARG(
-      a.x.ndim() == 3 && a.x.dtype == DType::bf16 && a.x.size(0) == El && a.x.size(1) == rows && a.x.size(2) == H, "x",
-      fmt::format("bfloat16[{}, {}, {}] ([E_local, R * Tmax, H], H = {} of the handle's dispatch)", El, rows, H, H),
-      describe(a.x));
-  EPMOE_CHECK_ARG(a.x.stride(2) == 1 && a.x.data != nullptr && reinterpret_cast<std::uintptr_t>(a.x.data) % 16 == 0 &&
-                      a.x.stride(1) % 8 == 0 && a.x.stride(0) % 8 == 0,
-                  "x", "unit stride in dimension 2 and 16-byte aligned rows on CUDA", args::strides_of(a.x));
+  args::check_combine_x(a.x, El, rows, H, gpu);
   EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
                   "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
   args::check_on(a.topk_idx, "topk_idx", gpu);
@@ -501,15 +489,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
                       a.topk_weights.size(1) == K &&
                       (T <= 1 || (a.topk_weights.stride(1) == 1 && a.topk_weights.stride(0) == K)),
                   "topk_weights", fmt::format("contiguous float32[{}, {}]", T, K), args::strides_of(a.topk_weights));
-  if (a.out.defined()) {
-    args::check_on(a.out, "out", gpu);
-    EPMOE_CHECK_ARG(
-        a.out.ndim() == 2 && a.out.dtype == DType::bf16 && a.out.size(0) == T && a.out.size(1) == H &&
-            (H <= 1 || a.out.stride(1) == 1) && (T <= 1 || (a.out.stride(0) >= H && a.out.stride(0) % 8 == 0)) &&
-            (a.out.data != nullptr || T == 0) && reinterpret_cast<std::uintptr_t>(a.out.data) % 16 == 0,
-        "out", fmt::format("bfloat16[{}, {}] with unit stride in dimension 1 and 16-byte aligned rows", T, H),
-        args::strides_of(a.out));
-  }
+  if (a.out.defined()) args::check_combine_out(a.out, T, H, gpu);
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
   if (a.zero_copy)

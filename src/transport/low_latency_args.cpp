@@ -166,6 +166,46 @@ DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device devic
   return spec;
 }
 
+const LowLatencyHandle& combine_handle(const LowLatencyCombineArgs& a, std::uint64_t buffer_id) {
+  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a low_latency_dispatch",
+                  "an empty handle");
+  const LowLatencyHandle& hd = *a.handle;
+  EPMOE_CHECK_ARG(hd.buffer_id == buffer_id, "handle", fmt::format("a handle of this buffer (id {})", buffer_id),
+                  fmt::format("a handle of buffer {}", hd.buffer_id));
+  return hd;
+}
+
+void check_combine_x(const TensorView& x, int El, std::int64_t rows, std::int64_t H, Device device) {
+  EPMOE_CHECK_ARG(x.defined(), "x", fmt::format("bfloat16[{}, {}, {}]", El, rows, H), "None");
+  check_on(x, "x", device);
+  EPMOE_CHECK_ARG(
+      x.ndim() == 3 && x.dtype == DType::bf16 && x.size(0) == El && x.size(1) == rows && x.size(2) == H, "x",
+      fmt::format("bfloat16[{}, {}, {}] ([E_local, R * Tmax, H], H = {} of the handle's dispatch)", El, rows, H, H),
+      describe(x));
+  if (device.is_cpu())
+    EPMOE_CHECK_ARG(x.stride(2) == 1 && x.data != nullptr, "x", "unit stride in dimension 2", strides_of(x));
+  else
+    EPMOE_CHECK_ARG(x.stride(2) == 1 && x.data != nullptr && reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 &&
+                        x.stride(1) % 8 == 0 && x.stride(0) % 8 == 0,
+                    "x", "unit stride in dimension 2 and 16-byte aligned rows on CUDA", strides_of(x));
+}
+
+void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t H, Device device) {
+  check_on(out, "out", device);
+  if (device.is_cpu())
+    EPMOE_CHECK_ARG(out.ndim() == 2 && out.dtype == DType::bf16 && out.size(0) == T && out.size(1) == H &&
+                        (H <= 1 || out.stride(1) == 1) && (T <= 1 || out.stride(0) >= H) &&
+                        (out.data != nullptr || T == 0),
+                    "out", fmt::format("bfloat16[{}, {}] with unit stride in dimension 1", T, H), strides_of(out));
+  else
+    EPMOE_CHECK_ARG(
+        out.ndim() == 2 && out.dtype == DType::bf16 && out.size(0) == T && out.size(1) == H &&
+            (H <= 1 || out.stride(1) == 1) && (T <= 1 || (out.stride(0) >= H && out.stride(0) % 8 == 0)) &&
+            (out.data != nullptr || T == 0) && reinterpret_cast<std::uintptr_t>(out.data) % 16 == 0,
+        "out", fmt::format("bfloat16[{}, {}] with unit stride in dimension 1 and 16-byte aligned rows", T, H),
+        strides_of(out));
+}
+
 void check_combine_handle(const LowLatencyHandle& hd, int rank, int tmax, std::int64_t hidden, int num_experts,
                           std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation) {
   EPMOE_CHECK_ARG(

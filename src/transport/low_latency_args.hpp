@@ -34,6 +34,16 @@ struct Config {
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
                           int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed);
 
+/// Combine's first checks, before the buffer's state: a handle that is not empty, of this buffer (`buffer_id`).
+/// Returns it. Errors: invalid_argument naming 'handle'.
+const LowLatencyHandle& combine_handle(const LowLatencyCombineArgs& a, std::uint64_t buffer_id);
+/// Combine's x: bfloat16 [E_local, rows, H] on `device` with unit stride in dimension 2 (on CUDA also 16-byte aligned
+/// rows). Errors: invalid_argument naming 'x'.
+void check_combine_x(const TensorView& x, int local_experts, std::int64_t rows, std::int64_t hidden, Device device);
+/// Combine's optional out: bfloat16 [T, H] on `device` with unit stride in dimension 1 (on CUDA also 16-byte aligned
+/// rows). Errors: invalid_argument naming 'out'.
+void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t hidden, Device device);
+
 /// Combine's checks of its handle (of this buffer, which is configured as `tmax`, `hidden`, `num_experts`) on rank
 /// `rank`: the handle's settings (invalid_argument naming 'handle'), then that it is the handle of the call just
 /// before (`generation`: the buffer's calls so far, `base`: their count at the last clean) and that this call was

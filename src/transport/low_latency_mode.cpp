@@ -41,9 +41,6 @@ constexpr std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1
 using low_latency_args::check_settings;
 using low_latency_args::read_topk_idx;
 using low_latency_args::read_topk_weights;
-using low_latency_args::strides_of;
-
-void check_cpu(const TensorView& t, std::string_view name) { low_latency_args::check_on(t, name, Device::cpu()); }
 
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
                           int num_experts, int R, std::int64_t num_rdma_bytes) {
@@ -370,11 +367,7 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   const int R = g.size(), me = g.rank();
 
   // --- every argument, before any communication
-  EPMOE_CHECK_ARG(a.handle != nullptr && a.handle->defined(), "handle", "the handle of a low_latency_dispatch",
-                  "an empty handle");
-  const LowLatencyHandle& hd = *a.handle;
-  EPMOE_CHECK_ARG(hd.buffer_id == buffer_id_, "handle", fmt::format("a handle of this buffer (id {})", buffer_id_),
-                  fmt::format("a handle of buffer {}", hd.buffer_id));
+  const LowLatencyHandle& hd = low_latency_args::combine_handle(a, buffer_id_);
   check_usable();
   EPMOE_ASSERT(config_.set);  // a handle of this buffer implies a configured buffer
   const Layout& L = layout_;
@@ -387,13 +380,7 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
                   "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
-  EPMOE_CHECK_ARG(a.x.defined(), "x", fmt::format("bfloat16[{}, {}, {}]", El, rows, H), "None");
-  check_cpu(a.x, "x");
-  EPMOE_CHECK_ARG(
-      a.x.ndim() == 3 && a.x.dtype == DType::bf16 && a.x.size(0) == El && a.x.size(1) == rows && a.x.size(2) == H, "x",
-      fmt::format("bfloat16[{}, {}, {}] ([E_local, R * Tmax, H], H = {} of the handle's dispatch)", El, rows, H, H),
-      describe(a.x));
-  EPMOE_CHECK_ARG(a.x.stride(2) == 1 && a.x.data != nullptr, "x", "unit stride in dimension 2", strides_of(a.x));
+  low_latency_args::check_combine_x(a.x, El, rows, H, Device::cpu());
   EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
                   "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
   std::vector<std::int32_t> idx = read_topk_idx(a.topk_idx, T, L.num_experts);
@@ -404,13 +391,7 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
           fmt::format("{} at [{}, {}] where the dispatch had {}", idx[i], i / K, i % K, sent.topk_idx[i]));
   EPMOE_CHECK_ARG(a.topk_weights.defined(), "topk_weights", fmt::format("float32[{}, {}]", T, K), "None");
   std::vector<float> w = read_topk_weights(a.topk_weights, T, K);
-  if (a.out.defined()) {
-    check_cpu(a.out, "out");
-    EPMOE_CHECK_ARG(a.out.ndim() == 2 && a.out.dtype == DType::bf16 && a.out.size(0) == T && a.out.size(1) == H &&
-                        (H <= 1 || a.out.stride(1) == 1) && (T <= 1 || a.out.stride(0) >= H) &&
-                        (a.out.data != nullptr || T == 0),
-                    "out", fmt::format("bfloat16[{}, {}] with unit stride in dimension 1", T, H), strides_of(a.out));
-  }
+  if (a.out.defined()) low_latency_args::check_combine_out(a.out, T, H, Device::cpu());
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
   begin_call("low_latency_combine");
