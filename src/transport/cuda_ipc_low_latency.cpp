@@ -469,15 +469,13 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   const int El = L.local_experts, tmax = L.tmax;
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R_) * tmax;
   const Sent& sent = sent_[(hd.generation - base_) % 2];
-  args::check_combine_handle(hd, me_, tmax, H, L.num_experts, base_, generation_, sent.generation);
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
-  EPMOE_CHECK_ARG(!(unreceived.active && unreceived.generation == hd.generation), "handle",
-                  "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
+  args::check_combine_handle(hd, me_, tmax, H, L.num_experts, base_, generation_, sent.generation,
+                             unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
   args::check_combine_x(a.x, El, rows, H, gpu);
-  EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
-                  "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
+  args::check_combine_idx_shape(a.topk_idx, T, K);
   args::check_on(a.topk_idx, "topk_idx", gpu);
   EPMOE_CHECK_ARG(a.topk_idx.dtype == DType::int64 || a.topk_idx.dtype == DType::int32, "topk_idx",
                   "an int64 or int32 tensor", describe(a.topk_idx));

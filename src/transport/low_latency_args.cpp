@@ -207,7 +207,8 @@ void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t H, De
 }
 
 void check_combine_handle(const LowLatencyHandle& hd, int rank, int tmax, std::int64_t hidden, int num_experts,
-                          std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation) {
+                          std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation,
+                          bool receive_pending) {
   EPMOE_CHECK_ARG(
       hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == hidden && hd.num_experts == num_experts, "handle",
       fmt::format("Tmax = {}, H = {}, E = {}", tmax, hidden, num_experts),
@@ -222,6 +223,13 @@ void check_combine_handle(const LowLatencyHandle& hd, int rank, int tmax, std::i
     raise(ErrorCode::stale_handle,
           "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this buffer", rank,
           hd.generation);
+  EPMOE_CHECK_ARG(!receive_pending, "handle", "the handle of a received dispatch",
+                  "a dispatch whose recv hook was not called yet");
+}
+
+void check_combine_idx_shape(const TensorView& topk_idx, std::int64_t T, std::int64_t K) {
+  EPMOE_CHECK_ARG(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == T && topk_idx.size(1) == K,
+                  "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(topk_idx));
 }
 
 }  // namespace epmoe::low_latency_args

@@ -374,15 +374,13 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   const int El = L.local_experts, tmax = L.tmax;
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * tmax;
   const Sent& sent = sent_[(hd.generation - base_) % 2];
-  low_latency_args::check_combine_handle(hd, me, tmax, H, L.num_experts, base_, generation_, sent.generation);
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
-  EPMOE_CHECK_ARG(!(unreceived.active && unreceived.generation == hd.generation), "handle",
-                  "the handle of a received dispatch", "a dispatch whose recv hook was not called yet");
+  low_latency_args::check_combine_handle(hd, me, tmax, H, L.num_experts, base_, generation_, sent.generation,
+                                         unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
   low_latency_args::check_combine_x(a.x, El, rows, H, Device::cpu());
-  EPMOE_CHECK_ARG(a.topk_idx.defined() && a.topk_idx.ndim() == 2 && a.topk_idx.size(0) == T && a.topk_idx.size(1) == K,
-                  "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(a.topk_idx));
+  low_latency_args::check_combine_idx_shape(a.topk_idx, T, K);
   std::vector<std::int32_t> idx = read_topk_idx(a.topk_idx, T, L.num_experts);
   for (std::size_t i = 0; i < idx.size(); ++i)
     if (idx[i] != sent.topk_idx[i])
