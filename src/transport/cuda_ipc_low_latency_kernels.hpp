@@ -1,6 +1,6 @@
-// Kernels of the cuda_ipc low-latency mode (CUDA builds only): the window's control block, the byte protocol's
-// records (the same as the CPU implementation's, low_latency_mode.cpp), the kernels' parameter records and thin
-// launchers. No fmt here (this header is included by the .cu). Protocol: cuda_ipc_low_latency.hpp.
+// Kernels of the cuda_ipc low-latency mode (CUDA builds only): the window's control block, the kernels' parameter
+// records and thin launchers; the byte protocol's records are the CPU implementation's (low_latency_protocol.hpp).
+// No fmt here (this header is included by the .cu). Protocol: cuda_ipc_low_latency.hpp.
 #pragma once
 
 #include <cstddef>
