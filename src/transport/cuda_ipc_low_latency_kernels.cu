@@ -27,6 +27,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 4;  // 16-byte vectors each lane keeps in flight when moving a row
 constexpr int kMaxSendBlocks = 48;
+constexpr int kMaxRecvBlocks = 1024;
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
 __device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
@@ -121,27 +122,41 @@ __device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_sc
                                 int num_dst, int lane) {
   using namespace quant_detail;
   const int G = (H + 127) / 128, words = (G + 3) / 4;
-  for (int word = 0; word < words; ++word) {
-    const int g = word * 4 + (lane >> 3);
-    const int c = g * 8 + (lane & 7);  // 16-channel chunk of the row
-    const bool active = g < G && c * 16 < H;
-    float v[16];
-    if (active) {
-      const uint4* src = reinterpret_cast<const uint4*>(x_row) + 2 * c;
-      const uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
-      unpack16<2>(raw, v);
+  // The loads of kAhead steps are issued before any is used: one warp per token is otherwise bound by one load's
+  // latency per step (14 steps at H = 7168).
+  constexpr int kAhead = 4;
+  for (int w0 = 0; w0 < words; w0 += kAhead) {
+    uint4 raw[kAhead][2];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int g = (w0 + u) * 4 + (lane >> 3), c = g * 8 + (lane & 7);
+      if (w0 + u < words && g < G && c * 16 < H) {
+        const uint4* src = reinterpret_cast<const uint4*>(x_row) + 2 * c;
+        raw[u][0] = __ldg(src);
+        raw[u][1] = __ldg(src + 1);
+      }
     }
-    uint4 out;
-    const DeviceGroupScale sc = quantize_lane16<true>(v, active, round_scale, &out);
-    if (active)
-      for (int d = 0; d < num_dst; ++d) *reinterpret_cast<uint4*>(dst[d] + static_cast<std::size_t>(c) * 16) = out;
-    if (!ue8m0) {
-      if ((lane & 7) == 0 && g < G)
-        for (int d = 0; d < num_dst; ++d) reinterpret_cast<float*>(dst[d] + H)[g] = sc.scale;
-    } else {
-      const std::int32_t packed = ue8m0_word(sc.exponent, g < G);  // bytes past the last group are 0
-      if (lane == 0)
-        for (int d = 0; d < num_dst; ++d) reinterpret_cast<std::int32_t*>(dst[d] + H)[word] = packed;
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int word = w0 + u;
+      if (word >= words) break;  // warp-uniform
+      const int g = word * 4 + (lane >> 3);
+      const int c = g * 8 + (lane & 7);  // 16-channel chunk of the row
+      const bool active = g < G && c * 16 < H;
+      float v[16];
+      if (active) unpack16<2>(raw[u], v);
+      uint4 out;
+      const DeviceGroupScale sc = quantize_lane16<true>(v, active, round_scale, &out);
+      if (active)
+        for (int d = 0; d < num_dst; ++d) *reinterpret_cast<uint4*>(dst[d] + static_cast<std::size_t>(c) * 16) = out;
+      if (!ue8m0) {
+        if ((lane & 7) == 0 && g < G)
+          for (int d = 0; d < num_dst; ++d) reinterpret_cast<float*>(dst[d] + H)[g] = sc.scale;
+      } else {
+        const std::int32_t packed = ue8m0_word(sc.exponent, g < G);  // bytes past the last group are 0
+        if (lane == 0)
+          for (int d = 0; d < num_dst; ++d) reinterpret_cast<std::int32_t*>(dst[d] + H)[word] = packed;
+      }
     }
   }
 }
@@ -488,48 +503,54 @@ __global__ void __launch_bounds__(kThreads)
   Control* own = control(c.peers[c.rank]);
   const unsigned long long index = read_volatile(&own->calls) - 1 - static_cast<unsigned long long>(a.lag);
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, El = c.local_experts, K = a.K;
-  // Rows each rank must send back: this rank's (token, k) pairs routed to it.
+  // Rows each rank must send back: this rank's (token, k) pairs routed to it (checked by block 0, which also
+  // reports id errors and a topk_idx that differs from the dispatch's).
   __shared__ long long expected[kMaxRanks];
   __shared__ long long n[kMaxRanks];
   if (threadIdx.x < kMaxRanks) expected[threadIdx.x] = 0;
   __syncthreads();
   const std::int32_t* sent = c.sent_idx + static_cast<std::size_t>(dh) * c.tmax * kMaxTopk;
-  for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
-    int ids[kMaxTopk];
-    clean_ids(c, a.topk_idx, a.idx64, K, t, ids, blockIdx.x == 0, kPhaseCombineRecv, index);
-    for (int k = 0; k < K; ++k) {
-      if (ids[k] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[ids[k] / El]), 1ull);
-      if (blockIdx.x == 0 && ids[k] != sent[t * K + k])
-        report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
+  if (blockIdx.x == 0)
+    for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
+      int ids[kMaxTopk];
+      clean_ids(c, a.topk_idx, a.idx64, K, t, ids, true, kPhaseCombineRecv, index);
+      for (int k = 0; k < K; ++k) {
+        if (ids[k] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[ids[k] / El]), 1ull);
+        if (ids[k] != sent[t * K + k]) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
+      }
     }
-  }
   __syncthreads();
-  if (!receive_headers(c, half, index, kKindCombine, 0, expected, n, kPhaseCombineRecv)) return;
+  if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv))
+    return;
 
   // out[t] = sum over k ascending of w[t, k] * row(t, k): float32 from +0.0f, each product rounded before it is
-  // added (no fused multiply-add, as the CPU), one rounding to bf16.
+  // added (no fused multiply-add, as the CPU), one rounding to bf16. A block per token, its threads across the row,
+  // each with its K loads in flight before the sum (one load at a time made this ~150 us at T = 128, H = 7168).
   const long long H = c.hidden;
   const auto* body = reinterpret_cast<const int4*>(half_base(c, c.rank, half) + c.staging +
                                                    static_cast<std::size_t>(R) * kHeaderBytes);
-  const int lane = threadIdx.x & 31;
-  const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (t < a.T) {
+  for (long long t = blockIdx.x; t < a.T; t += gridDim.x) {
     int ids[kMaxTopk];
     float w[kMaxTopk];
     clean_ids(c, a.topk_idx, a.idx64, K, t, ids, false, kPhaseCombineRecv, index);
-    for (int k = 0; k < K; ++k) w[k] = a.weights[t * K + k];
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) w[k] = k < K ? a.weights[t * K + k] : 0.0f;
     const int nvec = static_cast<int>(H / 8);
+    const int4* rows = body + static_cast<std::size_t>(t) * kMaxTopk * static_cast<std::size_t>(nvec);
     int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
-    for (int v = lane; v < nvec; v += 32) {
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      int4 raw[kMaxTopk];
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k)
+        if (k < K && ids[k] >= 0) raw[k] = __ldcg(rows + static_cast<std::size_t>(k) * nvec + v);
       float acc[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        if (ids[k] < 0) continue;
-        const int4 raw =
-            __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * static_cast<std::size_t>(nvec) + v);
-        const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw.x), static_cast<std::uint32_t>(raw.y),
-                                        static_cast<std::uint32_t>(raw.z), static_cast<std::uint32_t>(raw.w)};
+#pragma unroll
+      for (int k = 0; k < kMaxTopk; ++k) {
+        if (k >= K || ids[k] < 0) continue;
+        const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw[k].x), static_cast<std::uint32_t>(raw[k].y),
+                                        static_cast<std::uint32_t>(raw[k].z), static_cast<std::uint32_t>(raw[k].w)};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[k], __uint_as_float(words[j] << 16)));
@@ -570,7 +591,7 @@ void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t
 }
 
 void launch_combine_recv(const Common& c, const CombineRecvArgs& a, cudaStream_t s) {
-  long long blocks = (a.T + kWarps - 1) / kWarps;
+  long long blocks = a.T < kMaxRecvBlocks ? a.T : kMaxRecvBlocks;  // a block per token (loops beyond)
   if (blocks < 1) blocks = 1;
   combine_recv_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK(cudaGetLastError());
