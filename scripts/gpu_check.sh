@@ -160,6 +160,9 @@ elif [ -n "$SANITIZER" ] && [ -x "$BUILD/tests/test_gpu" ]; then
     step "memcheck cuda_ipc (quick sizes)" 240 "$SANITIZER" --tool memcheck --error-exitcode 99 \
       "$BUILD/tests/test_gpu" --gtest_filter='GpuCudaIpcNormal.*-*Timeout*:*AcrossSizes*'
   fi
+  # The low-latency suite runs with one rank per GPU, so also on one GPU (R = 1).
+  step "memcheck cuda_ipc low-latency (quick sizes)" 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
+    "$BUILD/tests/test_gpu" --gtest_filter='GpuCudaIpcLowLatency.*-*Timeout*'
   unset EPMOE_GPU_TEST_QUICK
 else
   note "compute-sanitizer not found: sanitizer runs skipped"
