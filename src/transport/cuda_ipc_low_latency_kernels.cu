@@ -84,12 +84,19 @@ __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::s
 /// (the host raises the recorded error at the next call, SPEC 11). `report_errors`: this thread may record them.
 __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, long long t, int* ids,
                           bool report_errors, int phase, unsigned long long index) {
-  for (int k = 0; k < K; ++k) {
-    const long long raw = idx64 ? static_cast<const long long*>(idx)[t * K + k]
-                                : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
-    int id = static_cast<int>(raw);
-    if (raw < -1 || raw >= c.num_experts) {
-      if (report_errors) report(c, kErrBadId, c.rank, phase, index, raw, t * K + k);
+  // Every id is loaded before any is checked (one load's latency, not K of them: every kernel calls this).
+  long long raw[kMaxTopk];
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k)
+    if (k < K)
+      raw[k] = idx64 ? static_cast<const long long*>(idx)[t * K + k]
+                     : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) {
+    if (k >= K) break;
+    int id = static_cast<int>(raw[k]);
+    if (raw[k] < -1 || raw[k] >= c.num_experts) {
+      if (report_errors) report(c, kErrBadId, c.rank, phase, index, raw[k], t * K + k);
       id = -1;
     }
     for (int j = 0; j < k && id >= 0; ++j)
