@@ -121,6 +121,22 @@ __device__ bool last_block(unsigned int* arrive) {
   return true;
 }
 
+/// As last_block, but true in every thread of the last block (for work that block shares out among its threads).
+__device__ bool last_block_all(unsigned int* arrive) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(arrive, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence_system();
+      *arrive = 0;  // ready for the next kernel (stream order)
+    }
+  }
+  __syncthreads();
+  return last != 0;
+}
+
 /// One warp quantizes bf16 row `x_row` (H channels, H % 16 == 0) to fp8 e4m3 with one scale per group of 128
 /// channels, exactly as quant/cuda.cu's quantize_kernel does (one UE8M0 word's four groups per step, 8 lanes per
 /// group, 16 channels per lane; the helpers of quant/fp8_device.cuh), and stores the record (fp8 row, then float32
@@ -485,10 +501,17 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
 
-  if (!last_block(&own->send_arrive)) return;
+  if (!last_block_all(&own->send_arrive)) return;
+  // Rows sent back to each source, summed by the whole last block (not El x R dependent loads by one thread).
+  __shared__ unsigned long long back[kMaxRanks];
+  if (threadIdx.x < kMaxRanks) back[threadIdx.x] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < El * R; i += blockDim.x)
+    atomicAdd(&back[i % R], static_cast<unsigned long long>(range[i] & 0xffffffffll));
+  __syncthreads();
+  if (threadIdx.x != 0) return;
   for (int s = 0; s < R; ++s) {
-    long long rows_back = 0;
-    for (int e = 0; e < El; ++e) rows_back += range[static_cast<std::size_t>(e) * R + s] & 0xffffffffll;
+    const long long rows_back = static_cast<long long>(back[s]);
     Header* h =
         reinterpret_cast<Header*>(half_base(c, s, half) + c.staging + static_cast<std::size_t>(me) * kHeaderBytes);
     h->magic = kMagic;
