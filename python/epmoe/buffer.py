@@ -16,7 +16,8 @@ Two layouts:
   cuda_ipc backend (NVLink, one host; ``num_nvl_bytes`` must hold the largest call:
   ``Buffer.get_normal_nvl_size_hint``). Work is ordered after torch's current stream (or
   ``previous_event``); ``async_finish=True`` returns a CUDA event, else the current stream waits.
-  Low-latency mode has no GPU transport yet: over a torch group it raises epmoe.Error 'unsupported';
+  Low-latency mode on CUDA tensors is not exposed to Python yet (the C++ library has it): over a torch group it
+  raises epmoe.Error 'unsupported';
   over an mpi4py communicator that became a native MPI group it runs on CPU tensors.
 - CPU: ranks as threads of one process (``epmoe.run_thread_ranks``), or as MPI processes
   (``Buffer(None, comm=mpi4py_comm)`` with an MPI build), NumPy arrays (bf16 / fp8 as
@@ -38,7 +39,8 @@ allocations there, so it changes nothing else.
 Not supported (epmoe.Error 'unsupported'): ``enable_shrink=True`` and the mask-buffer methods (rank
 masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``get_comm_stream`` and
 ``get_local_buffer_tensor`` (the cuda_ipc stream and buffer are internal); low-latency calls on a
-buffer over a torch / mpi4py group (no GPU low-latency transport yet); more than one host (no RDMA).
+buffer over a torch / mpi4py group (the C++ library's GPU low-latency mode is not exposed to Python yet);
+more than one host (no RDMA).
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def _check_allocate_on_comm_stream(tensors: Tuple[Any, ...], previous_event: Any
 
 def _check_low_latency_on_cpu(name: str, x: Any) -> None:
     if x is not None and is_cuda(x):
-        raise unsupported(f"low-latency mode runs on CPU ranks only (no GPU low-latency transport yet): '{name}' "
+        raise unsupported(f"low-latency mode runs on CPU ranks only in Python (the GPU mode is C++ only so far): '{name}' "
                           f"is a CUDA tensor")
 
 

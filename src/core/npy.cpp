@@ -1,6 +1,9 @@
 #include "core/npy.hpp"
 
+#include <charconv>
 #include <fstream>
+#include <limits>
+#include <string>
 #include <regex>
 #include <vector>
 
@@ -25,8 +28,11 @@ Tensor load_npy(const std::string& path) {
     in.read(reinterpret_cast<char*>(b), 4);
     header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<std::uint32_t>(b[3]) << 24);
   }
+  if (!in || header_len > (1u << 20))
+    raise(ErrorCode::invalid_argument, "'{}': expected a header of at most 1 MiB, got {} bytes", path, header_len);
   std::string header(header_len, '\0');
   in.read(header.data(), header_len);
+  if (!in) raise(ErrorCode::invalid_argument, "'{}': file shorter than its header length ({} bytes)", path, header_len);
 
   std::smatch m;
   if (!std::regex_search(header, m, std::regex("'descr':\\s*'([<|>])([a-z])(\\d+)'")))
@@ -45,12 +51,33 @@ Tensor load_npy(const std::string& path) {
     raise(ErrorCode::unsupported, "'{}': Fortran-order arrays are not supported", path);
   if (!std::regex_search(header, m, std::regex("'shape':\\s*\\(([^)]*)\\)")))
     raise(ErrorCode::invalid_argument, "'{}': no shape in header {}", path, header);
+  // Every size is checked before anything is allocated: a header may claim any shape.
   std::vector<std::int64_t> dims;
   const std::string shape_text = m[1];
-  const std::regex number("\\d+");
-  for (std::sregex_iterator it(shape_text.begin(), shape_text.end(), number), end; it != end; ++it)
-    dims.push_back(std::stoll(it->str()));
+  const std::regex number("-?\\d+");
+  std::uint64_t elements = 1;
+  bool overflow = false;
+  for (std::sregex_iterator it(shape_text.begin(), shape_text.end(), number), end; it != end; ++it) {
+    const std::string text = it->str();
+    std::int64_t d = 0;
+    const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), d);
+    if (ec != std::errc() || ptr != text.data() + text.size() || d < 0)
+      raise(ErrorCode::invalid_argument, "'{}': expected a shape of sizes in [0, 2^63), got ({}) in the header", path,
+            shape_text);
+    if (d != 0 && elements > std::numeric_limits<std::uint64_t>::max() / static_cast<std::uint64_t>(d)) overflow = true;
+    elements *= static_cast<std::uint64_t>(d);
+    dims.push_back(d);
+  }
   if (dims.empty() || dims.size() > 4) raise(ErrorCode::unsupported, "'{}': {} dimensions", path, dims.size());
+  const auto data_start = in.tellg();
+  in.seekg(0, std::ios::end);
+  const auto file_end = in.tellg();
+  in.seekg(data_start);
+  const std::uint64_t available = static_cast<std::uint64_t>(file_end - data_start);
+  const std::uint64_t esize = dtype_size(dtype);
+  if (overflow || elements > available / esize)
+    raise(ErrorCode::invalid_argument, "'{}': expected {} bytes of data for shape ({}), got {} bytes in the file",
+          path, overflow ? std::string("more than 2^64") : std::to_string(elements * esize), shape_text, available);
   Shape shape;
   switch (dims.size()) {
     case 1: shape = Shape{dims[0]}; break;

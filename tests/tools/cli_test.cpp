@@ -285,6 +285,8 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"run --device cpu --activation foo", "invalid argument '--activation'"},
       {"run --device cpu --tokens abc", "epmoe: invalid argument: "},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
+      {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",
+       "invalid argument '--ll-tokens-max': expected >= the sweep's smallest T (256"},
       {"bench --device cpu --tokens-min 1048576 --tokens-max 1048576", "expected sizes whose host memory fits"},
       {"tune --tokens 0", "invalid argument '--tokens'"},
       {"run --device cpu --json ''", "--json: expected a path"},

@@ -663,6 +663,11 @@ int bench(BenchConfig c) {
   if (sweep(c).empty())
     bad("--tokens-max", fmt::format("a range holding a power of two (--tokens-min {})", c.tokens_min), c.tokens_max);
   if (c.ll_tokens_max < 1) bad("--ll-tokens-max", ">= 1", c.ll_tokens_max);
+  if (modes.size() == 1 && modes.count("low-latency") && sweep(c).front() > c.ll_tokens_max)
+    bad("--ll-tokens-max",
+        fmt::format(">= the sweep's smallest T ({}, from --tokens-min) with --modes low-latency: nothing to measure",
+                    sweep(c).front()),
+        c.ll_tokens_max);
   if (c.kind == DeviceKind::cpu) {
     // Roughly, per rank at the largest T: its tokens, the rows it may receive (R x T) and the combine output;
     // normal mode's count exchange and two live handles (bf16 and fp8 dispatch), which grow with R^2 per rank

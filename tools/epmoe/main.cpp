@@ -30,6 +30,10 @@ int main(int argc, char** argv) {
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;
+  } catch (const std::exception& e) {
+    // Not an epmoe error: a bug or a library's own failure. Said, never a crash (exit 1: not a bad argument).
+    std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

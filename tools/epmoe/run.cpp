@@ -432,10 +432,14 @@ int run(RunConfig c) {
     if (const auto at = message.find("'activation'"); at != std::string::npos) message.insert(at + 1, "--");
     throw Error(ErrorCode::invalid_argument, message);
   }
-  // CPU or GPU ranks: auto takes the GPUs when there are any (normal mode: the cuda_ipc backend has no
-  // low-latency path yet, so low-latency runs stay on CPU ranks).
+  // CPU or GPU ranks: auto takes the GPUs when there are any in normal mode; the MoE layer's GPU run has no
+  // low-latency path yet (the cuda_ipc backend's low-latency mode is in the C++ API and `epmoe bench`), so
+  // low-latency runs stay on CPU ranks.
   if (c.device == "cuda" && c.mode != "normal")
-    bad("--mode", "normal with --device cuda (the cuda_ipc backend runs normal mode; use --device cpu)", c.mode);
+    bad("--mode",
+        "normal with --device cuda (the GPU run of the MoE layer is normal mode only; --device cpu runs low-latency, "
+        "epmoe bench measures the GPU low-latency mode)",
+        c.mode);
   c.kind = resolve_device(c.device, c.mode == "normal");
   int gpus = 0;
   if (c.kind == DeviceKind::cuda) {
