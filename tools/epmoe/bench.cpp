@@ -703,8 +703,10 @@ int bench(BenchConfig c) {
              gpu ? fmt::format("cuda_ipc, {} x {}", R, device_name(0)) : "threads; " + cpu_ranks_reason(c.device),
              c.hidden, c.topk, c.experts, sweep(c).front(), sweep(c).back(), c.runs, c.warmup, seed);
   fmt::print("floor: {}; nccl: {}; buffer config: {}\n",
-             gpu ? "cudaMemcpyPeerAsync of the same bytes, every direction at once" : "memcpy of the same bytes on every rank at once",
-             nccl, nlohmann::json::parse(buffer_config_json(c.options)).dump());
+             !c.floors ? "off (--no-floors)"
+             : gpu     ? "cudaMemcpyPeerAsync of the same bytes, every direction at once"
+                       : "memcpy of the same bytes on every rank at once",
+             c.floors ? nccl : std::string("off (--no-floors)"), nlohmann::json::parse(buffer_config_json(c.options)).dump());
   if (modes.count("low-latency")) {
     if (c.topk > kLowLatencyMaxTopk)
       fmt::print("low-latency: skipped (K = {} > {})\n", c.topk, kLowLatencyMaxTopk);
