@@ -207,6 +207,17 @@ __device__ bool begin_send(const Common& c, int phase, unsigned long long* index
 
 // ---- dispatch ----
 
+/// Writes token `token`'s TokenMeta at `at` for destination `d`: its (k, local expert) pairs on d, k ascending.
+__device__ void write_meta(char* at, int token, const int* ids, int K, int d, int El) {
+  TokenMeta* m = reinterpret_cast<TokenMeta*>(at);
+  int n = 0;
+  for (int k = 0; k < K; ++k)
+    if (ids[k] >= 0 && ids[k] / El == d)
+      m->entries[n++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(ids[k] % El);
+  m->token = token;
+  m->num_entries = n;
+}
+
 struct SendTask {
   int t, d, pos;
 };
@@ -289,14 +300,8 @@ __global__ void __launch_bounds__(kThreads)
         clean_ids(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
         for (int d = 0; d < R; ++d) {
           if (!((m_d >> d) & 1u)) continue;
-          TokenMeta* m = reinterpret_cast<TokenMeta*>(half_base(c, d, half) + slot_off +
-                                                      static_cast<std::size_t>(tok_pos[j][d]) * c.meta_bytes);
-          int n = 0;
-          for (int k = 0; k < K; ++k)
-            if (row_ids[k] >= 0 && row_ids[k] / El == d)
-              m->entries[n++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(row_ids[k] % El);
-          m->token = static_cast<int>(tt);
-          m->num_entries = n;
+          write_meta(half_base(c, d, half) + slot_off + static_cast<std::size_t>(tok_pos[j][d]) * c.meta_bytes,
+                     static_cast<int>(tt), row_ids, K, d, El);
         }
       }
       quantize_row_to(reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(a.x) +
@@ -310,14 +315,8 @@ __global__ void __launch_bounds__(kThreads)
         int row_ids[kMaxTopk];
         // The same cleaning as the scan (without reporting again).
         clean_ids(c, a.topk_idx, a.idx64, K, task.t, row_ids, false, kPhaseDispatchSend, index);
-        TokenMeta* m =
-            reinterpret_cast<TokenMeta*>(dst_half + slot_off + static_cast<std::size_t>(task.pos) * c.meta_bytes);
-        int n = 0;
-        for (int k = 0; k < K; ++k)
-          if (row_ids[k] >= 0 && row_ids[k] / El == task.d)
-            m->entries[n++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(row_ids[k] % El);
-        m->token = task.t;
-        m->num_entries = n;
+        write_meta(dst_half + slot_off + static_cast<std::size_t>(task.pos) * c.meta_bytes, task.t, row_ids, K,
+                   task.d, El);
       }
       const char* src = fp8 ? static_cast<const char*>(a.records) + static_cast<std::size_t>(task.t) * c.record_bytes
                             : static_cast<const char*>(a.x) + static_cast<std::size_t>(task.t) * a.x_stride * 2;
