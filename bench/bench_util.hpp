@@ -68,6 +68,14 @@ inline std::vector<double> slower_of(const std::vector<double>& a, const std::ve
   return slow;
 }
 
+/// Per run, the slowest rank's time: `per_rank[r]` holds rank r's runs, all the same runs.
+inline std::vector<double> slowest_of(const std::vector<std::vector<double> >& per_rank) {
+  std::vector<double> slow = per_rank.empty() ? std::vector<double>{} : per_rank[0];
+  for (const auto& v : per_rank)
+    for (std::size_t i = 0; i < slow.size() && i < v.size(); ++i) slow[i] = std::max(slow[i], v[i]);
+  return slow;
+}
+
 /// Uniform random top-K of E experts, distinct per token (a partial Fisher-Yates shuffle per token drawn from
 /// std::mt19937_64(seed)): int64 ids [T, K], row-major, on the host.
 inline std::vector<std::int64_t> random_topk_ids(std::int64_t T, int K, int E, std::uint64_t seed) {

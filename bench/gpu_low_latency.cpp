@@ -1,8 +1,9 @@
-// Low-latency dispatch and combine over NVLink (cuda_ipc backend, GPU mode) on 2 GPUs, DeepEP's decode shapes
+// Low-latency dispatch and combine over NVLink (cuda_ipc backend, GPU mode) on R GPUs, DeepEP's decode shapes
 // (SPEC 12: T=128 tokens per rank, H=7168, K=8, E=256), beside DeepEP's figures on the same machine (PERF.md:
 // dispatch 27.8 us, combine 41.4 us; hooks: dispatch send 19.7 + receive 8.1, combine send 31.0 + receive 9.9).
 //
-// One process, one thread per rank, rank r on cuda:r (threads group, peer access). Each figure is the median over
+// One process, one thread per rank, rank r on cuda:r (threads group, peer access); R = every visible GPU (up to 8)
+// unless --ranks says otherwise. R = 1 measures the path's fixed cost (no NVLink); DeepEP's figures are for R = 2. Each figure is the median over
 // >= 50 runs after 5 warm-up runs; one run = both devices idle and the L2 flushed (256 MiB memset), a host barrier,
 // then CUDA events on each rank's caller stream around one Buffer call; the run's time is the slower rank's.
 // Routing is fresh uniform random top-K of E for every run set (seed printed); debug_validate is off (it would
@@ -11,11 +12,13 @@
 //  - combine_bf16: one low_latency_combine (a dispatch before it, outside the timed region);
 //  - *_send / *_recv (return_recv_hook): the call alone, then, once both ranks' sends are done (device sync and a
 //    barrier), the hook alone (as DeepEP measures its hooks).
-// Remote bytes (both directions together): what crosses NVLink: dispatch, per token sent to the peer its 80-byte
-// TokenMeta and its record (bf16 row, or fp8 row + scales, 16-byte aligned), plus a 64-byte header; combine, one bf16
-// row per (token, k) routed to the peer, plus the header. GB/s = remote bytes / 2 / time (per direction).
+// Remote bytes (all ranks together): what crosses NVLink: dispatch, per (token, other rank it goes to) its 80-byte
+// TokenMeta and its record (bf16 row, or fp8 row + scales, 16-byte aligned), plus a 64-byte header per rank pair;
+// combine, one bf16 row per (token, k) routed to another rank, plus the headers. GB/s = remote bytes / R / time (what
+// one rank sends; per direction at R = 2).
 //
-// Usage: bench_gpu_low_latency [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]
+// Usage: bench_gpu_low_latency [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R]
+//                              [--json PATH]
 #include "bench_util.hpp"
 
 #if !defined(EPMOE_HAVE_CUDA)
@@ -44,8 +47,8 @@ namespace {
 
 using namespace epmoe;
 
-constexpr int kRanks = 2;
 constexpr int kWarmup = 5;
+constexpr int kMaxRanks = 8;
 
 void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_low_latency", e, what); }
 
@@ -72,59 +75,80 @@ Tensor random_device(DType dtype, Shape shape, int device, std::uint64_t seed) {
 int main(int argc, char** argv) {
   bench::OpOptions opt;
   opt.T = 128;
+  int ranks = 0;  // 0: every visible GPU, up to kMaxRanks
   for (int i = 1; i < argc; ++i) {
     if (bench::parse_op_option(argc, argv, i, opt)) continue;
-    std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--json PATH]\n", argv[0]);
+    if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) {
+      ranks = std::atoi(argv[++i]);
+      continue;
+    }
+    std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R] [--json PATH]\n",
+                argv[0]);
     return 2;
   }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  if (ranks == 0) ranks = std::min(devices, kMaxRanks);
+  if (ranks < 1 || ranks > kMaxRanks) {
+    std::printf("bench_gpu_low_latency: --ranks must be 1..%d, got %d\n", kMaxRanks, ranks);
+    return 2;
+  }
+  const int num_ranks = ranks;
   const int runs = opt.runs, K = opt.K, E = opt.E;
   const std::int64_t T = opt.T, H = opt.H;
   const std::string json_path = opt.json_path;
-  if (!bench::have_gpus("bench_gpu_low_latency", kRanks)) return 77;
+  if (!bench::have_gpus("bench_gpu_low_latency", std::max(num_ranks, 1))) return 77;
+  if (opt.E % num_ranks != 0) {
+    std::printf("bench_gpu_low_latency: --experts (%d) must be a multiple of the ranks (%d)\n", opt.E, num_ranks);
+    return 2;
+  }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = bench::run_seed();
   const int tmax = static_cast<int>(T);
-  std::printf("bench_gpu_low_latency: %s x%d, T=%lld (Tmax) H=%lld K=%d E=%d, runs=%d, seed %llu\n", prop.name, kRanks,
+  std::printf("bench_gpu_low_latency: %s x%d, T=%lld (Tmax) H=%lld K=%d E=%d, runs=%d, seed %llu\n", prop.name, num_ranks,
               static_cast<long long>(T), static_cast<long long>(H), K, E, runs, static_cast<unsigned long long>(seed));
 
   const char* ops[] = {"dispatch_fp8",      "dispatch_bf16",     "combine_bf16",     "dispatch_fp8_send",
                        "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv"};
   constexpr int kOps = 7;
   const double deepep[kOps] = {27.8, 0, 41.4, 19.7, 8.1, 31.0, 9.9};
-  std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(kRanks));
-  // Tokens each rank sends its peer and (token, k) pairs it routes there, summed over the routing sets.
-  std::vector<double> tokens_to_peer(kRanks), pairs_to_peer(kRanks);
+  std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(num_ranks));
+  // Per rank: (token, other rank) pairs it sends and (token, k) pairs it routes to other ranks, averaged over the
+  // routing sets.
+  std::vector<double> tokens_to_peer(num_ranks), pairs_to_peer(num_ranks);
   std::mutex mutex;
-  const int El = E / kRanks;
+  const int El = E / num_ranks;
   const std::int64_t G = num_scale_groups(H);
 
-  run_thread_ranks(kRanks, [&](Group& g) {
-    const int r = g.rank(), peer = 1 - r;
+  run_thread_ranks(num_ranks, [&](Group& g) {
+    const int r = g.rank();
     check(cudaSetDevice(r), "cudaSetDevice");
     BufferOptions o;
     o.backend = Backend::cuda_ipc;
     o.device = r;
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, H, kRanks, 1);  // normal mode unused
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, H, num_ranks, 1);  // normal mode unused
     o.debug_validate = false;
     Buffer buf(std::shared_ptr<Group>(&g, [](Group*) {}), o);
     const std::uint64_t s = seed + 1000003ull * static_cast<std::uint64_t>(r);
     const Tensor x = random_device(DType::bf16, {T, H}, r, s + 1);
     const Tensor w = random_device(DType::fp32, {T, K}, r, s + 2);
-    const Tensor y = random_device(DType::bf16, {El, kRanks * T, H}, r, s + 3);
+    const Tensor y = random_device(DType::bf16, {El, num_ranks * T, H}, r, s + 3);
     Tensor idx = Tensor::empty(DType::int64, {T, K}, Device::cuda(r));
     double tokens = 0, pairs = 0, sets = 0;
     auto new_routing = [&](std::uint64_t k) {
       const std::vector<std::int64_t> h = bench::random_topk_ids(T, K, E, s + 100 + k);
       check(cudaMemcpy(idx.data(), h.data(), h.size() * 8, cudaMemcpyHostToDevice), "H2D");
       for (std::int64_t t = 0; t < T; ++t) {
-        bool to_peer = false;
-        for (int j = 0; j < K; ++j)
-          if (h[static_cast<std::size_t>(t * K + j)] / El == peer) {
-            to_peer = true;
+        bool to[kMaxRanks] = {};
+        for (int j = 0; j < K; ++j) {
+          const auto d = static_cast<int>(h[static_cast<std::size_t>(t * K + j)] / El);
+          if (d != r) {
+            to[d] = true;
             ++pairs;
           }
-        tokens += to_peer ? 1 : 0;
+        }
+        for (int d = 0; d < num_ranks; ++d) tokens += to[d] ? 1 : 0;
       }
       ++sets;
     };
@@ -192,22 +216,23 @@ int main(int argc, char** argv) {
 
   const double meta = 80, header = 64;
   const double fp8_record = static_cast<double>((H + 4 * G + 15) / 16 * 16), bf16_record = 2.0 * H;
-  const double tokens = tokens_to_peer[0] + tokens_to_peer[1], pairs = pairs_to_peer[0] + pairs_to_peer[1];
-  const double dispatch_fp8_bytes = tokens * (meta + fp8_record) + 2 * header;
-  const double dispatch_bf16_bytes = tokens * (meta + bf16_record) + 2 * header;
-  const double combine_bytes = pairs * 2.0 * H + 2 * header;
+  const double tokens = std::accumulate(tokens_to_peer.begin(), tokens_to_peer.end(), 0.0);
+  const double pairs = std::accumulate(pairs_to_peer.begin(), pairs_to_peer.end(), 0.0);
+  const double headers = static_cast<double>(num_ranks) * (num_ranks - 1) * header;
+  const double dispatch_fp8_bytes = tokens * (meta + fp8_record) + headers;
+  const double dispatch_bf16_bytes = tokens * (meta + bf16_record) + headers;
+  const double combine_bytes = pairs * 2.0 * H + headers;
   const double remote[kOps] = {
       dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes, dispatch_fp8_bytes, 0, combine_bytes, 0};
   std::printf(
-      "\n| op | median us | min us | remote MB | remote GB/s/dir | DeepEP us |\n| --- | --- | --- | --- | --- | --- "
-      "|\n");
+      "\n| op | median us | min us | remote MB | remote GB/s/rank | DeepEP us (R = 2) |\n| --- | --- | --- | --- | --- | "
+      "--- |\n");
   std::vector<double> med(kOps), mins(kOps);
   for (int op = 0; op < kOps; ++op) {
-    const std::vector<double> slow =
-        bench::slower_of(times[static_cast<std::size_t>(op)][0], times[static_cast<std::size_t>(op)][1]);
+    const std::vector<double> slow = bench::slowest_of(times[static_cast<std::size_t>(op)]);
     med[static_cast<std::size_t>(op)] = median(slow);
     mins[static_cast<std::size_t>(op)] = slow.empty() ? 0 : *std::min_element(slow.begin(), slow.end());
-    const double gbps = remote[op] > 0 ? remote[op] / 2 / med[static_cast<std::size_t>(op)] / 1e3 : 0;
+    const double gbps = remote[op] > 0 ? remote[op] / num_ranks / med[static_cast<std::size_t>(op)] / 1e3 : 0;
     std::printf("| %s | %.1f | %.1f | %.2f | %.0f | %s |\n", ops[op], med[static_cast<std::size_t>(op)],
                 mins[static_cast<std::size_t>(op)], remote[op] / 1e6, gbps,
                 deepep[op] > 0 ? std::to_string(deepep[op]).substr(0, 4).c_str() : "-");
@@ -221,14 +246,14 @@ int main(int argc, char** argv) {
     std::fprintf(f,
                  "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d,\n  "
                  "\"seed\": %llu,\n  \"runs\": %d,\n  \"results\": [\n",
-                 prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E,
+                 prop.name, num_ranks, static_cast<long long>(T), static_cast<long long>(H), K, E,
                  static_cast<unsigned long long>(seed), runs);
     for (int op = 0; op < kOps; ++op) {
       const auto u = static_cast<std::size_t>(op);
       std::fprintf(f,
                    "    {\"op\": \"%s\", \"median_us\": %.3f, \"min_us\": %.3f, \"remote_bytes\": %.0f, "
-                   "\"remote_gbps_per_direction\": %.1f, \"deepep_us\": %.1f}%s\n",
-                   ops[op], med[u], mins[u], remote[op], remote[op] > 0 ? remote[op] / 2 / med[u] / 1e3 : 0.0,
+                   "\"remote_gbps_per_rank\": %.1f, \"deepep_us\": %.1f}%s\n",
+                   ops[op], med[u], mins[u], remote[op], remote[op] > 0 ? remote[op] / num_ranks / med[u] / 1e3 : 0.0,
                    deepep[op], op + 1 < kOps ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");

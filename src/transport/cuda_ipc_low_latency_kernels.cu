@@ -26,7 +26,8 @@ using namespace cuda_ipc_device;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 4;  // 16-byte vectors each lane keeps in flight when moving a row
-constexpr int kMaxSendBlocks = 48;
+constexpr int kMaxSendBlocks = 132;  // a block per token up to one per SM of an H100/H200
+constexpr int kQuantWords = 2;       // UE8M0 words (4 groups of 128 channels each) per warp item of a fused fp8 send
 constexpr int kMaxRecvBlocks = 1024;
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
@@ -137,23 +138,24 @@ __device__ bool last_block_all(unsigned int* arrive) {
   return last != 0;
 }
 
-/// One warp quantizes bf16 row `x_row` (H channels, H % 16 == 0) to fp8 e4m3 with one scale per group of 128
-/// channels, exactly as quant/cuda.cu's quantize_kernel does (one UE8M0 word's four groups per step, 8 lanes per
-/// group, 16 channels per lane; the helpers of quant/fp8_device.cuh), and stores the record (fp8 row, then float32
-/// scales or UE8M0 words) at each of `num_dst` destinations.
+/// One warp quantizes UE8M0 words [word_begin, word_end) of bf16 row `x_row` (H channels, H % 16 == 0; word w
+/// covers groups 4w..4w+3 of 128 channels) to fp8 e4m3 with one scale per group, exactly as quant/cuda.cu's
+/// quantize_kernel does (one word's four groups per step, 8 lanes per group, 16 channels per lane; the helpers of
+/// quant/fp8_device.cuh), and stores that part of the record (fp8 row, then float32 scales or UE8M0 words) at each
+/// of `num_dst` destinations. Rows are split among warps: one warp per row is bound by its own instruction latency
+/// (~15 us for H = 7168).
 __device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_scale, bool ue8m0, char* const* dst,
-                                int num_dst, int lane) {
+                                int num_dst, int lane, int word_begin, int word_end) {
   using namespace quant_detail;
-  const int G = (H + 127) / 128, words = (G + 3) / 4;
-  // The loads of kAhead steps are issued before any is used: one warp per token is otherwise bound by one load's
-  // latency per step (14 steps at H = 7168).
+  const int G = (H + 127) / 128;
+  // The loads of kAhead steps are issued before any is used (one load's latency per step otherwise).
   constexpr int kAhead = 4;
-  for (int w0 = 0; w0 < words; w0 += kAhead) {
+  for (int w0 = word_begin; w0 < word_end; w0 += kAhead) {
     uint4 raw[kAhead][2];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int g = (w0 + u) * 4 + (lane >> 3), c = g * 8 + (lane & 7);
-      if (w0 + u < words && g < G && c * 16 < H) {
+      if (w0 + u < word_end && g < G && c * 16 < H) {
         const uint4* src = reinterpret_cast<const uint4*>(x_row) + 2 * c;
         raw[u][0] = __ldg(src);
         raw[u][1] = __ldg(src + 1);
@@ -162,7 +164,7 @@ __device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_sc
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int word = w0 + u;
-      if (word >= words) break;  // warp-uniform
+      if (word >= word_end) break;  // warp-uniform
       const int g = word * 4 + (lane >> 3);
       const int c = g * 8 + (lane & 7);  // 16-channel chunk of the row
       const bool active = g < G && c * 16 < H;
@@ -286,8 +288,11 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
-    for (int i = warp; i < num_tok_tasks; i += kWarps) {
-      const int j = tok_tasks[i];
+    // Fused fp8: items (token, kQuantWords words of its row), spread over the block's warps.
+    const int words = (static_cast<int>((c.hidden + 127) / 128) + 3) / 4;
+    const int pieces = (words + kQuantWords - 1) / kQuantWords;
+    for (int i = warp; i < num_tok_tasks * pieces; i += kWarps) {
+      const int j = tok_tasks[i / pieces], piece = i % pieces;
       const long long tt = base + j;
       const unsigned m_d = tok_mask[j];
       char* dst[kMaxRanks];
@@ -295,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int d = 0; d < R; ++d)
         if ((m_d >> d) & 1u)
           dst[nd++] = half_base(c, d, half) + records_off + static_cast<std::size_t>(tok_pos[j][d]) * c.record_bytes;
-      if (lane == 0) {
+      if (piece == 0 && lane == 0) {
         int row_ids[kMaxTopk];
         clean_ids(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
         for (int d = 0; d < R; ++d) {
@@ -306,12 +311,17 @@ __global__ void __launch_bounds__(kThreads)
       }
       quantize_row_to(reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(a.x) +
                                                              static_cast<std::size_t>(tt) * a.x_stride * 2),
-                      static_cast<int>(c.hidden), (a.flags & 2u) != 0, (a.flags & 4u) != 0, dst, nd, lane);
+                      static_cast<int>(c.hidden), (a.flags & 2u) != 0, (a.flags & 4u) != 0, dst, nd, lane,
+                      piece * kQuantWords, min(words, (piece + 1) * kQuantWords));
     }
-    for (int i = warp; i < num_tasks; i += kWarps) {
-      const SendTask task = tasks[i];
+    // Rows by SM stores: items (task, kPieceBytes of its payload), spread over the block's warps.
+    constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // one round of kVec loads per lane
+    const int row_pieces = static_cast<int>((payload + kPieceBytes - 1) / kPieceBytes);
+    for (int i = warp; i < num_tasks * row_pieces; i += kWarps) {
+      const SendTask task = tasks[i / row_pieces];
+      const int piece = i % row_pieces;
       char* dst_half = half_base(c, task.d, half);
-      if (lane == 0) {
+      if (piece == 0 && lane == 0) {
         int row_ids[kMaxTopk];
         // The same cleaning as the scan (without reporting again).
         clean_ids(c, a.topk_idx, a.idx64, K, task.t, row_ids, false, kPhaseDispatchSend, index);
@@ -320,8 +330,9 @@ __global__ void __launch_bounds__(kThreads)
       }
       const char* src = fp8 ? static_cast<const char*>(a.records) + static_cast<std::size_t>(task.t) * c.record_bytes
                             : static_cast<const char*>(a.x) + static_cast<std::size_t>(task.t) * a.x_stride * 2;
-      warp_copy<false>(src, dst_half + records_off + static_cast<std::size_t>(task.pos) * c.record_bytes, payload,
-                       lane);
+      const std::size_t at = static_cast<std::size_t>(piece) * kPieceBytes;
+      warp_copy<false>(src + at, dst_half + records_off + static_cast<std::size_t>(task.pos) * c.record_bytes + at,
+                       payload - at < kPieceBytes ? payload - at : kPieceBytes, lane);
     }
     __syncthreads();
   }
@@ -539,15 +550,24 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x < kMaxRanks) expected[threadIdx.x] = 0;
   __syncthreads();
   const std::int32_t* sent = c.sent_idx + static_cast<std::size_t>(dh) * c.tmax * kMaxTopk;
-  if (blockIdx.x == 0)
+  if (blockIdx.x == 0) {
+    // Counted in registers and summed per warp: one shared atomic per (warp, rank). (An atomic per (token, k) on
+    // the same few counters serialised this block: ~0.4 us per token at T = 128, the whole kernel waiting on it.)
+    int mine[kMaxRanks] = {};
     for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
       int ids[kMaxTopk];
       clean_ids(c, a.topk_idx, a.idx64, K, t, ids, true, kPhaseCombineRecv, index);
       for (int k = 0; k < K; ++k) {
-        if (ids[k] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[ids[k] / El]), 1ull);
+        if (ids[k] >= 0) ++mine[ids[k] / El];
         if (ids[k] != sent[t * K + k]) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
       }
     }
+    for (int d = 0; d < R; ++d) {
+      const int sum = __reduce_add_sync(0xffffffffu, mine[d]);
+      if ((threadIdx.x & 31) == 0 && sum != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[d]),
+                                                         static_cast<unsigned long long>(sum));
+    }
+  }
   __syncthreads();
   if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv))
     return;
@@ -603,7 +623,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s) {
-  long long blocks = (a.T + 3) / 4;
+  long long blocks = a.T;  // a token per block (its row's quantization split among the block's warps)
   blocks = blocks < 1 ? 1 : (blocks > kMaxSendBlocks ? kMaxSendBlocks : blocks);
   dispatch_send_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK(cudaGetLastError());
