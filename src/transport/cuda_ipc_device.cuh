@@ -17,6 +17,10 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long
 __device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+/// A system-scope acquire-release fence: what publishing through a counter or flag needs (release of this thread's
+/// and, after a barrier, its block's earlier stores; acquire of what the counter's other writers released).
+/// Lighter than __threadfence_system (fence.sc.sys), whose sequential consistency nothing here relies on.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ long long now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -4,8 +4,8 @@
 // Every kernel learns its call index on the device: Control::calls counts the send kernels that finished since the
 // last clean, so a send kernel's index is `calls` (its last block advances it) and a receive kernel's is
 // calls - 1 - lag, lag being the calls sent after it when it was enqueued (0 unless a recv hook runs late). A
-// captured CUDA graph therefore replays with fresh indices. Memory ordering as in cuda_ipc_kernels.cu: rows are
-// plain stores into the peer's window; the last block of a kernel (an arrive counter) fences system-wide and
+// captured CUDA graph therefore replays with fresh indices. Memory ordering: rows are plain stores into the peer's
+// window; the last block of a kernel (an arrive counter, with system-scope acquire-release fences around it)
 // publishes with st.release.sys; receivers poll with ld.acquire.sys and read staging with ld.global.cg. Every spin
 // has a %globaltimer deadline: on expiry the first failing thread records (code, rank, peer, phase) in the
 // host-mapped record (atomicCAS on Control::claim) and the kernel returns (no trap).
@@ -110,14 +110,15 @@ __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, l
 }
 
 /// The last block of the grid to get here (every thread calls it, after its stores): returns true in that block's
-/// thread 0, after a system-wide fence that orders every block's stores before what it publishes next.
+/// thread 0, after a system-scope fence that orders every block's stores before what it publishes next (each block's
+/// release fence before its arrival, the last block's acquire fence after it).
 __device__ bool last_block(unsigned int* arrive) {
   __syncthreads();
   if (threadIdx.x != 0) return false;
-  __threadfence_system();
+  fence_acq_rel_sys();
   const unsigned old = atomicAdd(arrive, 1u);
   if (old != gridDim.x - 1) return false;
-  __threadfence_system();
+  fence_acq_rel_sys();
   *arrive = 0;  // ready for the next kernel (stream order)
   return true;
 }
@@ -127,10 +128,10 @@ __device__ bool last_block_all(unsigned int* arrive) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    fence_acq_rel_sys();
     last = atomicAdd(arrive, 1u) == gridDim.x - 1;
     if (last) {
-      __threadfence_system();
+      fence_acq_rel_sys();
       *arrive = 0;  // ready for the next kernel (stream order)
     }
   }
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(kThreads)
     h->tmax = c.tmax;
     h->num_experts = c.num_experts;
   }
-  __threadfence_system();
+  // st.release.sys orders this thread's header stores (and, after last_block's fences, every block's rows) first.
   for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->data[half][me], index + 1);
   own->calls = index + 1;
 }
@@ -533,7 +534,6 @@ __global__ void __launch_bounds__(kThreads)
     h->tmax = c.tmax;
     h->num_experts = c.num_experts;
   }
-  __threadfence_system();
   for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], index + 1);
   own->calls = index + 1;
 }
