@@ -1,5 +1,10 @@
 // Low-latency prepare/finalize: batched per-expert slabs; the send and receive halves of both the
 // dispatch and the combine are split with receive hooks, so dispatch_a/combine_a only send.
+//
+// Calls whose hidden states are on a GPU run on the buffer's GPU low-latency mode (a cuda_ipc buffer,
+// cuda_ipc_low_latency.hpp) and stay on the device, asynchronous on the current stream: the router weight
+// on the input (K == 1) and the fp8 wire's dequantization run as CUDA kernels, the received slabs and counts
+// are views of the buffer's receive half, and the combine writes into MoEForwardArgs::output when given.
 #include <epmoe/quant.hpp>
 
 #include <cstring>
@@ -7,13 +12,53 @@
 #include "core/check.hpp"
 #include "moe/prepare_common.hpp"
 
+#if defined(EPMOE_HAVE_CUDA)
+#include "experts/cuda_experts.hpp"
+#include "layout/cuda_util.cuh"
+#include "moe/cuda_moe.hpp"
+#include "quant/cuda.hpp"
+#endif
+
 namespace epmoe {
 namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// The token side of a GPU call: every tensor on hidden's device (checked here, before any communication:
+// the buffer's own checks leave topk_weights optional, and the combine needs them).
+void check_gpu_inputs(const PrepareInputs& in) {
+  const TensorView& x = in.hidden;
+  const Device d = x.device;
+  EPMOE_CHECK_ARG(x.dtype == DType::bf16 && x.ndim() == 2 && x.is_contiguous() && x.size(1) % 8 == 0 &&
+                      (x.numel() == 0 || aligned16(x.data)),
+                  "hidden", "contiguous bfloat16 [T, H] with H % 8 == 0 and 16-byte-aligned data on CUDA",
+                  describe(x));
+  const std::int64_t T = x.size(0);
+  EPMOE_CHECK_ARG((in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32) && in.topk_idx.ndim() == 2 &&
+                      in.topk_idx.size(0) == T && in.topk_idx.is_contiguous() && in.topk_idx.device == d,
+                  "topk_idx", fmt::format("contiguous int64/int32 [{}, K] on {} (hidden's device)", T, to_string(d)),
+                  describe(in.topk_idx));
+  EPMOE_CHECK_ARG(in.topk_weights.dtype == DType::fp32 && in.topk_weights.shape == in.topk_idx.shape &&
+                      in.topk_weights.is_contiguous() && in.topk_weights.device == d,
+                  "topk_weights",
+                  fmt::format("contiguous float32 {} on {} (hidden's device)", to_string(in.topk_idx.shape),
+                              to_string(d)),
+                  describe(in.topk_weights));
+  EPMOE_CHECK_ARG(in.global_num_experts > 0, "global_num_experts", "> 0", in.global_num_experts);
+  EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || in.topk_idx.size(1) == 1, "apply_router_weight_on_input",
+                  "only with K == 1", fmt::format("K = {}", in.topk_idx.size(1)));
+  if (in.output.defined())
+    EPMOE_CHECK_ARG(in.output.dtype == DType::bf16 && in.output.shape == (Shape{T, x.size(1)}) &&
+                        in.output.is_contiguous() && in.output.device == d,
+                    "output", fmt::format("contiguous bfloat16 [{}, {}] on {} (hidden's device)", T, x.size(1),
+                                          to_string(d)),
+                    describe(in.output));
+}
 
 class LowLatencyPrepareFinalize final : public PrepareFinalize {
  public:
   LowLatencyPrepareFinalize(std::shared_ptr<Buffer> buffer, int tmax, PrepareFinalizeOptions o)
-      : buffer_(std::move(buffer)), tmax_(tmax), options_(o) {}
+      : buffer_(std::move(buffer)), tmax_(tmax), options_(o), workspaces_(std::make_shared<WorkspaceCache>()) {}
   std::string_view name() const override { return "low_latency"; }
   ActivationFormat activation_format() const override { return ActivationFormat::batched_experts; }
   // The low-latency combine applies the router weights itself.
@@ -22,7 +67,15 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {
-    side_ = prepare_token_side(in);
+    on_gpu_ = in.hidden.device.is_cuda();
+    output_ = {};
+    if (on_gpu_) {
+      check_gpu_inputs(in);
+      side_ = gpu_token_side(in);
+      output_ = in.output;
+    } else {
+      side_ = prepare_token_side(in);
+    }
     LowLatencyDispatchArgs a;
     a.x = side_.hidden;
     a.topk_idx = in.topk_idx;
@@ -42,6 +95,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
                        H = recv_.packed_recv_x.size(2);
     PrepareOutput out;
     out.format = ActivationFormat::batched_experts;
+    if (on_gpu_) return gpu_prepare_output(E_local, rows, H);
     out.expert_num_tokens = clone(recv_.packed_recv_count);
     if (recv_.packed_recv_x.dtype == DType::bf16) {
       // The received slabs already are the experts' BatchedExperts input: a view of the buffer's low-latency half,
@@ -71,6 +125,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     c.topk_weights = side_.topk_weights;
     c.handle = &recv_.handle;
     c.return_recv_hook = true;
+    c.out = output_;  // GPU: the caller's output (the CPU layer copies into it after the combine)
     combined_ = buffer_->low_latency_combine(c);
   }
 
@@ -80,13 +135,77 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     combined_ = {};
     recv_ = {};
     side_ = {};
+    output_ = {};
     return out;
   }
 
  private:
+  TensorView ws(std::string_view name, DType dtype, Shape shape) {
+    return workspaces_->get(0, fmt::format("low_latency.{}", name), dtype, shape, side_device_);
+  }
+
+  // GPU token side: with the router weight on the input (K == 1), x * w rounded to bf16 and weights of 1, as
+  // prepare_token_side does on the CPU (same rounding: one float32 product, one bf16 rounding).
+  TokenSide gpu_token_side(const PrepareInputs& in) {
+    side_device_ = in.hidden.device;
+    const Tensor topk_idx = Tensor::wrap(in.topk_idx, nullptr);
+    if (!in.apply_router_weight_on_input)
+      return {Tensor::wrap(in.hidden, nullptr), topk_idx, Tensor::wrap(in.topk_weights, nullptr)};
+#if defined(EPMOE_HAVE_CUDA)
+    const std::int64_t T = in.hidden.size(0), H = in.hidden.size(1);
+    cuda_util::DeviceGuard guard(side_device_);
+    const Stream s = current_stream();
+    const TensorView scaled = ws("scaled", DType::bf16, {T, H});
+    const TensorView ones = ws("ones", DType::fp32, {T, 1});
+    if (T > 0) {
+      experts_cuda::prepare_hidden(in.hidden.data, false, T, H, static_cast<const float*>(in.topk_weights.data), 1,
+                                   scaled.data, cuda_util::to_cuda(s));
+      moe_cuda::fill(static_cast<float*>(ones.data), T, 1.0f, s);
+    }
+    return {Tensor::wrap(scaled, nullptr), topk_idx, Tensor::wrap(ones, nullptr)};
+#else
+    raise(ErrorCode::unsupported, "argument 'hidden' is on {} but epmoe was built without CUDA",
+          to_string(in.hidden.device));
+#endif
+  }
+
+  // GPU expert side: the counts and (bf16) the slabs are views of the buffer's receive half, valid until that
+  // half's next dispatch (after this micro-batch's combine). fp8: the slabs dequantized on the device, every row
+  // (the counts stay on the device; rows past a count hold whatever the window had and are never read).
+  PrepareOutput gpu_prepare_output(std::int64_t E_local, std::int64_t rows, std::int64_t H) {
+    PrepareOutput out;
+    out.format = ActivationFormat::batched_experts;
+    out.expert_num_tokens = Tensor::wrap(recv_.packed_recv_count, nullptr);
+    if (recv_.packed_recv_x.dtype == DType::bf16) {
+      out.hidden = Tensor::wrap(recv_.packed_recv_x, nullptr);
+      return out;
+    }
+#if defined(EPMOE_HAVE_CUDA)
+    const TensorView& q = recv_.packed_recv_x;
+    const TensorView& sc = recv_.packed_recv_x_scales;
+    EPMOE_ASSERT(q.is_contiguous() && sc.is_contiguous());
+    const Device d = q.device;
+    const TensorView deq = workspaces_->get(0, "low_latency.dequantized", DType::bf16, {E_local, rows, H}, d);
+    if (E_local * rows > 0) {
+      cuda_util::DeviceGuard guard(d);
+      quant_detail::dequantize_fp8_cuda(TensorView(q.data, q.dtype, {E_local * rows, H}, d),
+                                        TensorView(sc.data, sc.dtype, {E_local * rows, sc.size(2)}, d),
+                                        TensorView(deq.data, DType::bf16, {E_local * rows, H}, d), current_stream());
+    }
+    out.hidden = Tensor::wrap(deq, nullptr);
+    return out;
+#else
+    raise(ErrorCode::unsupported, "low-latency prepare on CUDA: epmoe was built without CUDA");
+#endif
+  }
+
   std::shared_ptr<Buffer> buffer_;
   int tmax_;
   PrepareFinalizeOptions options_;
+  std::shared_ptr<WorkspaceCache> workspaces_;  // GPU: the scaled tokens, the dequantized slabs
+  bool on_gpu_ = false;
+  Device side_device_;
+  TensorView output_;
   TokenSide side_;
   LowLatencyDispatchResult recv_;
   LowLatencyCombineResult combined_;

@@ -134,6 +134,32 @@ TEST(Cli, RunDeviceCpuLowLatencyAndBadDevice) {
   EXPECT_NE(b.err.find("--device"), std::string::npos) << b.err;
 }
 
+// Low-latency mode on GPU ranks (the MoE layer's low-latency prepare/finalize on the cuda_ipc GPU low-latency mode,
+// batched CUDA experts), both wires, two iterations (both halves of the buffer): PASS against the float64 reference,
+// and the payload as the header defines it: with random routing every token reaches K distinct experts, so the ranks
+// received R * T * K rows of H values (bf16: 2 bytes each; fp8: 1 byte plus a float32 scale per 128).
+TEST(Cli, RunLowLatencyOnGpusPassesWithBothWires) {
+  if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
+  for (const char* wire : {"bf16", "fp8"}) {
+    const std::string out = temp_path(std::string("run_ll_") + wire + ".json");
+    const CliResult r = run_cli(std::string("run --device cuda --mode low-latency --dispatch-dtype ") + wire +
+                                " --json '" + out + "' --tokens 16 --hidden 256 --intermediate 64 --experts 8 --topk 2 "
+                                "--iters 2 --check-tokens 16");
+    ASSERT_EQ(r.code, 0) << wire << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+    const nlohmann::json j = read_json(out);
+    EXPECT_EQ(j["device"], "cuda");
+    EXPECT_EQ(j["transport"], "cuda_ipc");
+    EXPECT_EQ(j["mode"], "low-latency");
+    EXPECT_EQ(j["pass"], true);
+    EXPECT_LE(j["relative_l2_error"].get<double>(), 1e-2);
+    const double R = j["ranks"].get<double>(), rows = R * 16 * 2;
+    const double elt = std::string(wire) == "fp8" ? 1.0 + 4.0 / 128 : 2.0;
+    EXPECT_DOUBLE_EQ(j["phases"][1]["bytes"].get<double>(), rows * 256 * elt) << wire;
+    EXPECT_DOUBLE_EQ(j["phases"][3]["bytes"].get<double>(), rows * 256 * 2.0) << wire;
+  }
+}
+
 TEST(Cli, RunConfigIsAppliedAndRecorded) {
   std::mt19937_64 rng(epmoe::test::fresh_seed());
   const int sms = static_cast<int>(rng() % 64) + 1;
@@ -512,8 +538,10 @@ TEST(Cli, RunHeaderSaysWhyCpuRanksAndTheBytesColumnCountsEveryReceivedRow) {
   EXPECT_EQ(j["phases"][3]["phase"], "combine");
   EXPECT_DOUBLE_EQ(j["phases"][3]["bytes"].get<double>(), 8.0 * 2 * H);
   if (gpu_count() > 0) {
-    r = run_cli("run --mode low-latency --ranks 2 " + kTinyRun);  // auto with GPUs: low-latency has no GPU path
-    EXPECT_NE(r.out.find("2 CPU ranks (threads; low-latency mode runs on CPU ranks)"), std::string::npos) << r.out;
+    r = run_cli("run --mode low-latency " + kTinyRun);  // auto with GPUs: low-latency runs on them too
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find(" GPU ranks ("), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("CPU ranks"), std::string::npos) << r.out;
     return;
   }
   r = run_cli("run --ranks 2 " + kTinyRun);

@@ -3,7 +3,8 @@
 // timed per phase and checked against the float64 reference (SPEC 13).
 // On GPUs (--device auto finds them; cuda forces): one rank per GPU, the router, the layout, the fp8
 // quantization and the experts (make_cuda_experts) on the rank's GPU, dispatch and combine through the
-// cuda_ipc backend. On CPU ranks: the threads or MPI transport and the BLAS experts.
+// cuda_ipc backend (low-latency mode: the MoE layer's low-latency prepare/finalize on the backend's GPU
+// low-latency mode, batched_experts CUDA experts). On CPU ranks: the threads or MPI transport and the BLAS experts.
 #include <epmoe/buffer.hpp>
 #include <epmoe/experts.hpp>
 #include <epmoe/group.hpp>
@@ -176,11 +177,101 @@ Tensor rank_logits(const RunConfig& c, int rank) {
   return logits;
 }
 
+// Low-latency mode on a GPU rank: the MoE layer's low-latency prepare/finalize over the cuda_ipc buffer's GPU
+// low-latency mode (Tmax = T; the fp8 quantization fused into its send kernel) and the CUDA experts in the
+// batched_experts format, all on the device. Timed as run_rank_gpu.
+RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared& sh, int device) {
+  const RunConfig& c = *sh.config;
+  cuda_set_device(device);
+  const int R = group->size(), rank = group->rank();
+  const int E_local = c.experts / R;
+  const std::int64_t T = c.tokens, H = c.hidden;
+  RankResult res;
+
+  const Tensor hidden_h = rank_hidden(c, rank);
+  const Tensor hidden = to_device(hidden_h, device), logits = to_device(rank_logits(c, rank), device);
+  const Tensor w1 = to_device(expert_slice(sh.model->w1, rank * E_local, E_local), device);
+  const Tensor w2 = to_device(expert_slice(sh.model->w2, rank * E_local, E_local), device);
+
+  BufferOptions bo = c.buffer_options;
+  bo.backend = Backend::cuda_ipc;
+  bo.device = device;  // num_rdma_bytes 0 (unless --config sets it): the window is sized on the first call
+  auto buffer = std::make_shared<Buffer>(group, bo);
+  PrepareFinalizeOptions po;
+  po.dispatch_dtype = c.dispatch_dtype == "fp8" ? DispatchDtype::fp8 : DispatchDtype::bf16;
+  auto pf = make_low_latency_prepare_finalize(buffer, static_cast<int>(T), po);
+  ExpertsConfig ec;
+  ec.format = ActivationFormat::batched_experts;
+  const std::shared_ptr<Experts> experts = make_cuda_experts(ec);
+  MoELayer layer(pf, experts, {}, MoELayerOptions{});
+
+  MoEForwardArgs args;
+  args.hidden = hidden;
+  args.w1 = w1;
+  args.w2 = w2;
+  args.activation = sh.activation;
+  args.global_num_experts = c.experts;
+
+  Tensor output;
+  TopkResult routing;
+  for (int it = 0; it < c.iters; ++it) {
+    group->barrier("run.iteration");
+    const auto t0 = Clock::now();
+    if (sh.trace) {
+      auto r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
+      routing = {to_device(r.topk_weights, device), to_device(r.topk_idx, device)};
+    } else {
+      routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
+    }
+    cuda_sync_device();
+    res.router_s.push_back(seconds_since(t0));
+    args.topk_idx = routing.topk_idx;
+    args.topk_weights = routing.topk_weights;
+
+    group->barrier("run.dispatch");
+    const auto t1 = Clock::now();
+    PrepareInputs pin;
+    pin.hidden = args.hidden;
+    pin.topk_idx = args.topk_idx;
+    pin.topk_weights = args.topk_weights;
+    pin.global_num_experts = c.experts;
+    pf->dispatch_a(pin);
+    const PrepareOutput prepared = pf->dispatch_b();
+    cuda_sync_device();
+    res.dispatch_s.push_back(seconds_since(t1));
+    // Received rows, read before the combine (the counts are a view of the buffer's receive half).
+    const Tensor counts = to_host(prepared.expert_num_tokens);
+
+    const auto t2 = Clock::now();
+    const Tensor fused = layer.run_experts(prepared, args);
+    cuda_sync_device();
+    res.experts_s.push_back(seconds_since(t2));
+
+    group->barrier("run.combine");
+    const auto t3 = Clock::now();
+    pf->combine_a(fused, experts->weight_and_reduce());
+    output = pf->combine_b();
+    cuda_sync_device();
+    res.combine_s.push_back(seconds_since(t3));
+
+    std::int64_t rows = 0;
+    for (int e = 0; e < E_local; ++e) rows += counts.ptr<std::int32_t>()[e];
+    const double elt = po.dispatch_dtype == DispatchDtype::fp8 ? 1.0 + 4.0 / 128 : 2.0;
+    res.dispatch_bytes = static_cast<double>(rows) * static_cast<double>(H) * elt;
+    res.combine_bytes = static_cast<double>(rows) * static_cast<double>(H) * 2.0;
+    if (rank == 0) fmt::print(stderr, "  iteration {}/{} done\n", it + 1, c.iters);
+  }
+  const TopkResult routing_h{to_host(routing.topk_weights), to_host(routing.topk_idx)};
+  check_reference(res, c, sh, hidden_h, routing_h, to_host(output), po.dispatch_dtype == DispatchDtype::fp8);
+  return res;
+}
+
 // One rank on its GPU: router, layout, fp8 quantization and experts on the device, dispatch and combine
 // through the cuda_ipc backend. Phases are timed on the host with a device synchronisation at the end of
 // each (so they add up to the layer's time, as on CPU ranks).
 RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int device) {
   const RunConfig& c = *sh.config;
+  if (c.mode == "low-latency") return run_rank_gpu_low_latency(group, sh, device);
   cuda_set_device(device);
   const int R = group->size(), rank = group->rank();
   const int E_local = c.experts / R;
@@ -432,15 +523,9 @@ int run(RunConfig c) {
     if (const auto at = message.find("'activation'"); at != std::string::npos) message.insert(at + 1, "--");
     throw Error(ErrorCode::invalid_argument, message);
   }
-  // CPU or GPU ranks: auto takes the GPUs when there are any in normal mode; the MoE layer's GPU run has no
-  // low-latency path yet (the cuda_ipc backend's low-latency mode is in the C++ API and `epmoe bench`), so
-  // low-latency runs stay on CPU ranks.
-  if (c.device == "cuda" && c.mode != "normal")
-    bad("--mode",
-        "normal with --device cuda (the GPU run of the MoE layer is normal mode only; --device cpu runs low-latency, "
-        "epmoe bench measures the GPU low-latency mode)",
-        c.mode);
-  c.kind = resolve_device(c.device, c.mode == "normal");
+  // CPU or GPU ranks: auto takes the GPUs when there are any, in both modes (low-latency mode on GPUs: the MoE
+  // layer's low-latency prepare/finalize over the cuda_ipc buffer's GPU low-latency mode).
+  c.kind = resolve_device(c.device);
   int gpus = 0;
   if (c.kind == DeviceKind::cuda) {
     gpus = cuda_device_count();
@@ -556,7 +641,7 @@ int run(RunConfig c) {
             ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
                           c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
             : fmt::format("{} CPU rank{} ({}; {})", c.ranks, c.ranks == 1 ? "" : "s", c.backend,
-                          cpu_ranks_reason(c.device, c.mode == "normal", "low-latency mode runs on CPU ranks"));
+                          cpu_ranks_reason(c.device));
     fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
                where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
                c.experts_impl);
