@@ -95,8 +95,9 @@ class LowLatencyHandle:
     generation: int
 
 class RecvHook:
-    """Receive half of a low-latency call. Call exactly once (again: Error 'stale_handle')."""
-    def __call__(self) -> None: ...
+    """Receive half of a low-latency call. Call exactly once (again: Error 'stale_handle'). On a GPU buffer
+    the receive kernel is enqueued on `stream` (cudaStream_t as an int; None: the legacy default stream)."""
+    def __call__(self, stream: Optional[int] = None) -> None: ...
 
 class Buffer:
     """epmoe::Buffer of one rank. Every method that communicates releases the GIL."""
@@ -144,17 +145,19 @@ class Buffer:
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: ArrayArg, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False, framework: str = "numpy"
+                             return_recv_hook: bool = False, framework: str = "numpy", stream: Optional[int] = None
                              ) -> Tuple[Array, Optional[Array], Array, Array, Array, LowLatencyHandle, Event,
                                         Optional[RecvHook]]:
         """Low-latency dispatch (SPEC 5): (packed_recv_x [E_local, R*Tmax, H] fp8 or bf16, scales
         float32 [E_local, R*Tmax, G] / int32 [..., ceil(G/4)] or None, packed_recv_count int32 [E_local],
         src_info int32 [E_local, R*Tmax], layout_range int64 [E_local, R], handle, event, hook or None).
-        The arrays are copies of the valid rows, filled at return or when the hook is called."""
+        CPU: the arrays are copies of the valid rows, filled at return or when the hook is called. GPU (cuda_ipc,
+        CUDA tensors; work on `stream`): views of the buffer's receive half, filled on the stream, valid until
+        the low-latency call two later."""
     def low_latency_combine(self, x: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
                             handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: ArrayArg = None, framework: str = "numpy"
-                            ) -> Tuple[Optional[Array], Event, Optional[RecvHook]]:
+                            return_recv_hook: bool = False, out: ArrayArg = None, framework: str = "numpy",
+                            stream: Optional[int] = None) -> Tuple[Optional[Array], Event, Optional[RecvHook]]:
         """Low-latency combine (SPEC 5): (combined_x bfloat16 [T, H], or None when `out` was given and
         written, event, hook or None)."""
 

@@ -16,9 +16,11 @@ Two layouts:
   cuda_ipc backend (NVLink, one host; ``num_nvl_bytes`` must hold the largest call:
   ``Buffer.get_normal_nvl_size_hint``). Work is ordered after torch's current stream (or
   ``previous_event``); ``async_finish=True`` returns a CUDA event, else the current stream waits.
-  Low-latency mode on CUDA tensors is not exposed to Python yet (the C++ library has it): over a torch group it
-  raises epmoe.Error 'unsupported';
-  over an mpi4py communicator that became a native MPI group it runs on CPU tensors.
+  Low-latency mode runs on the GPUs too (the cuda_ipc backend's GPU low-latency mode, NVLink, one host): on
+  torch's (or CuPy's) current stream, with ``return_recv_hook`` (the hook enqueues the receive on the stream
+  current when it is called) and ``async_finish`` (a CUDA event); its outputs are views of the buffer's
+  receive half, as DeepEP's, valid until the low-latency call two later. Over an mpi4py communicator that
+  became a native MPI group, low-latency calls on CPU tensors run on the CPU.
 - CPU: ranks as threads of one process (``epmoe.run_thread_ranks``), or as MPI processes
   (``Buffer(None, comm=mpi4py_comm)`` with an MPI build), NumPy arrays (bf16 / fp8 as
   ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``) or torch CPU tensors, both modes. Every call
@@ -38,9 +40,7 @@ allocations there, so it changes nothing else.
 
 Not supported (epmoe.Error 'unsupported'): ``enable_shrink=True`` and the mask-buffer methods (rank
 masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``get_comm_stream`` and
-``get_local_buffer_tensor`` (the cuda_ipc stream and buffer are internal); low-latency calls on a
-buffer over a torch / mpi4py group (the C++ library's GPU low-latency mode is not exposed to Python yet);
-more than one host (no RDMA).
+``get_local_buffer_tensor`` (the cuda_ipc stream and buffer are internal); more than one host (no RDMA).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ import numpy as np
 
 from . import _ext
 from ._group import as_group
-from ._tensor import BFLOAT16, arg, current_stream, describe, framework_of, invalid_argument, is_cuda, unsupported
+from ._tensor import (BFLOAT16, arg, current_stream, describe, framework_of, invalid_argument, is_cuda, is_torch,
+                      unsupported)
 
 Event = _ext.Event
 
@@ -244,10 +245,28 @@ def _check_allocate_on_comm_stream(tensors: Tuple[Any, ...], previous_event: Any
                                f"async_finish={async_finish}")
 
 
-def _check_low_latency_on_cpu(name: str, x: Any) -> None:
-    if x is not None and is_cuda(x):
-        raise unsupported(f"low-latency mode runs on CPU ranks only in Python (the GPU mode is C++ only so far): '{name}' "
-                          f"is a CUDA tensor")
+def _synchronize_stream(x: Any) -> None:
+    """Blocks the host until the current stream of x's device is done (torch and CuPy release the GIL)."""
+    if is_torch(x):
+        import torch
+        torch.cuda.current_stream(x.device).synchronize()
+    else:
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def _gpu_recv_hook(native: Any, tensors: Tuple[Any, ...], host_wait: bool) -> Callable[[], None]:
+    """The hook of a GPU low-latency call: enqueues the receive on the current stream of the moment (DeepEP's
+    rule), and keeps the call's tensors alive until then (the receive kernel reads topk_idx and topk_weights and
+    writes `out` and the stats). With thread ranks in one process (host_wait) it returns once the receive is
+    done, as the other calls of such a buffer do."""
+
+    def hook() -> None:
+        native(current_stream(*tensors))
+        if host_wait:
+            _synchronize_stream(tensors[0])
+
+    return hook
 
 
 def _check_cost_stats(name: str, stats: Any, num_ranks: int) -> None:
@@ -666,6 +685,10 @@ class Buffer:
                              ) -> Tuple[Any, Any, Tuple, EventOverlap, Optional[Callable[[], None]]]:
         """Low-latency dispatch (SPEC 5). Collective.
 
+        CPU tensors run on CPU ranks; CUDA tensors (torch or CuPy, on this rank's device) on a cuda_ipc buffer run
+        on the GPUs (bit-identical to the CPU path), on the current stream (torch's, else CuPy's), without
+        host synchronisation except the topk_idx check of BufferOptions.debug_validate (C++; on by default).
+
         Arguments:
             x: bfloat16 [T, H], T <= num_max_dispatch_tokens_per_rank, H % 16 == 0 with fp8 (any such H,
                 the last scale group may be partial; DeepEP: a fixed list of H).
@@ -677,8 +700,12 @@ class Buffer:
             dispatch_wait_recv_cost_stats: optional int64 [R, R]; checked, not updated on CPU.
             use_fp8: quantize to fp8 e4m3 with one float32 scale per 128 channels.
             round_scale: scales rounded up to powers of two. use_ue8m0: UE8M0 scales (needs round_scale).
-            async_finish: accepted (CPU: complete on return); excludes return_recv_hook.
-            return_recv_hook: only send; the returned hook receives. Call it exactly once.
+            async_finish: GPU: the call runs on the buffer's communication stream (after the current stream's
+                work) and returns a CUDA event (event.current_stream_wait() before reading the outputs; the inputs
+                are kept alive in event.extra_tensors). CPU: complete on return. Excludes return_recv_hook.
+            return_recv_hook: only send; the returned hook receives. Call it exactly once. GPU: the hook enqueues
+                the receive on the current stream at the time it is called (DeepEP's rule) and keeps the inputs
+                alive until then.
 
         Returns:
             recv_x: [E_local, R*Tmax, H] bfloat16, or with use_fp8 a tuple (float8_e4m3fn [E_local, R*Tmax, H],
@@ -686,10 +713,12 @@ class Buffer:
                 Row-major here (DeepEP's scales are column-major in the last two dims). The first
                 recv_count[e] rows of expert e are valid: blocks by ascending source rank, source token
                 order within (deterministic; DeepEP leaves block order to arrival). Other rows are
-                undefined. On CPU these are copies, valid after the call (or after the hook) for good.
+                undefined. On CPU these are copies, valid after the call (or after the hook) for good. On GPU
+                they are views of the buffer's receive half (as DeepEP's), filled on the stream, and valid until
+                the low-latency call two after this one reuses that half: clone what must live longer.
             recv_count: int32 [E_local] (masked_m).
             handle: a LowLatencyHandle for low_latency_combine.
-            event: a complete EventOverlap.
+            event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
             hook: with return_recv_hook, the receive half (fills the outputs above); else None.
 
         Errors: epmoe.Error — invalid_argument (T > Tmax naming both, K > 16, bad ids, dtypes, shapes,
@@ -697,13 +726,24 @@ class Buffer:
         out_of_memory (num_rdma_bytes too small: says how much is needed), timeout.
         """
         _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
-        _check_low_latency_on_cpu("x", x)
+        gpu = x is not None and is_cuda(x)
+        inputs = (x, topk_idx, cumulative_local_expert_recv_stats)
+        stream = current_stream(*inputs) if gpu else None
+        # Thread ranks on GPUs: wait on the host (GIL released) before returning, as normal mode does.
+        host_wait = gpu and self._host_wait and not return_recv_hook
         recv_x, scales, count, src_info, layout_range, native, event, hook = self.runtime.low_latency_dispatch(
             arg(x), arg(topk_idx), None, num_max_dispatch_tokens_per_rank, num_experts,
-            arg(cumulative_local_expert_recv_stats), use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-            framework_of(x))
+            arg(cumulative_local_expert_recv_stats), use_fp8, round_scale, use_ue8m0, async_finish or host_wait,
+            return_recv_hook, framework_of(x), stream)
+        if host_wait:
+            event.wait_host()
+            if not async_finish:
+                event.current_stream_wait(stream)
+        if hook is not None and gpu:
+            hook = _gpu_recv_hook(hook, inputs, self._host_wait)
         recv = (recv_x, scales) if use_fp8 else recv_x
-        return recv, count, LowLatencyHandle(native, src_info, layout_range), EventOverlap(event), hook
+        return (recv, count, LowLatencyHandle(native, src_info, layout_range),
+                EventOverlap(event, inputs if event.is_cuda else None), hook)
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Tuple, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -718,41 +758,60 @@ class Buffer:
             handle: the LowLatencyHandle of the low-latency call just before this one (two buffers
                 alternate: an older handle raises epmoe.Error 'stale_handle').
             use_logfmt: accepted; epmoe always sends bf16 (exact, where LogFMT rounds).
-            zero_copy: accepted (x may be the array of get_next_low_latency_combine_buffer or any other).
-            async_finish: accepted (CPU: complete on return); excludes return_recv_hook.
-            return_recv_hook: only send; the returned hook receives into the result. Call it once.
+            zero_copy: accepted (x may be the array of get_next_low_latency_combine_buffer or any other; the
+                combine always reads x).
+            async_finish: as for low_latency_dispatch (GPU: a CUDA event); excludes return_recv_hook.
+            return_recv_hook: only send; the returned hook receives into the result. Call it once. GPU: as
+                for low_latency_dispatch (the receive reads topk_idx and topk_weights: the hook keeps them).
             out: optional bfloat16 [T, H] to write into (returned as combined_x).
             combine_wait_recv_cost_stats: optional int64 [R, R]; checked, not updated on CPU.
 
         Returns:
             combined_x: bfloat16 [T, H] = sum over k ascending of topk_weights[t,k] * expert output,
-                skipping -1, in float32, rounded to bf16 once (valid after the hook when one is returned).
-            event: a complete EventOverlap.
+                skipping -1, in float32, rounded to bf16 once (valid after the hook when one is returned;
+                GPU: once the stream reaches it).
+            event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
             hook: the receive half with return_recv_hook, else None.
         """
         _check_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size)
-        _check_low_latency_on_cpu("x", x)
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
+        gpu = x is not None and is_cuda(x)
+        inputs = (x, topk_idx, topk_weights, out)
+        stream = current_stream(*inputs) if gpu else None
+        host_wait = gpu and self._host_wait and not return_recv_hook
+        # DeepEP's zero_copy means "x is the buffer's own combine slab"; the GPU combine always copies from x.
         combined, event, hook = self.runtime.low_latency_combine(
-            arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy, async_finish, return_recv_hook,
-            arg(out), framework_of(x))
-        return (out if out is not None else combined), EventOverlap(event), hook
+            arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy and not gpu, async_finish or host_wait,
+            return_recv_hook, arg(out), framework_of(x), stream)
+        if host_wait:
+            event.wait_host()
+            if not async_finish:
+                event.current_stream_wait(stream)
+        if hook is not None and gpu:
+            hook = _gpu_recv_hook(hook, inputs, self._host_wait)
+        return (out if out is not None else combined), EventOverlap(event, inputs if event.is_cuda else None), hook
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Any:
         """A bfloat16 [E_local, R*Tmax, H] array to write the experts' outputs into and pass to
-        ``low_latency_combine(..., zero_copy=True)``. On CPU it is a scratch array owned by this buffer
-        (reused by later calls with the same shape), not the communication buffer itself."""
+        ``low_latency_combine(..., zero_copy=True)``. A scratch array owned by this buffer (reused by later
+        calls with the same shape), not the communication buffer itself; on the GPU (a torch handle on CUDA) a
+        torch tensor on the handle's device. Errors: epmoe.Error 'unsupported' for CuPy handles on the GPU."""
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
         tmax, hidden, num_experts = handle[2], handle[3], handle[4]
         shape = (num_experts // self.group_size, self.group_size * tmax, hidden)
         torch_out = framework_of(handle[0]) == "torch"
+        device = handle[0].device if torch_out else None
+        if is_cuda(handle[0]) and not torch_out:
+            raise unsupported("get_next_low_latency_combine_buffer: CuPy has no bfloat16 array; pass any bfloat16 "
+                              "array as x to low_latency_combine")
         scratch = self._combine_scratch
-        if scratch is None or tuple(scratch.shape) != shape or (framework_of(scratch) == "torch") != torch_out:
+        if scratch is None or tuple(scratch.shape) != shape or (framework_of(scratch) == "torch") != torch_out or \
+                (torch_out and scratch.device != device):
             if torch_out:
                 import torch
-                scratch = torch.zeros(shape, dtype=torch.bfloat16)
+                scratch = torch.zeros(shape, dtype=torch.bfloat16, device=device)
             else:
                 scratch = np.zeros(shape, dtype=BFLOAT16)
             self._combine_scratch = scratch

@@ -59,9 +59,17 @@ void copy_all(const TensorView& src, const Tensor& dst) {
 
 Tensor empty_like(const TensorView& v) { return v.defined() ? Tensor::empty(v.dtype, v.shape) : Tensor(); }
 
-// A low-latency dispatch as Python sees it. The C++ results live in the buffer's receive area, which
+// A caller's CUDA stream handle (torch.cuda.current_stream().cuda_stream), or None: the legacy default stream.
+Stream stream_of(std::optional<std::uintptr_t> handle) {
+  return Stream{handle ? reinterpret_cast<void*>(*handle) : nullptr};
+}
+
+// A low-latency dispatch as Python sees it. CPU: the C++ results live in the buffer's receive area, which
 // the next low-latency calls and clean_low_latency_buffer reuse or free; Python gets copies (the valid
-// rows of each expert), made when the data has arrived: at once, or when the hook is called.
+// rows of each expert), made when the data has arrived: at once, or when the hook is called. GPU (a cuda_ipc
+// buffer on CUDA tensors): Python gets the views of the receive half themselves, as DeepEP does (filled on the
+// stream by the receive kernel; valid until the low-latency call two later reuses the half), each keeping the
+// buffer alive.
 struct LowLatencyDispatchState {
   std::shared_ptr<Buffer> buffer;  // the receive half (hook) runs on this buffer
   LowLatencyDispatchResult native;
@@ -87,17 +95,15 @@ struct PyRecvHook {
   std::shared_ptr<LowLatencyDispatchState> dispatch;  // null for a combine
   PyRef keep;                                         // arrays the receive half writes (combine's `out`)
 
-  void call() {
+  // GPU: the receive kernel is enqueued on `stream` (the caller's current stream, passed by epmoe/buffer.py at
+  // call time); CPU: the stream is ignored.
+  void call(std::optional<std::uintptr_t> stream) {
     nb::gil_scoped_release release;
+    StreamGuard guard(stream_of(stream));
     native();
     if (dispatch) dispatch->copy_out();
   }
 };
-
-// A caller's CUDA stream handle (torch.cuda.current_stream().cuda_stream), or None: the legacy default stream.
-Stream stream_of(std::optional<std::uintptr_t> handle) {
-  return Stream{handle ? reinterpret_cast<void*>(*handle) : nullptr};
-}
 
 Backend parse_backend(std::string_view name) {
   if (name == "auto") return Backend::automatic;
@@ -158,7 +164,9 @@ void bind_buffer(nb::module_& m) {
   nb::class_<PyRecvHook>(m, "RecvHook",
                          "Receive half of a low-latency call made with return_recv_hook=True. Call it exactly once; "
                          "a second call raises epmoe.Error (code 'stale_handle').")
-      .def("__call__", &PyRecvHook::call);
+      .def("__call__", &PyRecvHook::call, nb::arg("stream").none() = nb::none(),
+           "Runs the receive half; on a GPU buffer it is enqueued on `stream` (a cudaStream_t as an int; None: the "
+           "legacy default stream).");
 
   nb::class_<PyBuffer>(m, "Buffer", "epmoe::Buffer of one rank (use epmoe.Buffer).")
       .def(
@@ -295,7 +303,7 @@ void bind_buffer(nb::module_& m) {
           "low_latency_dispatch",
           [](PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, int tmax, int num_experts,
              nb::handle stats, bool use_fp8, bool round_scale, bool use_ue8m0, bool async_finish,
-             bool return_recv_hook, std::string_view framework) {
+             bool return_recv_hook, std::string_view framework, std::optional<std::uintptr_t> stream) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             LowLatencyDispatchArgs a;
@@ -313,20 +321,33 @@ void bind_buffer(nb::module_& m) {
             auto st = std::make_shared<LowLatencyDispatchState>();
             st->buffer = b.buffer;
             if (!stats.is_none()) st->keep = make_ref(stats);
+            bool gpu = false;
             {
               nb::gil_scoped_release release;
+              StreamGuard guard(stream_of(stream));
               st->native = buf(b).low_latency_dispatch(a);
               const LowLatencyDispatchResult& r = st->native;
-              st->x = empty_like(r.packed_recv_x);
-              st->scales = empty_like(r.packed_recv_x_scales);
-              st->count = empty_like(r.packed_recv_count);
-              st->src_info = empty_like(r.handle.src_info);
-              st->layout_range = empty_like(r.handle.layout_range);
-              if (!return_recv_hook) st->copy_out();
+              gpu = r.packed_recv_x.device.is_cuda();
+              if (gpu) {
+                // The window's views, each keeping the buffer (and so the window) alive.
+                const auto view = [&](const TensorView& v) { return v.defined() ? Tensor::wrap(v, b.buffer) : Tensor(); };
+                st->x = view(r.packed_recv_x);
+                st->scales = view(r.packed_recv_x_scales);
+                st->count = view(r.packed_recv_count);
+                st->src_info = view(r.handle.src_info);
+                st->layout_range = view(r.handle.layout_range);
+              } else {
+                st->x = empty_like(r.packed_recv_x);
+                st->scales = empty_like(r.packed_recv_x_scales);
+                st->count = empty_like(r.packed_recv_count);
+                st->src_info = empty_like(r.handle.src_info);
+                st->layout_range = empty_like(r.handle.layout_range);
+                if (!return_recv_hook) st->copy_out();
+              }
             }
             nb::object hook = nb::none();
             if (return_recv_hook)
-              hook = nb::cast(PyRecvHook{st->native.hook, b.buffer, st, st->keep});
+              hook = nb::cast(PyRecvHook{st->native.hook, b.buffer, gpu ? nullptr : st, st->keep});
             return nb::make_tuple(to_py(st->x, fw), to_py_or_none(st->scales, fw), to_py(st->count, fw),
                                   to_py(st->src_info, fw), to_py(st->layout_range, fw), nb::cast(st->native.handle),
                                   nb::cast(st->native.event), hook);
@@ -335,11 +356,12 @@ void bind_buffer(nb::module_& m) {
           nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("num_experts"),
           nb::arg("cumulative_local_expert_recv_stats").none(), nb::arg("use_fp8") = true,
           nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("async_finish") = false,
-          nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy")
+          nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
       .def(
           "low_latency_combine",
           [](PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, const LowLatencyHandle& handle,
-             bool zero_copy, bool async_finish, bool return_recv_hook, nb::handle out, std::string_view framework) {
+             bool zero_copy, bool async_finish, bool return_recv_hook, nb::handle out, std::string_view framework,
+             std::optional<std::uintptr_t> stream) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             LowLatencyCombineArgs a;
@@ -354,6 +376,7 @@ void bind_buffer(nb::module_& m) {
             LowLatencyCombineResult r;
             {
               nb::gil_scoped_release release;
+              StreamGuard guard(stream_of(stream));
               r = buf(b).low_latency_combine(a);
             }
             nb::object hook = nb::none();
@@ -365,7 +388,7 @@ void bind_buffer(nb::module_& m) {
           },
           nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"), nb::arg("handle"), nb::arg("zero_copy") = false,
           nb::arg("async_finish") = false, nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(),
-          nb::arg("framework") = "numpy");
+          nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none());
 }
 
 }  // namespace epmoe::py

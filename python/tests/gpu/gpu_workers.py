@@ -86,7 +86,6 @@ def job_errors(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
         "cpu_x": _error(lambda: buf.dispatch(to_cpu(inputs[rank]["x"]), **layout)),
         "float_x": _error(lambda: buf.dispatch(x.float(), **layout)),
         "alloc_on_comm": _error(lambda: buf.dispatch(x, allocate_on_comm_stream=True, **layout)),
-        "ll_cuda": _error(lambda: buf.low_latency_dispatch(x, idx, 32, case.E)),
         "ll_cpu": _error(lambda: buf.low_latency_dispatch(to_cpu(inputs[rank]["x"]), to_cpu(inputs[rank]["idx"]),
                                                           32, case.E)),
         "comm_stream": _error(lambda: buf.get_comm_stream()),

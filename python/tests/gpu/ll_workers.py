@@ -1,0 +1,291 @@
+"""Low-latency mode on GPUs from Python: what each process runs (test_cuda_ipc_low_latency_torch.py spawns one
+process per GPU with torch.multiprocessing), mirroring gpu_workers.py for normal mode.
+
+Every process draws all ranks' inputs from the same seed, computes the reference outputs on the CPU (epmoe's
+threads backend on NumPy arrays, in-process thread ranks; itself tested against NumPy references in
+test_buffer_low_latency.py), runs its own rank on its GPU through an epmoe.Buffer over the torch.distributed group
+(cuda_ipc backend, GPU low-latency mode), and compares bit for bit: per call the valid rows of recv_x (and of its
+scales), recv_count, the valid rows of the handle's src_info, layout_range, the cumulative stats, and combined_x.
+A call's GPU outputs are views of the buffer's receive half, so they are copied to the host before the next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+import epmoe
+from ep_scenarios import BF16, assert_same, nice_bf16, numpy_identity, torch_converters
+
+GROUP = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class LLCase:
+    name: str
+    T: Sequence[int] = (24, 17)  # tokens of each rank (len = number of ranks)
+    H: int = 256
+    K: int = 4
+    E: int = 16
+    tmax: int = 32
+    fp8: bool = False
+    round_scale: bool = False
+    ue8m0: bool = False
+    int32_idx: bool = False
+    p_none: float = 0.1  # share of top-k entries set to -1
+    calls: int = 3  # dispatch + combine pairs (both halves of the buffer, then the first again)
+
+    @property
+    def R(self) -> int:
+        return len(self.T)
+
+
+# The scenarios of tests/gpu/cuda_ipc_low_latency_test.cpp, at sizes that run in seconds on thread ranks.
+LL_CASES: List[LLCase] = [
+    LLCase("bf16"),
+    LLCase("bf16_odd_hidden", T=(33, 40), H=2880, K=8, E=32, tmax=40),
+    LLCase("fp8_float_scales", fp8=True, H=384),
+    LLCase("fp8_round_scale", fp8=True, round_scale=True, H=512),
+    LLCase("fp8_ue8m0_scales", fp8=True, round_scale=True, ue8m0=True, H=640),
+    LLCase("zero_token_rank", T=(0, 21)),
+    LLCase("t_equals_tmax", T=(32, 32), p_none=0.0),
+    LLCase("int32_ids_k1", K=1, int32_idx=True),
+    LLCase("k16", K=16, E=32),
+]
+LL_CASES_BY_NAME = {c.name: c for c in LL_CASES}
+
+
+def make_ll_inputs(case: LLCase, seed: int) -> List[List[Dict[str, Any]]]:
+    """inputs[rank][call]: x bf16 [T, H], idx [T, K] (distinct ids, some -1), w float32 [T, K], the experts'
+    output y bf16 [E_local, R*Tmax, H] (any values: only the rows of valid slots are read), and the initial
+    cumulative stats int32 [E_local] (call 0 only). Drawn from `seed` alone."""
+    rng = np.random.default_rng(seed)
+    el = case.E // case.R
+    out = []
+    for r, T in enumerate(case.T):
+        calls = []
+        for i in range(case.calls):
+            idx = np.array([rng.choice(case.E, size=case.K, replace=False) for _ in range(T)],
+                           dtype=np.int64).reshape(T, case.K)
+            idx = np.where(rng.random(size=(T, case.K)) < case.p_none, -1, idx).astype(
+                np.int32 if case.int32_idx else np.int64)
+            calls.append({
+                "x": nice_bf16(rng, (T, case.H)),
+                "idx": idx,
+                "w": rng.uniform(0.05, 1.0, size=(T, case.K)).astype(np.float32),
+                "y": nice_bf16(rng, (el, case.R * case.tmax, case.H)),
+                "stats": rng.integers(0, 100, size=el).astype(np.int32),
+            })
+        out.append(calls)
+    return out
+
+
+def _valid_rows(a: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Rows [0, count[e]) of each expert e of a [E_local, rows, ...] array, concatenated."""
+    return np.concatenate([a[e, :int(count[e])] for e in range(a.shape[0])], axis=0)
+
+
+def run_ll_rank(buf: Any, case: LLCase, inputs: List[Dict[str, Any]], to_fw: Callable[[np.ndarray], Any],
+                to_np: Callable[[Any], np.ndarray], variant: str = "sync",
+                sync: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """One rank's calls: low_latency_dispatch, then low_latency_combine of the case's expert output, `calls`
+    times. variant: 'sync', 'hook' (return_recv_hook on both), 'async' (async_finish on both, then
+    event.current_stream_wait()), 'out' (combine into a given, poisoned array). `sync` waits for the device
+    (GPU) before the outputs are read. Returns every output as NumPy arrays."""
+    sync = sync or (lambda: None)
+    hook = variant == "hook"
+    async_finish = variant == "async"
+    stats = to_fw(inputs[0]["stats"].copy())  # written in place by every dispatch
+    got: Dict[str, Any] = {}
+    for i, ci in enumerate(inputs):
+        x, idx, w, y = to_fw(ci["x"]), to_fw(ci["idx"]), to_fw(ci["w"]), to_fw(ci["y"])
+        recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+            x, idx, case.tmax, case.E, cumulative_local_expert_recv_stats=stats, use_fp8=case.fp8,
+            round_scale=case.round_scale, use_ue8m0=case.ue8m0, async_finish=async_finish, return_recv_hook=hook)
+        assert (recv_hook is not None) == hook, f"{case.name}: hook {recv_hook!r}"
+        if hook:
+            recv_hook()
+        if async_finish:
+            assert event.event is not None
+            event.current_stream_wait()
+        sync()
+        count_np = to_np(count)
+        recv_x, scales = recv if case.fp8 else (recv, None)
+        got[f"call{i}.count"] = count_np
+        got[f"call{i}.x_rows"] = _valid_rows(to_np(recv_x), count_np)
+        got[f"call{i}.scales_rows"] = _valid_rows(to_np(scales), count_np) if case.fp8 else None
+        got[f"call{i}.src_info_rows"] = _valid_rows(to_np(handle[0]), count_np)
+        got[f"call{i}.layout_range"] = to_np(handle[1])
+        assert tuple(handle[2:]) == (case.tmax, case.H, case.E), handle[2:]
+        out = None
+        if variant == "out":
+            out = to_fw(np.full((len(ci["x"]), case.H), np.nan, dtype=BF16))  # poisoned
+        combined, event, recv_hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish,
+                                                             return_recv_hook=hook, out=out)
+        if out is not None:
+            assert combined is out
+        if hook:
+            recv_hook()
+        if async_finish:
+            event.current_stream_wait()
+        sync()
+        got[f"call{i}.combined"] = to_np(combined)
+    sync()
+    got["stats"] = to_np(stats)
+    return got
+
+
+def reference_ll_outputs(case: LLCase, inputs: List[List[Dict[str, Any]]],
+                         timeout_s: float = 30.0) -> List[Dict[str, Any]]:
+    """The threads backend on NumPy arrays: every rank's outputs."""
+
+    def rank_main(group: Any) -> Dict[str, Any]:
+        r = group.rank()
+        return run_ll_rank(epmoe.Buffer(group), case, inputs[r], numpy_identity, numpy_identity)
+
+    return epmoe.run_thread_ranks(case.R, rank_main, timeout_s=timeout_s)
+
+
+def assert_same_ll(got: Dict[str, Any], ref: Dict[str, Any], where: str) -> None:
+    """Every output bit-identical (dtype and shape too); None (no scales) on both sides."""
+    assert sorted(got) == sorted(ref), where
+    for key in ref:
+        if ref[key] is None:
+            assert got[key] is None, f"{where}: {key}"
+            continue
+        assert_same({key: got[key]}, {key: ref[key]}, where)
+
+
+LL_VARIANTS = ("sync", "hook", "async", "out")
+# Every case runs synchronously; these also with hooks, async_finish and a given output.
+LL_ALL_VARIANTS = ("bf16", "fp8_float_scales", "fp8_ue8m0_scales", "zero_token_rank")
+
+
+def _run_ll_cases(buf: Any, rank: int, seed: int, names: List[str], variants_for: Callable[[str], tuple],
+                  side_stream: bool = False) -> List[str]:
+    import torch
+    to_torch, to_numpy = torch_converters(f"cuda:{rank}")
+    done = []
+    for i, name in enumerate(names):
+        case = LL_CASES_BY_NAME[name]
+        inputs = make_ll_inputs(case, seed + i)
+        ref = reference_ll_outputs(case, inputs)
+        for variant in variants_for(name):
+            if side_stream:
+                # Calls issued on a side stream: epmoe must work on torch's current stream, so the outputs are
+                # ready once that stream is synchronised.
+                side = torch.cuda.Stream(device=rank)
+                with torch.cuda.stream(side):
+                    got = run_ll_rank(buf, case, inputs[rank], to_torch, to_numpy, variant, sync=side.synchronize)
+            else:
+                got = run_ll_rank(buf, case, inputs[rank], to_torch, to_numpy, variant,
+                                  sync=torch.cuda.current_stream(rank).synchronize)
+            torch.cuda.synchronize()
+            assert_same_ll(got, ref[rank], f"{name}/{variant}{' side stream' if side_stream else ''} rank {rank} "
+                           f"(seed {seed + i})")
+            done.append(f"{name}/{variant}")
+    return done
+
+
+def job_ll_scenarios(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
+    """Every low-latency scenario, one buffer per case (Tmax, H and E are fixed for a buffer's life)."""
+    done = []
+    for j, case in enumerate(LL_CASES):
+        buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, world, 1),
+                           low_latency_mode=True)
+        assert buf.backend == "cuda_ipc" and (buf.rank, buf.group_size) == (rank, world)
+        done += _run_ll_cases(buf, rank, seed + 100 * j, [case.name],
+                              lambda name: LL_VARIANTS if name in LL_ALL_VARIANTS else ("sync",))
+    return {"done": done}
+
+
+def job_ll_side_stream(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
+    """Two cases with every call issued on a torch side stream (not the default one)."""
+    done = []
+    for j, name in enumerate(["bf16", "fp8_float_scales"]):
+        case = LL_CASES_BY_NAME[name]
+        buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, world, 1))
+        done += _run_ll_cases(buf, rank, seed + 100 * j, [name], lambda n: ("sync", "hook"), side_stream=True)
+    return {"done": done}
+
+
+def _error(call: Callable[[], Any]) -> tuple:
+    try:
+        call()
+    except epmoe.Error as e:
+        return (e.code, str(e))
+    return ("no error", "")
+
+
+def job_ll_errors(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
+    """Bad low-latency inputs raise epmoe.Error before any communication, on every rank; the buffer stays usable."""
+    import torch
+    case = LL_CASES_BY_NAME["bf16"]
+    inputs = make_ll_inputs(case, seed)
+    to_gpu, to_numpy = torch_converters(f"cuda:{rank}")
+    buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, world, 1))
+    ci = inputs[rank][0]
+    x, idx = to_gpu(ci["x"]), to_gpu(ci["idx"])
+    big_x = to_gpu(nice_bf16(np.random.default_rng(seed), (case.tmax + 1, case.H)))
+    big_idx = torch.arange(case.K, dtype=torch.int64, device=x.device).repeat(case.tmax + 1, 1)  # distinct ids
+    wide_idx = torch.zeros((x.shape[0], 17), dtype=torch.int64, device=x.device)
+    out = {
+        "too_many_tokens": _error(lambda: buf.low_latency_dispatch(big_x, big_idx, case.tmax, case.E)),
+        "k17": _error(lambda: buf.low_latency_dispatch(x, wide_idx, case.tmax, case.E)),
+        "float_x": _error(lambda: buf.low_latency_dispatch(x.float(), idx, case.tmax, case.E)),
+        "hook_and_async": _error(lambda: buf.low_latency_dispatch(x, idx, case.tmax, case.E, async_finish=True,
+                                                                  return_recv_hook=True)),
+        "cpu_idx": _error(lambda: buf.low_latency_dispatch(x, idx.cpu(), case.tmax, case.E)),
+        "bad_handle": _error(lambda: buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), (1, 2, 3))),
+    }
+    # still usable: a whole scenario after the errors
+    got = run_ll_rank(buf, case, inputs[rank], to_gpu, to_numpy, sync=torch.cuda.synchronize)
+    assert_same_ll(got, reference_ll_outputs(case, inputs)[rank], f"after errors, rank {rank} (seed {seed})")
+    # A handle from two low-latency calls ago is stale (the two-buffer rule), on every rank.
+    recv, count, h0, _, _ = buf.low_latency_dispatch(x, idx, case.tmax, case.E, use_fp8=False)
+    buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h0)
+    _, _, h1, _, _ = buf.low_latency_dispatch(x, idx, case.tmax, case.E, use_fp8=False)
+    out["stale_handle"] = _error(lambda: buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h0))
+    buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h1)  # the pending call completes
+    torch.cuda.synchronize()
+    return out
+
+
+JOBS = {"ll_scenarios": job_ll_scenarios, "ll_side_stream": job_ll_side_stream, "ll_errors": job_ll_errors}
+
+
+def run_worker(rank: int, world: int, init_file: str, backend: str, seed: int, job: str, results: Any) -> None:
+    """Entry point of one spawned process (as gpu_workers.run_worker): rank `rank` on cuda:`rank`, a
+    torch.distributed group over `backend`, then JOBS[job]; its result lands in results[rank]."""
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
+    try:
+        results[rank] = JOBS[job](rank, world, seed, dist.group.WORLD)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def thread_rank_ll_scenarios(seed: int) -> List[str]:
+    """One process, thread rank r on cuda:r (the calls wait on the host before returning), a few cases with
+    hooks and async_finish."""
+    import torch
+    names = ["bf16", "fp8_ue8m0_scales"]
+
+    def rank_main(group: Any) -> List[str]:
+        r = group.rank()
+        done = []
+        with torch.cuda.device(r):
+            for j, name in enumerate(names):
+                case = LL_CASES_BY_NAME[name]
+                buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, 2, 1),
+                                   backend="cuda_ipc", device=r)
+                done += _run_ll_cases(buf, r, seed + 100 * j, [name], lambda n: ("sync", "hook", "async"))
+        return done
+
+    return [d for per_rank in epmoe.run_thread_ranks(2, rank_main) for d in per_rank]
