@@ -101,7 +101,10 @@ std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinali
 std::shared_ptr<PrepareFinalize> make_normal_prepare_finalize(std::shared_ptr<Buffer> buffer,
                                                               const PrepareFinalizeOptions& options = {});
 /// Low-latency mode over `buffer` (batched_experts format, at most `num_max_dispatch_tokens_per_rank`
-/// tokens per rank per call; the combine applies the router weights).
+/// tokens per rank per call; the combine applies the router weights). Calls on CUDA tensors (hidden, topk_idx,
+/// topk_weights and the optional output on one GPU; `buffer` a cuda_ipc Buffer on it) run on the buffer's GPU
+/// low-latency mode, asynchronous on the current stream, with the CUDA experts (make_cuda_experts); the experts'
+/// input and counts are then views of the buffer's receive half, valid until the next forward's dispatch.
 std::shared_ptr<PrepareFinalize> make_low_latency_prepare_finalize(std::shared_ptr<Buffer> buffer,
                                                                    int num_max_dispatch_tokens_per_rank,
                                                                    const PrepareFinalizeOptions& options = {});
