@@ -11,7 +11,10 @@
 //  - dispatch_fp8 / dispatch_bf16: one low_latency_dispatch (send + receive);
 //  - combine_bf16: one low_latency_combine (a dispatch before it, outside the timed region);
 //  - *_send / *_recv (return_recv_hook): the call alone, then, once both ranks' sends are done (device sync and a
-//    barrier), the hook alone (as DeepEP measures its hooks).
+//    barrier), the hook alone (as DeepEP measures its hooks);
+//  - dispatch_fp8+combine_graph: one replay of a CUDA graph holding an fp8 dispatch and its combine (captured once;
+//    the routing tensor is refilled in place): what a decode step under CUDA graphs pays, without the host's enqueue
+//    time that every eager figure above includes (DeepEP's figures are kernel times).
 // Remote bytes (all ranks together): what crosses NVLink: dispatch, per (token, other rank it goes to) its 80-byte
 // TokenMeta and its record (bf16 row, or fp8 row + scales, 16-byte aligned), plus a 64-byte header per rank pair;
 // combine, one bf16 row per (token, k) routed to another rank, plus the headers. GB/s = remote bytes / R / time (what
@@ -28,6 +31,7 @@ int main() { return epmoe::bench::cpu_only_build("bench_gpu_low_latency"); }
 #include <epmoe/buffer.hpp>
 #include <epmoe/group.hpp>
 #include <epmoe/quant.hpp>
+#include <epmoe/stream.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -110,9 +114,9 @@ int main(int argc, char** argv) {
               static_cast<long long>(T), static_cast<long long>(H), K, E, runs, static_cast<unsigned long long>(seed));
 
   const char* ops[] = {"dispatch_fp8",      "dispatch_bf16",     "combine_bf16",     "dispatch_fp8_send",
-                       "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv"};
-  constexpr int kOps = 7;
-  const double deepep[kOps] = {27.8, 0, 41.4, 19.7, 8.1, 31.0, 9.9};
+                       "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv", "dispatch_fp8+combine_graph"};
+  constexpr int kOps = 8;
+  const double deepep[kOps] = {27.8, 0, 41.4, 19.7, 8.1, 31.0, 9.9, 27.8 + 41.4};
   std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(num_ranks));
   // Per rank: (token, other rank) pairs it sends and (token, k) pairs it routes to other ranks, averaged over the
   // routing sets.
@@ -183,6 +187,28 @@ int main(int argc, char** argv) {
       ca.return_recv_hook = hook;
       return ca;
     };
+    // The graph: captured on a blocking stream, so the timer's events on the legacy default stream order with it.
+    cudaStream_t graph_stream = nullptr;
+    check(cudaStreamCreate(&graph_stream), "cudaStreamCreate");
+    cudaGraphExec_t graph_exec = nullptr;
+    LowLatencyDispatchResult captured;
+    {
+      new_routing(1000000);
+      {  // an eager pair first (configures the window)
+        const LowLatencyDispatchResult d = buf.low_latency_dispatch(dispatch_args(true, false));
+        buf.low_latency_combine(combine_args(d.handle, false));
+      }
+      check(cudaDeviceSynchronize(), "sync");
+      g.barrier("bench graph");
+      StreamGuard on(Stream{graph_stream});
+      cudaGraph_t graph = nullptr;
+      check(cudaStreamBeginCapture(graph_stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+      captured = buf.low_latency_dispatch(dispatch_args(true, false));
+      buf.low_latency_combine(combine_args(captured.handle, false));
+      check(cudaStreamEndCapture(graph_stream, &graph), "cudaStreamEndCapture");
+      check(cudaGraphInstantiate(&graph_exec, graph, 0), "cudaGraphInstantiate");
+      check(cudaGraphDestroy(graph), "cudaGraphDestroy");
+    }
     for (int i = 0; i < kWarmup + runs; ++i) {
       prepare(i, true);
       time_it(0, i, [&] { buf.low_latency_dispatch(dispatch_args(true, false)); });
@@ -204,7 +230,11 @@ int main(int argc, char** argv) {
       check(cudaDeviceSynchronize(), "sync");
       g.barrier("bench hook");
       time_it(6, i, [&] { ch.hook(); });
+      prepare(i);
+      time_it(7, i, [&] { check(cudaGraphLaunch(graph_exec, graph_stream), "cudaGraphLaunch"); });
     }
+    check(cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy");
+    check(cudaStreamDestroy(graph_stream), "cudaStreamDestroy");
     check(cudaDeviceSynchronize(), "sync");
     g.barrier("bench done");
     {
@@ -222,8 +252,8 @@ int main(int argc, char** argv) {
   const double dispatch_fp8_bytes = tokens * (meta + fp8_record) + headers;
   const double dispatch_bf16_bytes = tokens * (meta + bf16_record) + headers;
   const double combine_bytes = pairs * 2.0 * H + headers;
-  const double remote[kOps] = {
-      dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes, dispatch_fp8_bytes, 0, combine_bytes, 0};
+  const double remote[kOps] = {dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes, dispatch_fp8_bytes, 0,
+                               combine_bytes,      0,                   dispatch_fp8_bytes + combine_bytes};
   std::printf(
       "\n| op | median us | min us | remote MB | remote GB/s/rank | DeepEP us (R = 2) |\n| --- | --- | --- | --- | --- | "
       "--- |\n");
