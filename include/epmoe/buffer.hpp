@@ -80,7 +80,9 @@ enum class Backend { automatic, threads, mpi, cuda_ipc };
 
 struct BufferOptions {
   Backend backend = Backend::automatic;  ///< automatic: the Group's backend ("threads" or "mpi")
-  std::int64_t num_nvl_bytes = 0;        ///< normal-mode buffer bytes (GPU backends)
+  /// Normal-mode buffer bytes (GPU backends); cuda_ipc: 0 only with low_latency_mode, a low-latency-only buffer
+  /// whose normal-mode calls raise invalid_argument.
+  std::int64_t num_nvl_bytes = 0;
   /// Low-latency buffer bytes per rank; 0 = sized on the first low-latency call.
   /// get_low_latency_rdma_size_hint() gives the size needed.
   std::int64_t num_rdma_bytes = 0;

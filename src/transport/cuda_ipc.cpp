@@ -216,8 +216,12 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     blocks_ = o.num_sms == 0 ? ipc::kDefaultBlocks : o.num_sms;
     EPMOE_CHECK_ARG(blocks_ >= 1 && blocks_ <= ipc::kMaxBlocks, "options.num_sms",
                     fmt::format("0 (default {}) or 1..{}", ipc::kDefaultBlocks, ipc::kMaxBlocks), o.num_sms);
-    EPMOE_CHECK_ARG(o.num_nvl_bytes > 0, "options.num_nvl_bytes",
-                    "> 0 bytes (Buffer::get_normal_nvl_size_hint gives the size for a token count)", o.num_nvl_bytes);
+    // 0 is a low-latency-only buffer (as DeepEP's Buffer(group, 0, num_rdma_bytes, low_latency_mode=True)): its
+    // normal-mode calls raise (require_normal_region).
+    EPMOE_CHECK_ARG(o.num_nvl_bytes > 0 || (o.num_nvl_bytes == 0 && o.low_latency_mode), "options.num_nvl_bytes",
+                    "> 0 bytes (Buffer::get_normal_nvl_size_hint gives the size for a token count; 0 only with "
+                    "low_latency_mode = true)",
+                    o.num_nvl_bytes);
     int count = 0;
     EPMOE_CUDA_CHECK(cudaGetDeviceCount(&count));
     device_ = o.device >= 0 ? o.device : (count > 0 ? me_ % count : 0);
@@ -541,6 +545,16 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   cudaEvent_t stage_copied_[ipc::kMaxChunks] = {};  // combine: stage j's pushes done (its signal's start)
   cudaEvent_t caller_done_ = nullptr, comm_done_ = nullptr;  // enter/leave of a synchronous op, reused
   std::int64_t data_bytes_ = 0;
+
+  /// A normal-mode call on a low-latency-only buffer (num_nvl_bytes = 0) raises invalid_argument naming it.
+  void require_normal_region(const char* op) const {
+    if (data_bytes_ == 0)
+      throw_invalid_argument("options.num_nvl_bytes",
+                             fmt::format("> 0 for a normal-mode {} (this buffer was made for low-latency mode only; "
+                                         "Buffer::get_normal_nvl_size_hint gives the size)",
+                                         op),
+                             "0");
+  }
   void* base_ = nullptr;                   // [control | data region | receive slots], owned by memory_
   std::shared_ptr<void> memory_;
   std::size_t slot_stride_ = 0;  // bytes from one receive slot to the next (slot 0 one stride past the data region)
@@ -556,6 +570,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
 };
 
 DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
+  require_normal_region("dispatch");
   check_state();
   const int R = R_, me = me_, dev = device_;
   // ---- validate everything locally ----
@@ -929,6 +944,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
 }
 
 CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
+  require_normal_region("combine");
   check_state();
   const int R = R_, dev = device_;
   const CombineSpec spec = check_combine_args(a, R, buffer_id_, Device::cuda(dev));

@@ -176,7 +176,7 @@ BufferOptions gpu_options(int r, int R, const Case& c) {
   BufferOptions o;
   o.backend = Backend::cuda_ipc;
   o.device = r;
-  o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, c.H, R, 1);  // normal mode unused here
+  o.low_latency_mode = true;  // num_nvl_bytes 0: a low-latency-only buffer, as DeepEP's decode buffers
   return o;
 }
 
@@ -407,6 +407,19 @@ TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
       const CallIn& ci = in[static_cast<std::size_t>(r)][0];
       Tensor x = to_gpu(ci.x, r), idx = to_gpu(ci.idx, r), w = to_gpu(ci.w, r), cx = to_gpu(ci.comb_x, r);
       auto args = [&] { return dispatch_args(c, x, idx, w, false); };
+      // A normal-mode call on the low-latency-only buffer, and such a buffer without low_latency_mode.
+      if (eager) {
+        DispatchArgs normal;
+        normal.x = x;
+        const Failure f = failure([&] { buf.dispatch(normal); });
+        EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        EXPECT_NE(f.what.find("options.num_nvl_bytes"), std::string::npos) << f.what;
+        BufferOptions no_mode = gpu_options(r, R, c);
+        no_mode.low_latency_mode = false;
+        const Failure g0 = failure([&] { Buffer unusable(borrow(g), no_mode); });
+        EXPECT_EQ(g0.code, ErrorCode::invalid_argument) << g0.what;
+        EXPECT_NE(g0.what.find("low_latency_mode"), std::string::npos) << g0.what;
+      }
       // T > Tmax: names both.
       LowLatencyDispatchArgs big = args();
       big.num_max_dispatch_tokens_per_rank = static_cast<int>(std::max<std::int64_t>(1, x.shape()[0] - 1));

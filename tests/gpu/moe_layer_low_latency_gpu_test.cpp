@@ -250,8 +250,15 @@ void check_case(const Case& c, std::uint64_t seed) {
         EXPECT_EQ(got[ru][fu].numel(), 0) << what;
         continue;
       }
-      const std::vector<double> ref =
-          test::moe_layer_reference(seen_by_experts(c, ci), m.w1, m.w2, ci.idx, ci.w, "silu", c.weight_on_input);
+      // seen_by_experts has the router weight applied already (on the token side, before the wire), so the
+      // reference takes weights of 1 then (and applies none on either side).
+      Tensor ones;
+      if (c.weight_on_input) {
+        ones = Tensor::empty(DType::fp32, ci.w.shape());
+        for (std::int64_t i = 0; i < ones.numel(); ++i) ones.ptr<float>()[i] = 1.0f;
+      }
+      const std::vector<double> ref = test::moe_layer_reference(seen_by_experts(c, ci), m.w1, m.w2, ci.idx,
+                                                                c.weight_on_input ? ones : ci.w, "silu", false);
       const double err = test::relative_l2(got[ru][fu], ref);
       log_error(what + " vs float64", err);
       EXPECT_LE(err, kTolerance) << what << " (seed " << seed << "): GPU vs float64";  // also fails on NaN / poison

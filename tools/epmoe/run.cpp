@@ -196,6 +196,7 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
   BufferOptions bo = c.buffer_options;
   bo.backend = Backend::cuda_ipc;
   bo.device = device;  // num_rdma_bytes 0 (unless --config sets it): the window is sized on the first call
+  bo.low_latency_mode = true;  // num_nvl_bytes 0: a low-latency-only buffer
   auto buffer = std::make_shared<Buffer>(group, bo);
   PrepareFinalizeOptions po;
   po.dispatch_dtype = c.dispatch_dtype == "fp8" ? DispatchDtype::fp8 : DispatchDtype::bf16;
