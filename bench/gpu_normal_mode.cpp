@@ -1,21 +1,24 @@
-// Normal-mode dispatch and combine over NVLink (cuda_ipc backend) on 2 GPUs, beside peer copies of the
+// Normal-mode dispatch and combine over NVLink (cuda_ipc backend) on R GPUs, beside peer copies of the
 // same bytes measured in the same run (SPEC 12, PERF.md "Floors" and "Leads").
 //
-// One process, one thread per rank, rank r on cuda:r (threads group, peer access). Each figure is the
+// One process, one thread per rank, rank r on cuda:r (threads group, peer access); R = every visible GPU (up to
+// 8) unless --ranks says otherwise (R = 1: no NVLink, the path's fixed cost; no floors). Each figure is the
 // median over >= 50 runs after 5 warm-up runs; one run = both devices idle and the L2 flushed (256 MiB
 // memset), a host barrier, then CUDA events on each rank's caller stream around one Buffer call (the
 // count exchange's host read included); the run's time is the slower rank's. Inputs are random (seed
 // printed), routing uniform top-K of E.
-//  - remote bytes: what crosses NVLink, both directions together: dispatch rows sent to the peer
+//  - remote bytes: what crosses NVLink, all ranks together: dispatch rows sent to other ranks
 //    (x + scales + int64 local ids + f32 weights + int32 source index), combine rows sent back (bf16
-//    x + f32 weights); remote GB/s = remote bytes / 2 / time (per direction);
-//  - logical bytes: DeepEP's convention: recv_x bytes of both ranks (local rows included), the same rows
-//    for combine; logical GB/s = logical bytes / 2 / time (per rank);
-//  - peer copy: cudaMemcpyPeerAsync of one direction's remote bytes (copy engine), and the two directions
-//    at once on two streams; the ratios compare the op's per-direction remote bandwidth with each.
+//    x + f32 weights); remote GB/s = remote bytes / R / time (what one rank sends; per direction at R = 2);
+//  - logical bytes: DeepEP's convention: recv_x bytes of all ranks (local rows included), the same rows
+//    for combine; logical GB/s = logical bytes / R / time (per rank);
+//  - floors, cudaMemcpyPeerAsync (copy engine) of the bf16 dispatch rows each rank sends each peer (counts from
+//    the dispatch's prefix matrix): rank 0 -> 1 alone ("1-way"), and every pair at once, one stream per peer
+//    ("all pairs"; at R = 2 both directions); the ratios compare the op's remote GB/s per rank with each.
 //
-// Usage: bench_gpu_normal_mode [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N]
-//                              [--json PATH]
+// Usage: bench_gpu_normal_mode [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R]
+//                              [--sms N] [--copy-engine 0|1] [--chunks N] [--recv-slots N]
+//                              [--routing DIR [--domain D]] [--json PATH]
 #include "bench_util.hpp"
 
 #if !defined(EPMOE_HAVE_CUDA)
@@ -46,8 +49,8 @@ namespace {
 
 using namespace epmoe;
 
-constexpr int kRanks = 2;
 constexpr int kWarmup = 5;
+constexpr int kMaxRanks = 8;
 
 void check(cudaError_t e, const char* what) { bench::check_cuda("bench_gpu_normal_mode", e, what); }
 
@@ -92,13 +95,14 @@ Tensor replayed_routing(const RoutingTrace& trace, std::int64_t T, int E, int ra
 struct Result {
   std::string op;
   double median_us = 0, min_us = 0, remote_bytes = 0, logical_bytes = 0;
-  double remote_gbps = 0, logical_gbps = 0, of_copy = 0, of_bidir = 0;
+  double remote_gbps = 0, logical_gbps = 0, of_copy = 0, of_all_pairs = 0;
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int sms = 0, copy_engine = 1, chunks = 0, recv_slots = BufferOptions{}.num_recv_slots;
+  int ranks = 0;  // 0: every visible GPU, up to kMaxRanks
   std::string routing, domain = "general";
   bench::OpOptions opt;
   opt.T = 4096;
@@ -117,15 +121,26 @@ int main(int argc, char** argv) {
       copy_engine = std::atoi(next());
     else if (!std::strcmp(argv[i], "--recv-slots"))
       recv_slots = std::atoi(next());
+    else if (!std::strcmp(argv[i], "--ranks"))
+      ranks = std::atoi(next());
     else {
       std::printf(
-          "usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--sms N] [--copy-engine 0|1] "
+          "usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R] [--sms N] [--copy-engine 0|1] "
           "[--chunks N] [--recv-slots N] [--routing DIR [--domain D]] [--json PATH]\n",
           argv[0]);
       return 2;
     }
   }
-  if (!bench::have_gpus("bench_gpu_normal_mode", kRanks)) return 77;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  if (ranks == 0) ranks = std::min(devices, kMaxRanks);
+  if (!bench::have_gpus("bench_gpu_normal_mode", std::max(ranks, 1))) return 77;
+  if (ranks < 1 || ranks > kMaxRanks || opt.E % ranks != 0) {
+    std::printf("bench_gpu_normal_mode: --ranks must be 1..%d and divide --experts (%d), got %d\n", kMaxRanks, opt.E,
+                ranks);
+    return 2;
+  }
+  const int R = ranks;
   const int runs = opt.runs, E = opt.E;
   int K = opt.K;  // a replayed routing sets it
   const std::int64_t T = opt.T, H = opt.H;
@@ -136,15 +151,16 @@ int main(int argc, char** argv) {
   std::printf(
       "bench_gpu_normal_mode: %s x%d, T=%lld H=%lld K=%d E=%d, sms=%d, copy_engine=%d, chunks=%d, recv_slots=%d, "
       "runs=%d, seed %llu\n",
-      prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks,
+      prop.name, R, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine, chunks,
       recv_slots, runs,
       static_cast<unsigned long long>(seed));
 
   // times[op][rank][run]
   const char* ops[] = {"dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16"};
   constexpr int kOps = 4;
-  std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(kRanks));
-  std::vector<double> sent_rows(kRanks), recv_rows(kRanks);
+  std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(R));
+  std::vector<double> sent_rows(R), recv_rows(R);
+  std::vector<std::vector<double> > pair_rows(R, std::vector<double>(R));  // [src][dst], src != dst
   std::vector<double> copy_one_us, copy_both_us;
   std::mutex mutex;
   const std::int64_t scale_cols = num_scale_groups(H);
@@ -156,8 +172,8 @@ int main(int argc, char** argv) {
                 routing.c_str(), domain.c_str(), static_cast<long long>(trace.num_tokens()), K, E);
   }
 
-  run_thread_ranks(kRanks, [&](Group& g) {
-    const int r = g.rank(), peer = 1 - r;
+  run_thread_ranks(R, [&](Group& g) {
+    const int r = g.rank();
     check(cudaSetDevice(r), "cudaSetDevice");
     BufferOptions o;
     o.backend = Backend::cuda_ipc;
@@ -166,7 +182,7 @@ int main(int argc, char** argv) {
     o.use_copy_engine = copy_engine != 0;
     o.num_chunks = chunks;
     o.num_recv_slots = recv_slots;
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, kRanks, K);
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, R, K);
     Buffer buf(std::shared_ptr<Group>(&g, [](Group*) {}), o);
     const std::uint64_t s = seed + 1000003ull * static_cast<std::uint64_t>(r);
     const Tensor x = random_device(DType::bf16, {T, H}, r, s + 1);
@@ -203,36 +219,54 @@ int main(int argc, char** argv) {
     ca.handle = &keep.handle;
     timed(3, [&] { buf.combine(ca); });
 
-    // Rows this rank sends to its peer and receives, from the handle's prefix matrix.
-    std::vector<std::int32_t> pm(kRanks * kRanks);
+    // Rows this rank sends to each peer and receives, from the handle's prefix matrix.
+    std::vector<std::int32_t> pm(R * R);
     check(cudaMemcpy(pm.data(), keep.handle.rank_prefix_matrix.data(), pm.size() * 4, cudaMemcpyDeviceToHost), "D2H");
     auto count = [&](int src, int dst) {
-      return pm[src * kRanks + dst] - (src > 0 ? pm[(src - 1) * kRanks + dst] : 0);
+      return pm[src * R + dst] - (src > 0 ? pm[(src - 1) * R + dst] : 0);
     };
     {
       std::lock_guard<std::mutex> lock(mutex);
-      sent_rows[static_cast<std::size_t>(r)] = count(r, peer);
+      for (int d = 0; d < R; ++d) {
+        if (d == r) continue;
+        pair_rows[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)] = count(r, d);
+        sent_rows[static_cast<std::size_t>(r)] += count(r, d);
+      }
       recv_rows[static_cast<std::size_t>(r)] = keep.handle.num_recv_tokens;
     }
-
-    // Peer copies of one direction's bf16 dispatch bytes: rank 0 -> 1 alone, then both directions at once.
     g.barrier("bench copies");
-    const std::size_t bytes = static_cast<std::size_t>(sent_rows[0]) * static_cast<std::size_t>(2 * H + 12 * K + 4);
+    if (R < 2) return;  // no peers: no floors
+
+    // Floors: peer copies of the bf16 dispatch rows this rank sends each peer: rank 0 -> 1 alone, then every pair
+    // at once (one blocking stream per peer, so the timer's events on the legacy stream order with them).
+    const std::size_t row = static_cast<std::size_t>(2 * H + 12 * K + 4);
+    std::size_t most = 16;
+    for (const auto& v : pair_rows)
+      for (double n : v) most = std::max(most, static_cast<std::size_t>(n) * row);
     void* src = nullptr;
-    void* dst = nullptr;
-    check(cudaMalloc(&src, bytes), "cudaMalloc");
-    check(cudaMalloc(&dst, bytes), "cudaMalloc");
-    std::vector<void*> dsts(kRanks);
-    dsts[static_cast<std::size_t>(r)] = dst;
+    void* dst = nullptr;  // a part per source
+    check(cudaMalloc(&src, most), "cudaMalloc");
+    check(cudaMalloc(&dst, most * static_cast<std::size_t>(R)), "cudaMalloc");
+    std::vector<void*> dsts(R);
     g.all_gather(&dst, dsts.data(), sizeof(void*), "bench copies");
+    std::vector<cudaStream_t> streams(R);
+    for (cudaStream_t& st : streams) check(cudaStreamCreate(&st), "cudaStreamCreate");
+    const auto copy_to = [&](int d, cudaStream_t st) {
+      const std::size_t n = static_cast<std::size_t>(pair_rows[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)]);
+      check(cudaMemcpyPeerAsync(static_cast<char*>(dsts[static_cast<std::size_t>(d)]) + most * static_cast<std::size_t>(r),
+                                d, src, r, n * row, st),
+            "peer copy");
+    };
     for (int mode = 0; mode < 2; ++mode) {
       std::vector<double> ts;
       for (int i = 0; i < kWarmup + runs; ++i) {
         check(cudaDeviceSynchronize(), "sync");
         g.barrier("bench copy");
         const double us = timer.time_us([&] {
-          if (mode == 1 || r == 0)
-            check(cudaMemcpyPeerAsync(dsts[static_cast<std::size_t>(peer)], peer, src, r, bytes, nullptr), "peer copy");
+          if (mode == 0 && r == 0) copy_to(1, nullptr);
+          if (mode == 1)
+            for (int d = 0; d < R; ++d)
+              if (d != r) copy_to(d, streams[static_cast<std::size_t>(d)]);
         });
         if (i >= kWarmup) ts.push_back(us);
       }
@@ -246,43 +280,50 @@ int main(int argc, char** argv) {
       }
     }
     g.barrier("bench done");
+    for (cudaStream_t st : streams) cudaStreamDestroy(st);
     cudaFree(src);
     cudaFree(dst);
   });
 
-  const double copy_bytes = sent_rows[0] * static_cast<double>(2 * H + 12 * K + 4);
-  const double one_gbps = copy_bytes / median(copy_one_us) / 1e3;
-  const double both_gbps = copy_bytes / median(copy_both_us) / 1e3;  // per direction
-  const double remote_rows = sent_rows[0] + sent_rows[1];
-  const double logical_rows = recv_rows[0] + recv_rows[1];
+  const double row_bf16 = static_cast<double>(2 * H + 12 * K + 4);
+  const double remote_rows = std::accumulate(sent_rows.begin(), sent_rows.end(), 0.0);
+  const double logical_rows = std::accumulate(recv_rows.begin(), recv_rows.end(), 0.0);
+  // Floors in GB/s per rank (what one rank sends), 0 without peers.
+  const double one_bytes = R > 1 ? pair_rows[0][1] * row_bf16 : 0;
+  const double one_gbps = R > 1 ? one_bytes / median(copy_one_us) / 1e3 : 0;
+  const double all_gbps = R > 1 ? remote_rows * row_bf16 / R / median(copy_both_us) / 1e3 : 0;
   const double dispatch_bf16_row = 2.0 * H + 12.0 * K + 4, dispatch_fp8_row = H + 4.0 * scale_cols + 12.0 * K + 4;
   const double row_bytes[kOps] = {dispatch_bf16_row, dispatch_fp8_row, 2.0 * H, 2.0 * H + 4.0 * K};
   const double logical_row[kOps] = {2.0 * H, static_cast<double>(H), 2.0 * H, 2.0 * H};
   std::vector<Result> results;
   for (int op = 0; op < kOps; ++op) {
-    const std::vector<double> slow =
-        bench::slower_of(times[static_cast<std::size_t>(op)][0], times[static_cast<std::size_t>(op)][1]);
+    const std::vector<double> slow = bench::slowest_of(times[static_cast<std::size_t>(op)]);
     Result res;
     res.op = ops[op];
     res.median_us = median(slow);
     res.min_us = slow.empty() ? 0 : *std::min_element(slow.begin(), slow.end());
     res.remote_bytes = remote_rows * row_bytes[op];
     res.logical_bytes = logical_rows * logical_row[op];
-    res.remote_gbps = res.remote_bytes / 2 / res.median_us / 1e3;
-    res.logical_gbps = res.logical_bytes / 2 / res.median_us / 1e3;
-    res.of_copy = res.remote_gbps / one_gbps;
-    res.of_bidir = res.remote_gbps / both_gbps;
+    res.remote_gbps = res.remote_bytes / R / res.median_us / 1e3;
+    res.logical_gbps = res.logical_bytes / R / res.median_us / 1e3;
+    res.of_copy = one_gbps > 0 ? res.remote_gbps / one_gbps : 0;
+    res.of_all_pairs = all_gbps > 0 ? res.remote_gbps / all_gbps : 0;
     results.push_back(res);
   }
-  std::printf("\npeer copy of %.1f MB: one direction %.1f us (%.0f GB/s), both at once %.1f us (%.0f GB/s each)\n",
-              copy_bytes / 1e6, median(copy_one_us), one_gbps, median(copy_both_us), both_gbps);
+  if (R > 1)
+    std::printf("\npeer copy of %.1f MB rank 0 -> 1: %.1f us (%.0f GB/s); every pair at once (%.1f MB in all): %.1f us "
+                "(%.0f GB/s per rank)\n",
+                one_bytes / 1e6, median(copy_one_us), one_gbps, remote_rows * row_bf16 / 1e6, median(copy_both_us),
+                all_gbps);
+  else
+    std::printf("\none rank: no peer, no floors (the figures are the path's fixed cost)\n");
   std::printf(
-      "\n| op | median us | min us | remote MB | remote GB/s/dir | logical GB/s/rank | of 1-way copy | of 2-way copy "
-      "|\n");
+      "\n| op | median us | min us | remote MB | remote GB/s/rank | logical GB/s/rank | of 1-way copy | of all-pairs "
+      "copy |\n");
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const Result& r : results)
     std::printf("| %s | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f%% | %.0f%% |\n", r.op.c_str(), r.median_us, r.min_us,
-                r.remote_bytes / 1e6, r.remote_gbps, r.logical_gbps, 100 * r.of_copy, 100 * r.of_bidir);
+                r.remote_bytes / 1e6, r.remote_gbps, r.logical_gbps, 100 * r.of_copy, 100 * r.of_all_pairs);
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
     if (!f) {
@@ -292,22 +333,22 @@ int main(int argc, char** argv) {
     std::fprintf(f,
                  "{\n  \"device\": \"%s\",\n  \"ranks\": %d,\n  \"T\": %lld, \"H\": %lld, \"K\": %d, \"E\": %d, "
                  "\"sms\": %d, \"copy_engine\": %d, \"chunks\": %d, \"recv_slots\": %d,\n  \"routing\": \"%s\",\n",
-                 prop.name, kRanks, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine,
+                 prop.name, R, static_cast<long long>(T), static_cast<long long>(H), K, E, sms, copy_engine,
                  chunks, recv_slots, routing.empty() ? "uniform random" : (routing + ":" + domain + ":layer0").c_str());
     std::fprintf(f,
                  "  \"seed\": %llu,\n  \"runs\": %d,\n  \"peer_copy_one_way_gbps\": %.1f,\n  "
-                 "\"peer_copy_two_way_gbps\": %.1f,\n",
-                 static_cast<unsigned long long>(seed), runs, one_gbps, both_gbps);
+                 "\"peer_copy_all_pairs_gbps_per_rank\": %.1f,\n  \"peer_copy_all_pairs_us\": %.2f,\n",
+                 static_cast<unsigned long long>(seed), runs, one_gbps, all_gbps, R > 1 ? median(copy_both_us) : 0.0);
     std::fprintf(f, "  \"results\": [\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::fprintf(
           f,
           "    {\"op\": \"%s\", \"median_us\": %.3f, \"min_us\": %.3f, \"remote_bytes\": %.0f, \"logical_bytes\": "
-          "%.0f, \"remote_gbps_per_direction\": %.1f, \"logical_gbps_per_rank\": %.1f, \"of_one_way_copy\": %.3f, "
-          "\"of_two_way_copy\": %.3f}%s\n",
+          "%.0f, \"remote_gbps_per_rank\": %.1f, \"logical_gbps_per_rank\": %.1f, \"of_one_way_copy\": %.3f, "
+          "\"of_all_pairs_copy\": %.3f}%s\n",
           r.op.c_str(), r.median_us, r.min_us, r.remote_bytes, r.logical_bytes, r.remote_gbps, r.logical_gbps,
-          r.of_copy, r.of_bidir, i + 1 < results.size() ? "," : "");
+          r.of_copy, r.of_all_pairs, i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

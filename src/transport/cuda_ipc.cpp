@@ -415,8 +415,9 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   struct TraceSum {
     std::vector<std::string> names;
     std::vector<double> gpu_us, host_us;
-    int ops = 0;
+    int ops = 0, skipped = 0;  // the first kTraceWarmup ops of a kind are left out (first launches load modules)
   };
+  static constexpr int kTraceWarmup = 5;
   void trace_begin() {
     if (!trace_) return;
     trace_n_ = 0;
@@ -427,6 +428,16 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   void trace_mark(const char* name, cudaStream_t stream = nullptr) {
     if (!trace_ || trace_n_ >= kTraceMarks) return;
     EPMOE_CUDA_CHECK(cudaEventRecord(trace_ev_[trace_n_], stream ? stream : comm_));
+    trace_gpu_[trace_n_] = true;
+    trace_names_[trace_n_] = name;
+    trace_host_[trace_n_] =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - trace_t0_).count();
+    ++trace_n_;
+  }
+  /// Marks when the host passes this point (no event: splits the host's enqueue time).
+  void trace_host(const char* name) {
+    if (!trace_ || trace_n_ >= kTraceMarks) return;
+    trace_gpu_[trace_n_] = false;
     trace_names_[trace_n_] = name;
     trace_host_[trace_n_] =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - trace_t0_).count();
@@ -443,9 +454,13 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       t.host_us.assign(static_cast<std::size_t>(trace_n_), 0.0);
     }
     if (static_cast<int>(t.names.size()) != trace_n_) return;
+    if (t.skipped < kTraceWarmup) {
+      ++t.skipped;
+      return;
+    }
     for (int i = 0; i < trace_n_; ++i) {
       float ms = 0;
-      EPMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, trace_ev_[0], trace_ev_[i]));
+      if (trace_gpu_[i]) EPMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, trace_ev_[0], trace_ev_[i]));
       t.gpu_us[static_cast<std::size_t>(i)] += ms * 1e3;
       t.host_us[static_cast<std::size_t>(i)] += trace_host_[i];
     }
@@ -453,9 +468,10 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   }
   void trace_print() const {
     for (const auto& [op, t] : trace_sums_) {
-      std::string line = fmt::format("epmoe cuda_ipc trace, rank {}, {} ({} ops), mean us from the op's start "
-                                     "[gpu reached / host passed]:",
-                                     me_, op, t.ops);
+      if (t.ops == 0) continue;
+      std::string line = fmt::format("epmoe cuda_ipc trace, rank {}, {} ({} ops after {} left out), mean us from the "
+                                     "op's start [gpu reached / host passed; h: host only]:",
+                                     me_, op, t.ops, t.skipped);
       for (std::size_t i = 0; i < t.names.size(); ++i)
         line += fmt::format("  {} {:.1f}/{:.1f}", t.names[i], t.gpu_us[i] / t.ops, t.host_us[i] / t.ops);
       std::fprintf(stderr, "%s\n", line.c_str());
@@ -524,11 +540,12 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   bool combine_sm_push_ = false;
   std::uint64_t ops_ = 0;  // eager ops so far (the same on every rank): picks the staging's half (half_layout)
   std::int64_t copy_engine_min_rows_ = 1024;  // measured on 2x H200: below ~1K rows the SM path is faster
-  static constexpr int kTraceMarks = 16;
+  static constexpr int kTraceMarks = 24;
   bool trace_ = false;
   int trace_n_ = 0;
   cudaEvent_t trace_ev_[kTraceMarks] = {};
   const char* trace_names_[kTraceMarks] = {};
+  bool trace_gpu_[kTraceMarks] = {};
   double trace_host_[kTraceMarks] = {};
   std::chrono::steady_clock::time_point trace_t0_;
   std::map<std::string, TraceSum> trace_sums_;
@@ -571,6 +588,8 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
 
 DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   require_normal_region("dispatch");
+  trace_begin();  // before the checks: the trace's host times include them
+  trace_host("h:begun");
   check_state();
   const int R = R_, me = me_, dev = device_;
   // ---- validate everything locally ----
@@ -591,6 +610,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
           "bytes fit; Buffer::get_normal_nvl_size_hint gives the size)",
           me, worst, data_bytes_, L.capacity,
           dispatch_row_bytes(static_cast<std::int64_t>(x_row), static_cast<std::int64_t>(scale_row), K));
+  trace_host("h:checked");
 
   DeviceGuard guard(Device::cuda(dev));
   const cudaStream_t s = comm_;
@@ -601,8 +621,9 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
                            "read on the host, which a graph cannot do)",
                            "0");
   StreamGuard on_comm(Stream{s});  // outputs and temporaries are allocated (stream-ordered) on the comm stream
+  trace_host("h:guards");
   enter(a.previous_event, caller);
-  trace_begin();
+  trace_mark("entered");
   const ipc::Common c = common();
   const Device gpu = Device::cuda(dev);
 
@@ -625,6 +646,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   // receive pass), from right after the exchange: their kernel is enqueued before the host read.
   std::shared_ptr<int> slot;
   if (worst == 0) slot = RecvSlots::acquire(recv_slots_);
+  trace_host("h:slot");
   ipc::NotifyArgs notify;
   if (cached) {
     notify.phase = ipc::kPhaseCachedNotify;
@@ -649,6 +671,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     send_pos = routing_block->take(DType::int32, {T, R});
     in_rank = routing_block->take(DType::boolean, {T, R});
     list = routing_block->take(DType::int32, {R, T});
+    trace_host("h:allocated");
     notify.per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
     notify.per_expert = static_cast<const std::int32_t*>(a.num_tokens_per_expert.data);
     notify.experts_per_rank = E_local;
@@ -661,6 +684,11 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     notify.ce_min_rows = ce_allowed ? copy_engine_min_rows_ : -1;
     notify.ce_capacity = Lh.capacity;
     notify.recv_slot = slot ? *slot : -1;
+    if (slot) {  // zero-copy attempt: local positions in the notify, the offsets added by the send kernel
+      notify.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
+      notify.local_pos = send_pos.ptr<std::int32_t>();
+      notify.T = T;
+    }
     set_dispatch_settings(notify);
   }
   const auto send_args = [&] {
@@ -742,25 +770,37 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   }
   notify.advance = !stage_early;
   notify.prestaged = stage_early;
+  trace_host("h:notify args");
   ipc::launch_notify(c, notify, s);
+  trace_host("h:notify launched");
   // The host reads the count exchange's result (a fresh dispatch: the counts and the path; a cached one offering a
   // slot: whether the zero-copy path was chosen).
   const bool host_read = worst == 0 && (!cached || slot);
   if (host_read) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
   trace_mark(cached ? "handshake" : "count exchange");
   if (stage_early) enqueue_staging(true);
-  if (!cached) {
+  const auto launch_final_send_pos = [&] {
     ipc::SendPosArgs sp;
     sp.in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
     sp.pm = pm.ptr<std::int32_t>();
     sp.T = T;
     sp.send_pos = send_pos.ptr<std::int32_t>();
     ipc::launch_send_pos(c, sp, s);
-  }
+  };
+  if (!cached && !slot) launch_final_send_pos();
+  // Zero-copy: the source indices land in a capacity-sized tensor (the send kernel's last block copies them there
+  // once every sender is done; num_recv is not known on the host yet).
+  std::shared_ptr<Tensor> src_block;
   if (slot) {
     ipc::DispatchSendArgs sa = send_args();
     sa.slot_base = slot_stride_;
     sa.slot_bytes = slot_stride_;
+    if (!cached) {
+      sa.pm = pm.ptr<std::int32_t>();
+      sa.final_pos = send_pos.ptr<std::int32_t>();
+      src_block = std::make_shared<Tensor>(Tensor::empty(DType::int32, {L.capacity}, gpu));
+      sa.recv_src = src_block->ptr<std::int32_t>();
+    }
     ipc::launch_dispatch_send(c, sa, blocks_, s);
     trace_mark("rows sent");
   }
@@ -774,6 +814,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
       ce = ce_allowed && host_->use_copy_engine != 0;
     }
     direct = slot && host_->use_direct != 0;
+    // Not chosen after a fresh zero-copy attempt: send_pos holds local positions; the other paths need final ones.
+    if (slot && !direct && !cached) launch_final_send_pos();
     if (!direct) slot.reset();
     if (ce && !staging_enqueued) {
       fork_stage_stream();
@@ -795,12 +837,8 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
     if (fp8) out.recv_x_scales = view(L.scale_off, a.x_scales.dtype, {rows, scale_cols});
     if (has_topk) out.recv_topk_idx = view(L.idx_off, DType::int64, {rows, K});
     if (has_weights) out.recv_topk_weights = view(L.w_off, DType::fp32, {rows, K});
-    if (!cached) recv_src = Tensor::empty(DType::int32, {rows}, gpu);
-    ipc::launch_wait(c, blocks_, ipc::kPhaseDispatchData, s);  // every sender's rows are in place
-    trace_mark("received");
-    if (!cached && rows > 0)
-      EPMOE_CUDA_CHECK(
-          cudaMemcpyAsync(recv_src.data(), mine + L.src_off, recv_src.nbytes(), cudaMemcpyDeviceToDevice, s));
+    // The send kernel's last block waited for every sender's rows and copied the source indices: no kernel here.
+    if (!cached) recv_src = Tensor::wrap(TensorView(src_block->data(), DType::int32, {rows}, gpu), src_block);
   } else {
     // The outputs in one block (the source indices too: they go into the handle).
     Carver outputs({Carver::bytes(x.dtype, {rows, H}), fp8 ? Carver::bytes(a.x_scales.dtype, {rows, scale_cols}) : 0,
@@ -945,6 +983,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
 
 CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   require_normal_region("combine");
+  trace_begin();
   check_state();
   const int R = R_, dev = device_;
   const CombineSpec spec = check_combine_args(a, R, buffer_id_, Device::cuda(dev));
@@ -971,7 +1010,7 @@ CombineResult CudaIpcNormalImpl::combine(const CombineArgs& a) {
   const Stream caller = current_stream();
   StreamGuard on_comm(Stream{s});
   enter(a.previous_event, caller);
-  trace_begin();
+  trace_mark("entered");
   const ipc::Common c = common();
   const Device gpu = Device::cuda(dev);
 

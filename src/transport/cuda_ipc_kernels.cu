@@ -113,6 +113,48 @@ __global__ void push_gate_kernel(const __grid_constant__ Common c_in) {
     wait_geq(&mine->slots[c.seq & 1][p].tag, c, p, kPhaseCombineNotify);  // a timeout is recorded: the op fails
 }
 
+/// One block (every thread calls it): for destination d, pos[t][d] = offset + (tokens t' < t with in_rank[t'][d]),
+/// or -1 where t does not go to d; or, with `list`, list[d][position] = t. A block-wide scan over T.
+__device__ void block_positions(const bool* in_rank, std::int64_t T, int R, int d, int offset, std::int32_t* pos_out,
+                                std::int32_t* list) {
+  const std::int64_t chunk = (T + blockDim.x - 1) / blockDim.x;
+  const std::int64_t t0 = static_cast<std::int64_t>(threadIdx.x) * chunk;
+  const std::int64_t t1 = t0 + chunk < T ? t0 + chunk : T;
+  int count = 0;
+  for (std::int64_t t = t0; t < t1; ++t) count += in_rank[t * R + d] ? 1 : 0;
+  // Exclusive block scan of `count` (warp shuffles, then the warp totals).
+  __shared__ int warp_total[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = count;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x / 32;
+    int v = lane < nw ? warp_total[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (lane < nw) warp_total[lane] = v;  // inclusive over warps
+  }
+  __syncthreads();
+  int pos = incl - count + (warp > 0 ? warp_total[warp - 1] : 0) + offset;
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const bool in = in_rank[t * R + d];
+    if (list) {
+      if (in) list[d * T + pos] = static_cast<std::int32_t>(t);
+    } else {
+      pos_out[t * R + d] = in ? pos : -1;
+    }
+    pos += in ? 1 : 0;
+  }
+  __syncthreads();  // warp_total is reused by the next call
+}
+
 __global__ void __launch_bounds__(1024)
     notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
   // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
@@ -154,8 +196,12 @@ __global__ void __launch_bounds__(1024)
   if (threadIdx.x < R) {
     __threadfence_system();
     st_release_sys(&control(c.peers[threadIdx.x])->slots[par][me].tag, c.seq);
-    if (!wait_geq(&control(c.peers[me])->slots[par][threadIdx.x].tag, c, threadIdx.x, a.phase)) ok = 0;
   }
+  // While the peers' counts are in flight: this rank's local send positions (zero-copy attempt).
+  if (a.local_pos)
+    for (int d = 0; d < R; ++d) block_positions(a.in_rank, a.T, R, d, 0, a.local_pos, nullptr);
+  if (threadIdx.x < R && !wait_geq(&control(c.peers[me])->slots[par][threadIdx.x].tag, c, threadIdx.x, a.phase))
+    ok = 0;
   __syncthreads();
   Control* mine = control(c.peers[me]);
   if (!ok) {
@@ -257,43 +303,7 @@ __global__ void __launch_bounds__(1024)
   const Common c = op_common(c_in);
   const int R = c.num_ranks, d = blockIdx.x, me = c.rank;
   if (aborted(c)) return;
-  const std::int64_t T = a.T;
-  const std::int64_t chunk = (T + blockDim.x - 1) / blockDim.x;
-  const std::int64_t t0 = static_cast<std::int64_t>(threadIdx.x) * chunk;
-  const std::int64_t t1 = t0 + chunk < T ? t0 + chunk : T;
-  int count = 0;
-  for (std::int64_t t = t0; t < t1; ++t) count += a.in_rank[t * R + d] ? 1 : 0;
-  // Exclusive block scan of `count` (warp shuffles, then the warp totals).
-  __shared__ int warp_total[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = count;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int nw = blockDim.x / 32;
-    int v = lane < nw ? warp_total[lane] : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += u;
-    }
-    if (lane < nw) warp_total[lane] = v;  // inclusive over warps
-  }
-  __syncthreads();
-  int pos = incl - count + (warp > 0 ? warp_total[warp - 1] : 0);
-  pos += me > 0 && a.pm ? a.pm[(me - 1) * R + d] : 0;
-  for (std::int64_t t = t0; t < t1; ++t) {
-    const bool in = a.in_rank[t * R + d];
-    if (a.list) {
-      if (in) a.list[d * T + pos] = static_cast<std::int32_t>(t);
-    } else {
-      a.send_pos[t * R + d] = in ? pos : -1;
-    }
-    pos += in ? 1 : 0;
-  }
+  block_positions(a.in_rank, a.T, R, d, me > 0 && a.pm ? a.pm[(me - 1) * R + d] : 0, a.send_pos, a.list);
 }
 
 // ---- dispatch: each source writes its rows straight into each destination's region ----
@@ -344,7 +354,11 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (go && !aborted(c)) {
     for (std::int64_t t = warp; t < a.T; t += num_warps) {
-      const int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
+      int my_pos = lane < R ? a.send_pos[t * R + lane] : -1;
+      if (a.pm && lane < R && my_pos >= 0) {  // local position + the rows earlier sources send to `lane`
+        my_pos += c.rank > 0 ? a.pm[(c.rank - 1) * R + lane] : 0;
+        a.final_pos[t * R + lane] = my_pos;
+      }
       std::int64_t pos[kMaxRanks];
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
@@ -398,6 +412,21 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   signal_done(c);
+  if (a.slot_bytes == 0) return;
+  // Zero-copy: the last block waits for every sender's rows (every sender runs as many blocks), then copies this
+  // rank's received source indices out of its slot (the handle keeps them; the slot is freed with the outputs).
+  __shared__ int last;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&mine->send_arrive, 1u) == gridDim.x - 1;
+    if (last) mine->send_arrive = 0;  // ready for the next op (stream order)
+  }
+  __syncthreads();
+  if (!last || !wait_all_done(c, gridDim.x, kPhaseDispatchData) || !a.recv_src || aborted(c)) return;
+  std::int64_t rows = a.pm[(R - 1) * R + c.rank];
+  rows = rows < 0 ? 0 : (rows > L.capacity ? L.capacity : rows);
+  const std::int32_t* src = dst_src[c.rank];
+  for (std::int64_t i = threadIdx.x; i < rows; i += blockDim.x) a.recv_src[i] = __ldcg(src + i);
 }
 
 __global__ void __launch_bounds__(kThreads)

@@ -49,6 +49,7 @@ struct Control {
   unsigned long long sm_op_seq;
   // owner only: = seq when the count exchange chose the zero-copy path (every rank offered a receive slot).
   unsigned long long direct_seq;
+  unsigned int send_arrive;  // owner only: zero-copy send blocks done this op (the last one waits; reset by it)
   int claim;                                       // first error wins the host record
 };
 inline constexpr std::size_t kControlBytes = (sizeof(Control) + 4095) / 4096 * 4096;
@@ -123,6 +124,12 @@ struct NotifyArgs {
   int recv_slot = -1;
   long long settings[kMaxSettings] = {};  ///< compared with every peer's (kErrSettings on a difference)
   int num_settings = 0;
+  /// Zero-copy attempt: local_pos[t][d] = tokens t' < t this rank sends to d, or -1 (is_token_in_rank [T, R]),
+  /// computed while the peers' counts are in flight; the send kernel adds the prefix matrix's offsets (no
+  /// send-position kernel between the exchange and the stores). Null: not computed.
+  const bool* in_rank = nullptr;
+  std::int32_t* local_pos = nullptr;
+  std::int64_t T = 0;
 };
 
 struct SendPosArgs {
@@ -154,6 +161,14 @@ struct DispatchSendArgs {
   DataLayout layout;
   std::size_t slot_base = 0;   ///< zero-copy: bytes from the data region's start to receive slot 0 (4 KiB aligned)
   std::size_t slot_bytes = 0;  ///< zero-copy: bytes of one slot (its fields at `layout`'s offsets); 0: region
+  /// Zero-copy, fresh dispatch: send_pos holds the notify's local positions; each row's destination row is that
+  /// plus the rows earlier sources send there (the prefix matrix `pm`, device [R, R]), written back into
+  /// `final_pos` (the same array: the handle's send_pos). Null: send_pos is final.
+  const std::int32_t* pm = nullptr;
+  std::int32_t* final_pos = nullptr;
+  /// Zero-copy: the last block of the grid waits for every sender's rows (no separate wait kernel) and copies
+  /// this rank's received source indices (num_recv rows, from pm) out of its slot into recv_src (null: none).
+  std::int32_t* recv_src = nullptr;
 };
 
 /// The copy-engine dispatch's send side. Rows for peer d are staged in this rank's region grouped by destination

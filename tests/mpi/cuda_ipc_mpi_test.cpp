@@ -84,14 +84,19 @@ TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
       const auto r = static_cast<std::size_t>(g.rank());
       want[r] = run(cpu, inputs[r], seed, H, K, E, -1);
     });
-    for (int path = 0; path < 3; ++path) {
-      SCOPED_TRACE(path == 0 ? "zero-copy path" : path == 1 ? "copy-engine path" : "SM-store path");
+    // Path 3: only rank 0 offers a receive slot, so the exchange falls back (to the copy-engine path) after rank
+    // 0's zero-copy attempt (its notify computed local send positions).
+    for (int path = 0; path < 4; ++path) {
+      SCOPED_TRACE(path == 0   ? "zero-copy path"
+                   : path == 1 ? "copy-engine path"
+                   : path == 2 ? "SM-store path"
+                               : "zero-copy offered by rank 0 only");
       cuda_ok(cudaSetDevice(device), "cudaSetDevice");
       BufferOptions o;
       o.backend = Backend::cuda_ipc;
       o.device = device;
-      o.num_recv_slots = path == 0 ? 2 : 0;
-      o.use_copy_engine = path < 2;
+      o.num_recv_slots = path == 0 || (path == 3 && me == 0) ? 2 : 0;
+      o.use_copy_engine = path != 2;
       o.copy_engine_min_rows = 0;  // the copy-engine path even for these few rows
       o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, H, R, K);
       Buffer buf(test_group(), o);
