@@ -1,8 +1,8 @@
 // cuda_ipc normal mode against the threads backend, bit for bit (SPEC 13): the same random inputs go
-// through a threads Buffer on CPU ranks and through a cuda_ipc Buffer on 2 GPUs (one process, thread
-// rank r on cuda:r, peer access); recv_x, scales, local ids, weights, the expert counts, every field of
-// the handle, cached dispatch, combined_x and combined_topk_weights must be identical. Skipped with
-// fewer than 2 GPUs. Covers T in {1, 128, 4096} (different T on each rank), H in {2048, 2880, 7168},
+// through a threads Buffer on CPU ranks and through a cuda_ipc Buffer on every visible GPU, 2 to 8 (one
+// process, thread rank r on cuda:r, peer access; EPMOE_TEST_RANKS caps the count); recv_x, scales, local
+// ids, weights, the expert counts, every field of the handle, cached dispatch, combined_x and
+// combined_topk_weights must be identical. Skipped with fewer than 2 GPUs. Covers T in {1, 128, 4096} (different T on each rank), H in {2048, 2880, 7168},
 // bf16 and fp8 with float32 or UE8M0 scales, int32 ids, a zero-token rank, all ids -1, one expert
 // taking every token, num_worst_tokens, expert_alignment, async_finish, biases, bad arguments.
 #include <gtest/gtest.h>
@@ -15,6 +15,7 @@
 #include <epmoe/replay.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -34,16 +35,24 @@
 namespace epmoe {
 namespace {
 
-constexpr int kRanks = 2;
-
 int gpu_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
   return n;
 }
 
+/// Thread ranks of these tests, rank r on cuda:r: every visible GPU, 2..8 (EPMOE_TEST_RANKS caps it).
+int test_ranks() {
+  static const int n = [] {
+    int cap = 8;
+    if (const char* s = std::getenv("EPMOE_TEST_RANKS")) cap = std::max(2, std::min(8, std::atoi(s)));
+    return std::max(2, std::min(cap, gpu_count()));
+  }();
+  return n;
+}
+
 #define REQUIRE_TWO_GPUS() \
-  if (gpu_count() < kRanks) GTEST_SKIP() << "cuda_ipc tests need " << kRanks << " GPUs, found " << gpu_count()
+  if (gpu_count() < 2) GTEST_SKIP() << "cuda_ipc tests need 2 GPUs, found " << gpu_count()
 
 std::shared_ptr<Group> borrow(Group& g) {
   return std::shared_ptr<Group>(&g, [](Group*) {});
@@ -60,7 +69,7 @@ BufferOptions ipc_options(int r, std::int64_t max_tokens, std::int64_t hidden, i
   BufferOptions o;
   o.backend = Backend::cuda_ipc;
   o.device = r;
-  o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_tokens, hidden, kRanks, topk);
+  o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_tokens, hidden, test_ranks(), topk);
   return o;
 }
 
@@ -171,8 +180,8 @@ Tensor random_scales(std::mt19937_64& rng, std::int64_t T, std::int64_t H, bool 
 
 std::vector<RankIn> make_inputs(const Case& c, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::vector<RankIn> in(kRanks);
-  for (int r = 0; r < kRanks; ++r) {
+  std::vector<RankIn> in(test_ranks());
+  for (int r = 0; r < test_ranks(); ++r) {
     RankIn& i = in[static_cast<std::size_t>(r)];
     const std::int64_t T = c.T[static_cast<std::size_t>(r)];
     i.seed = rng();
@@ -221,9 +230,9 @@ void keep_dispatch(RankOut& o, const DispatchResult& d, bool on_gpu, const std::
 
 /// Runs the case on R ranks: through the threads backend (gpu = false) or cuda_ipc (gpu = true).
 std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vector<RankOut>* cpu_out, bool gpu) {
-  std::vector<RankOut> out(kRanks);
+  std::vector<RankOut> out(test_ranks());
   const std::int64_t max_t = *std::max_element(c.T.begin(), c.T.end());
-  run_thread_ranks(kRanks, [&](Group& g) {
+  run_thread_ranks(test_ranks(), [&](Group& g) {
     const int r = g.rank();
     const RankIn& i = in[static_cast<std::size_t>(r)];
     RankOut& o = out[static_cast<std::size_t>(r)];
@@ -303,7 +312,7 @@ void check_case(const Case& c) {
   const std::vector<RankIn> in = make_inputs(c, seed);
   std::vector<RankOut> cpu = run(c, in, nullptr, false);
   const std::vector<RankOut> gpu = run(c, in, &cpu, true);
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < test_ranks(); ++r) {
     const RankOut& want = cpu[static_cast<std::size_t>(r)];
     const RankOut& got = gpu[static_cast<std::size_t>(r)];
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -401,8 +410,8 @@ TEST(GpuCudaIpcNormal, NumWorstTokensLayoutDispatchCombineCapturedOnceAndReplaye
     ins.push_back(make_inputs(c, seeds()));
     want.push_back(run(c, ins.back(), nullptr, false));
   }
-  std::vector<std::vector<RankOut>> got(kSets, std::vector<RankOut>(kRanks));
-  run_thread_ranks(kRanks, [&](Group& g) {
+  std::vector<std::vector<RankOut>> got(kSets, std::vector<RankOut>(test_ranks()));
+  run_thread_ranks(test_ranks(), [&](Group& g) {
     const int r = g.rank();
     const auto ru = static_cast<std::size_t>(r);
     BufferOptions opts = ipc_options(r, c.worst, c.H, c.K);
@@ -485,7 +494,7 @@ TEST(GpuCudaIpcNormal, NumWorstTokensLayoutDispatchCombineCapturedOnceAndReplaye
     cuda_ok(cudaStreamDestroy(st), "cudaStreamDestroy");
   });
   for (int k = 0; k < kSets; ++k)
-    for (int r = 0; r < kRanks; ++r) {
+    for (int r = 0; r < test_ranks(); ++r) {
       SCOPED_TRACE("set " + std::to_string(k) + (k == 0 ? " (eager)" : " (graph replay)") + ", rank " +
                    std::to_string(r));
       const RankOut& w = want[static_cast<std::size_t>(k)][static_cast<std::size_t>(r)];
@@ -508,7 +517,7 @@ TEST(GpuCudaIpcNormal, NumWorstTokensLayoutDispatchCombineCapturedOnceAndReplaye
 // before any communication (the buffer stays usable).
 TEST(GpuCudaIpcNormal, DispatchWithoutNumWorstTokensIsRefusedUnderCapture) {
   REQUIRE_TWO_GPUS();
-  run_thread_ranks(kRanks, [&](Group& g) {
+  run_thread_ranks(test_ranks(), [&](Group& g) {
     const int r = g.rank();
     BufferOptions opts = ipc_options(r, 64, 2048, 8);
     Buffer buf(borrow(g), opts);
@@ -616,7 +625,7 @@ TEST(GpuCudaIpcNormal, CopyEngineAndSmStoreOpsInterleavedOnOneBuffer) {
   const std::vector<RankOut> ref_big = run(big, in_big, nullptr, false);
   const std::vector<RankOut> ref_small = run(small, in_small, nullptr, false);
   for (int slots : {0, 1}) {
-    run_thread_ranks(kRanks, [&](Group& g) {
+    run_thread_ranks(test_ranks(), [&](Group& g) {
       const int r = g.rank();
       const std::size_t ur = static_cast<std::size_t>(r);
       BufferOptions o = ipc_options(r, 512, big.H, big.K);
@@ -688,8 +697,8 @@ TEST(GpuCudaIpcNormal, ZeroCopyOutputsLiveInReceiveSlotsUntilDropped) {
   c.T = {300, 200};
   const std::vector<RankIn> in = make_inputs(c, seed);
   const std::vector<RankOut> cpu = run(c, in, nullptr, false);
-  std::vector<Tensor> kept(kRanks);
-  run_thread_ranks(kRanks, [&](Group& g) {
+  std::vector<Tensor> kept(test_ranks());
+  run_thread_ranks(test_ranks(), [&](Group& g) {
     const int r = g.rank();
     const std::size_t ur = static_cast<std::size_t>(r);
     BufferOptions o = ipc_options(r, 300, c.H, c.K);
@@ -738,7 +747,7 @@ TEST(GpuCudaIpcNormal, ZeroCopyOutputsLiveInReceiveSlotsUntilDropped) {
     cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   });
   // The buffers are gone; rank 0's zero-copy recv_x still holds its slot's memory.
-  for (int r = 0; r < kRanks; ++r)
+  for (int r = 0; r < test_ranks(); ++r)
     EXPECT_TRUE(gputest::same_bits(cpu[static_cast<std::size_t>(r)].t.at("recv_x"),
                                    to_cpu(kept[static_cast<std::size_t>(r)])))
         << "rank " << r;
@@ -754,7 +763,7 @@ TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
   const std::vector<RankIn> in = make_inputs(c, seed);
   std::vector<RankOut> cpu = run(c, in, nullptr, false);
   for (int slots : {0, 1}) {
-    run_thread_ranks(kRanks, [&](Group& g) {
+    run_thread_ranks(test_ranks(), [&](Group& g) {
       const int r = g.rank();
       BufferOptions o = ipc_options(r, 512, c.H, c.K);
       o.num_sms = 4;
@@ -786,17 +795,17 @@ TEST(GpuCudaIpcNormal, RepeatedCallsReuseTheBuffer) {
 
 TEST(GpuCudaIpcNormal, RejectsHostTensorsBeforeAnyCommunication) {
   REQUIRE_TWO_GPUS();
-  const auto errors = run_thread_ranks_collect(kRanks, [&](Group& g) {
+  const auto errors = run_thread_ranks_collect(test_ranks(), [&](Group& g) {
     const int r = g.rank();
     BufferOptions o = ipc_options(r, 16, 128, 4);
     Buffer buf(borrow(g), o);
     std::mt19937_64 rng(test::fresh_seed());
     const Tensor x = test::random_bf16(rng, 16, 128);  // host memory: rejected
     const Tensor idx = test::random_topk_idx(rng, 16, 4, 16);
-    const DispatchLayout layout = get_dispatch_layout(idx, 16, kRanks);
+    const DispatchLayout layout = get_dispatch_layout(idx, 16, test_ranks());
     buf.dispatch(make_dispatch_args(layout, x, idx));
   });
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < test_ranks(); ++r) {
     ASSERT_TRUE(errors[static_cast<std::size_t>(r)] != nullptr) << "rank " << r;
     try {
       std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
@@ -888,7 +897,7 @@ TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
   REQUIRE_TWO_GPUS();
   // Settings are compared in-band by the count exchange: every rank raises, naming the setting and both values,
   // and the buffer stays usable for a correct call.
-  const auto errors = run_thread_ranks_collect(kRanks, [&](Group& g) {
+  const auto errors = run_thread_ranks_collect(test_ranks(), [&](Group& g) {
     const int r = g.rank();
     BufferOptions o = ipc_options(r, 64, 4096, 4);
     Buffer buf(borrow(g), o);
@@ -914,7 +923,7 @@ TEST(GpuCudaIpcNormal, MismatchedHiddenIsReportedByEveryRank) {
     cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     if (d.recv_x.size(1) != 4096) throw std::runtime_error("second dispatch failed");
   });
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < test_ranks(); ++r) {
     if (!errors[static_cast<std::size_t>(r)]) continue;
     try {
       std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
@@ -931,7 +940,7 @@ TEST(GpuCudaIpcNormal, DeviceTimeoutNamesRankPeerAndPhaseAndMarksTheBufferUnusab
   // Rank 1 keeps its buffer (which rank 0 writes into) alive until rank 0 is done.
   std::atomic<bool> rank0_done{false};
   const auto errors = run_thread_ranks_collect(
-      kRanks,
+      test_ranks(),
       [&](Group& g) {
         const int r = g.rank();
         BufferOptions o = ipc_options(r, 64, 2048, 4);
@@ -967,7 +976,7 @@ TEST(GpuCudaIpcNormal, DeviceTimeoutNamesRankPeerAndPhaseAndMarksTheBufferUnusab
         if (second.empty()) throw std::runtime_error("the buffer stayed usable after a device timeout");
       },
       1.0);
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r = 0; r < test_ranks(); ++r) {
     if (!errors[static_cast<std::size_t>(r)]) continue;
     try {
       std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
