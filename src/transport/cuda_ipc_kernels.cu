@@ -570,9 +570,11 @@ __global__ void __launch_bounds__(kThreads)
   // out this rank's own rows, read from local_x); before[d] = pm[me-1][d].
   __shared__ std::int32_t off[kMaxRanks], before[kMaxRanks];
   // Pipelined: the last stage of each peer this block has seen published, and the one this round needs.
-  __shared__ int ready[kMaxRanks], need[kMaxRanks], failed;
+  // all_ready: every peer's last stage seen (or nothing to wait for): the rounds skip the waiting and its barriers.
+  __shared__ int ready[kMaxRanks], need[kMaxRanks], failed, all_ready;
   if (threadIdx.x == 0) {
     std::int32_t o = 0;
+    all_ready = 1;
     for (int d = 0; d < R; ++d) {
       const std::int32_t b = me > 0 ? a.pm[(me - 1) * R + d] : 0;
       off[d] = o;
@@ -580,6 +582,7 @@ __global__ void __launch_bounds__(kThreads)
       if (!(a.local_x && d == me)) o += a.pm[me * R + d] - b;
       ready[d] = -1;
       need[d] = -1;
+      if (a.chunks > 0 && d != me && a.n_back[d] > 0) all_ready = 0;
     }
     failed = 0;
   }
@@ -596,7 +599,7 @@ __global__ void __launch_bounds__(kThreads)
     const std::int64_t t = t0 + (threadIdx.x >> 5);
     const bool have = t < a.T;
     const int my_pos = (have && lane < R) ? a.send_pos[t * R + lane] : -1;
-    if (a.chunks > 0) {
+    if (a.chunks > 0 && !all_ready) {  // uniform: all_ready changes only between the barriers below
       if (lane < R && lane != me && my_pos >= 0) {
         const std::int64_t i = my_pos - before[lane], n = a.n_back[lane];
         int j = static_cast<int>(i * a.chunks / (n > 0 ? n : 1));
@@ -614,6 +617,13 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
       if (failed) return;
+      if (threadIdx.x == 0) {
+        int all = 1;
+        for (int d = 0; d < R; ++d)
+          if (d != me && a.n_back[d] > 0 && ready[d] < a.chunks - 1) all = 0;
+        all_ready = all;
+      }
+      __syncthreads();
     }
     if (!have) continue;
     std::int64_t row[NR];
