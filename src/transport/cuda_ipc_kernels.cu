@@ -228,14 +228,29 @@ __global__ void __launch_bounds__(1024)
     }
     return;
   }
+  // Everything the peers sent, read in one round (parallel loads into shared memory: a thread looping over the
+  // sources waited one load's latency per source).
+  __shared__ std::int32_t prestaged[kMaxRanks], offered[kMaxRanks], counts[kMaxRanks * kMaxRanks];
+  __shared__ std::int32_t expert_in[kMaxRanks * kMaxLocalExperts];
+  if (threadIdx.x < R) {
+    prestaged[threadIdx.x] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][threadIdx.x].prestaged);
+    offered[threadIdx.x] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][threadIdx.x].recv_slot);
+  }
+  if (a.per_rank) {
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x)
+      counts[i] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][i / R].counts[i % R]);
+    for (int i = threadIdx.x; i < R * El; i += blockDim.x)
+      expert_in[i] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][i / El].expert_counts[i % El]);
+  }
+  __syncthreads();
   // The zero-copy path: every rank offered a receive slot and none staged early (the same choice everywhere).
   __shared__ bool any_prestaged, direct;
   if (threadIdx.x == 0) {
     bool all_slots = true;
     any_prestaged = false;
     for (int s = 0; s < R; ++s) {
-      any_prestaged = any_prestaged || *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].prestaged) != 0;
-      all_slots = all_slots && *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].recv_slot) >= 0;
+      any_prestaged = any_prestaged || prestaged[s] != 0;
+      all_slots = all_slots && offered[s] >= 0;
     }
     direct = all_slots && !any_prestaged;
     if (direct) mine->direct_seq = c.seq;
@@ -248,7 +263,7 @@ __global__ void __launch_bounds__(1024)
     const int d = threadIdx.x;
     long long acc = 0;
     for (int s = 0; s < R; ++s) {
-      acc += *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].counts[d]);
+      acc += counts[s * R + d];
       if (acc > 0x7fffffffLL) {
         bad = kErrOverflow;
         bad_peer = d;
@@ -283,7 +298,7 @@ __global__ void __launch_bounds__(1024)
   }
   for (int e = threadIdx.x; e < El; e += blockDim.x) {
     long long n = 0;
-    for (int s = 0; s < R; ++s) n += *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][s].expert_counts[e]);
+    for (int s = 0; s < R; ++s) n += expert_in[s * El + e];
     n = (n + a.alignment - 1) / a.alignment * a.alignment;
     const std::int32_t v = static_cast<std::int32_t>(n > 0x7fffffffLL ? 0x7fffffffLL : n);
     a.expert_out[e] = v;
@@ -291,7 +306,7 @@ __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    fence_acq_rel_sys();  // the block's record writes (after the barrier) before the sequence number the host polls
     h->seq = c.seq;
   }
 }
