@@ -28,6 +28,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 4;  // 16-byte vectors each lane keeps in flight when moving a row
 constexpr int kMaxSendBlocks = 132;  // a block per token up to one per SM of an H100/H200
 constexpr int kQuantWords = 2;       // UE8M0 words (4 groups of 128 channels each) per warp item of a fused fp8 send
+constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // a row piece per warp item: one round of kVec loads per lane
 constexpr int kMaxRecvBlocks = 1024;
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
@@ -316,7 +317,6 @@ __global__ void __launch_bounds__(kThreads)
                       piece * kQuantWords, min(words, (piece + 1) * kQuantWords));
     }
     // Rows by SM stores: items (task, kPieceBytes of its payload), spread over the block's warps.
-    constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // one round of kVec loads per lane
     const int row_pieces = static_cast<int>((payload + kPieceBytes - 1) / kPieceBytes);
     for (int i = warp; i < num_tasks * row_pieces; i += kWarps) {
       const SendTask task = tasks[i / row_pieces];
@@ -436,28 +436,39 @@ __global__ void __launch_bounds__(kThreads)
         const long long j = j0 + threadIdx.x;
         int match = 0, k = 0, token = 0;
         if (j < n[s]) {
-          const TokenMeta* m = reinterpret_cast<const TokenMeta*>(metas + static_cast<std::size_t>(j) * c.meta_bytes);
-          int ne = __ldcg(&m->num_entries);
-          ne = ne < 0 ? 0 : (ne > kMaxTopk ? kMaxTopk : ne);
-          for (int q = 0; q < ne; ++q) {
-            const std::uint32_t ent = __ldcg(&m->entries[q]);
-            if (static_cast<int>(ent & 0xffffu) == e) {
+          // The whole TokenMeta in one round of vector loads (a load per entry waited K latencies).
+          static_assert(sizeof(TokenMeta) == 72, "TokenMeta: four 16-byte vectors and one 8-byte one");
+          const int4* mv = reinterpret_cast<const int4*>(metas + static_cast<std::size_t>(j) * c.meta_bytes);
+          const int4 q0 = __ldcg(mv), q1 = __ldcg(mv + 1), q2 = __ldcg(mv + 2), q3 = __ldcg(mv + 3);
+          const int2 q4 = __ldcg(reinterpret_cast<const int2*>(mv + 4));
+          const int words[18] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w, q2.x,
+                                 q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w, q4.x, q4.y};
+          token = words[0];
+          const int ne = words[1];
+#pragma unroll
+          for (int q = 0; q < kMaxTopk; ++q) {
+            const auto ent = static_cast<std::uint32_t>(words[2 + q]);
+            if (!match && q < ne && static_cast<int>(ent & 0xffffu) == e) {
               match = 1;
               k = static_cast<int>(ent >> 16);
-              break;
             }
           }
-          token = __ldcg(&m->token);
         }
         int total = 0;
         const int at = block_scan(match, &total);
         if (match) items[at] = RecvItem{static_cast<int>(j), k, token};
         __syncthreads();
-        for (int i = warp; i < total; i += kWarps) {
+        // Items (row, kPieceBytes of it) over the block's warps: a warp per row waited one load round per piece.
+        const int pieces = static_cast<int>((x_row + kPieceBytes - 1) / kPieceBytes);
+        for (int w0 = warp; w0 < total * pieces; w0 += kWarps) {
+          const int i = w0 / pieces, piece = w0 % pieces;
           const RecvItem it = items[i];
           const long long row = static_cast<long long>(e) * rows + fill + i;
           const char* rec = records + static_cast<std::size_t>(it.j) * c.record_bytes;
-          warp_copy<true>(rec, packed_x + static_cast<std::size_t>(row) * x_row, x_row, lane);
+          const std::size_t at = static_cast<std::size_t>(piece) * kPieceBytes;
+          warp_copy<true>(rec + at, packed_x + static_cast<std::size_t>(row) * x_row + at,
+                          x_row - at < kPieceBytes ? x_row - at : kPieceBytes, lane);
+          if (piece != 0) continue;
           for (int w = lane; w < sc_cols; w += 32)
             scales[static_cast<std::size_t>(row) * sc_cols + w] = __ldcg(reinterpret_cast<const int*>(rec + H) + w);
           if (lane == 0) {
@@ -504,11 +515,16 @@ __global__ void __launch_bounds__(kThreads)
       const long long rg = range[static_cast<std::size_t>(e) * R + s];
       const long long b = rg >> 32, cnt = rg & 0xffffffffll;
       char* dst_body = half_base(c, s, half) + body;
-      for (long long r = b + warp; r < b + cnt; r += kWarps) {
+      // Items (row, kPieceBytes of it) over the block's warps (a warp per row waited one load round per piece).
+      const int pieces = static_cast<int>((row_bytes + kPieceBytes - 1) / kPieceBytes);
+      for (long long w0 = warp; w0 < cnt * pieces; w0 += kWarps) {
+        const long long r = b + w0 / pieces;
+        const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kPieceBytes;
         const long long row = static_cast<long long>(e) * rows + r;
         const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
         const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
-        warp_copy<false>(src, dst_body + dst * row_bytes, row_bytes, lane);
+        warp_copy<false>(src + at, dst_body + dst * row_bytes + at,
+                         row_bytes - at < kPieceBytes ? row_bytes - at : kPieceBytes, lane);
       }
     }
 
