@@ -170,8 +170,8 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
   }
 
   // GPU expert side: the counts and (bf16) the slabs are views of the buffer's receive half, valid until that
-  // half's next dispatch (after this micro-batch's combine). fp8: the slabs dequantized on the device, every row
-  // (the counts stay on the device; rows past a count hold whatever the window had and are never read).
+  // half's next dispatch (after this micro-batch's combine). fp8: the slabs dequantized on the device, each slab's
+  // counted rows only (the counts stay on the device: the kernel reads them; the other rows are never read).
   PrepareOutput gpu_prepare_output(std::int64_t E_local, std::int64_t rows, std::int64_t H) {
     PrepareOutput out;
     out.format = ActivationFormat::batched_experts;
@@ -188,9 +188,9 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     const TensorView deq = workspaces_->get(0, "low_latency.dequantized", DType::bf16, {E_local, rows, H}, d);
     if (E_local * rows > 0) {
       cuda_util::DeviceGuard guard(d);
-      quant_detail::dequantize_fp8_cuda(TensorView(q.data, q.dtype, {E_local * rows, H}, d),
-                                        TensorView(sc.data, sc.dtype, {E_local * rows, sc.size(2)}, d),
-                                        TensorView(deq.data, DType::bf16, {E_local * rows, H}, d), current_stream());
+      EPMOE_ASSERT(recv_.packed_recv_count.dtype == DType::int32);
+      quant_detail::dequantize_fp8_masked_cuda(q, sc, deq, static_cast<const std::int32_t*>(recv_.packed_recv_count.data),
+                                               current_stream());
     }
     out.hidden = Tensor::wrap(deq, nullptr);
     return out;

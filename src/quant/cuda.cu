@@ -108,15 +108,11 @@ __device__ __forceinline__ float ue8m0_scale(std::uint32_t byte) {
   return __uint_as_float(byte << 23);
 }
 
+/// Row t's 16-channel chunk c (H % 16 == 0, 16-byte aligned rows).
 template <class Out>
-__global__ void dequantize_kernel(const std::uint8_t* __restrict__ q, std::int64_t q_stride,
-                                  const void* __restrict__ scales, std::int64_t s_stride, bool ue8m0,
-                                  Out* __restrict__ out, std::int64_t T, int H) {
-  const int chunks = H / kChannelsPerLane;
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= T * chunks) return;
-  const std::int64_t t = i / chunks;
-  const int c = static_cast<int>(i - t * chunks);
+__device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict__ q, std::int64_t q_stride,
+                                                 const void* __restrict__ scales, std::int64_t s_stride, bool ue8m0,
+                                                 Out* __restrict__ out, std::int64_t t, int c, int H) {
   const int g = c / kLanesPerGroup;
   float scale;
   if (ue8m0) {
@@ -150,6 +146,30 @@ __global__ void dequantize_kernel(const std::uint8_t* __restrict__ q, std::int64
     dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   }
+}
+
+template <class Out>
+__global__ void dequantize_kernel(const std::uint8_t* __restrict__ q, std::int64_t q_stride,
+                                  const void* __restrict__ scales, std::int64_t s_stride, bool ue8m0,
+                                  Out* __restrict__ out, std::int64_t T, int H) {
+  const int chunks = H / kChannelsPerLane;
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= T * chunks) return;
+  const std::int64_t t = i / chunks;
+  dequantize_chunk(q, q_stride, scales, s_stride, ue8m0, out, t, static_cast<int>(i - t * chunks), H);
+}
+
+/// Slabs [E, rows, H]: slab e's first min(masked_m[e], rows) rows only (blockIdx.x = e; blocks of a slab stride
+/// over its rows), so the work follows the tokens received, not the slabs' capacity.
+template <class Out>
+__global__ void dequantize_masked_kernel(const std::uint8_t* __restrict__ q, const void* __restrict__ scales,
+                                         std::int64_t s_stride, bool ue8m0, Out* __restrict__ out,
+                                         const std::int32_t* __restrict__ masked_m, std::int64_t rows, int H) {
+  const int e = blockIdx.x, chunks = H / kChannelsPerLane;
+  const std::int64_t n = masked_m[e] < 0 ? 0 : (masked_m[e] > rows ? rows : masked_m[e]);
+  for (std::int64_t r = blockIdx.y; r < n; r += gridDim.y)
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x)
+      dequantize_chunk(q, H, scales, s_stride, ue8m0, out, static_cast<std::int64_t>(e) * rows + r, c, H);
 }
 
 // Any H and any row stride (dequantize accepts H not a multiple of 16): one thread per value.
@@ -216,6 +236,34 @@ void quantize_fp8_cuda(const QuantizeProblem& p, Stream stream, bool hardware_co
     else
       many ? launch(quantize_kernel<float, false, 4>, 4) : launch(quantize_kernel<float, false, 1>, 1);
   }
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_fp8_masked_cuda(const TensorView& q, const TensorView& scales, const TensorView& out,
+                                const std::int32_t* masked_m, Stream stream) {
+  const std::int64_t E = q.size(0), rows = q.size(1);
+  const int H = static_cast<int>(q.size(2));
+  if (E == 0 || rows == 0) return;
+  const bool vector_rows = H % kChannelsPerLane == 0 && cuda_util::aligned16(q.data) && q.is_contiguous() &&
+                           scales.is_contiguous() && out.is_contiguous();
+  if (!vector_rows) {  // every row (rows past a count are never read)
+    dequantize_fp8_cuda(TensorView(q.data, q.dtype, {E * rows, H}, q.device),
+                        TensorView(scales.data, scales.dtype, {E * rows, scales.size(2)}, scales.device),
+                        TensorView(out.data, out.dtype, {E * rows, H}, out.device), stream);
+    return;
+  }
+  cuda_util::DeviceGuard guard(q.device);
+  const cudaStream_t s = cuda_util::to_cuda(stream);
+  const bool ue8m0 = scales.dtype == DType::int32;
+  const dim3 grid(static_cast<unsigned>(E), static_cast<unsigned>(rows < 8 ? rows : 8));
+  if (out.dtype == DType::bf16)
+    dequantize_masked_kernel<bf16_t><<<grid, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), scales.data,
+                                                          scales.size(2), ue8m0, static_cast<bf16_t*>(out.data),
+                                                          masked_m, rows, H);
+  else
+    dequantize_masked_kernel<float><<<grid, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), scales.data,
+                                                         scales.size(2), ue8m0, static_cast<float*>(out.data),
+                                                         masked_m, rows, H);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

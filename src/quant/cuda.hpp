@@ -19,4 +19,10 @@ void quantize_fp8_cuda(const QuantizeProblem& p, Stream stream, bool hardware_co
 /// q [T, H] fp8, scales float32 [T, G] or int32 [T, W]; out [T, H] bf16/fp32, contiguous.
 void dequantize_fp8_cuda(const TensorView& q, const TensorView& scales, const TensorView& out, Stream stream);
 
+/// Slabs (the low-latency layout): q [E, rows, H] fp8, scales [E, rows, G or W], out [E, rows, H], contiguous;
+/// only slab e's first masked_m[e] rows (device int32 [E], clamped to [0, rows]) are written: the others are
+/// never read by a masked (batched) consumer. Rows that are not 16-byte vectors fall back to every row.
+void dequantize_fp8_masked_cuda(const TensorView& q, const TensorView& scales, const TensorView& out,
+                                const std::int32_t* masked_m, Stream stream);
+
 }  // namespace epmoe::quant_detail

@@ -7,7 +7,9 @@
 
 #include <epmoe/quant.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -183,6 +185,44 @@ TEST(GpuQuant, DequantizeArbitraryCodesAndScales) {
         const Tensor q_dev = to_device(q), s_dev = to_device(s);
         const Tensor got = dequantize_fp8(q_dev, s_dev, out);
         EXPECT_TRUE(same_bits(want, to_host(got))) << "H=" << H << " ue8m0=" << ue8m0 << " " << dtype_name(out);
+      }
+    }
+}
+
+// The low-latency slabs: only each slab's first masked_m[e] rows are dequantized (the CPU's bits); the other rows
+// keep the poison they were given. Counts of 0, of every row, past the rows (clamped) and negative (none).
+TEST(GpuQuant, MaskedSlabDequantizeWritesTheCountedRowsOnly) {
+  std::mt19937_64 rng(test::fresh_seed());
+  for (std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}})
+    for (bool ue8m0 : {false, true}) {
+      const std::int64_t E = 6, rows = 13, G = num_scale_groups(H);
+      const Tensor x = make_input(rng, E * rows, H, DType::bf16);
+      const Fp8Tensor q = quantize_fp8(x, {ue8m0, ue8m0});
+      const Tensor want = dequantize_fp8(q.data, q.scales, DType::bf16);  // [E * rows, H]
+      const std::int32_t counts[E] = {0, 1, 7, 13, 40, -3};
+      Tensor m = Tensor::empty(DType::int32, {E});
+      for (std::int64_t e = 0; e < E; ++e) m.ptr<std::int32_t>()[e] = counts[e];
+      const Tensor q_dev = to_device(TensorView(q.data.data(), q.data.dtype(), {E, rows, H}, Device::cpu()));
+      const Tensor s_dev = to_device(
+          TensorView(q.scales.data(), q.scales.dtype(), {E, rows, ue8m0 ? num_ue8m0_words(H) : G}, Device::cpu()));
+      const Tensor m_dev = to_device(m);
+      Tensor out = to_device(Tensor::empty(DType::bf16, {E, rows, H}));
+      gputest::poison(out);
+      quant_detail::dequantize_fp8_masked_cuda(q_dev, s_dev, out, m_dev.ptr<std::int32_t>(), Stream{});
+      gputest::sync_ok();
+      const Tensor got = to_host(out);
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::int64_t n = std::max<std::int64_t>(0, std::min<std::int64_t>(counts[e], rows));
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::size_t bytes = static_cast<std::size_t>(H) * 2;
+          const auto* g = static_cast<const char*>(got.data()) + ((e * rows + r) * H) * 2;
+          const auto* w = static_cast<const char*>(want.data()) + ((e * rows + r) * H) * 2;
+          if (r < n)
+            EXPECT_EQ(std::memcmp(g, w, bytes), 0) << "H=" << H << " ue8m0=" << ue8m0 << " slab " << e << " row " << r;
+          else
+            EXPECT_NE(std::memcmp(g, w, bytes), 0)
+                << "H=" << H << " ue8m0=" << ue8m0 << " slab " << e << " row " << r << " past the count was written";
+        }
       }
     }
 }
