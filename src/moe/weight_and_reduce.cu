@@ -3,6 +3,7 @@
 // Block (m, y): output row m, 16-byte vectors [y * kThreads, ...); each thread sums its 8 bf16 channels over
 // the K choices in k order, each product rounded before the add (__fmul_rn / __fadd_rn: never a fused
 // multiply-add, which the CPU loop does not use either), and rounds once to bf16.
+#include "core/bf16_device.cuh"
 #include "layout/cuda_util.cuh"
 #include "moe/weight_and_reduce.hpp"
 
@@ -48,8 +49,7 @@ __global__ void __launch_bounds__(kThreads)
   std::uint32_t packed[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j)
-    packed[j] = static_cast<std::uint32_t>(float_to_bf16(acc[2 * j]).bits) |
-                (static_cast<std::uint32_t>(float_to_bf16(acc[2 * j + 1]).bits) << 16);
+    packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
   out[m * row_vecs + v] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 

@@ -9,6 +9,7 @@
 // phase) in the host-mapped record and the kernel returns (no trap: that would poison the context).
 #include <epmoe/dtype.hpp>
 
+#include "core/bf16_device.cuh"
 #include "layout/cuda_util.cuh"
 #include "transport/cuda_ipc_device.cuh"
 #include "transport/cuda_ipc_kernels.hpp"
@@ -697,8 +698,7 @@ __global__ void __launch_bounds__(kThreads)
         unsigned packed[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          packed[j] = static_cast<unsigned>(float_to_bf16(acc[2 * j]).bits) |
-                      (static_cast<unsigned>(float_to_bf16(acc[2 * j + 1]).bits) << 16);
+          packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
         reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * x_row)[i] =
             make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
                       static_cast<int>(packed[3]));

@@ -11,6 +11,7 @@
 // host-mapped record (atomicCAS on Control::claim) and the kernel returns (no trap).
 #include <epmoe/dtype.hpp>
 
+#include "core/bf16_device.cuh"
 #include "transport/cuda_ipc_low_latency_kernels.hpp"
 
 #include "core/cuda_check.hpp"
@@ -625,8 +626,7 @@ __global__ void __launch_bounds__(kThreads)
       std::uint32_t packed[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        packed[j] = static_cast<std::uint32_t>(float_to_bf16(acc[2 * j]).bits) |
-                    static_cast<std::uint32_t>(float_to_bf16(acc[2 * j + 1]).bits) << 16;
+        packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
       out[v] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
                          static_cast<int>(packed[3]));
     }
