@@ -34,16 +34,11 @@
 namespace epmoe {
 namespace {
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
+using gputest::gpu_count;
 // Two ranks as threads on ONE GPU starve each other's spinning kernels: one rank per GPU, at most 2.
-int num_ranks() { return std::min(2, gpu_count()); }
+/// Thread ranks, rank r on cuda:r: every visible GPU up to 8 (EPMOE_TEST_RANKS caps it); a case's per-rank token
+/// counts repeat over the ranks (tokens_of).
+int num_ranks() { return gputest::thread_ranks(); }
 
 std::shared_ptr<Group> borrow(Group& g) {
   return std::shared_ptr<Group>(&g, [](Group*) {});
@@ -100,6 +95,9 @@ struct Case {
   }
 };
 
+/// Rank r's token count: the case's per-rank counts repeat over the ranks.
+std::int64_t tokens_of(const Case& c, int r) { return c.T[static_cast<std::size_t>(r) % c.T.size()]; }
+
 struct CallIn {
   Tensor x, idx, w, comb_x;  // host
 };
@@ -111,7 +109,7 @@ RankIns make_inputs(const Case& c, int R, std::uint64_t seed) {
   const int El = c.E / R;
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < c.calls; ++i) {
-      const std::int64_t T = c.T[static_cast<std::size_t>(r)];
+      const std::int64_t T = tokens_of(c, r);
       CallIn ci;
       ci.x = test::random_bf16(rng, T, c.H, 3.0f);
       test::RoutingOptions ro;
@@ -238,7 +236,7 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
       ca.return_recv_hook = c.hooks;
       Tensor out;
       if (c.out_param && i % 2 == 1) {
-        out = put(Tensor::empty(DType::bf16, {c.T[static_cast<std::size_t>(r)], c.H}));
+        out = put(Tensor::empty(DType::bf16, {tokens_of(c, r), c.H}));
         if (gpu) poison_gpu(out);
         ca.out = out;
       }
@@ -506,7 +504,7 @@ TEST(GpuCudaIpcLowLatency, DispatchCombineCapturedOnceAndReplayed) {
     Buffer buf(borrow(g), opts);
     const CallIn& first = ins[0][ru][0];
     Tensor x = to_gpu(first.x, r), idx = to_gpu(first.idx, r), w = to_gpu(first.w, r), cx = to_gpu(first.comb_x, r);
-    Tensor out = to_gpu(Tensor::empty(DType::bf16, {c.T[ru], c.H}), r);
+    Tensor out = to_gpu(Tensor::empty(DType::bf16, {tokens_of(c, static_cast<int>(ru)), c.H}), r);
     cudaStream_t st = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
     StreamGuard on(Stream{st});

@@ -35,21 +35,10 @@
 namespace epmoe {
 namespace {
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
+using gputest::gpu_count;
 
 /// Thread ranks of these tests, rank r on cuda:r: every visible GPU, 2..8 (EPMOE_TEST_RANKS caps it).
-int test_ranks() {
-  static const int n = [] {
-    int cap = 8;
-    if (const char* s = std::getenv("EPMOE_TEST_RANKS")) cap = std::max(2, std::min(8, std::atoi(s)));
-    return std::max(2, std::min(cap, gpu_count()));
-  }();
-  return n;
-}
+int test_ranks() { return std::max(2, gputest::thread_ranks()); }
 
 #define REQUIRE_TWO_GPUS() \
   if (gpu_count() < 2) GTEST_SKIP() << "cuda_ipc tests need 2 GPUs, found " << gpu_count()

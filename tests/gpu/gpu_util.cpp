@@ -143,6 +143,21 @@ void fill_random(std::uint64_t seed, const TensorView& host, float scale) {
   }
 }
 
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+int thread_ranks() {
+  static const int n = [] {
+    int cap = 8;
+    if (const char* s = std::getenv("EPMOE_TEST_RANKS"); s != nullptr && *s != '\0') cap = std::max(1, std::atoi(s));
+    return std::min({cap, 8, gpu_count()});
+  }();
+  return n;
+}
+
 bool quick() {
   const char* q = std::getenv("EPMOE_GPU_TEST_QUICK");
   return q && *q && std::string(q) != "0";

@@ -44,6 +44,12 @@ std::int64_t first_difference(const void* a, const void* b, std::size_t bytes);
 /// never all zeros. bf16/float32 values are uniform-ish in [-scale, scale] with varied exponents.
 void fill_random(std::uint64_t seed, const TensorView& host, float scale = 1.0f);
 
+/// Visible CUDA devices (0 when the runtime finds none).
+int gpu_count();
+/// Thread ranks of the multi-GPU tests, rank r on cuda:r: every visible GPU, at most 8 (EPMOE_TEST_RANKS caps it);
+/// 0 without a GPU.
+int thread_ranks();
+
 /// Problem sizes of the brief; EPMOE_GPU_TEST_QUICK=1 (used under compute-sanitizer) keeps the small ones.
 bool quick();
 std::vector<std::int64_t> token_counts();  ///< {0, 1, 7, 128, 4096}

@@ -43,16 +43,11 @@ namespace {
 
 constexpr double kTolerance = 1e-2;  // SPEC 13
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
+using gputest::gpu_count;
 // Ranks as threads on one GPU starve each other's spinning kernels: one rank per GPU, at most 2.
-int num_ranks() { return std::min(2, gpu_count()); }
+/// Thread ranks, rank r on cuda:r: every visible GPU up to 8 (EPMOE_TEST_RANKS caps it); a case's per-rank token
+/// counts repeat over the ranks (tokens_of).
+int num_ranks() { return gputest::thread_ranks(); }
 
 std::shared_ptr<Group> borrow(Group& g) {
   return std::shared_ptr<Group>(&g, [](Group*) {});
@@ -119,6 +114,9 @@ struct Case {
   }
 };
 
+/// Rank r's token count: the case's per-rank counts repeat over the ranks.
+std::int64_t tokens_of(const Case& c, int r) { return c.T[static_cast<std::size_t>(r) % c.T.size()]; }
+
 struct Model {
   Tensor w1, w2;  // host, all E experts: [E, 2N, H], [E, H, N] (gated silu)
 };
@@ -138,7 +136,7 @@ Ins make_inputs(std::mt19937_64& rng, const Case& c, int R) {
   Ins in(static_cast<std::size_t>(R));
   for (int r = 0; r < R; ++r)
     for (int f = 0; f < c.forwards; ++f) {
-      const std::int64_t T = c.T[static_cast<std::size_t>(r)];
+      const std::int64_t T = tokens_of(c, r);
       CallIn ci;
       ci.x = test::random_bf16(rng, T, c.H, 2.0f);
       test::RoutingOptions ro;
