@@ -17,8 +17,8 @@ What is here (tensors: NumPy arrays with bf16 / fp8 as ``ml_dtypes.bfloat16`` / 
 torch tensors or CuPy arrays, by DLPack; outputs in the caller's framework and on its device):
 
 - ``Buffer``, ``Config``, ``EventOverlap``: dispatch / combine in normal and low-latency mode with
-  DeepEP's argument names, order, defaults and return tuples (normal mode on GPUs through the cuda_ipc
-  backend; low-latency mode on CPU ranks).
+  DeepEP's argument names, order, defaults and return tuples (both modes on GPUs through the cuda_ipc
+  backend, and on CPU ranks).
 - ``run_thread_ranks`` and ``Group``: CPU ranks as threads of one process; ``as_group`` adapts a
   ``torch.distributed`` ProcessGroup or an mpi4py communicator.
 - ``topk_softmax``, ``topk_sigmoid``, ``grouped_topk``: routing.

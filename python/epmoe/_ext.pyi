@@ -103,10 +103,11 @@ class Buffer:
     """epmoe::Buffer of one rank. Every method that communicates releases the GIL."""
     def __init__(self, group: Group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, backend: str = "auto", device: int = -1, num_sms: int = 0) -> None:
-        """backend: 'auto' (the group's CPU backend), 'threads', 'mpi' or 'cuda_ipc' (normal mode over
-        NVLink; num_nvl_bytes > 0; device -1 = rank % visible devices; num_sms: blocks per data kernel, 0 =
-        16, at most 64). Collective. Errors: invalid_argument, unsupported (no CUDA in this build),
-        rank_mismatch (num_nvl_bytes / num_sms differ), out_of_memory."""
+        """backend: 'auto' (the group's CPU backend), 'threads', 'mpi' or 'cuda_ipc' (both modes over
+        NVLink; num_nvl_bytes > 0, or 0 with low_latency_mode for a low-latency-only buffer; device -1 = rank %
+        visible devices; num_sms: blocks per data kernel, 0 = 24, at most 64). Collective. Errors:
+        invalid_argument, unsupported (no CUDA in this build), rank_mismatch (num_nvl_bytes / num_sms differ),
+        out_of_memory."""
     def rank(self) -> int: ...
     def num_ranks(self) -> int: ...
     def destroy(self) -> None:

@@ -312,14 +312,17 @@ class Buffer:
         Arguments:
             group: a ``torch.distributed.ProcessGroup`` (one process per GPU; gloo, nccl or mixed), an
                 ``epmoe.Group`` (from ``epmoe.run_thread_ranks``), or None with `comm`.
-            num_nvl_bytes: normal-mode buffer bytes of the cuda_ipc backend (> 0 there; the largest call
+            num_nvl_bytes: normal-mode buffer bytes of the cuda_ipc backend (> 0 there, or 0 with
+                ``low_latency_mode=True``: a low-latency-only buffer, as DeepEP's decode buffers, whose
+                normal-mode calls raise epmoe.Error 'invalid_argument' naming num_nvl_bytes; the largest call
                 must fit, else that call raises epmoe.Error 'out_of_memory' naming the bytes needed:
                 ``Buffer.get_normal_nvl_size_hint(max_tokens_per_rank, hidden, num_ranks, num_topk)``;
                 ignored on CPU). >= 0.
             num_rdma_bytes: low-latency buffer bytes per rank; 0 = sized on the first low-latency call;
                 a positive size smaller than ``get_low_latency_rdma_size_hint`` is an error at that call
                 (it says how many bytes are needed). >= 0.
-            low_latency_mode: whether low-latency calls are intended (accepted; both modes work either way).
+            low_latency_mode: whether low-latency calls are intended (both modes work either way, except
+                that on cuda_ipc it allows ``num_nvl_bytes=0``, a buffer for low-latency calls only).
             num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: RDMA / NVSHMEM
                 settings of DeepEP; accepted, no effect.
             explicitly_destroy: if True, ``destroy()`` must be called to release the buffer.
@@ -337,9 +340,9 @@ class Buffer:
                 all freed (see BufferOptions::num_recv_slots in include/epmoe/buffer.hpp). Ignored on CPU.
 
         Errors (epmoe.Error): invalid_argument (a bad group, negative sizes, num_nvl_bytes == 0 with
-        cuda_ipc, an unknown backend); unsupported (enable_shrink, a torch / mpi4py group without a CUDA
-        build or GPU, more ranks than one host holds); rank_mismatch (num_nvl_bytes or num_sms differ
-        across ranks); out_of_memory (the device buffer cannot be allocated).
+        cuda_ipc and low_latency_mode=False, an unknown backend); unsupported (enable_shrink, a torch /
+        mpi4py group without a CUDA build or GPU, more ranks than one host holds); rank_mismatch
+        (num_nvl_bytes or num_sms differ across ranks); out_of_memory (the device buffer cannot be allocated).
         """
         if enable_shrink:
             raise unsupported("Buffer(enable_shrink=True): rank masking is not supported")
@@ -351,6 +354,7 @@ class Buffer:
         native_group = as_group(group, comm)
         native_backend = native_group.backend
         gpus = _ext.built_with_cuda() and _ext.cuda_device_count() > 0
+        asked_for_cuda_ipc = backend == "cuda_ipc"
         if backend in (None, "auto"):
             # Thread ranks stay on their CPU backend; process groups take the GPUs when there are any, and an
             # MPI group without GPUs its CPU transport.
@@ -359,8 +363,11 @@ class Buffer:
             else:
                 backend = "cuda_ipc"
         if backend == "cuda_ipc" and not gpus:
-            raise unsupported(f"Buffer over a '{native_backend}' group needs the cuda_ipc backend, and this "
-                              f"{'build has no CUDA' if not _ext.built_with_cuda() else 'machine has no visible GPU'}"
+            why = "this build has no CUDA" if not _ext.built_with_cuda() else "this machine has no visible GPU"
+            if asked_for_cuda_ipc:  # the caller's choice, not the group's: say so rather than blame the group
+                raise unsupported(f"Buffer(backend='cuda_ipc') needs CUDA GPUs, and {why} (CPU ranks: backend=None, "
+                                  f"'threads' or 'mpi')")
+            raise unsupported(f"Buffer over a '{native_backend}' group needs the cuda_ipc backend, and {why}"
                               " (CPU ranks: epmoe.run_thread_ranks, or Buffer(None, comm=mpi4py_comm) with an MPI "
                               "build of epmoe)")
         if device is None:

@@ -146,7 +146,7 @@ def _make_torch_module() -> Any:
         """A torch.nn.Module holding w1 / w2 and running an epmoe MoELayer on CPU tensors.
 
         forward(hidden, topk_weights, topk_idx) -> torch.Tensor (bf16 [T, H]). Tensors go through NumPy
-        (CPU only here; the GPU path with DLPack comes with the CUDA backend). Not differentiable.
+        (CPU only: the package's experts, reference and BLAS, run on the CPU). Not differentiable.
         """
 
         def __init__(self, layer: MoELayer, w1: "torch.Tensor", w2: "torch.Tensor", activation: str = "silu",

@@ -165,6 +165,23 @@ def test_buffer_groups_and_destroy():
         assert out["after_destroy"] == "unusable"
 
 
+@pytest.mark.skipif(epmoe._ext.built_with_cuda() and epmoe._ext.cuda_device_count() > 0,
+                    reason="GPUs are visible: backend='cuda_ipc' is accepted")
+def test_cuda_ipc_asked_for_without_gpus_names_the_choice_and_the_reason():
+    # Found by a fresh user: thread ranks with backend='cuda_ipc' were told "Buffer over a 'threads' group needs
+    # the cuda_ipc backend", as if the group, not the argument, had asked for it.
+    def rank_main(group):
+        with pytest.raises(epmoe.Error) as e:
+            epmoe.Buffer(group, backend="cuda_ipc")
+        return e.value.code, str(e.value)
+
+    for code, message in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert code == "unsupported", message
+        assert "Buffer(backend='cuda_ipc') needs CUDA GPUs" in message, message
+        assert ("this build has no CUDA" in message) != ("this machine has no visible GPU" in message), message
+        assert "group needs" not in message, message
+
+
 def test_run_thread_ranks_returns_results_and_reraises():
     def rank_main(group):
         group.barrier()
