@@ -24,7 +24,9 @@ struct RoutingTrace {
 
 /// Loads `domain` from a directory holding DOMAIN.topk_idx.npy and DOMAIN.topk_weights.npy, or from
 /// a path to a DOMAIN.topk_idx.npy file (the weights file is found beside it; domain is then taken
-/// from the file name). Errors: missing files, shapes that disagree.
+/// from the file name). Errors: invalid_argument naming 'routing' (the CLI's --routing) for missing files, files
+/// that are not readable .npy (format 1.0/2.0, little endian, C order; the reader's reason given), wrong dtypes,
+/// empty or disagreeing shapes, and the first id out of [-1, 64) or non-finite weight at its [token, layer, k].
 RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::string& domain = "general");
 
 /// Routing of one rank, replayed from a trace (SPEC 14): rank r gets the consecutive tokens

@@ -9,6 +9,23 @@
 
 namespace epmoe {
 
+namespace {
+
+// A file load_npy refuses (not .npy, truncated, an unsupported dtype or order) is named as the routing argument
+// (the CLI's --routing), with the reader's reason, as the checks of the arrays' contents below are.
+Tensor load_trace_file(const std::string& path, const char* array) {
+  try {
+    return load_npy(path);
+  } catch (const Error& e) {
+    std::string reason = e.what();
+    if (reason.starts_with("epmoe: ")) reason.erase(0, 7);
+    throw_invalid_argument(fmt::format("routing {}", array),
+                           "a .npy file (format 1.0/2.0, little endian, C order) that NumPy can read", reason);
+  }
+}
+
+}  // namespace
+
 RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::string& domain) {
   namespace fs = std::filesystem;
   RoutingTrace trace;
@@ -27,8 +44,8 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
   w_path = idx_path.substr(0, idx_path.size() - suffix.size()) + ".topk_weights.npy";
   EPMOE_CHECK_ARG(fs::exists(idx_path), "routing", fmt::format("an existing file {}", idx_path), "no such file");
   EPMOE_CHECK_ARG(fs::exists(w_path), "routing", fmt::format("an existing file {}", w_path), "no such file");
-  trace.topk_idx = load_npy(idx_path);
-  trace.topk_weights = load_npy(w_path);
+  trace.topk_idx = load_trace_file(idx_path, "topk_idx");
+  trace.topk_weights = load_trace_file(w_path, "topk_weights");
   EPMOE_CHECK_ARG(trace.topk_idx.dtype() == DType::int16 && trace.topk_idx.shape().ndim() == 3, "routing topk_idx",
                   "int16 [tokens, layers, K]", describe(trace.topk_idx));
   EPMOE_CHECK_ARG(trace.topk_weights.dtype() == DType::fp32 && trace.topk_weights.shape() == trace.topk_idx.shape(),

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <set>
 
@@ -140,6 +141,37 @@ TEST(Replay, BadTracesAreRefusedWhenLoadingNamingTheFirstBadEntry) {
   ids_bad[4] = -2;
   test::write_routing_trace(id_dir, "general", 3, 2, 2, ids_bad, w);
   EXPECT_NE(error_of(id_dir).find("-2 at [1, 0, 0]"), std::string::npos) << error_of(id_dir);
+}
+
+// Found by a fresh user: a file the .npy reader refuses was reported under its path alone ("'x.topk_idx.npy':
+// file shorter than its header length"), without naming the routing argument as every other trace error does.
+TEST(Replay, FilesTheNpyReaderRefusesAreNamedAsTheRoutingArgumentWithTheReason) {
+  const std::string good = temp_dir("good");
+  test::write_routing_trace(good, "general", 2, 1, 1, {3, 4}, {0.5f, 0.25f});
+  namespace fs = std::filesystem;
+  const auto copy_with = [&](const std::string& leaf, const std::string& file, const std::string& bytes) {
+    const std::string dir = temp_dir(leaf);
+    fs::create_directories(dir);
+    for (const char* f : {"general.topk_idx.npy", "general.topk_weights.npy"})
+      fs::copy_file(good + "/" + f, dir + "/" + f, fs::copy_options::overwrite_existing);
+    std::ofstream(dir + "/" + file, std::ios::binary | std::ios::trunc) << bytes;
+    return dir;
+  };
+  const std::string text = copy_with("text", "general.topk_idx.npy", "not a numpy file\n");
+  std::string m = error_of(text);
+  EXPECT_NE(m.find("invalid argument 'routing topk_idx': expected a .npy file"), std::string::npos) << m;
+  EXPECT_NE(m.find("general.topk_idx.npy' is not a .npy file (bad magic)"), std::string::npos) << m;
+  EXPECT_EQ(m.find("got epmoe:"), std::string::npos) << m;  // the reason without its own prefix
+
+  std::string head;  // the weights file cut inside its header
+  {
+    std::ifstream in(good + "/general.topk_weights.npy", std::ios::binary);
+    head.resize(20);
+    in.read(head.data(), 20);
+  }
+  m = error_of(copy_with("cut", "general.topk_weights.npy", head));
+  EXPECT_NE(m.find("invalid argument 'routing topk_weights'"), std::string::npos) << m;
+  EXPECT_NE(m.find("shorter than its header"), std::string::npos) << m;
 }
 
 TEST(Replay, HugeOffsetWrapsWithoutOverflow) {

@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -105,6 +106,35 @@ TEST(Cli, HelpListsTheCommandsAndFlags) {
     EXPECT_NE(bench.out.find(s), std::string::npos) << s;
   const CliResult tune = run_cli("tune --help");
   for (const char* s : {"--sms", "--chunks", "--objective", "--output"}) EXPECT_NE(tune.out.find(s), std::string::npos) << s;
+  // Found by a fresh user: the seed's check repeated its type ("--seed UINT:UINT=2024").
+  for (const CliResult* r : {&run, &bench, &tune}) {
+    EXPECT_NE(r->out.find("--seed UINT"), std::string::npos) << r->out;
+    EXPECT_EQ(r->out.find("UINT:UINT"), std::string::npos) << r->out;
+  }
+}
+
+// Found by a fresh user: on a terminal (stdout and stderr on one stream) bench on CPU ranks printed each row in
+// the middle of the stderr progress line ("[1/2] T=1: dispatch_bf16      1 dispatch_bf16    4025.84 ...").
+TEST(Cli, BenchOnCpuRanksKeepsTheRowsOffTheProgressLine) {
+  const std::string both = temp_path("both.txt");
+  const std::string cmd = "'" + cli_path() +
+                          "' bench --device cpu --ranks 2 --tokens-min 1 --tokens-max 2 --hidden 64 --experts 4 "
+                          "--topk 2 --runs 1 --warmup 0 >'" + both + "' 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(both);
+  const std::regex row(R"(^ *[0-9]+ (ll_)?(dispatch|combine)_(bf16|fp8) +[0-9.]+ .*\|.*)");
+  std::istringstream text(slurp(both));
+  int progress = 0, rows = 0;
+  for (std::string line; std::getline(text, line);) {
+    if (line.starts_with("[")) {  // stderr: "[i/n] T=t: op op ... (x s)", nothing else on its line
+      ++progress;
+      EXPECT_TRUE(line.ends_with(" s)")) << line;
+      EXPECT_EQ(line.find('|'), std::string::npos) << line;
+    } else if (std::regex_match(line, row)) {
+      ++rows;
+    }
+  }
+  EXPECT_EQ(progress, 2) << slurp(both);
+  EXPECT_EQ(rows, 2 * 6) << slurp(both);  // T = 1, 2; three normal-mode and three low-latency ops each
 }
 
 TEST(Cli, RunWithoutDeviceFlagPicksGpusWhenPresentElseCpuRanks) {
@@ -309,6 +339,11 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"run --device cpu --experts 63", "invalid argument '--experts': expected a multiple of the 4 ranks"},
       {"run --device cpu --ranks 4 --experts 63", "invalid argument '--ranks': expected a divisor of --experts"},
       {"run --device cpu --activation foo", "invalid argument '--activation'"},
+      // Found by a fresh user: refused by the layout after the weights were made, naming 'num_experts'.
+      {"run --device cpu --ranks 1 --experts 2048 --topk 2",
+       "invalid argument '--experts': expected at most 1024 (1024 per rank on 1 rank), got 2048"},
+      {"run --device cpu --ranks 2 --experts 2050 --topk 2 --mode low-latency",
+       "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
       {"run --device cpu --tokens abc", "epmoe: invalid argument: "},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",
@@ -323,6 +358,7 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
     EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
     EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
+    EXPECT_EQ(r.err.find("generating"), std::string::npos) << c.args << ": refused only after starting\n" << r.err;
   }
   // A refused tune creates no output file.
   const std::string out = temp_path("never.json");
@@ -403,6 +439,13 @@ TEST(Cli, RunBadRoutingTracesAndOffsetsAreNamedBeforeAnyWork) {
       {"--routing '" + make_trace("ids", 4, [](auto& ids, auto&) { ids[6] = 64; }) + "'",
        "invalid argument '--routing topk_idx': expected ids in [-1, 64)", "64 at [3, 0, 0]"},
   };
+  // A file the .npy reader refuses is named as --routing too, with the reader's reason.
+  const std::string text = make_trace("text");
+  write_file(text + "/general.topk_idx.npy", "not a numpy file\n");
+  r = run_cli("run --routing '" + text + "'" + tiny);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("invalid argument '--routing topk_idx': expected a .npy file"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(bad magic)"), std::string::npos) << r.err;
   for (const auto& c : cases) {
     r = run_cli("run " + c.args + tiny);
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out << r.err;

@@ -254,6 +254,9 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
     const std::int64_t T = Ts[i];
     const auto t_start = Clock::now();
     if (r == 0) fmt::print(stderr, "[{}/{}] T={}: ", i + 1, Ts.size(), T);
+    // Rows go to stdout once this T's progress line (stderr) has ended, as on GPUs: on a terminal a row printed
+    // between two op names of the progress line would share its line.
+    std::vector<Sample> measured;
     const HostInputs in = host_inputs(c, seed, r, T);
     const Matrix m = gather_counts(*g, count_routing(in.idx, c.experts, R), false);
 
@@ -295,7 +298,7 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
       }
       if (r == 0) {
         fmt::print(stderr, "{} ", op);
-        emit(s);
+        measured.push_back(s);
       }
     };
 
@@ -349,7 +352,10 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
           },
           [&] { buf.low_latency_combine(ca); });
     }
-    if (r == 0) fmt::print(stderr, "({:.1f} s)\n", seconds_since(t_start));
+    if (r == 0) {
+      fmt::print(stderr, "({:.1f} s)\n", seconds_since(t_start));
+      for (const Sample& s : measured) emit(s);
+    }
   }
 }
 

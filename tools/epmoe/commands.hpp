@@ -10,10 +10,11 @@
 namespace epmoe::cli {
 
 /// A CLI11 check for unsigned flags (CLI11 would wrap "-1" around): names the value when it is negative.
+/// No description: CLI11 appends it to the type in --help, which already says UINT ("--seed UINT:UINT").
 inline CLI::Validator non_negative_integer() {
   return CLI::Validator(
       [](std::string& v) { return !v.empty() && v[0] == '-' ? "expected a non-negative integer, got " + v : std::string(); },
-      "UINT");
+      "");
 }
 
 /// `epmoe run`: a full expert-parallel MoE layer checked against the float64 reference.

@@ -563,6 +563,10 @@ int run(RunConfig c) {
       bad("--experts", fmt::format("a multiple of the {} ranks (--ranks)", c.ranks), c.experts);
     bad(c.backend == "mpi" ? "mpirun -np" : "--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
   }
+  if (c.experts / c.ranks > 1024)  // SPEC 1; the layout would say so only after the weights are made, as 'num_experts'
+    bad("--experts", fmt::format("at most {} (1024 per rank on {} rank{})", 1024LL * c.ranks, c.ranks,
+                                 c.ranks == 1 ? "" : "s"),
+        c.experts);
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
   if (c.intermediate < 1) bad("--intermediate", ">= 1", c.intermediate);
