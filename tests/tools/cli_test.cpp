@@ -352,6 +352,11 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"tune --tokens 0", "invalid argument '--tokens'"},
       {"run --device cpu --json ''", "--json: expected a path"},
       {"bench --device cpu --json ''", "--json: expected a path"},
+      // Found by a fresh user: '' (an unset shell variable) ran with random routing or without the config.
+      {"run --device cpu --routing ''", "--routing: expected a path, got ''"},
+      {"run --device cpu --config ''", "--config: expected a path, got ''"},
+      {"bench --device cpu --config ''", "--config: expected a path, got ''"},
+      {"tune --config ''", "--config: expected a path, got ''"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);

@@ -79,6 +79,12 @@ const CLI::Validator& non_empty_path() {
   return check;
 }
 
+const CLI::Validator& non_empty_input() {
+  static const CLI::Validator check([](std::string& v) { return v.empty() ? std::string("expected a path, got ''") : std::string(); },
+                                    "");
+  return check;
+}
+
 void check_writable(std::string_view flag, const std::string& path) {
   namespace fs = std::filesystem;
   if (path.empty()) bad(flag, "a writable file", "an empty path");

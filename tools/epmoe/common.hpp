@@ -46,6 +46,10 @@ std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed = true, 
 /// A CLI11 check for path options: an empty path is refused (it would silently write nothing).
 const CLI::Validator& non_empty_path();
 
+/// The same for input paths (--config, --routing), where '' would silently mean the flag was not given (e.g. an
+/// unset shell variable: random routing, no config); no type of its own in --help (theirs say FILE or TEXT).
+const CLI::Validator& non_empty_input();
+
 /// Raises invalid_argument naming `flag` (and the OS's reason) unless `path` opens for writing now: an existing
 /// regular file is opened without truncation, a new name is created and removed again, so a command refused
 /// afterwards leaves no file behind; an existing device or pipe is only checked for write permission.

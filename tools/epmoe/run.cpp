@@ -775,17 +775,19 @@ std::function<int()> add_run_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
   cmd->add_option("--config", c.config,
                   "a JSON file of BufferOptions tunables (what `epmoe tune` writes), e.g. containing {\"num_sms\": 16}")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(non_empty_input());
   cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")
       ->check(non_negative_integer())
       ->capture_default_str();
   cmd->add_option("--routing", c.routing,
                   "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file; .npy files DOMAIN.topk_idx "
-                  "(int16 [tokens, layers, K], ids in [-1, 64)) and DOMAIN.topk_weights (float32, same shape, finite)");
+                  "(int16 [tokens, layers, K], ids in [-1, 64)) and DOMAIN.topk_weights (float32, same shape, finite)")
+      ->check(non_empty_input());
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory")->capture_default_str();
   cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
   cmd->add_option("--offset", c.offset,
-                  "first token of --routing, in [0, tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
+                  "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
       ->capture_default_str();
   cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
