@@ -128,7 +128,7 @@ struct BufferOptions {
 /// with '_' are notes (the tuner's measurements) and are ignored. Only the fields present are set in
 /// `options`; the rest keep their values. Errors (invalid_argument, message naming `source` and the
 /// field): text that is not a JSON object, an unknown field (the known ones are listed), a value of the
-/// wrong type or out of range.
+/// wrong type or out of range, a field given twice.
 void apply_buffer_config_json(std::string_view json_text, BufferOptions& options, std::string_view source = "config");
 /// Reads the file at `path` and applies it as apply_buffer_config_json does. Errors: unreadable file
 /// (invalid_argument naming the path), then as above.

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <set>
 #include <string>
 #include <variant>
 
@@ -49,12 +50,23 @@ std::string type_name(const nlohmann::json& v) { return v.type_name(); }
 
 void apply_buffer_config_json(std::string_view json_text, BufferOptions& options, std::string_view source) {
   nlohmann::json j;
+  // A field given twice would silently keep its last value (what nlohmann::json does): refused, naming it.
+  std::set<std::string> seen;
+  std::string repeated;
+  const auto note_keys = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    if (event == nlohmann::json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
+        repeated.empty())
+      repeated = parsed.get<std::string>();
+    return true;
+  };
   try {
-    j = nlohmann::json::parse(json_text);
+    j = nlohmann::json::parse(json_text, note_keys);
   } catch (const nlohmann::json::parse_error& e) {
     throw_invalid_argument(source, "a JSON object of BufferOptions fields",
                            fmt::format("text that is not JSON ({})", e.what()));
   }
+  if (!repeated.empty())
+    throw_invalid_argument(fmt::format("{}:{}", source, repeated), "each field at most once", "given twice or more");
   EPMOE_CHECK_ARG(j.is_object(), source, "a JSON object of BufferOptions fields",
                   fmt::format("a JSON {}", type_name(j)));
   // Check every field before setting any, so a bad file leaves `options` as it was.

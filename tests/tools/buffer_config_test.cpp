@@ -73,6 +73,19 @@ TEST(BufferConfig, UnknownFieldIsNamedWithTheKnownOnes) {
   EXPECT_EQ(o.num_sms, 8);  // a bad file changes nothing, not even its good fields
 }
 
+TEST(BufferConfig, AFieldGivenTwiceIsNamed) {
+  BufferOptions o;
+  o.num_sms = 8;
+  const std::string msg =
+      error_of([&] { apply_buffer_config_json(R"({"num_sms": 16, "num_chunks": 2, "num_sms": 32})", o, "cfg.json"); });
+  EXPECT_NE(msg.find("'cfg.json:num_sms'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("at most once"), std::string::npos) << msg;
+  EXPECT_EQ(o.num_sms, 8);
+  // The same name inside a note's object is the note's business.
+  apply_buffer_config_json(R"({"num_sms": 16, "_tune": {"num_sms": 8, "x": {"num_sms": 4}}})", o);
+  EXPECT_EQ(o.num_sms, 16);
+}
+
 TEST(BufferConfig, WrongTypeAndRangeAreNamed) {
   BufferOptions o;
   std::string msg = error_of([&] { apply_buffer_config_json(R"({"num_sms": "16"})", o, "c.json"); });
