@@ -1,8 +1,9 @@
 // Replaying recorded routing (SPEC 14): real router decisions instead of random ones.
 //
-// The data set shipped beside the project (shared/data/olmoe-routing, see its README) holds, per
-// domain, topk_idx int16 [tokens, layers, K] and topk_weights float32 [tokens, layers, K] of
-// OLMoE-1B-7B (64 experts, top-8, 16 layers).
+// The recorded data set (the project's shared/data/olmoe-routing beside this repository; a slice of it is
+// in tests/data/olmoe-routing, made by scripts/make_routing_slice.py; see its README) holds, per domain,
+// topk_idx int16 [tokens, layers, K] and topk_weights float32 [tokens, layers, K] of OLMoE-1B-7B (64
+// experts, top-8, 16 layers).
 #pragma once
 
 #include <epmoe/tensor.hpp>
