@@ -313,6 +313,19 @@ TEST(Cli, BenchModesAndBadFlags) {
   }
 }
 
+// A seed past 2^64 - 1 was saturated silently by CLI11 (and "-1" wrapped around before the check existed).
+TEST(Cli, SeedsOutsideSixtyFourBitsAreNamed) {
+  for (const std::string bad : {"-1", "18446744073709551616", "12x"})
+    for (const std::string cmd : {"run --device cpu ", "bench --device cpu --tokens-max 1 "}) {
+      const CliResult r = run_cli(cmd + "--seed " + bad);
+      EXPECT_EQ(r.code, 2) << cmd << bad;
+      EXPECT_NE(r.err.find("--seed"), std::string::npos) << r.err;
+      EXPECT_NE(r.err.find("got " + bad), std::string::npos) << r.err;
+    }
+  const CliResult r = run_cli("run --device cpu --seed 18446744073709551615 " + kTinyRun);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+}
+
 TEST(Cli, TuneRefusesWithoutGpus) {
   CliResult r = run_cli("tune --device cpu");
   EXPECT_EQ(r.code, 2);

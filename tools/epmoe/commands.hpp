@@ -4,16 +4,28 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <system_error>
 
 namespace epmoe::cli {
 
-/// A CLI11 check for unsigned flags (CLI11 would wrap "-1" around): names the value when it is negative.
+/// A CLI11 check for unsigned 64-bit flags (CLI11 would wrap "-1" around and saturate past 2^64 - 1): names the
+/// value when it is negative, not an integer or out of range.
 /// No description: CLI11 appends it to the type in --help, which already says UINT ("--seed UINT:UINT").
 inline CLI::Validator non_negative_integer() {
   return CLI::Validator(
-      [](std::string& v) { return !v.empty() && v[0] == '-' ? "expected a non-negative integer, got " + v : std::string(); },
+      [](std::string& v) {
+        // CLI11 would saturate a value past 2^64 - 1 silently: parsed here first.
+        std::uint64_t n = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+        if (v.empty() || v[0] == '-' || ec == std::errc::invalid_argument) return "expected a non-negative integer, got " + v;
+        if (ec == std::errc::result_out_of_range || end != v.data() + v.size())
+          return "expected an integer in [0, 18446744073709551615], got " + v;
+        return std::string();
+      },
       "");
 }
 
