@@ -326,6 +326,21 @@ TEST(Cli, SeedsOutsideSixtyFourBitsAreNamed) {
   EXPECT_EQ(r.code, 0) << r.out << r.err;
 }
 
+// Under mpirun every process parsed the same bad command line and printed the same error, once per rank: only the
+// first process says it now (the others exit 2 in silence), and --help prints once.
+TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
+    CliResult r = run_cli("run --tokenz 3", std::string(var) + "=1");
+    EXPECT_EQ(r.code, 2) << var;
+    EXPECT_TRUE(r.err.empty()) << var << ": " << r.err;
+    r = run_cli("run --tokenz 3", std::string(var) + "=0");
+    EXPECT_EQ(r.code, 2) << var;
+    EXPECT_NE(r.err.find("--tokenz"), std::string::npos) << var << ": " << r.err;
+  }
+  EXPECT_TRUE(run_cli("run --help", "OMPI_COMM_WORLD_RANK=2").out.empty());
+  EXPECT_NE(run_cli("run --help", "OMPI_COMM_WORLD_RANK=0").out.find("--tokens"), std::string::npos);
+}
+
 TEST(Cli, TuneRefusesWithoutGpus) {
   CliResult r = run_cli("tune --device cpu");
   EXPECT_EQ(r.code, 2);

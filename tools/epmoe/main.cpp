@@ -2,10 +2,26 @@
 #include <epmoe/error.hpp>
 #include <epmoe/version.hpp>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <thread>
 
 #include "commands.hpp"
+
+namespace {
+
+/// Under mpirun every process parses the same command line: only the first says what parsing found (help, a bad
+/// flag), not one copy per rank. Launchers' rank variables: Open MPI, PMI (MPICH, Slurm), PMIx.
+bool first_or_only_process() {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
+    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return std::strcmp(v, "0") == 0;
+  return true;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts dispatch, experts and combine"};
@@ -19,8 +35,12 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // --help and --version exit 0; every other parse error is a bad argument: 2, as the README says, in the
     // same shape as the commands' own errors.
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
+    const bool say = first_or_only_process();
+    if (e.get_exit_code() == 0) return say ? app.exit(e) : 0;
+    if (say)
+      std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
+    else  // mpirun stops the job at the first non-zero exit: the first process's message goes out first
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
     return 2;
   }
   try {
