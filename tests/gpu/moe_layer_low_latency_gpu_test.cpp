@@ -44,7 +44,7 @@ namespace {
 constexpr double kTolerance = 1e-2;  // SPEC 13
 
 using gputest::gpu_count;
-// Ranks as threads on one GPU starve each other's spinning kernels: one rank per GPU, at most 2.
+// One rank per GPU: ranks as threads on one GPU starve each other's spinning kernels.
 /// Thread ranks, rank r on cuda:r: every visible GPU up to 8 (EPMOE_TEST_RANKS caps it); a case's per-rank token
 /// counts repeat over the ranks (tokens_of).
 int num_ranks() { return gputest::thread_ranks(); }
