@@ -177,6 +177,25 @@ Tensor rank_logits(const RunConfig& c, int rank) {
   return logits;
 }
 
+/// One iteration's routing, its time appended to res.router_s: this rank's tokens of the recorded trace
+/// (--routing; copied to the GPU when device >= 0) or the router's top-k of its logits. On a GPU the time ends
+/// after a device synchronisation, as every phase's does.
+TopkResult route_iteration(const RunConfig& c, const Shared& sh, const Tensor& logits, int rank, std::int64_t T,
+                           int device, RankResult& res) {
+  const auto t0 = Clock::now();
+  TopkResult routing;
+  if (sh.trace) {
+    const ReplayedRouting r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
+    routing = device >= 0 ? TopkResult{to_device(r.topk_weights, device), to_device(r.topk_idx, device)}
+                          : TopkResult{r.topk_weights, r.topk_idx};
+  } else {
+    routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
+  }
+  if (device >= 0) cuda_sync_device();
+  res.router_s.push_back(seconds_since(t0));
+  return routing;
+}
+
 // Low-latency mode on a GPU rank: the MoE layer's low-latency prepare/finalize over the cuda_ipc buffer's GPU
 // low-latency mode (Tmax = T; the fp8 quantization fused into its send kernel) and the CUDA experts in the
 // batched_experts format, all on the device. Timed as run_rank_gpu.
@@ -217,15 +236,7 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
   TopkResult routing;
   for (int it = 0; it < c.iters; ++it) {
     group->barrier("run.iteration");
-    const auto t0 = Clock::now();
-    if (sh.trace) {
-      auto r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
-      routing = {to_device(r.topk_weights, device), to_device(r.topk_idx, device)};
-    } else {
-      routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
-    }
-    cuda_sync_device();
-    res.router_s.push_back(seconds_since(t0));
+    routing = route_iteration(c, sh, logits, rank, T, device, res);
     args.topk_idx = routing.topk_idx;
     args.topk_weights = routing.topk_weights;
 
@@ -299,15 +310,7 @@ RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int dev
   TopkResult routing;
   for (int it = 0; it < c.iters; ++it) {
     group->barrier("run.iteration");
-    const auto t0 = Clock::now();
-    if (sh.trace) {
-      auto r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
-      routing = {to_device(r.topk_weights, device), to_device(r.topk_idx, device)};
-    } else {
-      routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
-    }
-    cuda_sync_device();
-    res.router_s.push_back(seconds_since(t0));
+    routing = route_iteration(c, sh, logits, rank, T, device, res);
 
     group->barrier("run.dispatch");
     const auto t1 = Clock::now();
@@ -395,14 +398,7 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
   TopkResult routing;
   for (int it = 0; it < c.iters; ++it) {
     group->barrier("run.iteration");
-    const auto t0 = Clock::now();
-    if (sh.trace) {
-      auto r = replay_routing(*sh.trace, c.layer, c.offset, rank, T, c.experts);
-      routing = {r.topk_weights, r.topk_idx};
-    } else {
-      routing = topk_softmax(logits, c.topk, /*renormalize=*/true);
-    }
-    res.router_s.push_back(seconds_since(t0));
+    routing = route_iteration(c, sh, logits, rank, T, /*device=*/-1, res);
     args.topk_idx = routing.topk_idx;
     args.topk_weights = routing.topk_weights;
 
