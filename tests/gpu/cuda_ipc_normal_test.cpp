@@ -36,20 +36,16 @@ namespace epmoe {
 namespace {
 
 using gputest::gpu_count;
+using gputest::borrow;
+using gputest::cuda_ok;
+using gputest::to_gpu;
+using gputest::to_cpu;
 
 /// Thread ranks of these tests, rank r on cuda:r: every visible GPU, 2..8 (EPMOE_TEST_RANKS caps it).
 int test_ranks() { return std::max(2, gputest::thread_ranks()); }
 
 #define REQUIRE_TWO_GPUS() \
   if (gpu_count() < 2) GTEST_SKIP() << "cuda_ipc tests need 2 GPUs, found " << gpu_count()
-
-std::shared_ptr<Group> borrow(Group& g) {
-  return std::shared_ptr<Group>(&g, [](Group*) {});
-}
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 /// Makes rank r's GPU (cuda:r) current and returns cuda_ipc options for rank r, sized for `max_tokens` tokens per
 /// rank of `hidden` with `topk` (Buffer::get_normal_nvl_size_hint).
@@ -60,22 +56,6 @@ BufferOptions ipc_options(int r, std::int64_t max_tokens, std::int64_t hidden, i
   o.device = r;
   o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(max_tokens, hidden, test_ranks(), topk);
   return o;
-}
-
-/// Contiguous copy of a host tensor on cuda:device.
-Tensor to_gpu(const TensorView& host, int device) {
-  Tensor d = Tensor::empty(host.dtype, host.shape, Device::cuda(device));
-  if (host.numel() > 0) cuda_ok(cudaMemcpy(d.data(), host.data, host.nbytes(), cudaMemcpyHostToDevice), "H2D");
-  return d;
-}
-
-/// Host copy of a device tensor, after the whole device is idle (undefined stays undefined).
-Tensor to_cpu(const Tensor& dev) {
-  if (!dev.defined()) return {};
-  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  Tensor h = Tensor::empty(dev.dtype(), dev.shape());
-  if (dev.numel() > 0) cuda_ok(cudaMemcpy(h.data(), dev.data(), dev.nbytes(), cudaMemcpyDeviceToHost), "D2H");
-  return h;
 }
 
 /// Captures `body` on `st` into a graph (thread-local capture mode). The capture always ends, so a failure cannot

@@ -143,6 +143,34 @@ void fill_random(std::uint64_t seed, const TensorView& host, float scale) {
   }
 }
 
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+std::shared_ptr<Group> borrow(Group& g) {
+  return std::shared_ptr<Group>(&g, [](Group*) {});
+}
+
+Tensor to_gpu(const TensorView& host, int device) {
+  if (!host.defined()) return {};
+  Tensor d = Tensor::empty(host.dtype, host.shape, Device::cuda(device));
+  if (host.numel() > 0) cuda_ok(cudaMemcpy(d.data(), host.data, host.nbytes(), cudaMemcpyHostToDevice), "H2D");
+  return d;
+}
+
+Tensor to_cpu(const TensorView& v) {
+  if (!v.defined()) return {};
+  Tensor h = Tensor::empty(v.dtype, v.shape);
+  if (v.numel() == 0) return h;
+  if (v.device.is_cuda()) {
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+  } else {
+    std::memcpy(h.data(), v.data, v.nbytes());
+  }
+  return h;
+}
+
 int gpu_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;

@@ -4,10 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <epmoe/group.hpp>
 #include <epmoe/tensor.hpp>
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -43,6 +45,15 @@ std::int64_t first_difference(const void* a, const void* b, std::size_t bytes);
 /// Fast seeded fills for big host buffers (mt19937 per element is too slow for 10^8 values): finite,
 /// never all zeros. bf16/float32 values are uniform-ish in [-scale, scale] with varied exponents.
 void fill_random(std::uint64_t seed, const TensorView& host, float scale = 1.0f);
+
+/// Throws std::runtime_error naming `what` when `e` is not cudaSuccess (for code that is not a test body).
+void cuda_ok(cudaError_t e, const char* what);
+/// A group the caller keeps alive, as the shared_ptr a Buffer takes (thread ranks of run_thread_ranks).
+std::shared_ptr<Group> borrow(Group& g);
+/// Copy of a contiguous host view on cuda:device (undefined stays undefined).
+Tensor to_gpu(const TensorView& host, int device);
+/// Host copy of a contiguous view: a device one after the whole device is idle (undefined stays undefined).
+Tensor to_cpu(const TensorView& v);
 
 /// Visible CUDA devices (0 when the runtime finds none).
 int gpu_count();

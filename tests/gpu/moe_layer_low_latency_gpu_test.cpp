@@ -44,37 +44,14 @@ namespace {
 constexpr double kTolerance = 1e-2;  // SPEC 13
 
 using gputest::gpu_count;
+using gputest::borrow;
+using gputest::cuda_ok;
+using gputest::to_gpu;
+using gputest::to_cpu;
 // One rank per GPU: ranks as threads on one GPU starve each other's spinning kernels.
 /// Thread ranks, rank r on cuda:r: every visible GPU up to 8 (EPMOE_TEST_RANKS caps it); a case's per-rank token
 /// counts repeat over the ranks (tokens_of).
 int num_ranks() { return gputest::thread_ranks(); }
-
-std::shared_ptr<Group> borrow(Group& g) {
-  return std::shared_ptr<Group>(&g, [](Group*) {});
-}
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-Tensor to_gpu(const TensorView& h, int device) {
-  Tensor d = Tensor::empty(h.dtype, h.shape, Device::cuda(device));
-  if (h.nbytes() > 0) cuda_ok(cudaMemcpy(d.data(), h.data, h.nbytes(), cudaMemcpyHostToDevice), "H2D");
-  return d;
-}
-
-/// Host copy of a contiguous view (device: after the device is idle).
-Tensor to_cpu(const TensorView& v) {
-  Tensor h = Tensor::empty(v.dtype, v.shape);
-  if (v.numel() == 0) return h;
-  if (v.device.is_cuda()) {
-    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
-  } else {
-    std::memcpy(h.data(), v.data, v.nbytes());
-  }
-  return h;
-}
 
 void poison_gpu(const TensorView& v) {
   if (v.defined() && v.nbytes() > 0) cuda_ok(cudaMemset(v.data, 0xff, v.nbytes()), "poison");
