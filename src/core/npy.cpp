@@ -1,15 +1,30 @@
 #include "core/npy.hpp"
 
+#include <cctype>
 #include <charconv>
 #include <fstream>
 #include <limits>
 #include <string>
-#include <regex>
+#include <string_view>
 #include <vector>
 
 #include "core/check.hpp"
 
 namespace epmoe {
+
+namespace {
+
+/// Where `key`'s value starts in the header (a Python dict literal), past spaces; npos without the key. (Scanned by
+/// hand: std::regex cost compile time and GCC 12 -Wmaybe-uninitialized noise in the sanitizer build.)
+std::size_t value_of(const std::string& header, std::string_view key) {
+  std::size_t i = header.find(key);
+  if (i == std::string::npos) return i;
+  i += key.size();
+  while (i < header.size() && std::isspace(static_cast<unsigned char>(header[i]))) ++i;
+  return i;
+}
+
+}  // namespace
 
 Tensor load_npy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -34,11 +49,17 @@ Tensor load_npy(const std::string& path) {
   in.read(header.data(), header_len);
   if (!in) raise(ErrorCode::invalid_argument, "'{}': file shorter than its header length ({} bytes)", path, header_len);
 
-  std::smatch m;
-  if (!std::regex_search(header, m, std::regex("'descr':\\s*'([<|>])([a-z])(\\d+)'")))
+  // 'descr': '<i8' (byte order, kind letter, size in bytes)
+  std::size_t at = value_of(header, "'descr':");
+  const std::size_t quote = at == std::string::npos || at >= header.size() || header[at] != '\''
+                                ? std::string::npos
+                                : header.find('\'', at + 1);
+  const std::string descr = quote == std::string::npos ? std::string() : header.substr(at + 1, quote - at - 1);
+  if (descr.size() < 3 || std::string_view("<|>").find(descr[0]) == std::string_view::npos ||
+      !std::islower(static_cast<unsigned char>(descr[1])) || descr.find_first_not_of("0123456789", 2) != std::string::npos)
     raise(ErrorCode::invalid_argument, "'{}': no dtype in header {}", path, header);
-  if (m[1] == ">") raise(ErrorCode::unsupported, "'{}': big-endian arrays are not supported", path);
-  const std::string kind = m[2], bytes = m[3];
+  if (descr[0] == '>') raise(ErrorCode::unsupported, "'{}': big-endian arrays are not supported", path);
+  const std::string kind = descr.substr(1, 1), bytes = descr.substr(2);
   DType dtype;
   if (kind == "i" && bytes == "1") dtype = DType::int8;
   else if (kind == "i" && bytes == "2") dtype = DType::int16;
@@ -49,16 +70,24 @@ Tensor load_npy(const std::string& path) {
   else raise(ErrorCode::unsupported, "'{}': dtype {}{} is not supported", path, kind, bytes);
   if (header.find("'fortran_order': True") != std::string::npos)
     raise(ErrorCode::unsupported, "'{}': Fortran-order arrays are not supported", path);
-  if (!std::regex_search(header, m, std::regex("'shape':\\s*\\(([^)]*)\\)")))
+  // 'shape': (3, 4) or (3,)
+  at = value_of(header, "'shape':");
+  const std::size_t close = at == std::string::npos ? at : header.find(')', at);
+  if (at == std::string::npos || at >= header.size() || header[at] != '(' || close == std::string::npos)
     raise(ErrorCode::invalid_argument, "'{}': no shape in header {}", path, header);
   // Every size is checked before anything is allocated: a header may claim any shape.
   std::vector<std::int64_t> dims;
-  const std::string shape_text = m[1];
-  const std::regex number("-?\\d+");
+  const std::string shape_text = header.substr(at + 1, close - at - 1);
   std::uint64_t elements = 1;
   bool overflow = false;
-  for (std::sregex_iterator it(shape_text.begin(), shape_text.end(), number), end; it != end; ++it) {
-    const std::string text = it->str();
+  for (std::size_t begin = 0; begin <= shape_text.size();) {
+    std::size_t end = shape_text.find(',', begin);
+    if (end == std::string::npos) end = shape_text.size();
+    std::string text = shape_text.substr(begin, end - begin);
+    begin = end + 1;
+    const auto first = text.find_first_not_of(" \t"), last = text.find_last_not_of(" \t");
+    if (first == std::string::npos) continue;  // "(3,)": nothing after the last comma
+    text = text.substr(first, last - first + 1);
     std::int64_t d = 0;
     const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), d);
     if (ec != std::errc() || ptr != text.data() + text.size() || d < 0)

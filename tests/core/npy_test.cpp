@@ -15,10 +15,12 @@
 namespace epmoe {
 namespace {
 
-// A format-1.0 file of dtype <i2 whose header says `shape` (written as text, so it may lie), then `data`.
-std::string write_raw(const std::string& leaf, const std::string& shape, const std::vector<std::int16_t>& data) {
+// A format-1.0 file of dtype `descr` (default <i2) whose header says `shape` (written as text, so it may lie), then
+// `data`.
+std::string write_raw(const std::string& leaf, const std::string& shape, const std::vector<std::int16_t>& data,
+                      const std::string& descr = "'<i2'") {
   const std::string path = ::testing::TempDir() + "epmoe_npy_" + leaf + ".npy";
-  std::string header = "{'descr': '<i2', 'fortran_order': False, 'shape': (" + shape + "), }";
+  std::string header = "{'descr': " + descr + ", 'fortran_order': False, 'shape': (" + shape + "), }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';
   std::ofstream out(path, std::ios::binary);
@@ -48,6 +50,26 @@ TEST(Npy, ReadsAHandMadeInt16ArrayExactly) {
   ASSERT_EQ(t.dtype(), DType::int16);
   ASSERT_EQ(t.shape(), (Shape{2, 3}));
   for (std::size_t i = 0; i < data.size(); ++i) EXPECT_EQ(t.ptr<std::int16_t>()[i], data[i]) << i;
+}
+
+TEST(Npy, ReadsOneDimensionWrittenWithATrailingComma) {
+  const std::vector<std::int16_t> data = {5, -6, 7};
+  const Tensor t = load_npy(write_raw("one_dim", "3,", data));
+  ASSERT_EQ(t.shape(), (Shape{3}));
+  for (std::size_t i = 0; i < data.size(); ++i) EXPECT_EQ(t.ptr<std::int16_t>()[i], data[i]) << i;
+}
+
+TEST(Npy, RefusesAMalformedOrUnsupportedDtype) {
+  for (const char* descr : {"'i2'", "'<2'", "'<i'", "'<ix'", "<i2", "'<i2"}) {
+    const std::string what = refusal(write_raw("bad_descr", "2", {1, 2}, descr));
+    EXPECT_NE(what.find("no dtype in header"), std::string::npos) << descr << ": " << what;
+  }
+  try {
+    load_npy(write_raw("big_endian", "2", {1, 2}, "'>i2'"));
+    ADD_FAILURE() << "a big-endian array was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+  }
 }
 
 TEST(Npy, RefusesANegativeSize) {
