@@ -59,7 +59,7 @@ Tensor to_host(const TensorView& dev) {
 }
 
 void poison(const TensorView& dev) {
-  if (dev.numel() == 0) return;
+  if (!dev.defined() || dev.numel() == 0) return;
   std::size_t bytes = dev.nbytes();
   if (!dev.is_contiguous() && dev.ndim() >= 1)
     bytes = static_cast<std::size_t>(dev.stride(0)) * dtype_size(dev.dtype) * static_cast<std::size_t>(dev.size(0));

@@ -48,14 +48,12 @@ using gputest::borrow;
 using gputest::cuda_ok;
 using gputest::to_gpu;
 using gputest::to_cpu;
+constexpr auto poison_gpu = gputest::poison;  // 0xff bytes (NaN in bf16 and fp32)
 // One rank per GPU: ranks as threads on one GPU starve each other's spinning kernels.
 /// Thread ranks, rank r on cuda:r: every visible GPU up to 8 (EPMOE_TEST_RANKS caps it); a case's per-rank token
 /// counts repeat over the ranks (tokens_of).
 int num_ranks() { return gputest::thread_ranks(); }
 
-void poison_gpu(const TensorView& v) {
-  if (v.defined() && v.nbytes() > 0) cuda_ok(cudaMemset(v.data, 0xff, v.nbytes()), "poison");
-}
 
 double relative_l2(const Tensor& got, const Tensor& want) {
   double num = 0, den = 0;

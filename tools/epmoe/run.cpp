@@ -177,6 +177,17 @@ Tensor rank_logits(const RunConfig& c, int rank) {
   return logits;
 }
 
+/// One iteration's dispatch through the prepare/finalize stage (both halves, no overlap to hide here).
+PrepareOutput prepare_iteration(PrepareFinalize& pf, const MoEForwardArgs& args) {
+  PrepareInputs pin;
+  pin.hidden = args.hidden;
+  pin.topk_idx = args.topk_idx;
+  pin.topk_weights = args.topk_weights;
+  pin.global_num_experts = args.global_num_experts;
+  pf.dispatch_a(pin);
+  return pf.dispatch_b();
+}
+
 /// One iteration's routing, its time appended to res.router_s: this rank's tokens of the recorded trace
 /// (--routing; copied to the GPU when device >= 0) or the router's top-k of its logits. On a GPU the time ends
 /// after a device synchronisation, as every phase's does.
@@ -242,13 +253,7 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
 
     group->barrier("run.dispatch");
     const auto t1 = Clock::now();
-    PrepareInputs pin;
-    pin.hidden = args.hidden;
-    pin.topk_idx = args.topk_idx;
-    pin.topk_weights = args.topk_weights;
-    pin.global_num_experts = c.experts;
-    pf->dispatch_a(pin);
-    const PrepareOutput prepared = pf->dispatch_b();
+    const PrepareOutput prepared = prepare_iteration(*pf, args);
     cuda_sync_device();
     res.dispatch_s.push_back(seconds_since(t1));
     // Received rows, read before the combine (the counts are a view of the buffer's receive half).
@@ -404,13 +409,7 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
 
     group->barrier("run.dispatch");
     const auto t1 = Clock::now();
-    PrepareInputs pin;
-    pin.hidden = args.hidden;
-    pin.topk_idx = args.topk_idx;
-    pin.topk_weights = args.topk_weights;
-    pin.global_num_experts = c.experts;
-    pf->dispatch_a(pin);
-    const PrepareOutput prepared = pf->dispatch_b();
+    const PrepareOutput prepared = prepare_iteration(*pf, args);
     res.dispatch_s.push_back(seconds_since(t1));
 
     const auto t2 = Clock::now();
