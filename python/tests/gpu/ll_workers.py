@@ -1,5 +1,6 @@
-"""Low-latency mode on GPUs from Python: what each process runs (test_cuda_ipc_low_latency_torch.py spawns one
-process per GPU with torch.multiprocessing), mirroring gpu_workers.py for normal mode.
+"""Low-latency mode on GPUs from Python: what each process runs (test_cuda_ipc_low_latency_torch.py starts one
+process per rank through launch.spawn: one GPU each, or both on cuda:0 in share mode), mirroring gpu_workers.py
+for normal mode.
 
 Every process draws all ranks' inputs from the same seed, computes the reference outputs on the CPU (epmoe's
 threads backend on NumPy arrays, in-process thread ranks; itself tested against NumPy references in
@@ -18,8 +19,7 @@ import numpy as np
 
 import epmoe
 from ep_scenarios import BF16, assert_same, nice_bf16, numpy_identity, torch_converters
-
-GROUP = 128
+from launch import Proc, error_of, on_thread_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +163,10 @@ LL_VARIANTS = ("sync", "hook", "async", "out")
 LL_ALL_VARIANTS = ("bf16", "fp8_float_scales", "fp8_ue8m0_scales", "zero_token_rank")
 
 
-def _run_ll_cases(buf: Any, rank: int, seed: int, names: List[str], variants_for: Callable[[str], tuple],
-                  side_stream: bool = False) -> List[str]:
+def _run_ll_cases(buf: Any, rank: int, device: int, seed: int, names: List[str],
+                  variants_for: Callable[[str], tuple], side_stream: bool = False) -> List[str]:
     import torch
-    to_torch, to_numpy = torch_converters(f"cuda:{rank}")
+    to_torch, to_numpy = torch_converters(f"cuda:{device}")
     done = []
     for i, name in enumerate(names):
         case = LL_CASES_BY_NAME[name]
@@ -176,69 +176,63 @@ def _run_ll_cases(buf: Any, rank: int, seed: int, names: List[str], variants_for
             if side_stream:
                 # Calls issued on a side stream: epmoe must work on torch's current stream, so the outputs are
                 # ready once that stream is synchronised.
-                side = torch.cuda.Stream(device=rank)
+                side = torch.cuda.Stream(device=device)
                 with torch.cuda.stream(side):
                     got = run_ll_rank(buf, case, inputs[rank], to_torch, to_numpy, variant, sync=side.synchronize)
             else:
                 got = run_ll_rank(buf, case, inputs[rank], to_torch, to_numpy, variant,
-                                  sync=torch.cuda.current_stream(rank).synchronize)
+                                  sync=torch.cuda.current_stream(device).synchronize)
             torch.cuda.synchronize()
             assert_same_ll(got, ref[rank], f"{name}/{variant}{' side stream' if side_stream else ''} rank {rank} "
-                           f"(seed {seed + i})")
+                           f"on cuda:{device} (seed {seed + i})")
             done.append(f"{name}/{variant}")
     return done
 
 
-def job_ll_scenarios(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
+def job_ll_scenarios(p: Proc) -> Dict[str, Any]:
     """Every low-latency scenario, one buffer per case (Tmax, H and E are fixed for a buffer's life)."""
     done = []
     for j, case in enumerate(LL_CASES):
-        buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, world, 1),
+        buf = epmoe.Buffer(p.group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, p.world, 1),
                            low_latency_mode=True)
-        assert buf.backend == "cuda_ipc" and (buf.rank, buf.group_size) == (rank, world)
-        done += _run_ll_cases(buf, rank, seed + 100 * j, [case.name],
+        assert buf.backend == "cuda_ipc" and (buf.rank, buf.group_size) == (p.rank, p.world)
+        done += _run_ll_cases(buf, p.rank, p.device, p.seed + 100 * j, [case.name],
                               lambda name: LL_VARIANTS if name in LL_ALL_VARIANTS else ("sync",))
     return {"done": done}
 
 
-def job_ll_side_stream(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
+def job_ll_side_stream(p: Proc) -> Dict[str, Any]:
     """Two cases with every call issued on a torch side stream (not the default one)."""
     done = []
     for j, name in enumerate(["bf16", "fp8_float_scales"]):
         case = LL_CASES_BY_NAME[name]
-        buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, world, 1))
-        done += _run_ll_cases(buf, rank, seed + 100 * j, [name], lambda n: ("sync", "hook"), side_stream=True)
+        buf = epmoe.Buffer(p.group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, p.world, 1))
+        done += _run_ll_cases(buf, p.rank, p.device, p.seed + 100 * j, [name], lambda n: ("sync", "hook"),
+                              side_stream=True)
     return {"done": done}
 
 
-def _error(call: Callable[[], Any]) -> tuple:
-    try:
-        call()
-    except epmoe.Error as e:
-        return (e.code, str(e))
-    return ("no error", "")
-
-
-def job_ll_errors(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any]:
+def job_ll_errors(p: Proc) -> Dict[str, Any]:
     """Bad low-latency inputs raise epmoe.Error before any communication, on every rank; the buffer stays usable."""
     import torch
+    rank, seed = p.rank, p.seed
     case = LL_CASES_BY_NAME["bf16"]
     inputs = make_ll_inputs(case, seed)
-    to_gpu, to_numpy = torch_converters(f"cuda:{rank}")
-    buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, world, 1))
+    to_gpu, to_numpy = torch_converters(p.cuda)
+    buf = epmoe.Buffer(p.group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, p.world, 1))
     ci = inputs[rank][0]
     x, idx = to_gpu(ci["x"]), to_gpu(ci["idx"])
     big_x = to_gpu(nice_bf16(np.random.default_rng(seed), (case.tmax + 1, case.H)))
     big_idx = torch.arange(case.K, dtype=torch.int64, device=x.device).repeat(case.tmax + 1, 1)  # distinct ids
     wide_idx = torch.zeros((x.shape[0], 17), dtype=torch.int64, device=x.device)
     out = {
-        "too_many_tokens": _error(lambda: buf.low_latency_dispatch(big_x, big_idx, case.tmax, case.E)),
-        "k17": _error(lambda: buf.low_latency_dispatch(x, wide_idx, case.tmax, case.E)),
-        "float_x": _error(lambda: buf.low_latency_dispatch(x.float(), idx, case.tmax, case.E)),
-        "hook_and_async": _error(lambda: buf.low_latency_dispatch(x, idx, case.tmax, case.E, async_finish=True,
-                                                                  return_recv_hook=True)),
-        "cpu_idx": _error(lambda: buf.low_latency_dispatch(x, idx.cpu(), case.tmax, case.E)),
-        "bad_handle": _error(lambda: buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), (1, 2, 3))),
+        "too_many_tokens": error_of(lambda: buf.low_latency_dispatch(big_x, big_idx, case.tmax, case.E)),
+        "k17": error_of(lambda: buf.low_latency_dispatch(x, wide_idx, case.tmax, case.E)),
+        "float_x": error_of(lambda: buf.low_latency_dispatch(x.float(), idx, case.tmax, case.E)),
+        "hook_and_async": error_of(lambda: buf.low_latency_dispatch(x, idx, case.tmax, case.E, async_finish=True,
+                                                                    return_recv_hook=True)),
+        "cpu_idx": error_of(lambda: buf.low_latency_dispatch(x, idx.cpu(), case.tmax, case.E)),
+        "bad_handle": error_of(lambda: buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), (1, 2, 3))),
     }
     # still usable: a whole scenario after the errors
     got = run_ll_rank(buf, case, inputs[rank], to_gpu, to_numpy, sync=torch.cuda.synchronize)
@@ -247,45 +241,25 @@ def job_ll_errors(rank: int, world: int, seed: int, group: Any) -> Dict[str, Any
     recv, count, h0, _, _ = buf.low_latency_dispatch(x, idx, case.tmax, case.E, use_fp8=False)
     buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h0)
     _, _, h1, _, _ = buf.low_latency_dispatch(x, idx, case.tmax, case.E, use_fp8=False)
-    out["stale_handle"] = _error(lambda: buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h0))
+    out["stale_handle"] = error_of(lambda: buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h0))
     buf.low_latency_combine(to_gpu(ci["y"]), idx, to_gpu(ci["w"]), h1)  # the pending call completes
     torch.cuda.synchronize()
     return out
 
 
-JOBS = {"ll_scenarios": job_ll_scenarios, "ll_side_stream": job_ll_side_stream, "ll_errors": job_ll_errors}
-
-
-def run_worker(rank: int, world: int, init_file: str, backend: str, seed: int, job: str, results: Any) -> None:
-    """Entry point of one spawned process (as gpu_workers.run_worker): rank `rank` on cuda:`rank`, a
-    torch.distributed group over `backend`, then JOBS[job]; its result lands in results[rank]."""
-    import torch
-    import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kwargs)
-    try:
-        results[rank] = JOBS[job](rank, world, seed, dist.group.WORLD)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def thread_rank_ll_scenarios(seed: int) -> List[str]:
     """One process, thread rank r on cuda:r (the calls wait on the host before returning), a few cases with
     hooks and async_finish."""
-    import torch
     names = ["bf16", "fp8_ue8m0_scales"]
 
-    def rank_main(group: Any) -> List[str]:
-        r = group.rank()
+    def rank_main(group: Any, device: int) -> List[str]:
         done = []
-        with torch.cuda.device(r):
-            for j, name in enumerate(names):
-                case = LL_CASES_BY_NAME[name]
-                buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, 2, 1),
-                                   backend="cuda_ipc", device=r)
-                done += _run_ll_cases(buf, r, seed + 100 * j, [name], lambda n: ("sync", "hook", "async"))
+        for j, name in enumerate(names):
+            case = LL_CASES_BY_NAME[name]
+            buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(1, case.H, group.size(), 1),
+                               backend="cuda_ipc", device=device)
+            done += _run_ll_cases(buf, group.rank(), device, seed + 100 * j, [name],
+                                  lambda n: ("sync", "hook", "async"))
         return done
 
-    return [d for per_rank in epmoe.run_thread_ranks(2, rank_main) for d in per_rank]
+    return on_thread_ranks(rank_main)

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The Python package on a GPU machine: builds epmoe with CUDA for that machine's python3, offline, then
-# runs the whole Python suite (python/tests: CPU tests, torch tests, and python/tests/gpu on 2 GPUs).
+# runs the whole Python suite (python/tests: CPU tests, torch tests, and python/tests/gpu).
 #
 #   python/tests/gpu/run_gpu_tests.sh        # from anywhere; results in $OUT (or ./gpu-results)
+#
+# One GPU is enough: when nvidia-smi lists one GPU, this sets EPMOE_TEST_SHARE_GPU=1 (unless already set), and
+# the GPU tests' two processes share cuda:0 (python/tests/gpu/launch.py); the NCCL-group and thread-rank tests
+# then skip (they need a GPU per rank). With 2 or more GPUs each process has its own (EPMOE_TEST_SHARE_GPU=1
+# forces sharing cuda:0 there too).
 #
 # Needs there: python3 with torch, numpy, ml_dtypes, nanobind, scikit-build-core and pytest; nvcc and cmake;
 # no network. The C++ libraries epmoe builds against come from the system, or from a prefix made here by
@@ -12,9 +17,10 @@
 # call on the same machine.
 #
 # Writes to $OUT: build.log (the pip build), pytest.log, junit.xml, env.txt. Exit status: pytest's (or 1
-# when the build fails). Limits (seconds, so the logs come back inside a 600 s device call): the build
-# EPMOE_PYTEST_ARGS adds pytest arguments (e.g. "-k thread_ranks"). EPMOE_BUILD_LIMIT (default 420), pytest EPMOE_PYTEST_LIMIT (default 300). EPMOE_SKIP_BUILD=1 reuses the
-# package a previous call installed in $EPMOE_PY_TARGET (a warm machine), e.g. to re-run the tests alone.
+# when the build fails). Limits in seconds, so the logs come back inside a 600 s device call: the build
+# EPMOE_BUILD_LIMIT (default 420), pytest EPMOE_PYTEST_LIMIT (default 300). EPMOE_PYTEST_ARGS adds pytest
+# arguments (e.g. "-k thread_ranks"). EPMOE_SKIP_BUILD=1 reuses the package a previous call installed in
+# $EPMOE_PY_TARGET (a warm machine), e.g. to re-run the tests alone.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 cd "$ROOT"
@@ -27,6 +33,11 @@ DEPS="${EPMOE_DEPS_PREFIX:-$ROOT/build/h3-py-deps}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export EPMOE_TIMEOUT_S="${EPMOE_TIMEOUT_S:-20}" PYTHONUNBUFFERED=1
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+# One GPU: the GPU tests' two processes share it (launch.py would choose so too; set here so env.txt says it).
+GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+if [ "${GPUS:-0}" = 1 ] && [ -z "${EPMOE_TEST_SHARE_GPU:-}" ]; then
+  export EPMOE_TEST_SHARE_GPU=1
+fi
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -36,6 +47,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "numpy", numpy.__version__)' 2>&1
   "$PY" -m pip list 2>/dev/null | grep -iE '^(nanobind|scikit.build.core|ml.dtypes|pytest|cupy|mpi4py) ' || true
   command -v nvcc cmake ninja 2>&1
+  echo "GPUs (nvidia-smi -L): ${GPUS:-0}; EPMOE_TEST_SHARE_GPU=${EPMOE_TEST_SHARE_GPU:-unset}"
 } >"$RESULTS/env.txt"
 cat "$RESULTS/env.txt"
 

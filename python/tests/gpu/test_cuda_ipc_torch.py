@@ -1,76 +1,49 @@
-"""The GPU path of epmoe.Buffer from Python (cuda_ipc backend, normal mode), on 2 GPUs.
+"""The GPU path of epmoe.Buffer from Python (cuda_ipc backend, normal mode), on 2 GPUs or sharing one.
 
-Two processes (torch.multiprocessing.spawn), one GPU each, a torch.distributed group (gloo, and nccl for a
-subset) handed to epmoe.Buffer as DeepEP's engines do; each process runs the scenarios of
-tests/gpu/cuda_ipc_normal_test.cpp through the Python API (ep_scenarios.CASES: bf16 at two hidden sizes,
-fp8 with float32 and UE8M0 scales, a zero-token rank, a rank routing nowhere, one expert, num_worst_tokens,
-cached dispatch, int32 ids with expert_alignment and K = 1, K = 32), synchronously, with async_finish,
-with previous_event (torch events from capture(), epmoe's CUDA events, and the complete events of
-synchronous calls), and with DeepEP's positional order, and compares every output bit for bit with the
-CPU threads backend on the same inputs. Bad inputs must raise epmoe.Error on every rank without a hang.
-Skipped without torch, a CUDA build or 2 GPUs.
+Two processes (torch.multiprocessing.spawn through launch.spawn), one GPU each or both on one, a
+torch.distributed group (gloo, and nccl for a subset) handed to epmoe.Buffer as DeepEP's engines do; each
+process runs the scenarios of tests/gpu/cuda_ipc_normal_test.cpp through the Python API (ep_scenarios.CASES:
+bf16 at two hidden sizes, fp8 with float32 and UE8M0 scales, a zero-token rank, a rank routing nowhere, one
+expert, num_worst_tokens, cached dispatch, int32 ids with expert_alignment and K = 1, K = 32), synchronously,
+with async_finish, with previous_event (torch events from capture(), epmoe's CUDA events, and the complete
+events of synchronous calls), and with DeepEP's positional order, and compares every output bit for bit with
+the CPU threads backend on the same inputs. Bad inputs must raise epmoe.Error on every rank without a hang.
+Skipped without torch, a CUDA build or a GPU. With one GPU (or EPMOE_TEST_SHARE_GPU=1) both processes share
+cuda:0 (share mode, launch.py); the NCCL-group and thread-rank tests then skip, as they need a GPU per rank.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 import pytest
 
 import epmoe
 
-# The parent folder's helpers (ep_scenarios.py) are importable here and in the spawned processes (they
-# inherit sys.path). No conftest.py in this folder: a second module named conftest would shadow the
-# parent's, which the other test modules import from.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# NVLink multicast stays off on shared machines; epmoe never uses it, this guards the libraries (NCCL).
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_name, _value)
-# A protocol bug costs seconds, not the 100 s default wait.
-os.environ.setdefault("EPMOE_TIMEOUT_S", "20")
-
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.skipif(
-    not epmoe.built_with_cuda() or torch.cuda.device_count() < 2,
-    reason=f"needs a CUDA build of epmoe (built_with_cuda={epmoe.built_with_cuda()}) and 2 GPUs "
-    f"(found {torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # launch.py (it adds the parent folder)
+import gpu_workers  # noqa: E402
+from launch import NCCL_SHARED, THREADS_SHARED, fresh_seed, needs_gpu, own_gpus, spawn  # noqa: E402
 
-WORLD = 2
-
-
-def fresh_seed(name: str) -> int:
-    seed = int(os.environ.get("EPMOE_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"[{name}] seed={seed} (EPMOE_TEST_SEED={seed} reproduces it)")
-    return seed
-
-
-def spawn(job: str, backend: str, tmp_path, name: str):
-    import torch.multiprocessing as mp
-    from gpu_workers import run_worker
-    seed = fresh_seed(name)
-    manager = mp.get_context("spawn").Manager()
-    results = manager.dict()
-    mp.spawn(run_worker, args=(WORLD, str(tmp_path / "init"), backend, seed, job, results), nprocs=WORLD, join=True)
-    return [results[r] for r in range(WORLD)]
+pytestmark = needs_gpu
 
 
 def test_every_scenario_matches_the_cpu_path_over_a_gloo_group(tmp_path):
-    out = spawn("scenarios", "gloo", tmp_path, "scenarios")
+    out = spawn(gpu_workers.job_scenarios, "gloo", tmp_path, "scenarios")
     assert out[0]["done"] == out[1]["done"] and len(out[0]["done"]) >= 20
     print("\n".join(out[0]["done"]))
 
 
+@own_gpus(NCCL_SHARED)
 def test_scenarios_over_an_nccl_group(tmp_path):
-    out = spawn("quick", "nccl", tmp_path, "nccl")
+    out = spawn(gpu_workers.job_quick, "nccl", tmp_path, "nccl")
     assert len(out[0]["done"]) == 6
 
 
 def test_bad_inputs_raise_on_every_rank_without_a_hang(tmp_path):
-    for r, out in enumerate(spawn("errors", "gloo", tmp_path, "errors")):
+    for r, out in enumerate(spawn(gpu_workers.job_errors, "gloo", tmp_path, "errors")):
         assert out["cpu_x"][0] == "invalid_argument" and "'x'" in out["cpu_x"][1], out["cpu_x"]
         assert out["float_x"][0] == "invalid_argument" and "'x'" in out["float_x"][1], out["float_x"]
         assert out["alloc_on_comm"][0] == "invalid_argument" and "allocate_on_comm_stream" in out["alloc_on_comm"][1]
@@ -84,12 +57,12 @@ def test_bad_inputs_raise_on_every_rank_without_a_hang(tmp_path):
 
 def test_cupy_arrays_in_cupy_arrays_out(tmp_path):
     pytest.importorskip("cupy")
-    assert spawn("cupy", "gloo", tmp_path, "cupy")[0]["done"] == ["cupy_layout"]
+    assert spawn(gpu_workers.job_cupy, "gloo", tmp_path, "cupy")[0]["done"] == ["cupy_layout"]
 
 
+@own_gpus(THREADS_SHARED)
 def test_thread_ranks_on_two_gpus_in_one_process():
-    from gpu_workers import thread_rank_scenarios
-    done = thread_rank_scenarios(fresh_seed("thread ranks"))
+    done = gpu_workers.thread_rank_scenarios(fresh_seed("thread ranks"))
     assert len(done) == 2 * 6
 
 
