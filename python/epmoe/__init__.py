@@ -23,8 +23,9 @@ torch tensors or CuPy arrays, by DLPack; outputs in the caller's framework and o
   ``torch.distributed`` ProcessGroup or an mpi4py communicator.
 - ``topk_softmax``, ``topk_sigmoid``, ``grouped_topk``: routing.
 - ``quantize_fp8``, ``dequantize_fp8``: per-token-group fp8 (round_scale, UE8M0).
-- ``MoELayer`` and the ``make_*`` factories: the modular layer; ``MoEModule`` (torch.nn.Module) when torch
-  is installed.
+- ``MoELayer`` and the ``make_*`` factories: the modular layer, on CPU tensors (reference / BLAS experts)
+  or on one GPU (``make_cuda_experts``, torch or CuPy CUDA tensors); ``MoEModule`` (torch.nn.Module) when
+  torch is installed.
 - ``rebalance_experts`` (DeepSeek EPLB), ``map_to_physical``, ``ExpertLoadRecorder``: expert load statistics
   and load balancing.
 - ``Error``: every failure; ``str(e)`` is the C++ message, ``e.code`` its kind.
@@ -40,8 +41,8 @@ from ._tensor import BFLOAT16, FLOAT8_E4M3FN
 from .buffer import Buffer, Config, DispatchHandle, Event, EventOverlap, LowLatencyHandle
 from .eplb import ExpertLoadRecorder, map_to_physical, rebalance_experts
 from .moe import (ACTIVATIONS, Experts, MoELayer, PrepareFinalize, WorkspaceCache, make_blas_experts,
-                  make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize,
-                  make_reference_experts)
+                  make_cuda_experts, make_low_latency_prepare_finalize, make_no_ep_prepare_finalize,
+                  make_normal_prepare_finalize, make_reference_experts)
 from .ops import (FP8_GROUP_SIZE, dequantize_fp8, fp8_group_scale, get_dispatch_layout, grouped_topk,
                   num_scale_groups, num_ue8m0_words, quantize_fp8, topk_sigmoid, topk_softmax, ue8m0_from_scale,
                   ue8m0_to_scale)
@@ -75,7 +76,7 @@ __all__ = [
     "ExpertLoadRecorder", "map_to_physical", "rebalance_experts",
     "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
     "as_group", "built_with_cuda", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
-    "grouped_topk", "make_blas_experts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
+    "grouped_topk", "make_blas_experts", "make_cuda_experts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
     "make_normal_prepare_finalize", "make_reference_experts", "num_scale_groups", "num_ue8m0_words", "quantize_fp8",
     "run_thread_ranks", "topk_idx_t", "topk_sigmoid", "topk_softmax", "ue8m0_from_scale", "ue8m0_to_scale",
 ]

@@ -185,7 +185,7 @@ def ue8m0_from_scale(pow2_scale: float) -> int: ...
 def ue8m0_to_scale(byte: int) -> float: ...
 
 class Experts:
-    """Expert MLPs: name 'reference' or 'blas'."""
+    """Expert MLPs: name 'reference' or 'blas' (CPU), 'cuda' (one GPU)."""
     @property
     def name(self) -> str: ...
     @property
@@ -197,6 +197,8 @@ class Experts:
 
 def make_reference_experts(activation_format: str = "standard", reduce: bool = True) -> Experts: ...
 def make_blas_experts(activation_format: str = "standard", reduce: bool = True) -> Experts: ...
+def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) -> Experts:
+    """Errors: unsupported in a build without CUDA."""
 
 class PrepareFinalize:
     """Quantize + dispatch and combine (no_ep, normal or low_latency)."""
@@ -210,7 +212,8 @@ class PrepareFinalize:
         """'INITIAL', 'AFTER_DISPATCH_A', 'AFTER_DISPATCH_B' or 'AFTER_COMBINE_A'."""
 
 def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: bool = False,
-                                use_ue8m0: bool = False) -> PrepareFinalize: ...
+                                use_ue8m0: bool = False, activation_format: str = "standard",
+                                max_tokens_per_expert: int = 0) -> PrepareFinalize: ...
 def make_normal_prepare_finalize(buffer: Buffer, dispatch_dtype: str = "bfloat16", round_scale: bool = False,
                                  use_ue8m0: bool = False) -> PrepareFinalize: ...
 def make_low_latency_prepare_finalize(buffer: Buffer, num_max_dispatch_tokens_per_rank: int,
@@ -233,7 +236,7 @@ class MoELayer:
         """Errors: a prepare/finalize whose activation format differs from the experts' (names both)."""
     def forward(self, hidden: ArrayArg, w1: ArrayArg, w2: ArrayArg, topk_weights: ArrayArg, topk_idx: ArrayArg,
                 activation: str = "silu", global_num_experts: int = 0, expert_map: ArrayArg = None,
-                apply_router_weight_on_input: bool = False,
+                apply_router_weight_on_input: bool = False, output: ArrayArg = None,
                 framework: str = "numpy") -> Tuple[Array, Optional[Array]]:
         """(output bfloat16 [T, H], shared_output bfloat16 [T, H] or None). Collective."""
     @property

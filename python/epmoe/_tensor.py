@@ -15,7 +15,8 @@ torch.float8_e4m3fn.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import ml_dtypes
 import numpy as np
@@ -69,6 +70,40 @@ def current_stream(*tensors: Any) -> Optional[int]:
             import cupy
             return int(cupy.cuda.get_current_stream().ptr)
     return None
+
+
+@contextlib.contextmanager
+def on_stream(*tensors: Any) -> Iterator[None]:
+    """Runs the block on the caller's CUDA stream (current_stream) when a tensor is on a GPU: epmoe's current
+    stream is per thread, and the _ext calls of the block run on this thread."""
+    stream = current_stream(*tensors)
+    if stream is None:
+        yield
+        return
+    previous = _ext.set_current_stream(stream)
+    try:
+        yield
+    finally:
+        _ext.set_current_stream(previous)
+
+
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+
+
+def device_of(x: Any) -> str:
+    """Where a tensor lives, as 'cpu' or 'cuda:<index>' (DLPack's __dlpack_device__: torch, CuPy, NumPy);
+    objects without it are host memory (the buffer protocol). Other DLPack devices: 'dlpack device <type>'."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str):  # (integer view, dtype tag) from arg()
+        x = x[0]
+    query = getattr(x, "__dlpack_device__", None)
+    if query is None:
+        return "cpu"
+    kind, index = (int(v) for v in query())
+    if kind == _DLPACK_CPU:
+        return "cpu"
+    if kind == _DLPACK_CUDA:
+        return f"cuda:{index}"
+    return f"dlpack device {kind}"
 
 
 def _torch_arg(x: Any) -> Any:

@@ -4,6 +4,11 @@
     layer = epmoe.MoELayer(pf, epmoe.make_blas_experts())
     out = layer.forward(hidden, w1, w2, topk_weights, topk_idx, activation="silu")
 
+On a GPU (torch or CuPy CUDA tensors, run asynchronously on the caller's current stream)::
+
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_cuda_experts())
+    out = layer.forward(hidden_cuda, w1_cuda, w2_cuda, topk_weights_cuda, topk_idx_cuda)
+
 ``MoEModule`` (a ``torch.nn.Module`` holding w1/w2) exists only when torch can be imported; torch is
 optional and the rest of the package never imports it.
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 from . import _ext
-from ._tensor import arg, framework_of, invalid_argument
+from ._tensor import arg, describe, device_of, framework_of, invalid_argument, on_stream, unsupported
 from .buffer import Buffer
 
 Experts = _ext.Experts
@@ -44,11 +49,39 @@ def make_blas_experts(activation_format: str = "standard", reduce: bool = True) 
     return _ext.make_blas_experts(activation_format, reduce)
 
 
+def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) -> Experts:
+    """The experts on one GPU (cuBLAS GEMMs, bf16 intermediates as vLLM's kernels); agree with the float64
+    reference to relative L2 1e-2 (SPEC 13; typically ~3e-3). Arguments as make_reference_experts.
+
+    In MoELayer.forward every tensor (hidden, w1, w2, topk_weights, topk_idx, output) is a torch or CuPy CUDA
+    tensor on one device; the work is enqueued on the caller's current stream (torch's, else CuPy's) and the
+    output is ready when that stream reaches it. Shapes and dtypes as MoELayer.forward (bfloat16 hidden
+    [T, H] and weights w1 [E_local, 2N or N, H], w2 [E_local, H, N], contiguous), with H % 8 == 0 and
+    N % 8 == 0. 'standard': the per-expert row counts are read on the host, so a forward waits once for the
+    stream (and checks the ids then); 'batched_experts': no host synchronisation.
+    Pairs with make_no_ep_prepare_finalize (either format) and make_low_latency_prepare_finalize over a
+    cuda_ipc Buffer ('batched_experts'); the normal-mode prepare/finalize takes CPU tensors only.
+
+    Errors: epmoe.Error 'invalid_argument' for an unknown activation_format; 'unsupported' in a build without
+    CUDA ("epmoe was built without CUDA"; see epmoe.built_with_cuda()). The C++ experts also take fp8 block-scaled
+    weights (ExpertsQuant::fp8_block), which MoELayer.forward cannot pass (it has no weight scales): not bound."""
+    return _ext.make_cuda_experts(activation_format, reduce)
+
+
 def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: bool = False,
-                                use_ue8m0: bool = False) -> PrepareFinalize:
+                                use_ue8m0: bool = False, activation_format: str = "standard",
+                                max_tokens_per_expert: int = 0) -> PrepareFinalize:
     """One rank, no expert parallelism: prepare only quantizes (dispatch_dtype 'float8_e4m3fn') and
-    dequantizes; finalize applies the weight-and-reduce."""
-    return _ext.make_no_ep_prepare_finalize(dispatch_dtype, round_scale, use_ue8m0)
+    dequantizes; finalize applies the weight-and-reduce. On CPU tensors, or on CUDA tensors (with
+    make_cuda_experts) asynchronously on the current stream.
+
+    activation_format: 'standard' (the tokens as they are) or 'batched_experts' (each (token, k) choice copied
+        to a slab [E, max_tokens, H] in token order; pair with experts of that format).
+    max_tokens_per_expert: batched_experts only: slab rows; 0 = T (nothing can be dropped). A slab that
+        overflows raises epmoe.Error 'out_of_memory' on the CPU; on CUDA the choices past it are dropped and
+        flagged (SPEC 11). Errors: < 0, or set with 'standard' (invalid_argument)."""
+    return _ext.make_no_ep_prepare_finalize(dispatch_dtype, round_scale, use_ue8m0, activation_format,
+                                            max_tokens_per_expert)
 
 
 def make_normal_prepare_finalize(buffer: Union[Buffer, Any], dispatch_dtype: str = "bfloat16",
@@ -72,10 +105,12 @@ class MoELayer:
 
     Arguments:
         prepare_finalize: from make_*_prepare_finalize.
-        experts: from make_reference_experts / make_blas_experts; its activation format must match the
-            prepare/finalize's (else epmoe.Error 'invalid_argument' naming both).
+        experts: from make_reference_experts / make_blas_experts (CPU tensors) or make_cuda_experts (CUDA
+            tensors); its activation format must match the prepare/finalize's (else epmoe.Error
+            'invalid_argument' naming both).
         shared_experts: optional callable hidden -> bfloat16 [T, H], run on a side thread overlapped with
-            dispatch and combine (it receives a copy of the hidden states).
+            dispatch and combine (it receives a copy of the hidden states). CPU tensors only (a forward on
+            CUDA tensors raises epmoe.Error 'unsupported': run them on your stream beside the layer).
         chunk_size: standard format: run the experts over chunks of this many rows (0 = one chunk).
         micro_batch: which workspace set to use; workspaces: a WorkspaceCache shared by layers.
     """
@@ -104,7 +139,7 @@ class MoELayer:
 
     def forward(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, activation: str = "silu",
                 global_num_experts: int = -1, expert_map: Optional[Any] = None,
-                apply_router_weight_on_input: bool = False) -> Any:
+                apply_router_weight_on_input: bool = False, output: Optional[Any] = None) -> Any:
         """Router output in, MoE output out (vLLM's FusedMoEModularKernel.forward). Collective over the
         buffer's ranks.
 
@@ -117,22 +152,59 @@ class MoELayer:
             global_num_experts: E; -1 means E_local * ranks.
             expert_map: must be None with expert parallelism (the owner of an expert follows from the rank).
             apply_router_weight_on_input: K == 1 only: scale the input instead of the output.
+            output: optional contiguous bfloat16 [T, H] on hidden's device to write the result into (returned
+                as the result). On CUDA with a batched no-EP prepare/finalize it makes the call capturable in a CUDA
+                graph once the same shapes ran eagerly.
+
+        Devices: every tensor on the experts' device: the CPU for the reference and BLAS experts (NumPy with
+        ml_dtypes, or torch CPU tensors), one GPU for make_cuda_experts (torch or CuPy CUDA tensors; the work is
+        enqueued on the current stream and nothing waits for it, except the 'standard' CUDA experts' one read
+        of their row counts). Outputs are made in hidden's framework, on its device.
 
         Returns: bfloat16 [T, H]; with shared experts a tuple (output, shared_output).
-        Errors: epmoe.Error — invalid_argument for bad shapes/dtypes/ids/activation (naming the argument, the
-        expected and the actual value). Every argument (w1, w2 included) is checked before any communication, so
-        such an error leaves the layer usable. A call that fails after the dispatch started (a timeout, a broken
-        group) leaves the ranks out of step: later calls raise 'unusable' naming that failure.
+        Errors: epmoe.Error — invalid_argument for bad shapes/dtypes/ids/activation, and for a tensor on another
+        device than the experts' (naming the argument, the expected and the actual value); unsupported for
+        shared experts with CUDA tensors. Every argument (w1, w2 included) is checked before any communication,
+        so such an error leaves the layer usable. A call that fails after the dispatch started (a timeout, a
+        broken group) leaves the ranks out of step: later calls raise 'unusable' naming that failure.
         """
+        self._check_devices(hidden, w1, w2, topk_weights, topk_idx, output)
         if global_num_experts is None or global_num_experts < 0:
             e_local = getattr(w1, "shape", (0,))[0]
             global_num_experts = int(e_local) * int(self.prepare_finalize.num_ranks)
-        out, shared = self._layer.forward(arg(hidden), arg(w1), arg(w2), arg(topk_weights), arg(topk_idx), activation,
-                                          global_num_experts, arg(expert_map), apply_router_weight_on_input,
-                                          framework_of(hidden))
-        return (out, shared) if self.shared_experts is not None else out
+        with on_stream(hidden):
+            result, shared = self._layer.forward(arg(hidden), arg(w1), arg(w2), arg(topk_weights), arg(topk_idx),
+                                                 activation, global_num_experts, arg(expert_map),
+                                                 apply_router_weight_on_input, arg(output), framework_of(hidden))
+        if output is not None:
+            result = output  # written in place: hand back the caller's own object
+        return (result, shared) if self.shared_experts is not None else result
 
     __call__ = forward
+
+    def _check_devices(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, output: Any) -> None:
+        """Every tensor on the experts' device, checked before any work: the C++ layer would otherwise find some
+        mismatches only after its prepare step ran (leaving the layer unusable) or read device memory on the
+        host."""
+        if hidden is None:
+            return  # the C++ check names it
+        name = self.experts.name
+        on_gpu = name == "cuda"
+        where = device_of(hidden)
+        if on_gpu and not where.startswith("cuda:"):
+            raise invalid_argument("hidden", f"a CUDA tensor (the '{name}' experts run on a GPU)",
+                                   f"{describe(hidden)} on {where}")
+        if not on_gpu and where != "cpu":
+            raise invalid_argument("hidden", f"a CPU tensor (the '{name}' experts run on the CPU; "
+                                   "epmoe.make_cuda_experts runs on a GPU)", f"{describe(hidden)} on {where}")
+        if on_gpu and self.shared_experts is not None:
+            raise unsupported("MoELayer: shared_experts run on CPU tensors only (on a GPU, run them on your stream "
+                              "beside the layer)")
+        for arg_name, t in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_idx", topk_idx),
+                            ("output", output)):
+            if t is not None and device_of(t) != where:
+                raise invalid_argument(arg_name, f"a tensor on {where} (hidden's device, where the '{name}' experts "
+                                       "run)", f"{describe(t)} on {device_of(t)}")
 
 
 def _make_torch_module() -> Any:
@@ -143,10 +215,13 @@ def _make_torch_module() -> Any:
         return None
 
     class MoEModule(torch.nn.Module):
-        """A torch.nn.Module holding w1 / w2 and running an epmoe MoELayer on CPU tensors.
+        """A torch.nn.Module holding w1 / w2 (bf16 parameters, no grad) and running an epmoe MoELayer.
 
-        forward(hidden, topk_weights, topk_idx) -> torch.Tensor (bf16 [T, H]). Tensors go through NumPy
-        (CPU only: the package's experts, reference and BLAS, run on the CPU). Not differentiable.
+        forward(hidden, topk_weights, topk_idx) -> torch.Tensor (bf16 [T, H], on hidden's device). The tensors
+        go to the layer as they are (DLPack, no copy), so they must be where its experts run: on the CPU for the
+        reference and BLAS experts, on a GPU for make_cuda_experts, after ``.to('cuda')`` / ``.cuda()`` (which
+        moves w1 and w2); CUDA work runs on torch's current stream. A tensor on the wrong device raises
+        epmoe.Error 'invalid_argument' naming it. Not differentiable.
         """
 
         def __init__(self, layer: MoELayer, w1: "torch.Tensor", w2: "torch.Tensor", activation: str = "silu",
@@ -158,22 +233,11 @@ def _make_torch_module() -> Any:
             self.activation = activation
             self.global_num_experts = global_num_experts
 
-        @staticmethod
-        def _to_numpy(t: "torch.Tensor") -> Any:
-            t = t.detach().cpu().contiguous()
-            if t.dtype == torch.bfloat16:
-                import ml_dtypes
-                return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-            return t.numpy()
-
         def forward(self, hidden: "torch.Tensor", topk_weights: "torch.Tensor", topk_idx: "torch.Tensor") -> Any:
-            import numpy as np
-            n = self._to_numpy
-            out = self.layer.forward(n(hidden), n(self.w1), n(self.w2), n(topk_weights), n(topk_idx),
+            c = torch.Tensor.contiguous  # the layer reads contiguous rows (a no-op for most callers)
+            out = self.layer.forward(c(hidden), c(self.w1), c(self.w2), c(topk_weights), c(topk_idx),
                                      self.activation, self.global_num_experts)
-            if isinstance(out, tuple):
-                out = out[0]
-            return torch.from_numpy(np.ascontiguousarray(out).view(np.int16)).view(torch.bfloat16)
+            return out[0] if isinstance(out, tuple) else out
 
     return MoEModule
 

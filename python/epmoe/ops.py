@@ -8,25 +8,11 @@ Errors are ``epmoe.Error`` naming the argument, what was expected and what came.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from . import _ext
-from ._tensor import arg, current_stream, framework_of
-
-
-@contextlib.contextmanager
-def _on_stream(*tensors: Any) -> Iterator[None]:
-    """Runs the block on the caller's CUDA stream when a tensor is on a GPU (epmoe's per-thread stream)."""
-    stream = current_stream(*tensors)
-    if stream is None:
-        yield
-        return
-    previous = _ext.set_current_stream(stream)
-    try:
-        yield
-    finally:
-        _ext.set_current_stream(previous)
+from ._tensor import arg, framework_of
+from ._tensor import on_stream as _on_stream
 
 FP8_GROUP_SIZE = 128
 """Hidden channels per fp8 scale group."""

@@ -73,18 +73,26 @@ Tensor clone(const TensorView& v) {
   return t;
 }
 
-std::shared_ptr<Experts> make_experts(bool reference, std::string_view format, bool reduce) {
+enum class ExpertsKind { reference, blas, cuda };
+
+std::shared_ptr<Experts> make_experts(ExpertsKind kind, std::string_view format, bool reduce) {
   ExpertsConfig c;
   c.format = parse_format(format);
   c.reduce = reduce;
-  if (reference) return std::shared_ptr<Experts>(make_reference_experts(c));
-  return std::shared_ptr<Experts>(make_blas_experts(c));
+  switch (kind) {
+    case ExpertsKind::reference: return std::shared_ptr<Experts>(make_reference_experts(c));
+    case ExpertsKind::blas: return std::shared_ptr<Experts>(make_blas_experts(c));
+    case ExpertsKind::cuda: break;
+  }
+  // Without CUDA this raises unsupported ("built without CUDA"), after the arguments were checked above.
+  return std::shared_ptr<Experts>(make_cuda_experts(c));
 }
 
 }  // namespace
 
 void bind_moe(nb::module_& m) {
-  nb::class_<PyExperts>(m, "Experts", "Expert MLPs (SPEC 7): 'reference' (float64) or 'blas' (OpenBLAS).")
+  nb::class_<PyExperts>(m, "Experts",
+                        "Expert MLPs (SPEC 7): 'reference' (float64), 'blas' (OpenBLAS) on the CPU; 'cuda' on a GPU.")
       .def_prop_ro("name", [](const PyExperts& e) { return std::string(e.experts->name()); })
       .def_prop_ro("activation_format",
                    [](const PyExperts& e) {
@@ -95,11 +103,17 @@ void bind_moe(nb::module_& m) {
       });
   m.def(
       "make_reference_experts",
-      [](std::string_view format, bool reduce) { return PyExperts{make_experts(true, format, reduce)}; },
+      [](std::string_view format, bool reduce) {
+        return PyExperts{make_experts(ExpertsKind::reference, format, reduce)};
+      },
       nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
   m.def(
       "make_blas_experts",
-      [](std::string_view format, bool reduce) { return PyExperts{make_experts(false, format, reduce)}; },
+      [](std::string_view format, bool reduce) { return PyExperts{make_experts(ExpertsKind::blas, format, reduce)}; },
+      nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
+  m.def(
+      "make_cuda_experts",
+      [](std::string_view format, bool reduce) { return PyExperts{make_experts(ExpertsKind::cuda, format, reduce)}; },
       nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
 
   nb::class_<PyPrepareFinalize>(m, "PrepareFinalize", "Quantize + dispatch and combine behind one interface (SPEC 8).")
@@ -112,10 +126,16 @@ void bind_moe(nb::module_& m) {
       .def_ro("num_ranks", &PyPrepareFinalize::num_ranks);
   m.def(
       "make_no_ep_prepare_finalize",
-      [](std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
-        return PyPrepareFinalize{make_no_ep_prepare_finalize(pf_options(dispatch_dtype, round_scale, use_ue8m0)), 1};
+      [](std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0, std::string_view format,
+         std::int64_t max_tokens_per_expert) {
+        NoEpOptions no_ep;
+        no_ep.format = parse_format(format);
+        no_ep.max_tokens_per_expert = max_tokens_per_expert;
+        return PyPrepareFinalize{
+            make_no_ep_prepare_finalize(pf_options(dispatch_dtype, round_scale, use_ue8m0), no_ep), 1};
       },
-      nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false);
+      nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false,
+      nb::arg("activation_format") = "standard", nb::arg("max_tokens_per_expert") = 0);
   m.def(
       "make_normal_prepare_finalize",
       [](PyBuffer& b, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
@@ -151,6 +171,9 @@ void bind_moe(nb::module_& m) {
             if (!shared_experts.is_none()) {
               // Runs on the layer's side thread: takes the GIL, hands Python a copy of the hidden states.
               shared = [fn = make_ref(shared_experts), fw](const TensorView& hidden) -> Tensor {
+                // clone() copies on the host; epmoe/moe.py refuses CUDA tensors with shared experts first.
+                if (!hidden.device.is_cpu())
+                  throw Error(ErrorCode::unsupported, "epmoe: shared_experts run on CPU tensors only");
                 Tensor copy = clone(hidden);
                 nb::gil_scoped_acquire gil;
                 nb::object result = (*fn)(to_py(copy, fw));
@@ -171,7 +194,7 @@ void bind_moe(nb::module_& m) {
           "forward",
           [](PyMoELayer& l, nb::handle hidden, nb::handle w1, nb::handle w2, nb::handle topk_weights,
              nb::handle topk_idx, std::string_view activation, int global_num_experts, nb::handle expert_map,
-             bool apply_router_weight_on_input, std::string_view framework) {
+             bool apply_router_weight_on_input, nb::handle output, std::string_view framework) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             MoEForwardArgs a;
@@ -184,6 +207,7 @@ void bind_moe(nb::module_& m) {
             a.global_num_experts = global_num_experts;
             a.expert_map = arg(expert_map, "expert_map", in);
             a.apply_router_weight_on_input = apply_router_weight_on_input;
+            a.output = arg(output, "output", in);
             MoEForwardResult r;
             {
               nb::gil_scoped_release release;
@@ -194,7 +218,7 @@ void bind_moe(nb::module_& m) {
           nb::arg("hidden"), nb::arg("w1"), nb::arg("w2"), nb::arg("topk_weights"), nb::arg("topk_idx"),
           nb::arg("activation") = "silu", nb::arg("global_num_experts") = 0,
           nb::arg("expert_map").none() = nb::none(), nb::arg("apply_router_weight_on_input") = false,
-          nb::arg("framework") = "numpy")
+          nb::arg("output").none() = nb::none(), nb::arg("framework") = "numpy")
       .def_ro("num_ranks", &PyMoELayer::num_ranks)
       .def_ro("has_shared_experts", &PyMoELayer::has_shared)
       .def_prop_ro("last_chunk_rows", [](const PyMoELayer& l) { return l.layer->last_chunk_rows(); })

@@ -188,3 +188,110 @@ def test_no_ep_layer_stays_usable_after_bad_weights(rng):
     assert layer.stage == "INITIAL"
     out = layer.forward(x, w1, w2, w, idx, global_num_experts=E)
     assert rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
+# ------------------------------------------------------------------------------------------ the GPU path's API on CPU
+# (python/tests/gpu/test_moe_layer_cuda.py runs it on a GPU)
+
+@pytest.mark.skipif(epmoe.built_with_cuda(), reason="this build has CUDA (the GPU tests cover make_cuda_experts)")
+def test_make_cuda_experts_without_cuda_says_so():
+    for fmt in ("standard", "batched_experts"):
+        with pytest.raises(epmoe.Error) as e:
+            epmoe.make_cuda_experts(fmt)
+        assert e.value.code == "unsupported" and "make_cuda_experts" in str(e.value) and "without CUDA" in str(e.value)
+    # the arguments are still checked first
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.make_cuda_experts("ragged")
+    assert e.value.code == "invalid_argument" and "'activation_format'" in str(e.value) and "'ragged'" in str(e.value)
+
+
+@pytest.mark.parametrize("experts", ["reference", "blas"])
+@pytest.mark.parametrize("dispatch_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_no_ep_batched_layer_matches_numpy_and_writes_into_output(rng, experts, dispatch_dtype):
+    E, T = 6, 9
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    make = epmoe.make_reference_experts if experts == "reference" else epmoe.make_blas_experts
+    pf = epmoe.make_no_ep_prepare_finalize(dispatch_dtype, activation_format="batched_experts")
+    assert pf.activation_format == "batched_experts"
+    layer = epmoe.MoELayer(pf, make("batched_experts"))
+    output = np.full((T, H), np.nan, dtype=BF16)  # poisoned: every element must be written
+    got = layer.forward(x, w1, w2, w, idx, global_num_experts=E, output=output)
+    assert got is output
+    assert not np.any(np.isnan(output.astype(np.float32)))
+    ref = moe_ref(seen_by_experts(x, dispatch_dtype), w1, w2, w, idx, "silu")
+    assert rel_l2(output, ref) <= 1e-2, rel_l2(output, ref)
+    # without an output array, and with slabs exactly as big as the busiest expert's count
+    busiest = max(int(np.sum(idx == e)) for e in range(E))
+    pf = epmoe.make_no_ep_prepare_finalize(dispatch_dtype, activation_format="batched_experts",
+                                           max_tokens_per_expert=busiest)
+    layer = epmoe.MoELayer(pf, make("batched_experts"))
+    assert rel_l2(layer.forward(x, w1, w2, w, idx, global_num_experts=E), ref) <= 1e-2
+
+
+def test_no_ep_batched_options_are_checked(rng):
+    E, T = 4, 8
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    idx[:, 0] = 2  # expert 2 gets every token
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.make_no_ep_prepare_finalize(max_tokens_per_expert=4)  # standard format: unused, so refused
+    assert e.value.code == "invalid_argument" and "'max_tokens_per_expert'" in str(e.value)
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.make_no_ep_prepare_finalize(activation_format="batched_experts", max_tokens_per_expert=-1)
+    assert e.value.code == "invalid_argument" and "'max_tokens_per_expert'" in str(e.value)
+    with pytest.raises(epmoe.Error, match="'activation_format'"):
+        epmoe.make_no_ep_prepare_finalize(activation_format="ragged")
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(activation_format="batched_experts",
+                                                             max_tokens_per_expert=T - 1),
+                           epmoe.make_reference_experts("batched_experts"))
+    with pytest.raises(epmoe.Error) as e:  # slab rows too few for expert 2: says how many are needed
+        layer.forward(x, w1, w2, w, idx, global_num_experts=E)
+    need = int(np.sum(idx == 2))
+    assert e.value.code == "out_of_memory" and "expert 2" in str(e.value) and f">= {need}" in str(e.value)
+    assert layer.stage == "INITIAL"
+
+
+def test_forward_output_argument_is_checked(rng):
+    E, T = 4, 5
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts())
+    with pytest.raises(epmoe.Error) as e:
+        layer.forward(x, w1, w2, w, idx, output=np.zeros((T, H + 8), BF16))
+    assert e.value.code == "invalid_argument" and "'output'" in str(e.value) and f"[{T}, {H}]" in str(e.value)
+    assert layer.stage == "INITIAL"
+    output = np.full((T, H), np.nan, dtype=BF16)
+    assert layer.forward(x, w1, w2, w, idx, output=output) is output
+    assert rel_l2(output, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
+class _FakeCudaArray:
+    """Stands in for a CUDA tensor (DLPack device (2, 0)) in a build or on a machine without one: the layer must
+    refuse it by its device, before handing anything to C++."""
+
+    def __init__(self, like: np.ndarray) -> None:
+        self.shape, self.dtype = like.shape, like.dtype
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+@pytest.mark.parametrize("which", ["hidden", "w1", "w2", "topk_weights", "topk_idx", "output"])
+def test_tensor_on_another_device_than_the_experts_is_named_before_any_work(rng, which):
+    E, T = 4, 5
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    args = dict(hidden=x, w1=w1, w2=w2, topk_weights=w, topk_idx=idx, output=np.zeros((T, H), BF16))
+    args[which] = _FakeCudaArray(args[which])
+    with pytest.raises(epmoe.Error) as e:
+        layer.forward(**args, global_num_experts=E)
+    msg = str(e.value)
+    assert e.value.code == "invalid_argument" and f"'{which}'" in msg and "cuda:0" in msg, msg
+    if which == "hidden":
+        assert "a CPU tensor" in msg and "'reference' experts run on the CPU" in msg, msg
+    else:
+        assert "a tensor on cpu" in msg, msg
+    assert layer.stage == "INITIAL"
+    assert rel_l2(layer.forward(x, w1, w2, w, idx, global_num_experts=E), moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
