@@ -41,7 +41,7 @@ fi
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo "${EPMOE_COMMIT:-unknown}")"
+  echo "commit: ${EPMOE_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
   "$PY" -c 'import sys, torch, numpy; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "numpy", numpy.__version__)' 2>&1
