@@ -38,8 +38,8 @@ __device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
 }
 
 /// Records the first error of this rank's window in the host-mapped record (later ones are dropped).
-__device__ void report(const Common& c, int code, int peer, int phase, unsigned long long index, long long value,
-                       long long value2 = 0) {
+__device__ __noinline__ void report(const Common& c, int code, int peer, int phase, unsigned long long index,
+                                    long long value, long long value2 = 0) {
   report_error(&control(c.peers[c.rank])->claim, c.host, code, c.rank, peer, phase, value, value2, index, 0);
 }
 
@@ -85,30 +85,55 @@ __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::s
 
 /// Token t's ids as the protocol uses them: an id outside [-1, E) or one already seen in the token becomes -1
 /// (the host raises the recorded error at the next call, SPEC 11). `report_errors`: this thread may record them.
+///
+/// Compact on purpose: every kernel inlines it, some twice, and fetching cold instructions dominates a kernel at
+/// small T (the L2 is flushed between calls). A duplicate test unrolled over K x K pairs, with a report at each,
+/// made two kernels ~150-200 KB of code. Here the pairs run in a loop over k, and each step compares id k with
+/// the 16 slots of accepted ids in registers (slots past k hold -1); the token's first error (k order) is
+/// reported once, after the loop.
 __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, long long t, int* ids,
                           bool report_errors, int phase, unsigned long long index) {
-  // Every id is loaded before any is checked (one load's latency, not K of them: every kernel calls this).
-  long long raw[kMaxTopk];
-#pragma unroll
-  for (int k = 0; k < kMaxTopk; ++k)
-    if (k < K)
-      raw[k] = idx64 ? static_cast<const long long*>(idx)[t * K + k]
-                     : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
+  // Every id is loaded before any is checked (one load's latency, not K of them).
+  int cand[kMaxTopk];
+  int bad_code = 0, bad_k = kMaxTopk;
+  long long bad_value = 0;
 #pragma unroll
   for (int k = 0; k < kMaxTopk; ++k) {
-    if (k >= K) break;
-    int id = static_cast<int>(raw[k]);
-    if (raw[k] < -1 || raw[k] >= c.num_experts) {
-      if (report_errors) report(c, kErrBadId, c.rank, phase, index, raw[k], t * K + k);
+    long long raw = -1;
+    if (k < K)
+      raw = idx64 ? static_cast<const long long*>(idx)[t * K + k]
+                  : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
+    const bool bad = raw < -1 || raw >= c.num_experts;
+    if (bad && bad_code == 0) {
+      bad_code = kErrBadId;
+      bad_k = k;
+      bad_value = raw;
+    }
+    cand[k] = bad ? -1 : static_cast<int>(raw);
+    ids[k] = -1;
+  }
+#pragma unroll 1
+  for (int k = 1; k < K; ++k) {
+    int id = -1;
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j) id = j == k ? cand[j] : id;
+    // ids[0..k) are the accepted ids so far (ids[0] = cand[0] once set below); later slots hold -1.
+    bool dup = false;
+#pragma unroll
+    for (int j = 0; j < kMaxTopk; ++j) dup |= j < k && id >= 0 && (j == 0 ? cand[0] : ids[j]) == id;
+    if (dup) {
+      if (k < bad_k) {
+        bad_code = kErrDuplicateId;
+        bad_k = k;
+        bad_value = id;
+      }
       id = -1;
     }
-    for (int j = 0; j < k && id >= 0; ++j)
-      if (ids[j] == id) {
-        if (report_errors) report(c, kErrDuplicateId, c.rank, phase, index, id, t * K + k);
-        id = -1;
-      }
-    ids[k] = id;
+#pragma unroll
+    for (int j = 1; j < kMaxTopk; ++j) ids[j] = j == k ? id : ids[j];
   }
+  ids[0] = cand[0];
+  if (report_errors && bad_code != 0) report(c, bad_code, c.rank, phase, index, bad_value, t * K + bad_k);
 }
 
 /// The last block of the grid to get here (every thread calls it, after its stores): returns true in that block's
