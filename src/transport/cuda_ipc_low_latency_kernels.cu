@@ -91,14 +91,16 @@ __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::s
 /// made two kernels ~150-200 KB of code. Here the pairs run in a loop over k, and each step compares id k with
 /// the 16 slots of accepted ids in registers (slots past k hold -1); the token's first error (k order) is
 /// reported once, after the loop.
+/// kK: the register slots (K <= kK), a template parameter of the kernels (8 covers the common K; 16 = kMaxTopk).
+template <int kK>
 __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, long long t, int* ids,
                           bool report_errors, int phase, unsigned long long index) {
   // Every id is loaded before any is checked (one load's latency, not K of them).
-  int cand[kMaxTopk];
-  int bad_code = 0, bad_k = kMaxTopk;
+  int cand[kK];
+  int bad_code = 0, bad_k = kK;
   long long bad_value = 0;
 #pragma unroll
-  for (int k = 0; k < kMaxTopk; ++k) {
+  for (int k = 0; k < kK; ++k) {
     long long raw = -1;
     if (k < K)
       raw = idx64 ? static_cast<const long long*>(idx)[t * K + k]
@@ -116,11 +118,11 @@ __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, l
   for (int k = 1; k < K; ++k) {
     int id = -1;
 #pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) id = j == k ? cand[j] : id;
+    for (int j = 0; j < kK; ++j) id = j == k ? cand[j] : id;
     // ids[0..k) are the accepted ids so far (ids[0] = cand[0] once set below); later slots hold -1.
     bool dup = false;
 #pragma unroll
-    for (int j = 0; j < kMaxTopk; ++j) dup |= j < k && id >= 0 && (j == 0 ? cand[0] : ids[j]) == id;
+    for (int j = 0; j < kK; ++j) dup |= j < k && id >= 0 && (j == 0 ? cand[0] : ids[j]) == id;
     if (dup) {
       if (k < bad_k) {
         bad_code = kErrDuplicateId;
@@ -130,7 +132,7 @@ __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, l
       id = -1;
     }
 #pragma unroll
-    for (int j = 1; j < kMaxTopk; ++j) ids[j] = j == k ? id : ids[j];
+    for (int j = 1; j < kK; ++j) ids[j] = j == k ? id : ids[j];
   }
   ids[0] = cand[0];
   if (report_errors && bad_code != 0) report(c, bad_code, c.rank, phase, index, bad_value, t * K + bad_k);
@@ -177,7 +179,7 @@ __device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_sc
   using namespace quant_detail;
   const int G = (H + 127) / 128;
   // The loads of kAhead steps are issued before any is used (one load's latency per step otherwise).
-  constexpr int kAhead = 4;
+  constexpr int kAhead = kQuantWords;  // a call covers at most kQuantWords words: more only adds code
   for (int w0 = word_begin; w0 < word_end; w0 += kAhead) {
     uint4 raw[kAhead][2];
 #pragma unroll
@@ -252,6 +254,7 @@ struct SendTask {
   int t, d, pos;
 };
 
+template <int kK>
 __global__ void __launch_bounds__(kThreads)
     dispatch_send_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs a) {
   Control* own = control(c.peers[c.rank]);
@@ -281,11 +284,11 @@ __global__ void __launch_bounds__(kThreads)
 
   for (long long base = 0; base < a.T; base += kThreads) {
     const long long t = base + threadIdx.x;
-    int ids[kMaxTopk];
+    int ids[kK];
     unsigned mask = 0;
     if (t < a.T) {
       // Errors are recorded once, by block 0; every block skips the same ids.
-      clean_ids(c, a.topk_idx, a.idx64, K, t, ids, blockIdx.x == 0, kPhaseDispatchSend, index);
+      clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, blockIdx.x == 0, kPhaseDispatchSend, index);
       for (int k = 0; k < K; ++k) {
         if (ids[k] >= 0) mask |= 1u << (ids[k] / El);
         if (blockIdx.x == 0) c.sent_idx[static_cast<std::size_t>(half) * c.tmax * kMaxTopk + t * K + k] = ids[k];
@@ -329,8 +332,8 @@ __global__ void __launch_bounds__(kThreads)
         if ((m_d >> d) & 1u)
           dst[nd++] = half_base(c, d, half) + records_off + static_cast<std::size_t>(tok_pos[j][d]) * c.record_bytes;
       if (piece == 0 && lane == 0) {
-        int row_ids[kMaxTopk];
-        clean_ids(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
+        int row_ids[kK];
+        clean_ids<kK>(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
         for (int d = 0; d < R; ++d) {
           if (!((m_d >> d) & 1u)) continue;
           write_meta(half_base(c, d, half) + slot_off + static_cast<std::size_t>(tok_pos[j][d]) * c.meta_bytes,
@@ -349,9 +352,9 @@ __global__ void __launch_bounds__(kThreads)
       const int piece = i % row_pieces;
       char* dst_half = half_base(c, task.d, half);
       if (piece == 0 && lane == 0) {
-        int row_ids[kMaxTopk];
+        int row_ids[kK];
         // The same cleaning as the scan (without reporting again).
-        clean_ids(c, a.topk_idx, a.idx64, K, task.t, row_ids, false, kPhaseDispatchSend, index);
+        clean_ids<kK>(c, a.topk_idx, a.idx64, K, task.t, row_ids, false, kPhaseDispatchSend, index);
         write_meta(dst_half + slot_off + static_cast<std::size_t>(task.pos) * c.meta_bytes, task.t, row_ids, K,
                    task.d, El);
       }
@@ -580,6 +583,7 @@ __global__ void __launch_bounds__(kThreads)
   own->calls = index + 1;
 }
 
+template <int kK>
 __global__ void __launch_bounds__(kThreads)
     combine_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineRecvArgs a) {
   Control* own = control(c.peers[c.rank]);
@@ -597,8 +601,8 @@ __global__ void __launch_bounds__(kThreads)
     // the same few counters serialised this block: ~0.4 us per token at T = 128, the whole kernel waiting on it.)
     int mine[kMaxRanks] = {};
     for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
-      int ids[kMaxTopk];
-      clean_ids(c, a.topk_idx, a.idx64, K, t, ids, true, kPhaseCombineRecv, index);
+      int ids[kK];
+      clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, true, kPhaseCombineRecv, index);
       for (int k = 0; k < K; ++k) {
         if (ids[k] >= 0) ++mine[ids[k] / El];
         if (ids[k] != sent[t * K + k]) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
@@ -621,24 +625,24 @@ __global__ void __launch_bounds__(kThreads)
   const auto* body = reinterpret_cast<const int4*>(half_base(c, c.rank, half) + c.staging +
                                                    static_cast<std::size_t>(R) * kHeaderBytes);
   for (long long t = blockIdx.x; t < a.T; t += gridDim.x) {
-    int ids[kMaxTopk];
-    float w[kMaxTopk];
-    clean_ids(c, a.topk_idx, a.idx64, K, t, ids, false, kPhaseCombineRecv, index);
+    int ids[kK];
+    float w[kK];
+    clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, false, kPhaseCombineRecv, index);
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) w[k] = k < K ? a.weights[t * K + k] : 0.0f;
+    for (int k = 0; k < kK; ++k) w[k] = k < K ? a.weights[t * K + k] : 0.0f;
     const int nvec = static_cast<int>(H / 8);
     const int4* rows = body + static_cast<std::size_t>(t) * kMaxTopk * static_cast<std::size_t>(nvec);
     int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-      int4 raw[kMaxTopk];
+      int4 raw[kK];
 #pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k)
+      for (int k = 0; k < kK; ++k)
         if (k < K && ids[k] >= 0) raw[k] = __ldcg(rows + static_cast<std::size_t>(k) * nvec + v);
       float acc[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
 #pragma unroll
-      for (int k = 0; k < kMaxTopk; ++k) {
+      for (int k = 0; k < kK; ++k) {
         if (k >= K || ids[k] < 0) continue;
         const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw[k].x), static_cast<std::uint32_t>(raw[k].y),
                                         static_cast<std::uint32_t>(raw[k].z), static_cast<std::uint32_t>(raw[k].w)};
@@ -666,7 +670,11 @@ __global__ void __launch_bounds__(kThreads)
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s) {
   long long blocks = a.T;  // a token per block (its row's quantization split among the block's warps)
   blocks = blocks < 1 ? 1 : (blocks > kMaxSendBlocks ? kMaxSendBlocks : blocks);
-  dispatch_send_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  // K <= 8 (the common case) takes the instantiation with 8 register slots per token: half the code to fetch.
+  if (a.K <= 8)
+    dispatch_send_kernel<8><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  else
+    dispatch_send_kernel<kMaxTopk><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -683,7 +691,10 @@ void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t
 void launch_combine_recv(const Common& c, const CombineRecvArgs& a, cudaStream_t s) {
   long long blocks = a.T < kMaxRecvBlocks ? a.T : kMaxRecvBlocks;  // a block per token (loops beyond)
   if (blocks < 1) blocks = 1;
-  combine_recv_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  if (a.K <= 8)
+    combine_recv_kernel<8><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  else
+    combine_recv_kernel<kMaxTopk><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK(cudaGetLastError());
 }
 
