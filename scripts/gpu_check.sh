@@ -6,13 +6,16 @@
 #
 # 1. builds what is missing; checks the binaries find their shared libraries (a build made on another
 #    machine may bring the ones the GPU machine lacks in <build>/carried-lib, added to LD_LIBRARY_PATH);
-# 2. runs every test binary CTest labels `gpu` (test_gpu and the later GPU suites), in full;
+# 2. runs every test binary CTest labels `gpu` (test_gpu and the later GPU suites), in full; the cuda_ipc MPI tests
+#    (one process per GPU, or two sharing one); the `epmoe` command-line tests (test_tools), whose run tests take
+#    the GPUs there; the Python package's suite (python/tests/gpu/run_gpu_tests.sh: built for this machine's
+#    python3, with its GPU tests);
 # 3. runs every bench_gpu_* binary (median of >= 50 runs, L2 flushed, next to a d2d copy);
 # 4. runs the stage suites of test_gpu (router, layout, permute, quant) once more under compute-sanitizer:
 #    memcheck (small sizes) and racecheck (the kernels that use shared memory);
 # 5. writes the log, the benchmark JSON and a markdown summary (device, date, commit, figures) to $OUT
 #    (or ./gpu-results), and prints a short table last.
-# EPMOE_GPU_CHECK_PARTS (default "tests bench sanitizer") picks the steps, so one device call's time limit can
+# EPMOE_GPU_CHECK_PARTS (default "tests python bench sanitizer") picks the steps, so one device call's time limit can
 # be kept by splitting the run (the summary lists what ran).
 # Exit status: 0 when every step passed.
 set -u -o pipefail
@@ -25,7 +28,7 @@ LOG="$RESULTS/gpu_check.log"
 : >"$LOG"
 STATUS=0
 SUMMARY=()
-PARTS="${EPMOE_GPU_CHECK_PARTS:-tests bench sanitizer}"
+PARTS="${EPMOE_GPU_CHECK_PARTS:-tests python bench sanitizer}"
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 note() { echo "$*" | tee -a "$LOG"; }
 step() { # step NAME TIMEOUT_S COMMAND...: runs, logs, records pass/fail
@@ -114,6 +117,18 @@ elif want tests && [ "${NGPU:-0}" -eq 1 ] && command -v mpirun >/dev/null && [ -
   step "test_mpi cuda_ipc, 2 processes sharing one GPU" 180 env OMPI_ALLOW_RUN_AS_ROOT=1 \
     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TEST_SHARE_GPU=1 mpirun -np 2 -x EPMOE_TEST_SHARE_GPU --oversubscribe \
     "$BUILD/tests/mpi/test_mpi" --gtest_filter='MpiCudaIpc*'
+fi
+
+# 2c. The command line on this machine's GPUs (the tests run the binary as a process).
+if want tests && [ -x "$BUILD/tests/test_tools" ] && [ -x "$BUILD/tools/epmoe/epmoe" ]; then
+  step "test_tools (epmoe command line)" 300 env EPMOE_CLI="$ROOT/$BUILD/tools/epmoe/epmoe" "$BUILD/tests/test_tools" \
+    --gtest_output="xml:$RESULTS/test_tools.xml"
+fi
+
+# 2d. The Python package, built here (its extension must match this machine's python3), and its whole suite.
+if want python; then
+  step "python suite (python/tests, GPU tests included)" 560 env OUT="$RESULTS/python" \
+    python/tests/gpu/run_gpu_tests.sh
 fi
 
 # 3. Benchmarks.
