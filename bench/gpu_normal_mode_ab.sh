@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The normal-mode A/B on a 2-GPU machine (device kind nvidia-h200-x2), in one call: the copy-engine default against
-# the zero-copy dispatch (--recv-slots 2) at 16/24/32/48 blocks and the SM-store combine push, then real OLMoE
+# the zero-copy dispatch (--recv-slots 2) at 16/24/32/48/64 blocks and the SM-store combine push, then real OLMoE
 # routing and K = 2 for the default and zero-copy at 48 blocks, and a trace of the zero-copy path. Every run is
 # bench_gpu_normal_mode (median of 50 after warm-up, floors in the same run); the most important runs come first,
 # so a run cut short by the device's time limit still returns them.
@@ -35,6 +35,7 @@ run zero_copy_48 -- --recv-slots 2 --sms 48
 run zero_copy_32 -- --recv-slots 2 --sms 32
 run zero_copy_24 -- --recv-slots 2 --sms 24
 run zero_copy_16 -- --recv-slots 2 --sms 16
+run zero_copy_64 -- --recv-slots 2 --sms 64  # SM stores over NVLink may want more SMs than the copy engines
 run sm_push_24 EPMOE_CUDA_IPC_COMBINE_PUSH=sm --
 run sm_push_zero_copy_48 EPMOE_CUDA_IPC_COMBINE_PUSH=sm -- --recv-slots 2 --sms 48
 run olmoe_zero_copy_48 -- --recv-slots 2 --sms 48 --routing tests/data/olmoe-routing
