@@ -28,8 +28,10 @@ struct PrepareInputs {
   int global_num_experts = 0;
   /// K == 1 only: the token is scaled by its weight before dispatch and combine applies no weight.
   bool apply_router_weight_on_input = false;
-  /// Optional bfloat16 [T, H], contiguous, on hidden's device: where combine_b writes its result (the no-EP
-  /// prepare/finalize on CUDA writes straight into it, so a CUDA graph can own the output buffer).
+  /// Optional bfloat16 [T, H], contiguous, on hidden's device: where combine_b writes its result on CUDA (the
+  /// no-EP and low-latency prepare/finalize write straight into it, so a CUDA graph can own the output buffer;
+  /// the normal one copies the combine's result into it on the current stream). The CPU implementations ignore
+  /// it (MoELayer::forward copies their result there).
   TensorView output;
 };
 
@@ -97,7 +99,21 @@ struct PrepareFinalizeOptions {
 /// One rank, no expert parallelism: prepare only (optionally) quantizes; finalize reduces.
 std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options = {});
 /// Normal mode over `buffer` (standard format: one row per (token, rank); combine after a
-/// contiguous weight-and-reduce of each row's local experts).
+/// contiguous weight-and-reduce of each row's local experts; the experts' input topk_idx holds local ids or -1).
+/// CPU tensors: every step on the host, over a threads or MPI buffer; topk_idx and topk_weights must be on the
+/// CPU too (invalid_argument naming them, before any communication).
+/// CUDA tensors (hidden, topk_idx, topk_weights and the optional output on one GPU; `buffer` a cuda_ipc Buffer
+/// with num_nvl_bytes > 0 on that GPU): everything runs on the GPU, enqueued on the calling thread's current
+/// stream -- the router weight on the input (K == 1), get_dispatch_layout, the optional fp8 quantization, the
+/// cuda_ipc normal dispatch (the whole dispatch runs in dispatch_a; it waits on the host for the receive counts,
+/// the one synchronisation), the dequantization to bfloat16 (dispatch_b), the weight-and-reduce (CUDA twin of the
+/// CPU's, same bits) and the combine (combine_a). The received rows the experts see are bit-identical to a CPU
+/// run's on the same inputs. Pairs with make_cuda_experts in the standard format (reduce or not). The experts'
+/// input (PrepareOutput) holds the dispatch's outputs, valid until combine_b; expert_num_tokens stays on the
+/// device. Not capturable in a CUDA graph (the host read). Errors before any communication, stage left INITIAL:
+/// the token side as check_cuda_prepare_inputs (hidden contiguous bfloat16 [T, H], H % 8 == 0 (fp8: % 16),
+/// 16-byte aligned; topk_idx, topk_weights, output on hidden's device), and the buffer's own checks (a tensor
+/// on another GPU than the buffer's, named 'x'; K > 32; a low-latency-only buffer).
 std::shared_ptr<PrepareFinalize> make_normal_prepare_finalize(std::shared_ptr<Buffer> buffer,
                                                               const PrepareFinalizeOptions& options = {});
 /// Low-latency mode over `buffer` (batched_experts format, at most `num_max_dispatch_tokens_per_rank`
@@ -172,14 +188,18 @@ class MoELayer {
   /// Runs dispatch_a, dispatch_b, the experts (chunked), combine_a, combine_b. Shared experts run on
   /// a side thread overlapped with dispatch and combine. Collective over the ranks of the buffer.
   /// Every argument is checked before any communication (invalid_argument naming it, the expected and the
-  /// actual value: hidden [T, H]; global_num_experts > 0; activation; w1 [E_local, 2N or N, H] and w2
-  /// [E_local, H, N] in bfloat16, contiguous, on the experts' device, with E_local from the prepare/finalize,
-  /// H from hidden and N from w1; output), so such an error leaves the layer usable. A call that fails after
+  /// actual value: hidden [T, H] on the experts' device (a GPU for make_cuda_experts, else the CPU);
+  /// global_num_experts > 0; activation; w1 [E_local, 2N or N, H] and w2 [E_local, H, N] in bfloat16,
+  /// contiguous, on the experts' device (hidden's GPU), with E_local from the prepare/finalize, H from hidden and
+  /// N from w1; output; topk_idx and topk_weights on hidden's device, by the prepare/finalize), so such an error
+  /// leaves the layer usable. A call that fails after
   /// the dispatch started (a timeout, a broken group) leaves the ranks out of step: every later call raises
   /// unusable naming that failure.
-  /// On CUDA tensors (no-EP prepare/finalize, CUDA experts) the work is enqueued on the calling thread's
-  /// current stream; in the batched_experts format nothing waits for the device, and with args.output given
-  /// a call can be captured in a CUDA graph once the same shapes ran eagerly (workspaces, cuBLAS handle).
+  /// On CUDA tensors (no-EP, normal or low-latency prepare/finalize, CUDA experts) the work is enqueued on the
+  /// calling thread's current stream; in the batched_experts format nothing waits for the device, and with
+  /// args.output given a call can be captured in a CUDA graph once the same shapes ran eagerly (workspaces,
+  /// cuBLAS handle). The standard format waits for the device where the normal dispatch reads its
+  /// receive counts and where the CUDA experts read their row counts.
   MoEForwardResult forward(const MoEForwardArgs& args);
 
   PrepareFinalize& prepare_finalize() { return *prepare_finalize_; }

@@ -59,8 +59,8 @@ def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) 
     [T, H] and weights w1 [E_local, 2N or N, H], w2 [E_local, H, N], contiguous), with H % 8 == 0 and
     N % 8 == 0. 'standard': the per-expert row counts are read on the host, so a forward waits once for the
     stream (and checks the ids then); 'batched_experts': no host synchronisation.
-    Pairs with make_no_ep_prepare_finalize (either format) and make_low_latency_prepare_finalize over a
-    cuda_ipc Buffer ('batched_experts'); the normal-mode prepare/finalize takes CPU tensors only.
+    Pairs with make_no_ep_prepare_finalize (either format), make_normal_prepare_finalize over a cuda_ipc Buffer
+    ('standard') and make_low_latency_prepare_finalize over a cuda_ipc Buffer ('batched_experts').
 
     Errors: epmoe.Error 'invalid_argument' for an unknown activation_format; 'unsupported' in a build without
     CUDA ("epmoe was built without CUDA"; see epmoe.built_with_cuda()). The C++ experts also take fp8 block-scaled
@@ -87,7 +87,11 @@ def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: b
 def make_normal_prepare_finalize(buffer: Union[Buffer, Any], dispatch_dtype: str = "bfloat16",
                                  round_scale: bool = False, use_ue8m0: bool = False) -> PrepareFinalize:
     """Normal-mode dispatch/combine over `buffer` ('standard' format; experts see one row per
-    (token, rank), local ids)."""
+    (token, rank), local ids).
+
+    CPU tensors over a threads or MPI Buffer; CUDA tensors (with make_cuda_experts) over a cuda_ipc Buffer on their
+    GPU: the layout, the fp8 quantization, the dispatch, the dequantization, the weight-and-reduce and the combine
+    then run on that GPU on the current stream (the dispatch waits once on the host for its receive counts)."""
     return _ext.make_normal_prepare_finalize(_runtime(buffer), dispatch_dtype, round_scale, use_ue8m0)
 
 

@@ -138,6 +138,16 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   // The weights' device and dtype are what the experts read: the CUDA experts one GPU, the others the CPU.
   const bool cuda_experts = experts_->name() == "cuda";
   const bool bf16_weights = experts_->config().quant == ExpertsQuant::none;
+  // hidden where the experts run: prepare would accept either device and run there, and the experts would
+  // refuse its output only after the dispatch started (leaving the layer unusable).
+  if (cuda_experts)
+    EPMOE_CHECK_ARG(args.hidden.device.is_cuda(), "hidden",
+                    fmt::format("a CUDA tensor (the '{}' experts run on a GPU)", experts_->name()),
+                    describe(args.hidden));
+  else
+    EPMOE_CHECK_ARG(args.hidden.device.is_cpu(), "hidden",
+                    fmt::format("a CPU tensor (the '{}' experts run on the CPU)", experts_->name()),
+                    describe(args.hidden));
   const auto check_weight = [&](const TensorView& w, std::string_view name, std::string_view layout) {
     EPMOE_CHECK_ARG(w.defined(), name, fmt::format("a bfloat16 {} tensor", layout), "None");
     if (bf16_weights) EPMOE_CHECK_ARG(w.dtype == DType::bf16, name, fmt::format("bfloat16 {}", layout), describe(w));

@@ -1,4 +1,5 @@
-// Steps every prepare/finalize shares (CPU).
+// Steps every prepare/finalize shares: on the CPU (prepare_finalize.cpp) and on CUDA tensors
+// (prepare_common_cuda.cpp).
 #pragma once
 
 #include <epmoe/moe.hpp>
@@ -12,10 +13,22 @@ struct TokenSide {
   Tensor topk_weights;  ///< float32 [T, K], all ones with apply_router_weight_on_input
 };
 
-/// Checks the token-side inputs of prepare (names the argument, expected and actual) and returns
-/// them. With apply_router_weight_on_input (K == 1), hidden[t] * w[t, 0] is rounded to bf16 and the
+/// Checks the token-side inputs of a CPU prepare (names the argument, expected and actual: every tensor on
+/// the CPU) and returns them. With apply_router_weight_on_input (K == 1), hidden[t] * w[t, 0] is rounded to bf16 and the
 /// weights become 1, so nothing downstream weights the token again.
 TokenSide prepare_token_side(const PrepareInputs& in);
+
+/// Checks the token-side inputs of a prepare on CUDA tensors: hidden contiguous bfloat16 [T, H], H % 8 == 0,
+/// 16-byte aligned; topk_idx int64/int32 [T, K] and topk_weights float32 [T, K], contiguous, and the optional
+/// output bfloat16 [T, H], all on hidden's device; global_num_experts > 0; apply_router_weight_on_input only with
+/// K == 1. invalid_argument naming the argument, the expected and the actual value. Reads no device memory.
+void check_cuda_prepare_inputs(const PrepareInputs& in);
+
+/// The token side of a checked call on CUDA tensors, asynchronous on the current stream: views of the caller's
+/// tensors, or with apply_router_weight_on_input (K == 1) x * w rounded to bf16 and weights of 1 (as
+/// prepare_token_side, same rounding), written into workspaces "<prefix>.scaled" and "<prefix>.ones" of
+/// micro-batch 0 (valid until the next call that uses them). unsupported in builds without CUDA.
+TokenSide cuda_token_side(const PrepareInputs& in, WorkspaceCache& workspaces, std::string_view prefix);
 
 /// The activations the experts see after an fp8 wire: quantize, then dequantize to bfloat16.
 Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options);

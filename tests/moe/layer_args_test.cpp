@@ -78,7 +78,15 @@ std::vector<BadCase> bad_cases() {
     keep.push_back(Tensor::zeros(DType::bf16, s));
     return keep.back().view();
   };
+  // A view that says it lives on a GPU (its bytes are on the host: nothing may read them, the checks only look).
+  const auto on_gpu = [](const TensorView& v) { return TensorView(v.data, v.dtype, v.shape, Device::cuda(0)); };
   return {
+      {"topk_idx on a GPU", [=](MoEForwardArgs& a, auto&) { a.topk_idx = on_gpu(a.topk_idx); },
+       {"'topk_idx'", "on cpu (hidden's device)", "int64[6, 2] cuda:0"}},
+      {"topk_weights on a GPU", [=](MoEForwardArgs& a, auto&) { a.topk_weights = on_gpu(a.topk_weights); },
+       {"'topk_weights'", "on cpu (hidden's device)", "float32[6, 2] cuda:0"}},
+      {"hidden on a GPU with CPU experts", [=](MoEForwardArgs& a, auto&) { a.hidden = on_gpu(a.hidden); },
+       {"'hidden'", "a CPU tensor (the 'blas' experts run on the CPU)", "bfloat16[6, 32] cuda:0"}},
       {"w1 float32", [=](MoEForwardArgs& a, auto& k) { a.w1 = f32(a.w1, k); }, {"'w1'", "bfloat16", "float32"}},
       {"w2 float32", [=](MoEForwardArgs& a, auto& k) { a.w2 = f32(a.w2, k); }, {"'w2'", "bfloat16", "float32"}},
       {"w1 missing", [](MoEForwardArgs& a, auto&) { a.w1 = TensorView(); }, {"'w1'", "None"}},
@@ -185,6 +193,48 @@ TEST(MoELayerArgs, NoEpBadWeightsNameTheRightArgumentAndLeaveTheLayerUsable) {
   bad.w1 = keep.back();
   expect_invalid([&] { layer.forward(bad); }, {"'w1'", "E_local = 4 from global_num_experts = 4"});
   EXPECT_LE(error_vs_reference(in, 0, layer.forward(good).output), 1e-2);
+}
+
+// Experts that say they run on a GPU (the layer's device checks key on the name "cuda") and must never run here.
+class FakeCudaExperts final : public Experts {
+ public:
+  FakeCudaExperts() : Experts(ExpertsConfig{}) {}
+  std::string_view name() const override { return "cuda"; }
+
+ protected:
+  void run(const ExpertsProblem&, const TensorView&) const override { ADD_FAILURE() << "the experts ran"; }
+};
+
+// CUDA experts given a CPU hidden: refused naming hidden before the prepare step (which would otherwise run on the
+// CPU and dispatch, and the experts refuse its output only then, leaving the ranks out of step). Rank 1 alone makes
+// the call, twice (the layer stays usable: the second is refused the same way, not as unusable); afterwards both
+// ranks run a valid forward over the same buffer, which a bad call that communicated would have put out of step.
+TEST(MoELayerArgs, CudaExpertsWithACpuHiddenAreRefusedBeforeCommunicating) {
+  std::mt19937_64 rng(fresh_seed());
+  const Inputs in = make_inputs(rng);
+  std::vector<Tensor> out(kR);
+  run_thread_ranks(
+      kR,
+      [&](Group& g) {
+        const int r = g.rank();
+        auto buffer = std::make_shared<Buffer>(borrow(g));
+        if (r == 1) {
+          MoELayer layer(make_normal_prepare_finalize(buffer), std::make_shared<FakeCudaExperts>());
+          MoEForwardArgs a = valid_args(in, r);
+          a.w1 = TensorView(a.w1.data, a.w1.dtype, a.w1.shape, Device::cuda(0));  // the weights where the experts run
+          a.w2 = TensorView(a.w2.data, a.w2.dtype, a.w2.shape, Device::cuda(0));
+          for (int call = 0; call < 2; ++call) {
+            SCOPED_TRACE("call " + std::to_string(call));
+            expect_invalid([&] { layer.forward(a); },
+                           {"'hidden'", "a CUDA tensor (the 'cuda' experts run on a GPU)", "bfloat16[6, 32] cpu"});
+            EXPECT_EQ(layer.prepare_finalize().stage(), Stage::initial);
+          }
+        }
+        MoELayer layer(make_normal_prepare_finalize(buffer), std::shared_ptr<Experts>(make_blas_experts()));
+        out[static_cast<std::size_t>(r)] = layer.forward(valid_args(in, r)).output;
+      },
+      10.0);
+  for (int r = 0; r < kR; ++r) EXPECT_LE(error_vs_reference(in, r, out[static_cast<std::size_t>(r)]), 1e-2) << "rank " << r;
 }
 
 // A failure after the dispatch has started (here a hook that throws before the combine on rank 1) leaves the

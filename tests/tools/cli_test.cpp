@@ -190,6 +190,34 @@ TEST(Cli, RunLowLatencyOnGpusPassesWithBothWires) {
   }
 }
 
+// Normal mode on GPU ranks (the MoE layer's normal prepare/finalize on CUDA tensors over the cuda_ipc backend,
+// standard CUDA experts chunked by --chunk-size), both wires, two iterations: PASS against the float64 reference,
+// and the payload: every token goes once to each rank owning one of its K distinct experts, so the ranks received
+// between R * T and R * T * min(K, R) rows of H values.
+TEST(Cli, RunNormalOnGpusPassesWithBothWires) {
+  if (gpu_count() < 1) GTEST_SKIP() << "no GPU";
+  for (const char* wire : {"bf16", "fp8"}) {
+    const std::string out = temp_path(std::string("run_normal_") + wire + ".json");
+    const CliResult r = run_cli(std::string("run --device cuda --mode normal --dispatch-dtype ") + wire +
+                                " --json '" + out + "' --tokens 16 --hidden 256 --intermediate 64 --experts 8 --topk 2 "
+                                "--chunk-size 5 --iters 2 --check-tokens 16");
+    ASSERT_EQ(r.code, 0) << wire << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+    const nlohmann::json j = read_json(out);
+    EXPECT_EQ(j["device"], "cuda");
+    EXPECT_EQ(j["transport"], "cuda_ipc");
+    EXPECT_EQ(j["mode"], "normal");
+    EXPECT_EQ(j["pass"], true);
+    EXPECT_LE(j["relative_l2_error"].get<double>(), 1e-2);
+    const double R = j["ranks"].get<double>();
+    const double elt = std::string(wire) == "fp8" ? 1.0 + 4.0 / 128 : 2.0;
+    const double bytes = j["phases"][1]["bytes"].get<double>();
+    EXPECT_GE(bytes, R * 16 * 256 * elt) << wire;
+    EXPECT_LE(bytes, R * 16 * std::min(2.0, R) * 256 * elt) << wire;
+    EXPECT_DOUBLE_EQ(j["phases"][3]["bytes"].get<double>(), bytes / elt * 2.0) << wire;
+  }
+}
+
 TEST(Cli, RunConfigIsAppliedAndRecorded) {
   std::mt19937_64 rng(epmoe::test::fresh_seed());
   const int sms = static_cast<int>(rng() % 64) + 1;

@@ -1,10 +1,11 @@
 // `epmoe run`: the main job. A full expert-parallel MoE layer over R ranks:
 //   router (or replayed routing) -> dispatch -> experts -> combine
 // timed per phase and checked against the float64 reference (SPEC 13).
-// On GPUs (--device auto finds them; cuda forces): one rank per GPU, the router, the layout, the fp8
-// quantization and the experts (make_cuda_experts) on the rank's GPU, dispatch and combine through the
-// cuda_ipc backend (low-latency mode: the MoE layer's low-latency prepare/finalize on the backend's GPU
-// low-latency mode, batched_experts CUDA experts). On CPU ranks: the threads or MPI transport and the BLAS experts.
+// On GPUs (--device auto finds them; cuda forces): one rank per GPU, the router on the rank's GPU, then the MoE
+// layer's prepare/finalize on CUDA tensors over a cuda_ipc buffer (normal mode: the layout, the fp8 quantization,
+// dispatch, dequantization, weight-and-reduce and combine on the GPU; low-latency mode: the backend's GPU
+// low-latency mode) with the CUDA experts (make_cuda_experts; standard or batched_experts format). On CPU ranks:
+// the threads or MPI transport and the BLAS experts, through the same prepare/finalize.
 #include <epmoe/buffer.hpp>
 #include <epmoe/experts.hpp>
 #include <epmoe/group.hpp>
@@ -207,15 +208,19 @@ TopkResult route_iteration(const RunConfig& c, const Shared& sh, const Tensor& l
   return routing;
 }
 
-// Low-latency mode on a GPU rank: the MoE layer's low-latency prepare/finalize over the cuda_ipc buffer's GPU
-// low-latency mode (Tmax = T; the fp8 quantization fused into its send kernel) and the CUDA experts in the
-// batched_experts format, all on the device. Timed as run_rank_gpu.
-RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared& sh, int device) {
+// One rank on its GPU, through the MoE layer's prepare/finalize over a cuda_ipc buffer on that GPU and the CUDA
+// experts, everything on the device: normal mode (make_normal_prepare_finalize on CUDA tensors: the layout, the
+// fp8 quantization, the dispatch, the dequantization, then the standard-format experts (reduced, chunked by
+// --chunk-size) and the combine) or low-latency mode (the buffer's GPU low-latency mode, Tmax = T, the fp8
+// quantization fused into its send kernel; batched_experts experts). Phases are timed on the host with a device
+// synchronisation at the end of each (so they add up to the layer's time, as on CPU ranks).
+RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int device) {
   const RunConfig& c = *sh.config;
   cuda_set_device(device);
   const int R = group->size(), rank = group->rank();
   const int E_local = c.experts / R;
   const std::int64_t T = c.tokens, H = c.hidden;
+  const bool low_latency = c.mode == "low-latency";
   RankResult res;
 
   const Tensor hidden_h = rank_hidden(c, rank);
@@ -225,16 +230,23 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
 
   BufferOptions bo = c.buffer_options;
   bo.backend = Backend::cuda_ipc;
-  bo.device = device;  // num_rdma_bytes 0 (unless --config sets it): the window is sized on the first call
-  bo.low_latency_mode = true;  // num_nvl_bytes 0: a low-latency-only buffer
+  bo.device = device;
+  if (low_latency)
+    bo.low_latency_mode = true;  // num_nvl_bytes 0: a low-latency-only buffer; num_rdma_bytes 0: sized on first use
+  else
+    bo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, R, c.topk);
   auto buffer = std::make_shared<Buffer>(group, bo);
   PrepareFinalizeOptions po;
   po.dispatch_dtype = c.dispatch_dtype == "fp8" ? DispatchDtype::fp8 : DispatchDtype::bf16;
-  auto pf = make_low_latency_prepare_finalize(buffer, static_cast<int>(T), po);
+  auto pf = low_latency ? make_low_latency_prepare_finalize(buffer, static_cast<int>(T), po)
+                        : make_normal_prepare_finalize(buffer, po);
   ExpertsConfig ec;
-  ec.format = ActivationFormat::batched_experts;
+  ec.format = low_latency ? ActivationFormat::batched_experts : ActivationFormat::standard;
+  ec.reduce = true;  // standard: [M, H], weighted and summed over the row's local experts, what combine sends back
   const std::shared_ptr<Experts> experts = make_cuda_experts(ec);
-  MoELayer layer(pf, experts, {}, MoELayerOptions{});
+  MoELayerOptions lo;
+  lo.chunk_size = c.chunk_size;
+  MoELayer layer(pf, experts, {}, lo);
 
   MoEForwardArgs args;
   args.hidden = hidden;
@@ -256,8 +268,13 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
     const PrepareOutput prepared = prepare_iteration(*pf, args);
     cuda_sync_device();
     res.dispatch_s.push_back(seconds_since(t1));
-    // Received rows, read before the combine (the counts are a view of the buffer's receive half).
-    const Tensor counts = to_host(prepared.expert_num_tokens);
+    // Received rows (low-latency: the counts, a view of the buffer's receive half, read before the combine).
+    std::int64_t rows = prepared.hidden.size(0);
+    if (low_latency) {
+      const Tensor counts = to_host(prepared.expert_num_tokens);
+      rows = 0;
+      for (int e = 0; e < E_local; ++e) rows += counts.ptr<std::int32_t>()[e];
+    }
 
     const auto t2 = Clock::now();
     const Tensor fused = layer.run_experts(prepared, args);
@@ -271,8 +288,6 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
     cuda_sync_device();
     res.combine_s.push_back(seconds_since(t3));
 
-    std::int64_t rows = 0;
-    for (int e = 0; e < E_local; ++e) rows += counts.ptr<std::int32_t>()[e];
     const double elt = po.dispatch_dtype == DispatchDtype::fp8 ? 1.0 + 4.0 / 128 : 2.0;
     res.dispatch_bytes = static_cast<double>(rows) * static_cast<double>(H) * elt;
     res.combine_bytes = static_cast<double>(rows) * static_cast<double>(H) * 2.0;
@@ -280,90 +295,6 @@ RankResult run_rank_gpu_low_latency(const std::shared_ptr<Group>& group, Shared&
   }
   const TopkResult routing_h{to_host(routing.topk_weights), to_host(routing.topk_idx)};
   check_reference(res, c, sh, hidden_h, routing_h, to_host(output), po.dispatch_dtype == DispatchDtype::fp8);
-  return res;
-}
-
-// One rank on its GPU: router, layout, fp8 quantization and experts on the device, dispatch and combine
-// through the cuda_ipc backend. Phases are timed on the host with a device synchronisation at the end of
-// each (so they add up to the layer's time, as on CPU ranks).
-RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int device) {
-  const RunConfig& c = *sh.config;
-  if (c.mode == "low-latency") return run_rank_gpu_low_latency(group, sh, device);
-  cuda_set_device(device);
-  const int R = group->size(), rank = group->rank();
-  const int E_local = c.experts / R;
-  const std::int64_t T = c.tokens, H = c.hidden;
-  const bool fp8 = c.dispatch_dtype == "fp8";
-  RankResult res;
-
-  const Tensor hidden_h = rank_hidden(c, rank);
-  const Tensor hidden = to_device(hidden_h, device), logits = to_device(rank_logits(c, rank), device);
-  const Tensor w1 = to_device(expert_slice(sh.model->w1, rank * E_local, E_local), device);
-  const Tensor w2 = to_device(expert_slice(sh.model->w2, rank * E_local, E_local), device);
-
-  BufferOptions bo = c.buffer_options;
-  bo.backend = Backend::cuda_ipc;
-  bo.device = device;
-  bo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, H, R, c.topk);
-  Buffer buffer(group, bo);
-  ExpertsConfig ec;
-  ec.format = ActivationFormat::standard;
-  ec.reduce = true;  // [M, H], weighted and summed over the row's local experts: what combine sends back
-  const std::shared_ptr<Experts> experts = make_cuda_experts(ec);
-
-  Tensor output;
-  TopkResult routing;
-  for (int it = 0; it < c.iters; ++it) {
-    group->barrier("run.iteration");
-    routing = route_iteration(c, sh, logits, rank, T, device, res);
-
-    group->barrier("run.dispatch");
-    const auto t1 = Clock::now();
-    const DispatchLayout layout = buffer.get_dispatch_layout(routing.topk_idx, c.experts);
-    Fp8Tensor q;
-    if (fp8) q = quantize_fp8(hidden);
-    DispatchArgs a = make_dispatch_args(layout, fp8 ? q.data.view() : hidden.view(), routing.topk_idx,
-                                        routing.topk_weights);
-    if (fp8) a.x_scales = q.scales;
-    const DispatchResult d = buffer.dispatch(a);
-    const Tensor recv = fp8 ? dequantize_fp8(d.recv_x, d.recv_x_scales, DType::bf16) : d.recv_x;
-    cuda_sync_device();
-    res.dispatch_s.push_back(seconds_since(t1));
-
-    const auto t2 = Clock::now();
-    const std::int64_t M = recv.size(0);
-    const Tensor fused = Tensor::empty(DType::bf16, {M, H}, Device::cuda(device));
-    const std::int64_t chunk = c.chunk_size > 0 ? c.chunk_size : std::max<std::int64_t>(M, 1);
-    for (std::int64_t b = 0; b < M; b += chunk) {
-      const std::int64_t e = std::min(M, b + chunk);
-      ExpertsInputs in;
-      in.hidden = recv.view().slice_rows(b, e);
-      in.w1 = w1;
-      in.w2 = w2;
-      in.topk_idx = d.recv_topk_idx.view().slice_rows(b, e);  // local ids or -1
-      in.topk_weights = d.recv_topk_weights.view().slice_rows(b, e);
-      in.activation = sh.activation;
-      experts->apply(in, fused.view().slice_rows(b, e));
-    }
-    cuda_sync_device();
-    res.experts_s.push_back(seconds_since(t2));
-
-    group->barrier("run.combine");
-    const auto t3 = Clock::now();
-    CombineArgs ca;
-    ca.x = fused;
-    ca.handle = &d.handle;
-    output = buffer.combine(ca).combined_x;
-    cuda_sync_device();
-    res.combine_s.push_back(seconds_since(t3));
-
-    const double elt = fp8 ? 1.0 + 4.0 / 128 : 2.0;
-    res.dispatch_bytes = static_cast<double>(M) * static_cast<double>(H) * elt;
-    res.combine_bytes = static_cast<double>(M) * static_cast<double>(H) * 2.0;
-    if (rank == 0) fmt::print(stderr, "  iteration {}/{} done\n", it + 1, c.iters);
-  }
-  const TopkResult routing_h{to_host(routing.topk_weights), to_host(routing.topk_idx)};
-  check_reference(res, c, sh, hidden_h, routing_h, to_host(output), fp8);
   return res;
 }
 

@@ -11,9 +11,10 @@ tensors, one process, one GPU.
 - K = 1 with the router weight on the input and int32 ids.
 - Tensors on the wrong device (and shared experts on a GPU) named before any work; the layer stays usable.
 - MoEModule moved with .cuda() / .to('cuda').
-- Low-latency prepare/finalize over a world-size-1 cuda_ipc Buffer (a thread rank on cuda:0 sending to itself),
-  bf16 and fp8, three forwards through one layer; the normal-mode prepare/finalize refuses CUDA tensors (its
-  prepare step runs on the CPU) with an error naming hidden, and the layer stays usable.
+- Low-latency and normal-mode prepare/finalize over a world-size-1 cuda_ipc Buffer (a thread rank on cuda:0
+  sending to itself), bf16 and fp8, K = 1 and 8, three forwards through one layer (an output given, then allocated
+  by the layer), against the NumPy float64 reference and the same layer on a CPU rank with the reference experts;
+  the normal layer on a torch side stream, with CUDA experts that reduce or not (then the GPU weight-and-reduce).
 
 Fresh random inputs per test (seed logged; EPMOE_TEST_SEED reproduces). Skipped without torch, a CUDA build of
 epmoe or a GPU.
@@ -256,23 +257,46 @@ def test_low_latency_layer_over_a_one_rank_cuda_ipc_buffer(dispatch_dtype, H, K)
         check(got, cpu, f"{name} forward {f} vs CPU reference experts")
 
 
-def test_normal_layer_over_a_cuda_ipc_buffer_refuses_cuda_tensors_by_name():
-    # The normal-mode prepare/finalize prepares on the CPU (src/moe/normal_prepare_finalize.cpp): CUDA tensors are
-    # refused naming hidden before anything is sent, and the layer stays usable (its stage INITIAL).
-    rng = np.random.default_rng(fresh_seed("normal cuda_ipc R=1"))
-    E, T, H, K = 4, 6, 2048, 2
+@pytest.mark.parametrize("dispatch_dtype,H,K,reduce", [("bfloat16", 2048, 8, True), ("float8_e4m3fn", 2048, 8, False),
+                                                       ("bfloat16", 7168, 1, False), ("float8_e4m3fn", 7168, 1, True)])
+def test_normal_layer_over_a_one_rank_cuda_ipc_buffer(dispatch_dtype, H, K, reduce):
+    # The normal-mode prepare/finalize on CUDA tensors (layout, fp8 quantization, dispatch, dequantization,
+    # weight-and-reduce when the experts do not reduce, combine, all on the GPU) with the 'standard' CUDA experts.
+    name = f"normal cuda_ipc R=1 {dispatch_dtype} H={H} K={K} reduce={reduce}"
+    rng = np.random.default_rng(fresh_seed(name))
+    E, T = 8, 10
     w1, w2 = make_weights(rng, E, H)
-    x, idx, w = make_tokens(rng, T, H, K, E)
+    calls = [make_tokens(rng, T - f, H, K, E) for f in range(3)]
 
-    def rank(group):
+    def gpu_rank(group):
         torch.cuda.set_device(0)
         buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(T, H, 1, K),
                            backend="cuda_ipc", device=0)
-        layer = epmoe.MoELayer(epmoe.make_normal_prepare_finalize(buf), epmoe.make_cuda_experts())
-        with pytest.raises(epmoe.Error) as e:
-            layer.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx))
-        return e.value.code, str(e.value), layer.stage
+        layer = epmoe.MoELayer(epmoe.make_normal_prepare_finalize(buf, dispatch_dtype=dispatch_dtype),
+                               epmoe.make_cuda_experts("standard", reduce=reduce))
+        d_w1, d_w2 = to_cuda(w1), to_cuda(w2)
+        outs = []
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):  # the layer must run on torch's current stream
+            for f, (x, idx, w) in enumerate(calls):
+                output = poisoned(x.shape[0], H) if f != 1 else None  # forward 1: the layer allocates
+                got = layer.forward(to_cuda(x), d_w1, d_w2, to_cuda(w), to_cuda(idx), output=output)
+                assert output is None or got is output
+                assert got.device.type == "cuda" and got.dtype == torch.bfloat16
+                outs.append(got)
+        torch.cuda.synchronize()
+        return [to_numpy(o) for o in outs], layer.stage
 
-    code, msg, stage = epmoe.run_thread_ranks(1, rank, timeout_s=60)[0]
-    assert code == "invalid_argument" and "'hidden'" in msg and "cpu" in msg, msg
+    def cpu_rank(group):
+        layer = epmoe.MoELayer(epmoe.make_normal_prepare_finalize(epmoe.Buffer(group), dispatch_dtype=dispatch_dtype),
+                               epmoe.make_reference_experts("standard"))
+        return [layer.forward(x, w1, w2, w, idx) for x, idx, w in calls]
+
+    outs, stage = epmoe.run_thread_ranks(1, gpu_rank, timeout_s=60)[0]
+    cpu_outs = epmoe.run_thread_ranks(1, cpu_rank, timeout_s=60)[0]
     assert stage == "INITIAL"
+    for f, ((x, idx, w), got, cpu) in enumerate(zip(calls, outs, cpu_outs)):
+        assert got.shape == (x.shape[0], H)
+        check(got, moe_ref(seen_by_experts(x, dispatch_dtype, False), w1, w2, w, idx, "silu"),
+              f"{name} forward {f} vs NumPy float64")
+        check(got, cpu, f"{name} forward {f} vs CPU reference experts")
