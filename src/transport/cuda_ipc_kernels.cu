@@ -29,8 +29,9 @@ constexpr int kVec = 8;
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
 __device__ __forceinline__ char* data_region(void* base) { return static_cast<char*>(base) + kControlBytes; }
 
-/// Records the first error of this rank's buffer in the host-mapped record (later errors are dropped).
-__device__ void report(const Common& c, int code, int peer, int phase, long long value, long long value2 = 0,
+/// Records the first error of this rank's buffer in the host-mapped record (later errors are dropped). Not inlined:
+/// a cold path, whose copies at every call site made the kernels' code bigger to fetch (cold after an L2 flush).
+__device__ __noinline__ void report(const Common& c, int code, int peer, int phase, long long value, long long value2 = 0,
                        int index = 0) {
   report_error(&control(c.peers[c.rank])->claim, c.host, code, c.rank, peer, phase, value, value2,
                static_cast<unsigned long long>(index), c.seq);
@@ -162,6 +163,18 @@ __global__ void __launch_bounds__(1024)
   // here, or begin_op): a captured CUDA graph replays with the next number, where a kernel parameter would
   // repeat the old one.
   __shared__ unsigned long long op;
+  const int R = c_in.num_ranks, me = c_in.rank;
+  const int El = a.experts_per_rank;
+  // This rank's counts are loaded before the sequence number's barrier: their latency overlaps its read (cold
+  // after an L2 flush, each dependent round trip is ~1 us of the op's fixed cost). Experts beyond the block's
+  // threads (El > 1024 cannot happen: kMaxLocalExperts) would be read in the loop below.
+  std::int32_t my_rank_count = 0, my_expert_counts[kMaxRanks];
+  if (a.per_rank) {
+    if (threadIdx.x < R) my_rank_count = a.per_rank[threadIdx.x];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d)
+      my_expert_counts[d] = d < R && static_cast<int>(threadIdx.x) < El ? a.per_expert[d * El + threadIdx.x] : 0;
+  }
   if (threadIdx.x == 0) {
     Control* own = control(c_in.peers[c_in.rank]);
     op = *reinterpret_cast<volatile unsigned long long*>(&own->op_seq) + (a.advance ? 1 : 0);
@@ -170,8 +183,7 @@ __global__ void __launch_bounds__(1024)
   __syncthreads();
   Common c = c_in;
   c.seq = op;
-  const int R = c.num_ranks, me = c.rank, par = static_cast<int>(c.seq & 1);
-  const int El = a.experts_per_rank;
+  const int par = static_cast<int>(c.seq & 1);
   __shared__ int ok, bad, bad_peer;
   __shared__ long long bad_value;
   if (threadIdx.x == 0) {
@@ -187,15 +199,19 @@ __global__ void __launch_bounds__(1024)
     }
   }
   if (a.per_rank) {
-    for (int d = 0; d < R; ++d) {
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d >= R) break;
       NotifySlot* slot = &control(c.peers[d])->slots[par][me];
-      for (int i = threadIdx.x; i < R; i += blockDim.x) slot->counts[i] = a.per_rank[i];
-      for (int i = threadIdx.x; i < El; i += blockDim.x) slot->expert_counts[i] = a.per_expert[d * El + i];
+      if (threadIdx.x < R) slot->counts[threadIdx.x] = my_rank_count;
+      if (static_cast<int>(threadIdx.x) < El) slot->expert_counts[threadIdx.x] = my_expert_counts[d];
     }
   }
   __syncthreads();
   if (threadIdx.x < R) {
-    __threadfence_system();
+    // A release fence after the barrier orders the whole block's slot writes before the tag (cumulativity), as
+    // a full __threadfence_system would, for less.
+    fence_acq_rel_sys();
     st_release_sys(&control(c.peers[threadIdx.x])->slots[par][me].tag, c.seq);
   }
   // While the peers' counts are in flight: this rank's local send positions (zero-copy attempt).
@@ -305,11 +321,9 @@ __global__ void __launch_bounds__(1024)
     a.expert_out[e] = v;
     h->expert_counts[e] = v;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    fence_acq_rel_sys();  // the block's record writes (after the barrier) before the sequence number the host polls
-    h->seq = c.seq;
-  }
+  // The host reads the record once the notify's event completed (kernel completion makes its writes visible): no
+  // fence here. `seq` names the op the record belongs to (diagnosis).
+  if (threadIdx.x == 0) h->seq = c.seq;
 }
 
 // ---- send positions: send_pos[t, d] = before(me, d) + (tokens t' < t sent to d), or -1; or the send lists ----
