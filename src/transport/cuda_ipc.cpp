@@ -340,6 +340,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     c.num_ranks = R_;
     c.timeout_ns = timeout_ns_;
     c.host = host_dev_;
+    c.trace = trace_ ? 1 : 0;
     return c;
   }
 
@@ -416,11 +417,15 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     std::vector<std::string> names;
     std::vector<double> gpu_us, host_us;
     int ops = 0, skipped = 0;  // the first kTraceWarmup ops of a kind are left out (first launches load modules)
+    // Device stamps (HostRecord::stamps), us after the notify's start: sums and how many ops passed each point.
+    double stamp_us[ipc::kNumStamps] = {};
+    int stamp_ops[ipc::kNumStamps] = {};
   };
   static constexpr int kTraceWarmup = 5;
   void trace_begin() {
     if (!trace_) return;
     trace_n_ = 0;
+    for (long long& v : host_->stamps) v = 0;  // the previous op's kernels are done (trace_end waited)
     trace_t0_ = std::chrono::steady_clock::now();
     trace_mark("start");
   }
@@ -464,6 +469,13 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       t.gpu_us[static_cast<std::size_t>(i)] += ms * 1e3;
       t.host_us[static_cast<std::size_t>(i)] += trace_host_[i];
     }
+    const volatile long long* st = host_->stamps;
+    if (st[ipc::kStampNotifyStart] != 0)
+      for (int i = 0; i < ipc::kNumStamps; ++i)
+        if (st[i] != 0) {
+          t.stamp_us[i] += static_cast<double>(st[i] - st[ipc::kStampNotifyStart]) / 1e3;
+          ++t.stamp_ops[i];
+        }
     ++t.ops;
   }
   void trace_print() const {
@@ -474,6 +486,13 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
                                      me_, op, t.ops, t.skipped);
       for (std::size_t i = 0; i < t.names.size(); ++i)
         line += fmt::format("  {} {:.1f}/{:.1f}", t.names[i], t.gpu_us[i] / t.ops, t.host_us[i] / t.ops);
+      static constexpr const char* kStampNames[ipc::kNumStamps] = {
+          "notify start", "seq read", "tags released", "positions", "peers seen", "peers read",
+          "notify end",   "send start", "send go",     "block 0 rows", "all senders seen"};
+      std::string dev;
+      for (int i = 0; i < ipc::kNumStamps; ++i)
+        if (t.stamp_ops[i] > 0) dev += fmt::format("  {} {:.1f}", kStampNames[i], t.stamp_us[i] / t.stamp_ops[i]);
+      if (!dev.empty()) line += "\n  device stamps, mean us after the notify's start (block 0, %globaltimer):" + dev;
       std::fprintf(stderr, "%s\n", line.c_str());
     }
   }

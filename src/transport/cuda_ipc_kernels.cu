@@ -88,6 +88,11 @@ __device__ void publish_stage_if_last(const Common& c, int j) {
     if (p != c.rank) st_release_sys(&control(c.peers[p])->chunk_done[c.rank][j], c.seq);
 }
 
+/// Trace: block 0's thread 0 records %globaltimer at point `i` in the host-mapped record (a posted store).
+__device__ __forceinline__ void stamp(const Common& c, int i) {
+  if (c.trace && blockIdx.x == 0 && threadIdx.x == 0) c.host->stamps[i] = now_ns();
+}
+
 /// `c_in` with the current op's sequence number (set on the device by the op's notify kernel).
 __device__ __forceinline__ Common op_common(const Common& c_in) {
   Common c = c_in;
@@ -162,6 +167,7 @@ __global__ void __launch_bounds__(1024)
   // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
   // here, or begin_op): a captured CUDA graph replays with the next number, where a kernel parameter would
   // repeat the old one.
+  stamp(c_in, kStampNotifyStart);
   __shared__ unsigned long long op;
   const int R = c_in.num_ranks, me = c_in.rank;
   const int El = a.experts_per_rank;
@@ -184,6 +190,7 @@ __global__ void __launch_bounds__(1024)
   Common c = c_in;
   c.seq = op;
   const int par = static_cast<int>(c.seq & 1);
+  stamp(c, kStampNotifySeq);
   __shared__ int ok, bad, bad_peer;
   __shared__ long long bad_value;
   if (threadIdx.x == 0) {
@@ -214,12 +221,16 @@ __global__ void __launch_bounds__(1024)
     fence_acq_rel_sys();
     st_release_sys(&control(c.peers[threadIdx.x])->slots[par][me].tag, c.seq);
   }
+  stamp(c, kStampNotifyReleased);
   // While the peers' counts are in flight: this rank's local send positions (zero-copy attempt).
-  if (a.local_pos)
+  if (a.local_pos) {
     for (int d = 0; d < R; ++d) block_positions(a.in_rank, a.T, R, d, 0, a.local_pos, nullptr);
+    stamp(c, kStampNotifyPositions);
+  }
   if (threadIdx.x < R && !wait_geq(&control(c.peers[me])->slots[par][threadIdx.x].tag, c, threadIdx.x, a.phase))
     ok = 0;
   __syncthreads();
+  stamp(c, kStampNotifyPeers);
   Control* mine = control(c.peers[me]);
   if (!ok) {
     if (threadIdx.x == 0) mine->abort_seq = c.seq;
@@ -260,6 +271,7 @@ __global__ void __launch_bounds__(1024)
       expert_in[i] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][i / El].expert_counts[i % El]);
   }
   __syncthreads();
+  stamp(c, kStampNotifyRead);
   // The zero-copy path: every rank offered a receive slot and none staged early (the same choice everywhere).
   __shared__ bool any_prestaged, direct;
   if (threadIdx.x == 0) {
@@ -324,6 +336,7 @@ __global__ void __launch_bounds__(1024)
   // The host reads the record once the notify's event completed (kernel completion makes its writes visible): no
   // fence here. `seq` names the op the record belongs to (diagnosis).
   if (threadIdx.x == 0) h->seq = c.seq;
+  stamp(c, kStampNotifyEnd);
 }
 
 // ---- send positions: send_pos[t, d] = before(me, d) + (tokens t' < t sent to d), or -1; or the send lists ----
@@ -340,6 +353,7 @@ __global__ void __launch_bounds__(1024)
 
 __global__ void __launch_bounds__(kThreads)
     dispatch_send_kernel(const __grid_constant__ Common c_in, const __grid_constant__ DispatchSendArgs a) {
+  stamp(c_in, kStampSendStart);
   const Common c = op_common(c_in);
   const int R = c.num_ranks, lane = threadIdx.x & 31;
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -373,6 +387,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (!go) return;
+  stamp(c, kStampSendGo);
   // A rank that staged before the count exchange may still be writing its region until its own send kernel starts
   // (its stream waits for the staging first): when the exchange chose this path after such a staging, meet every
   // peer before storing into its region. (Never on the zero-copy path: chosen only when no rank staged early.)
@@ -441,6 +456,7 @@ __global__ void __launch_bounds__(kThreads)
         dst_src[lane][pos[lane]] = static_cast<std::int32_t>(t);
     }
   }
+  stamp(c, kStampSendRows);
   signal_done(c);
   if (a.slot_bytes == 0) return;
   // Zero-copy: the last block waits for every sender's rows (every sender runs as many blocks), then copies this
@@ -452,7 +468,9 @@ __global__ void __launch_bounds__(kThreads)
     if (last) mine->send_arrive = 0;  // ready for the next op (stream order)
   }
   __syncthreads();
-  if (!last || !wait_all_done(c, gridDim.x, kPhaseDispatchData) || !a.recv_src || aborted(c)) return;
+  if (!last || !wait_all_done(c, gridDim.x, kPhaseDispatchData)) return;
+  if (c.trace && threadIdx.x == 0) c.host->stamps[kStampSendLast] = now_ns();
+  if (!a.recv_src || aborted(c)) return;
   std::int64_t rows = a.pm[(R - 1) * R + c.rank];
   rows = rows < 0 ? 0 : (rows > L.capacity ? L.capacity : rows);
   const std::int32_t* src = dst_src[c.rank];

@@ -80,6 +80,24 @@ struct HostRecord : ErrorRecord {
   unsigned long long seq;                        // op whose pm / counts these are
   int use_copy_engine;                           // the count exchange's choice of data path (dispatch) ...
   int use_direct;                                // ... or the zero-copy path (every rank offered a slot)
+  /// Trace (Common::trace): %globaltimer (ns) when block 0's thread 0 passed each kStamp* point of the op; 0 =
+  /// not passed. The host clears them before an op and prints their means after it (EPMOE_CUDA_IPC_TRACE=1).
+  long long stamps[16];
+};
+/// Points of HostRecord::stamps: the notify's phases, then the zero-copy send kernel's.
+enum : int {
+  kStampNotifyStart = 0,
+  kStampNotifySeq,       ///< the op's sequence number read (after the first barrier)
+  kStampNotifyReleased,  ///< this rank's slots written and their tags released
+  kStampNotifyPositions, ///< local send positions computed (zero-copy attempt)
+  kStampNotifyPeers,     ///< every peer's tag seen
+  kStampNotifyRead,      ///< settings compared, the peers' counts read
+  kStampNotifyEnd,       ///< prefix matrix and host record written
+  kStampSendStart,
+  kStampSendGo,          ///< the path checked and the destinations known
+  kStampSendRows,        ///< block 0's rows stored
+  kStampSendLast,        ///< the last block saw every sender's rows (zero-copy)
+  kNumStamps
 };
 
 /// What every kernel of an op needs.
@@ -92,6 +110,7 @@ struct Common {
   unsigned long long seq = 0;
   long long timeout_ns = 0;
   HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
+  int trace = 0;               ///< write HostRecord::stamps (EPMOE_CUDA_IPC_TRACE=1)
 };
 
 /// Where the fields of a data op live inside the data region (bytes from the data region's start),
