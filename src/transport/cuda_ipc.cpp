@@ -288,7 +288,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     trace_ = trace != nullptr && std::string_view(trace) == "1";
     if (trace_)
       for (cudaEvent_t& e : trace_ev_) EPMOE_CUDA_CHECK(cudaEventCreate(&e));
-    EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&notified_, cudaEventDisableTiming));
     timeout_ns_ = static_cast<long long>(g.timeout_s() * 1e9);
   }
 
@@ -319,7 +318,6 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
       for (cudaEvent_t e : trace_ev_) cudaEventDestroy(e);
     }
     mem_.reset();  // closes the opened IPC handles
-    if (notified_) cudaEventDestroy(notified_);
     if (comm_) cudaStreamDestroy(comm_);
     if (host_) cudaFreeHost(host_);
     recv_slots_.reset();
@@ -535,20 +533,21 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     return Event{};
   }
 
-  /// Host wait for the count exchange, with the group's timeout (plus a margin for the device's own).
+  /// Host wait for the count exchange (its ticket, ticket_, in the host-mapped record, or an error recorded), with the
+  /// group's timeout (plus a margin for the device's own).
   void wait_notified(std::string_view phase) {
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns_) + std::chrono::seconds(5);
+    const volatile ipc::HostRecord* h = host_;
     for (;;) {
-      const cudaError_t e = cudaEventQuery(notified_);
-      if (e == cudaSuccess) break;
-      if (e != cudaErrorNotReady) EPMOE_CUDA_CHECK(e);
+      if (h->ticket == ticket_ || h->error_code != ipc::kErrNone) break;
       if (std::chrono::steady_clock::now() > deadline) {
         unusable_ = fmt::format("host timeout in {}", phase);
         raise(ErrorCode::timeout, "rank {}: timed out on the host in '{}' waiting for the count exchange", me_, phase);
       }
       std::this_thread::yield();
     }
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the record's fields after its ticket
     raise_device_error();
   }
 
@@ -600,7 +599,7 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   ipc::HostRecord* host_ = nullptr;
   ipc::HostRecord* host_dev_ = nullptr;
   cudaStream_t comm_ = nullptr;
-  cudaEvent_t notified_ = nullptr;
+  std::uint64_t ticket_ = 0;  // the last count exchange the host waited for (NotifyArgs::ticket)
   long long timeout_ns_ = 0;
   std::string unusable_;
 };
@@ -789,14 +788,16 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
   }
   notify.advance = !stage_early;
   notify.prestaged = stage_early;
-  trace_host("h:notify args");
-  ipc::launch_notify(c, notify, s);
-  trace_host("h:notify launched");
   // The host reads the count exchange's result (a fresh dispatch: the counts and the path; a cached one offering a
   // slot: whether the zero-copy path was chosen).
   const bool host_read = worst == 0 && (!cached || slot);
-  if (host_read) EPMOE_CUDA_CHECK(cudaEventRecord(notified_, s));
-  trace_mark(cached ? "handshake" : "count exchange");
+  if (host_read) notify.ticket = ++ticket_;
+  trace_host("h:notify args");
+  ipc::launch_notify(c, notify, s);
+  trace_host("h:notify launched");
+  // No event here: the zero-copy send kernel right behind is the notify's programmatic dependent (an event between
+  // them would serialise the two launches; the device stamps trace this stretch).
+  if (!slot) trace_mark(cached ? "handshake" : "count exchange");
   if (stage_early) enqueue_staging(true);
   const auto launch_final_send_pos = [&] {
     ipc::SendPosArgs sp;
@@ -820,7 +821,7 @@ DispatchResult CudaIpcNormalImpl::dispatch(const DispatchArgs& a) {
       src_block = std::make_shared<Tensor>(Tensor::empty(DType::int32, {L.capacity}, gpu));
       sa.recv_src = src_block->ptr<std::int32_t>();
     }
-    ipc::launch_dispatch_send(c, sa, blocks_, s);
+    ipc::launch_dispatch_send(c, sa, blocks_, s, /*after_notify=*/true);
     trace_mark("rows sent");
   }
   bool direct = false;

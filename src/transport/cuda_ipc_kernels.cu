@@ -162,12 +162,23 @@ __device__ void block_positions(const bool* in_rank, std::int64_t T, int R, int 
   __syncthreads();  // warp_total is reused by the next call
 }
 
+/// One thread: after the host record's writes (this thread's, or the block's before a barrier), tells the polling host
+/// the record is complete.
+__device__ __forceinline__ void publish_ticket(const Common& c, unsigned long long ticket) {
+  if (ticket == 0) return;
+  fence_acq_rel_sys();
+  *reinterpret_cast<volatile unsigned long long*>(&c.host->ticket) = ticket;
+}
+
 __global__ void __launch_bounds__(1024)
     notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
   // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
   // here, or begin_op): a captured CUDA graph replays with the next number, where a kernel parameter would
   // repeat the old one.
   stamp(c_in, kStampNotifyStart);
+  // The zero-copy send kernel is launched behind this one as a programmatic dependent: its blocks may start now and
+  // wait (griddepcontrol.wait) for this grid to finish, so its launch latency overlaps the exchange.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   __shared__ unsigned long long op;
   const int R = c_in.num_ranks, me = c_in.rank;
   const int El = a.experts_per_rank;
@@ -284,6 +295,7 @@ __global__ void __launch_bounds__(1024)
     direct = all_slots && !any_prestaged;
     if (direct) mine->direct_seq = c.seq;
     c.host->use_direct = direct ? 1 : 0;
+    if (!a.per_rank) publish_ticket(c, a.ticket);
   }
   if (!a.per_rank) return;  // a handshake (cached dispatch, combine): the counts are known
 
@@ -333,9 +345,11 @@ __global__ void __launch_bounds__(1024)
     a.expert_out[e] = v;
     h->expert_counts[e] = v;
   }
-  // The host reads the record once the notify's event completed (kernel completion makes its writes visible): no
-  // fence here. `seq` names the op the record belongs to (diagnosis).
-  if (threadIdx.x == 0) h->seq = c.seq;
+  if (threadIdx.x == 0) h->seq = c.seq;  // names the op the record belongs to (diagnosis)
+  if (a.ticket) {
+    __syncthreads();  // every thread's record writes before the ticket
+    if (threadIdx.x == 0) publish_ticket(c, a.ticket);
+  }
   stamp(c, kStampNotifyEnd);
 }
 
@@ -354,6 +368,9 @@ __global__ void __launch_bounds__(1024)
 __global__ void __launch_bounds__(kThreads)
     dispatch_send_kernel(const __grid_constant__ Common c_in, const __grid_constant__ DispatchSendArgs a) {
   stamp(c_in, kStampSendStart);
+  // Launched as a programmatic dependent of the notify (zero-copy path): everything below reads what it wrote. A
+  // no-op when launched normally.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   const Common c = op_common(c_in);
   const int R = c.num_ranks, lane = threadIdx.x & 31;
   const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -987,9 +1004,22 @@ void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s) {
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
-void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s) {
-  dispatch_send_kernel<<<blocks, kThreads, 0, s>>>(c, a);
-  EPMOE_CUDA_CHECK_LAUNCH();
+void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s, bool after_notify) {
+  if (!after_notify) {
+    dispatch_send_kernel<<<blocks, kThreads, 0, s>>>(c, a);
+    EPMOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kThreads);
+  config.stream = s;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  EPMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, dispatch_send_kernel, c, a));
 }
 
 void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks, int sender_blocks, cudaStream_t s) {

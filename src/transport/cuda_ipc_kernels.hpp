@@ -83,6 +83,8 @@ struct HostRecord : ErrorRecord {
   /// Trace (Common::trace): %globaltimer (ns) when block 0's thread 0 passed each kStamp* point of the op; 0 =
   /// not passed. The host clears them before an op and prints their means after it (EPMOE_CUDA_IPC_TRACE=1).
   long long stamps[16];
+  /// NotifyArgs::ticket of the last notify the host waits for, written last (after a system release fence).
+  unsigned long long ticket;
 };
 /// Points of HostRecord::stamps: the notify's phases, then the zero-copy send kernel's.
 enum : int {
@@ -149,6 +151,10 @@ struct NotifyArgs {
   const bool* in_rank = nullptr;
   std::int32_t* local_pos = nullptr;
   std::int64_t T = 0;
+  /// != 0: the host waits for this exchange by polling HostRecord::ticket (written with this value once the record is
+  /// complete) rather than an event, so nothing sits between the notify and a send kernel launched as its
+  /// programmatic dependent. 0: no host read (num_worst_tokens, CUDA graphs), nothing written.
+  unsigned long long ticket = 0;
 };
 
 struct SendPosArgs {
@@ -355,7 +361,10 @@ void launch_begin_op(const Common& c, cudaStream_t s);
 void launch_push_gate(const Common& c, cudaStream_t s);
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s);
 void launch_send_pos(const Common& c, const SendPosArgs& a, cudaStream_t s);
-void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s);
+/// after_notify: launched right behind the notify on `s` as its programmatic dependent (its launch overlaps the
+/// exchange; the kernel waits for the notify to finish before reading anything).
+void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, int blocks, cudaStream_t s,
+                          bool after_notify = false);
 void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, int blocks, int sender_blocks, cudaStream_t s);
 void launch_combine_send(const Common& c, const CombineSendArgs& a, int blocks, cudaStream_t s);
 /// Zeroes the stage counters (chunk_arrive) on `s`, then launches the push kernel there.

@@ -112,6 +112,61 @@ TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
   }
 }
 
+// The count exchange compares the ranks' settings on the device: a hidden size that differs across processes is
+// raised on every rank naming the setting and both values (the host waits for the exchange's ticket or an error,
+// never for a kernel), and the buffer stays usable: the next dispatch with agreeing settings matches the threads
+// backend. On each path, zero-copy included (its send kernel is launched behind the exchange before the host read).
+TEST(MpiCudaIpc, SettingsThatDifferAcrossProcessesAreNamedOnEveryRankAndTheBufferStaysUsable) {
+  const int R = world_size(), me = world_rank();
+  const std::optional<int> gpu = rank_device(R, me);
+  if (!gpu) GTEST_SKIP() << "needs one GPU per rank (" << R << "), found " << gpus();
+  if (R < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int device = *gpu;
+  const std::uint64_t seed = shared_seed();
+  const int K = 4, E = 8 * R;
+  const std::int64_t H = 2048;
+  std::vector<Inputs> inputs;
+  for (int r = 0; r < R; ++r) inputs.push_back(make_inputs(seed, r, H, K, E));
+  std::vector<Out> want(static_cast<std::size_t>(R));
+  run_thread_ranks(R, [&](Group& g) {
+    Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
+    const auto r = static_cast<std::size_t>(g.rank());
+    want[r] = run(cpu, inputs[r], seed, H, K, E, -1);
+  });
+  for (int path = 0; path < 3; ++path) {
+    SCOPED_TRACE(path == 0 ? "zero-copy path" : path == 1 ? "copy-engine path" : "SM-store path");
+    cuda_ok(cudaSetDevice(device), "cudaSetDevice");
+    BufferOptions o;
+    o.backend = Backend::cuda_ipc;
+    o.device = device;
+    o.num_recv_slots = path == 0 ? 2 : 0;
+    o.use_copy_engine = path != 2;
+    o.copy_engine_min_rows = 0;
+    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, 2 * H, R, K);
+    Buffer buf(test_group(), o);
+    // Rank 0 dispatches rows of H, the others of 2H (each call is valid on its own).
+    const std::int64_t mine = me == 0 ? H : 2 * H;
+    auto rng = rank_rng(seed, me, 9);
+    const Tensor x = to_gpu(random_bf16(rng, 64, mine), device);
+    const Tensor idx = to_gpu(random_topk_idx(rng, 64, K, E, {}), device);
+    const DispatchLayout layout = buf.get_dispatch_layout(idx, E);
+    try {
+      (void)buf.dispatch(make_dispatch_args(layout, x, idx, Tensor{}));
+      ADD_FAILURE() << "rank " << me << ": a dispatch whose hidden differs across ranks returned";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'hidden' differs across ranks"), std::string::npos) << what;
+      EXPECT_NE(what.find(std::to_string(H)), std::string::npos) << what;
+      EXPECT_NE(what.find(std::to_string(2 * H)), std::string::npos) << what;
+    }
+    const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
+    const Out& ref = want[static_cast<std::size_t>(me)];
+    EXPECT_TRUE(same_tensor(got.recv_x, ref.recv_x)) << "recv_x after the error";
+    EXPECT_TRUE(same_tensor(got.combined_x, ref.combined_x)) << "combined_x after the error";
+  }
+}
+
 }  // namespace
 }  // namespace epmoe::test
 #endif  // EPMOE_HAVE_CUDA
