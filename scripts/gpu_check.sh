@@ -202,11 +202,12 @@ fi
   grep -h '^\[  \(PASSED\|FAILED\)  \]\|tests ran\.' "$LOG" | sed 's/^/    /'
   echo
   for b in "${BENCHES[@]}"; do
-    echo "## $(basename "$b")"
+    name="$(basename "$b")"
+    echo "## $name"
     echo
-    # The harness prints its markdown table last.
-    awk '/^\| stage \|/{p=1} p&&/^\|/{print} p&&!/^\|/{p=0}' "$LOG"
-    grep -h "^bench_gpu_stages:" "$LOG" | head -1 | sed 's/^/    /'
+    # Its first line and its markdown table, from its own part of the log.
+    awk -v step="== $name:" 'index($0, step) == 1 {p=1; next} p && /^   -> /{p=0} p && /^\|/{print} p && /^bench_gpu/{print "    " $0}' "$LOG"
+    echo
   done
 } >"$RESULTS/summary.md"
 echo

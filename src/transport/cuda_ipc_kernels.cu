@@ -183,8 +183,8 @@ __global__ void __launch_bounds__(1024)
   const int R = c_in.num_ranks, me = c_in.rank;
   const int El = a.experts_per_rank;
   // This rank's counts are loaded before the sequence number's barrier: their latency overlaps its read (cold
-  // after an L2 flush, each dependent round trip is ~1 us of the op's fixed cost). Experts beyond the block's
-  // threads (El > 1024 cannot happen: kMaxLocalExperts) would be read in the loop below.
+  // after an L2 flush, each dependent round trip is ~1 us of the op's fixed cost). One local expert per thread:
+  // El <= kMaxLocalExperts = the block's 1024 threads.
   std::int32_t my_rank_count = 0, my_expert_counts[kMaxRanks];
   if (a.per_rank) {
     if (threadIdx.x < R) my_rank_count = a.per_rank[threadIdx.x];
@@ -202,11 +202,12 @@ __global__ void __launch_bounds__(1024)
   c.seq = op;
   const int par = static_cast<int>(c.seq & 1);
   stamp(c, kStampNotifySeq);
-  __shared__ int ok, bad, bad_peer;
+  __shared__ int ok, bad, bad_peer, first_bad;
   __shared__ long long bad_value;
   if (threadIdx.x == 0) {
     ok = 1;
     bad = kErrNone;
+    first_bad = 0x7fffffff;
   }
   for (int d = 0; d < R; ++d) {
     NotifySlot* slot = &control(c.peers[d])->slots[par][me];
@@ -247,28 +248,14 @@ __global__ void __launch_bounds__(1024)
     if (threadIdx.x == 0) mine->abort_seq = c.seq;
     return;
   }
-  // Settings every rank must share (the same comparison on every rank: all of them abandon the op). The
-  // lowest (setting, peer) wins so every rank names the same difference.
-  __shared__ int first_bad;
-  if (threadIdx.x == 0) first_bad = 0x7fffffff;
-  __syncthreads();
+  // Settings every rank must share (the same comparison on every rank: all of them abandon the op; the lowest
+  // (setting, peer) wins so every rank names the same difference), and everything the peers sent, read in one
+  // round before one barrier (parallel loads into shared memory; the counts are used only if the settings agree).
   for (int i = threadIdx.x; i < a.num_settings * R; i += blockDim.x) {
     const int k = i / R, s = i % R;
     const long long theirs = *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]);
     if (theirs != a.settings[k]) atomicMin(&first_bad, i);
   }
-  __syncthreads();
-  if (first_bad != 0x7fffffff) {
-    if (threadIdx.x == 0) {
-      const int k = first_bad / R, s = first_bad % R;
-      report(c, kErrSettings, s, a.phase, *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]),
-             a.settings[k], k);
-      mine->abort_seq = c.seq;
-    }
-    return;
-  }
-  // Everything the peers sent, read in one round (parallel loads into shared memory: a thread looping over the
-  // sources waited one load's latency per source).
   __shared__ std::int32_t prestaged[kMaxRanks], offered[kMaxRanks], counts[kMaxRanks * kMaxRanks];
   __shared__ std::int32_t expert_in[kMaxRanks * kMaxLocalExperts];
   if (threadIdx.x < R) {
@@ -282,6 +269,15 @@ __global__ void __launch_bounds__(1024)
       expert_in[i] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][i / El].expert_counts[i % El]);
   }
   __syncthreads();
+  if (first_bad != 0x7fffffff) {
+    if (threadIdx.x == 0) {
+      const int k = first_bad / R, s = first_bad % R;
+      report(c, kErrSettings, s, a.phase, *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]),
+             a.settings[k], k);
+      mine->abort_seq = c.seq;
+    }
+    return;
+  }
   stamp(c, kStampNotifyRead);
   // The zero-copy path: every rank offered a receive slot and none staged early (the same choice everywhere).
   __shared__ bool any_prestaged, direct;
@@ -994,6 +990,7 @@ void launch_push_gate(const Common& c, cudaStream_t s) {
 }
 
 void launch_notify(const Common& c, const NotifyArgs& a, cudaStream_t s) {
+  static_assert(kMaxLocalExperts <= 1024, "notify_kernel gives each local expert a thread");
   notify_kernel<<<1, 1024, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
