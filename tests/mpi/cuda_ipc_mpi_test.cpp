@@ -66,6 +66,44 @@ Out run(Buffer& buf, const Inputs& in, std::uint64_t seed, std::int64_t H, int K
           get(cr.combined_topk_weights)};
 }
 
+/// Every rank's inputs for hidden H, and the threads backend's outputs on them (the reference every path must match).
+struct Reference {
+  std::vector<Inputs> inputs;
+  std::vector<Out> want;
+};
+Reference threads_reference(std::uint64_t seed, int R, std::int64_t H, int K, int E) {
+  Reference ref;
+  for (int r = 0; r < R; ++r) ref.inputs.push_back(make_inputs(seed, r, H, K, E));
+  ref.want.resize(static_cast<std::size_t>(R));
+  run_thread_ranks(R, [&](Group& g) {
+    Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
+    const auto r = static_cast<std::size_t>(g.rank());
+    ref.want[r] = run(cpu, ref.inputs[r], seed, H, K, E, -1);
+  });
+  return ref;
+}
+
+/// The data paths these tests force (every rank must pick the same one, except kZeroCopyRankZeroOnly).
+enum Path { kZeroCopy, kCopyEngine, kSmStores, kZeroCopyRankZeroOnly };
+const char* path_name(int path) {
+  return path == kZeroCopy     ? "zero-copy path"
+         : path == kCopyEngine ? "copy-engine path"
+         : path == kSmStores   ? "SM-store path"
+                               : "zero-copy offered by rank 0 only";
+}
+/// cuda_ipc options on `device` that force `path`, sized for 512 tokens of `hidden` (makes the device current).
+BufferOptions path_options(int path, int device, int me, std::int64_t hidden, int R, int K) {
+  cuda_ok(cudaSetDevice(device), "cudaSetDevice");
+  BufferOptions o;
+  o.backend = Backend::cuda_ipc;
+  o.device = device;
+  o.num_recv_slots = path == kZeroCopy || (path == kZeroCopyRankZeroOnly && me == 0) ? 2 : 0;
+  o.use_copy_engine = path != kSmStores;
+  o.copy_engine_min_rows = 0;  // the copy-engine path even for these few rows
+  o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, hidden, R, K);
+  return o;
+}
+
 TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
   const int R = world_size(), me = world_rank();
   // EPMOE_TEST_SHARE_GPU=1: ranks share the GPUs there are (rank_device).
@@ -76,32 +114,14 @@ TEST(MpiCudaIpc, OneProcessPerGpuMatchesTheThreadsBackend) {
   const int K = 4, E = 8 * R;
   for (const std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}}) {
     SCOPED_TRACE("hidden " + std::to_string(H));
-    std::vector<Inputs> inputs;
-    for (int r = 0; r < R; ++r) inputs.push_back(make_inputs(seed, r, H, K, E));
-    std::vector<Out> want(static_cast<std::size_t>(R));
-    run_thread_ranks(R, [&](Group& g) {
-      Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
-      const auto r = static_cast<std::size_t>(g.rank());
-      want[r] = run(cpu, inputs[r], seed, H, K, E, -1);
-    });
-    // Path 3: only rank 0 offers a receive slot, so the exchange falls back (to the copy-engine path) after rank
-    // 0's zero-copy attempt (its notify computed local send positions).
-    for (int path = 0; path < 4; ++path) {
-      SCOPED_TRACE(path == 0   ? "zero-copy path"
-                   : path == 1 ? "copy-engine path"
-                   : path == 2 ? "SM-store path"
-                               : "zero-copy offered by rank 0 only");
-      cuda_ok(cudaSetDevice(device), "cudaSetDevice");
-      BufferOptions o;
-      o.backend = Backend::cuda_ipc;
-      o.device = device;
-      o.num_recv_slots = path == 0 || (path == 3 && me == 0) ? 2 : 0;
-      o.use_copy_engine = path != 2;
-      o.copy_engine_min_rows = 0;  // the copy-engine path even for these few rows
-      o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, H, R, K);
-      Buffer buf(test_group(), o);
-      const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
-      const Out& ref = want[static_cast<std::size_t>(me)];
+    const Reference reference = threads_reference(seed, R, H, K, E);
+    // kZeroCopyRankZeroOnly: only rank 0 offers a receive slot, so the exchange falls back (to the copy-engine path)
+    // after rank 0's zero-copy attempt (its notify computed local send positions).
+    for (int path = kZeroCopy; path <= kZeroCopyRankZeroOnly; ++path) {
+      SCOPED_TRACE(path_name(path));
+      Buffer buf(test_group(), path_options(path, device, me, H, R, K));
+      const Out got = run(buf, reference.inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
+      const Out& ref = reference.want[static_cast<std::size_t>(me)];
       EXPECT_TRUE(same_tensor(got.recv_x, ref.recv_x)) << "recv_x";
       EXPECT_TRUE(same_tensor(got.recv_idx, ref.recv_idx)) << "recv_topk_idx";
       EXPECT_TRUE(same_tensor(got.recv_w, ref.recv_w)) << "recv_topk_weights";
@@ -125,25 +145,10 @@ TEST(MpiCudaIpc, SettingsThatDifferAcrossProcessesAreNamedOnEveryRankAndTheBuffe
   const std::uint64_t seed = shared_seed();
   const int K = 4, E = 8 * R;
   const std::int64_t H = 2048;
-  std::vector<Inputs> inputs;
-  for (int r = 0; r < R; ++r) inputs.push_back(make_inputs(seed, r, H, K, E));
-  std::vector<Out> want(static_cast<std::size_t>(R));
-  run_thread_ranks(R, [&](Group& g) {
-    Buffer cpu(std::shared_ptr<Group>(&g, [](Group*) {}));
-    const auto r = static_cast<std::size_t>(g.rank());
-    want[r] = run(cpu, inputs[r], seed, H, K, E, -1);
-  });
-  for (int path = 0; path < 3; ++path) {
-    SCOPED_TRACE(path == 0 ? "zero-copy path" : path == 1 ? "copy-engine path" : "SM-store path");
-    cuda_ok(cudaSetDevice(device), "cudaSetDevice");
-    BufferOptions o;
-    o.backend = Backend::cuda_ipc;
-    o.device = device;
-    o.num_recv_slots = path == 0 ? 2 : 0;
-    o.use_copy_engine = path != 2;
-    o.copy_engine_min_rows = 0;
-    o.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(512, 2 * H, R, K);
-    Buffer buf(test_group(), o);
+  const Reference reference = threads_reference(seed, R, H, K, E);
+  for (int path = kZeroCopy; path <= kSmStores; ++path) {
+    SCOPED_TRACE(path_name(path));
+    Buffer buf(test_group(), path_options(path, device, me, 2 * H, R, K));
     // Rank 0 dispatches rows of H, the others of 2H (each call is valid on its own).
     const std::int64_t mine = me == 0 ? H : 2 * H;
     auto rng = rank_rng(seed, me, 9);
@@ -160,8 +165,8 @@ TEST(MpiCudaIpc, SettingsThatDifferAcrossProcessesAreNamedOnEveryRankAndTheBuffe
       EXPECT_NE(what.find(std::to_string(H)), std::string::npos) << what;
       EXPECT_NE(what.find(std::to_string(2 * H)), std::string::npos) << what;
     }
-    const Out got = run(buf, inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
-    const Out& ref = want[static_cast<std::size_t>(me)];
+    const Out got = run(buf, reference.inputs[static_cast<std::size_t>(me)], seed, H, K, E, device);
+    const Out& ref = reference.want[static_cast<std::size_t>(me)];
     EXPECT_TRUE(same_tensor(got.recv_x, ref.recv_x)) << "recv_x after the error";
     EXPECT_TRUE(same_tensor(got.combined_x, ref.combined_x)) << "combined_x after the error";
   }
