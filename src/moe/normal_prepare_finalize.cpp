@@ -5,8 +5,9 @@
 // the calling thread's current stream: the router weight on the input (K == 1), get_dispatch_layout, the fp8
 // quantization, the dequantization of the received rows and the weight-and-reduce are CUDA kernels; the cuda_ipc
 // dispatch and combine wait for the current stream and make it wait for them. The one host synchronisation is the
-// dispatch's own (it reads the receive counts to size its outputs). The whole dispatch runs in dispatch_a there,
-// so the buffer's own argument errors (a tensor on another GPU than the buffer's, K > 32) leave the stage INITIAL.
+// dispatch's own (it reads the receive counts to size its outputs). The whole dispatch runs in dispatch_a (on CPU
+// ranks too), so the buffer's own argument errors (a tensor on another GPU than the buffer's, K > 32, CPU tensors
+// over a cuda_ipc buffer) leave the stage INITIAL.
 #include <epmoe/quant.hpp>
 
 #include "core/check.hpp"
@@ -41,21 +42,22 @@ class NormalPrepareFinalize final : public PrepareFinalize {
       gpu_dispatch(in);
       return;
     }
+    // The dispatch runs here too (a CPU rank's dispatch is one blocking exchange: nothing to overlap with
+    // dispatch_b), so the buffer's own argument errors (CPU tensors over a cuda_ipc buffer, say) leave the stage
+    // INITIAL and the layer usable.
     side_ = prepare_token_side(in);
-    layout_ = buffer_->get_dispatch_layout(in.topk_idx, in.global_num_experts);
-    if (options_.dispatch_dtype == DispatchDtype::fp8) q_ = quantize_fp8(side_.hidden, {options_.round_scale, options_.use_ue8m0});
+    const DispatchLayout layout = buffer_->get_dispatch_layout(in.topk_idx, in.global_num_experts);
+    const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
+    Fp8Tensor q;
+    if (fp8) q = quantize_fp8(side_.hidden, {options_.round_scale, options_.use_ue8m0});
+    DispatchArgs a =
+        make_dispatch_args(layout, fp8 ? q.data.view() : side_.hidden.view(), side_.topk_idx, side_.topk_weights);
+    if (fp8) a.x_scales = q.scales;
+    recv_ = buffer_->dispatch(a);
   }
 
   PrepareOutput do_dispatch_b() override {
     const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
-    if (!on_gpu_) {
-      DispatchArgs a =
-          make_dispatch_args(layout_, fp8 ? q_.data.view() : side_.hidden.view(), side_.topk_idx, side_.topk_weights);
-      if (fp8) a.x_scales = q_.scales;
-      recv_ = buffer_->dispatch(a);
-      q_ = {};
-      layout_ = {};
-    }
     PrepareOutput out;
     out.format = ActivationFormat::standard;
     // GPU: dequantize_fp8 runs on the current stream, which the dispatch made wait for its outputs.
@@ -164,8 +166,6 @@ class NormalPrepareFinalize final : public PrepareFinalize {
   Device device_;      // hidden's device
   TensorView output_;  // GPU calls: the caller's output, if any
   TokenSide side_;
-  DispatchLayout layout_;  // CPU calls, dispatch_a to dispatch_b
-  Fp8Tensor q_;            // CPU calls, dispatch_a to dispatch_b
   DispatchResult recv_;
   Tensor result_;
 };
