@@ -281,6 +281,25 @@ void LowLatencyMode::receive(std::uint64_t gen) {
   p = Pending{};
 }
 
+low_latency_protocol::Header LowLatencyMode::receive_header(const std::byte* staging, int half, int s,
+                                                            std::uint64_t index, std::uint32_t kind,
+                                                            const std::string& phase) {
+  const int R = transport_.group().size(), me = transport_.group().rank();
+  transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
+  Header h;
+  std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
+  if (h.magic != kMagic || h.kind != kind || h.index != index) {
+    const char* op = kind == kKindDispatch ? "dispatch" : "combine";
+    const char* other = kind == kKindDispatch ? "a combine" : "a dispatch";
+    const bool other_kind = h.kind == (kind == kKindDispatch ? kKindCombine : kKindDispatch);
+    raise(ErrorCode::rank_mismatch,
+          "rank {}: rank {} is not in the same low-latency call: this rank is in {} call {}, rank {} sent {} of call "
+          "{} (every rank must make the same sequence of low-latency calls)",
+          me, s, op, index, s, other_kind ? other : "data", h.index);
+  }
+  return h;
+}
+
 void LowLatencyMode::receive_dispatch(Pending& p) {
   Group& g = transport_.group();
   const int R = g.size(), me = g.rank();
@@ -308,14 +327,7 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
   // writes another layout over this staging area, so nothing of it is trusted until all agree.
   std::vector<std::int64_t> sent_tokens(static_cast<std::size_t>(R));
   for (int s = 0; s < R; ++s) {
-    transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
-    Header h;
-    std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
-    if (h.magic != kMagic || h.kind != kKindDispatch || h.index != index)
-      raise(ErrorCode::rank_mismatch,
-            "rank {}: rank {} is not in the same low-latency call: this rank is in dispatch call {}, rank {} sent "
-            "{} of call {} (every rank must make the same sequence of low-latency calls)",
-            me, s, index, s, h.kind == kKindCombine ? "a combine" : "data", h.index);
+    const Header h = receive_header(staging, half, s, index, kKindDispatch, phase);
     if (h.flags != flags)
       raise(ErrorCode::rank_mismatch,
             "rank {}: setting 'use_fp8/round_scale/use_ue8m0' must be equal on all ranks: rank {} has {}/{}/{}, "
@@ -474,14 +486,7 @@ void LowLatencyMode::receive_combine(Pending& p) {
   for (std::int32_t e : p.topk_idx)
     if (e >= 0) ++expected[static_cast<std::size_t>(e / El)];
   for (int s = 0; s < R; ++s) {
-    transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
-    Header h;
-    std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
-    if (h.magic != kMagic || h.kind != kKindCombine || h.index != index)
-      raise(ErrorCode::rank_mismatch,
-            "rank {}: rank {} is not in the same low-latency call: this rank is in combine call {}, rank {} sent "
-            "{} of call {} (every rank must make the same sequence of low-latency calls)",
-            me, s, index, s, h.kind == kKindDispatch ? "a dispatch" : "data", h.index);
+    const Header h = receive_header(staging, half, s, index, kKindCombine, phase);
     if (h.count != expected[static_cast<std::size_t>(s)])
       raise(ErrorCode::rank_mismatch,
             "rank {}: rank {} sent {} rows back at combine for this rank's tokens, but this rank's topk_idx routes {} "

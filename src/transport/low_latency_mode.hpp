@@ -75,6 +75,10 @@ class LowLatencyMode {
   void receive_dispatch(Pending& p);
   void receive_combine(Pending& p);
   void signal_consumed(std::uint64_t index);
+  /// Waits for source `s`'s data flag of call `index` and returns its header from `staging`; raises rank_mismatch
+  /// when the source is in another call or sent the other kind of data (`kind`: kKindDispatch or kKindCombine).
+  low_latency_protocol::Header receive_header(const std::byte* staging, int half, int s, std::uint64_t index,
+                                              std::uint32_t kind, const std::string& phase);
 
   Transport& transport_;
   std::uint64_t buffer_id_;
