@@ -15,7 +15,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -27,6 +26,8 @@
 
 #if defined(EPMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
+
+#include "gpu/moe_layer_test_util.hpp"
 
 namespace epmoe::test {
 namespace {
@@ -61,15 +62,10 @@ RankInputs make_rank_inputs(std::uint64_t seed, int rank, int call, const LayerC
   return in;
 }
 
-struct Weights {
-  Tensor w1, w2;  // host, all experts: [E, 2N, H], [E, H, N]
-};
+using Weights = gputest::ExpertWeights;  // host, all experts: [E, 2N, H], [E, H, N]
 Weights make_weights(std::uint64_t seed, int call, const LayerCase& c, int E) {
   auto rng = rank_rng(seed, 1 << 20, 300 + static_cast<std::uint64_t>(call));  // the same on every process
-  const Tensor a = random_bf16(rng, E * 2 * kN, c.H, 1.0f / std::sqrt(static_cast<float>(c.H)));
-  const Tensor b = random_bf16(rng, E * c.H, kN, 1.0f / std::sqrt(static_cast<float>(kN)));
-  return {Tensor::wrap(TensorView(a.data(), DType::bf16, {E, 2 * kN, c.H}), std::make_shared<Tensor>(a)),
-          Tensor::wrap(TensorView(b.data(), DType::bf16, {E, c.H, kN}), std::make_shared<Tensor>(b))};
+  return gputest::make_expert_weights(rng, E, c.H, kN);
 }
 
 struct Got {
@@ -92,19 +88,8 @@ Got forward(const std::shared_ptr<Buffer>& buffer, const LayerCase& c, const Wei
   const Tensor x = put(in.x), idx = put(in.idx), w = put(in.w);
   const Tensor w1 = put(wts.w1.view().slice_rows(r * El, (r + 1) * El));
   const Tensor w2 = put(wts.w2.view().slice_rows(r * El, (r + 1) * El));
-  MoEForwardArgs a;
-  a.hidden = x;
-  a.w1 = w1;
-  a.w2 = w2;
-  a.topk_idx = idx;
-  a.topk_weights = w;
-  a.global_num_experts = E;
-  PrepareInputs pin;
-  pin.hidden = x;
-  pin.topk_idx = idx;
-  pin.topk_weights = w;
-  pin.global_num_experts = E;
-  pf->dispatch_a(pin);
+  const MoEForwardArgs a = gputest::forward_args(x, w1, w2, idx, w, E);
+  pf->dispatch_a(gputest::prepare_inputs(x, idx, w, E));
   const PrepareOutput p = pf->dispatch_b();
   Got g;
   g.hidden = to_cpu(p.hidden);
@@ -116,17 +101,6 @@ Got forward(const std::shared_ptr<Buffer>& buffer, const LayerCase& c, const Wei
   g.output = to_cpu(pf->combine_b());
   EXPECT_EQ(pf->stage(), Stage::initial);
   return g;
-}
-
-double bf16_relative_l2(const Tensor& got, const Tensor& want) {
-  double num = 0, den = 0;
-  for (std::int64_t i = 0; i < got.numel(); ++i) {
-    const double g = bf16_to_float(got.ptr<bf16_t>()[i]), w = bf16_to_float(want.ptr<bf16_t>()[i]);
-    num += (g - w) * (g - w);
-    den += w * w;
-  }
-  if (std::isnan(num) || std::isnan(den)) return std::nan("");
-  return den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
 }
 
 TEST(MpiCudaIpcMoELayer, NormalLayerOneProcessPerGpuMatchesTheCpuRanksAndFloat64) {
@@ -174,7 +148,7 @@ TEST(MpiCudaIpcMoELayer, NormalLayerOneProcessPerGpuMatchesTheCpuRanksAndFloat64
         }
         const double err =
             relative_l2(got.output, moe_layer_reference(seen, wts.w1, wts.w2, in.idx, in.w, "silu"));
-        const double diff = bf16_relative_l2(got.output, ref.output);
+        const double diff = gputest::bf16_relative_l2(got.output, ref.output);
         std::printf("[ rel_l2   ] rank %d %s: vs float64 %.3e, vs CPU ranks %.3e\n", me, c.name().c_str(), err, diff);
         EXPECT_LE(err, kTolerance) << "GPU vs float64";  // also fails on NaN
         EXPECT_LE(diff, kTolerance) << "GPU vs CPU ranks";

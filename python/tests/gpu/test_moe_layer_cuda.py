@@ -217,6 +217,20 @@ def test_moe_module_moved_to_the_gpu(move):
 
 # ------------------------------------------------------------------------------------------ over a cuda_ipc Buffer
 
+def check_one_rank_forwards(name, calls, w1, w2, H, dispatch_dtype, gpu_rank, cpu_rank):
+    """Runs gpu_rank, then cpu_rank, on one thread rank each (gpu_rank returns its outputs as NumPy arrays and its
+    layer's stage, cpu_rank its outputs); checks the GPU layer ended at INITIAL and each forward's output, bf16
+    [T, H], against the NumPy float64 reference of what the experts saw and against the CPU rank's."""
+    outs, stage = epmoe.run_thread_ranks(1, gpu_rank, timeout_s=60)[0]
+    cpu_outs = epmoe.run_thread_ranks(1, cpu_rank, timeout_s=60)[0]
+    assert stage == "INITIAL"
+    for f, ((x, idx, w), got, cpu) in enumerate(zip(calls, outs, cpu_outs)):
+        assert got.shape == (x.shape[0], H)
+        check(got, moe_ref(seen_by_experts(x, dispatch_dtype, False), w1, w2, w, idx, "silu"),
+              f"{name} forward {f} vs NumPy float64")
+        check(got, cpu, f"{name} forward {f} vs CPU reference experts")
+
+
 @pytest.mark.parametrize("dispatch_dtype,H,K", [("bfloat16", 2048, 8), ("float8_e4m3fn", 2048, 8),
                                                 ("bfloat16", 7168, 1), ("float8_e4m3fn", 7168, 1)])
 def test_low_latency_layer_over_a_one_rank_cuda_ipc_buffer(dispatch_dtype, H, K):
@@ -247,14 +261,7 @@ def test_low_latency_layer_over_a_one_rank_cuda_ipc_buffer(dispatch_dtype, H, K)
                                epmoe.make_reference_experts("batched_experts"))
         return [layer.forward(x, w1, w2, w, idx) for x, idx, w in calls]
 
-    outs, stage = epmoe.run_thread_ranks(1, gpu_rank, timeout_s=60)[0]
-    cpu_outs = epmoe.run_thread_ranks(1, cpu_rank, timeout_s=60)[0]
-    assert stage == "INITIAL"
-    for f, ((x, idx, w), got, cpu) in enumerate(zip(calls, outs, cpu_outs)):
-        assert got.shape == (x.shape[0], H)
-        check(got, moe_ref(seen_by_experts(x, dispatch_dtype, False), w1, w2, w, idx, "silu"),
-              f"{name} forward {f} vs NumPy float64")
-        check(got, cpu, f"{name} forward {f} vs CPU reference experts")
+    check_one_rank_forwards(name, calls, w1, w2, H, dispatch_dtype, gpu_rank, cpu_rank)
 
 
 @pytest.mark.parametrize("dispatch_dtype,H,K,reduce", [("bfloat16", 2048, 8, True), ("float8_e4m3fn", 2048, 8, False),
@@ -292,11 +299,4 @@ def test_normal_layer_over_a_one_rank_cuda_ipc_buffer(dispatch_dtype, H, K, redu
                                epmoe.make_reference_experts("standard"))
         return [layer.forward(x, w1, w2, w, idx) for x, idx, w in calls]
 
-    outs, stage = epmoe.run_thread_ranks(1, gpu_rank, timeout_s=60)[0]
-    cpu_outs = epmoe.run_thread_ranks(1, cpu_rank, timeout_s=60)[0]
-    assert stage == "INITIAL"
-    for f, ((x, idx, w), got, cpu) in enumerate(zip(calls, outs, cpu_outs)):
-        assert got.shape == (x.shape[0], H)
-        check(got, moe_ref(seen_by_experts(x, dispatch_dtype, False), w1, w2, w, idx, "silu"),
-              f"{name} forward {f} vs NumPy float64")
-        check(got, cpu, f"{name} forward {f} vs CPU reference experts")
+    check_one_rank_forwards(name, calls, w1, w2, H, dispatch_dtype, gpu_rank, cpu_rank)
