@@ -46,14 +46,7 @@ class NormalPrepareFinalize final : public PrepareFinalize {
     // dispatch_b), so the buffer's own argument errors (CPU tensors over a cuda_ipc buffer, say) leave the stage
     // INITIAL and the layer usable.
     side_ = prepare_token_side(in);
-    const DispatchLayout layout = buffer_->get_dispatch_layout(in.topk_idx, in.global_num_experts);
-    const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
-    Fp8Tensor q;
-    if (fp8) q = quantize_fp8(side_.hidden, {options_.round_scale, options_.use_ue8m0});
-    DispatchArgs a =
-        make_dispatch_args(layout, fp8 ? q.data.view() : side_.hidden.view(), side_.topk_idx, side_.topk_weights);
-    if (fp8) a.x_scales = q.scales;
-    recv_ = buffer_->dispatch(a);
+    dispatch_side(in.global_num_experts);
   }
 
   PrepareOutput do_dispatch_b() override {
@@ -99,6 +92,18 @@ class NormalPrepareFinalize final : public PrepareFinalize {
 #endif
   }
 
+  // The token side's layout, its optional fp8 quantization (CPU or GPU, where side_ lives) and the dispatch.
+  void dispatch_side(int num_experts) {
+    const DispatchLayout layout = buffer_->get_dispatch_layout(side_.topk_idx, num_experts);
+    const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
+    Fp8Tensor q;
+    if (fp8) q = quantize_fp8(side_.hidden, {options_.round_scale, options_.use_ue8m0});
+    DispatchArgs a =
+        make_dispatch_args(layout, fp8 ? q.data.view() : side_.hidden.view(), side_.topk_idx, side_.topk_weights);
+    if (fp8) a.x_scales = q.scales;
+    recv_ = buffer_->dispatch(a);
+  }
+
   // GPU prepare: token side, layout, optional fp8 quantization and the cuda_ipc dispatch, on the current stream.
   // Temporaries (layout, fp8 rows) are dropped on that stream after the dispatch returned: it made the stream wait
   // for its own reads of them.
@@ -107,14 +112,7 @@ class NormalPrepareFinalize final : public PrepareFinalize {
 #if defined(EPMOE_HAVE_CUDA)
     cuda_util::DeviceGuard guard(device_);
     side_ = cuda_token_side(in, *workspaces_, "normal");
-    const DispatchLayout layout = buffer_->get_dispatch_layout(side_.topk_idx, in.global_num_experts);
-    const bool fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
-    Fp8Tensor q;
-    if (fp8) q = quantize_fp8(side_.hidden, {options_.round_scale, options_.use_ue8m0});
-    DispatchArgs a =
-        make_dispatch_args(layout, fp8 ? q.data.view() : side_.hidden.view(), side_.topk_idx, side_.topk_weights);
-    if (fp8) a.x_scales = q.scales;
-    recv_ = buffer_->dispatch(a);
+    dispatch_side(in.global_num_experts);
     output_ = in.output;
 #else
     raise(ErrorCode::unsupported, "argument 'hidden' is on {} but epmoe was built without CUDA",
