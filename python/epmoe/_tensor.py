@@ -161,6 +161,20 @@ def describe(x: Any) -> str:
     return f"an object of type {type(x).__name__}"
 
 
+def int_arg(name: str, value: Any, low: int = 0, high: int = 2**31 - 1) -> int:
+    """`value` as a Python int in [low, high] (what the C++ side takes), else epmoe.Error('invalid_argument') naming
+    `name` (bools, strings and floats included: the binding's own TypeError would not name the argument)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or not low <= int(value) <= high:
+        raise invalid_argument(name, f"an int in {low}..{high}", repr(value))
+    return int(value)
+
+
+def dtype_name(x: Any) -> Optional[str]:
+    """'bfloat16', 'float32', ... for NumPy / torch / CuPy arrays; None for other objects."""
+    dtype = getattr(x, "dtype", None)
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
 def first_dim(x: Any) -> Optional[int]:
     """Size of dimension 0 of an array, or None."""
     shape = getattr(x, "shape", None)

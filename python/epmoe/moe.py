@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 from . import _ext
-from ._tensor import arg, describe, device_of, framework_of, invalid_argument, on_stream, unsupported
+from ._tensor import (arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream,
+                      unsupported)
 from .buffer import Buffer
 
 Experts = _ext.Experts
@@ -68,6 +69,14 @@ def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) 
     return _ext.make_cuda_experts(activation_format, reduce)
 
 
+def _check_scale_format(round_scale: bool, use_ue8m0: bool) -> None:
+    """UE8M0 scales are powers of two: use_ue8m0 needs round_scale (checked when the prepare/finalize is made, not at
+    its first forward)."""
+    if use_ue8m0 and not round_scale:
+        raise invalid_argument("use_ue8m0", "False unless round_scale=True (UE8M0 scales are powers of two)",
+                               "True with round_scale=False")
+
+
 def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: bool = False,
                                 use_ue8m0: bool = False, activation_format: str = "standard",
                                 max_tokens_per_expert: int = 0) -> PrepareFinalize:
@@ -79,7 +88,10 @@ def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: b
         to a slab [E, max_tokens, H] in token order; pair with experts of that format).
     max_tokens_per_expert: batched_experts only: slab rows; 0 = T (nothing can be dropped). A slab that
         overflows raises epmoe.Error 'out_of_memory' on the CPU; on CUDA the choices past it are dropped and
-        flagged (SPEC 11). Errors: < 0, or set with 'standard' (invalid_argument)."""
+        flagged (SPEC 11). Errors: < 0, or set with 'standard' (invalid_argument); use_ue8m0 without
+        round_scale (invalid_argument)."""
+    _check_scale_format(round_scale, use_ue8m0)
+    max_tokens_per_expert = int_arg("max_tokens_per_expert", max_tokens_per_expert, -(2**63), 2**63 - 1)
     return _ext.make_no_ep_prepare_finalize(dispatch_dtype, round_scale, use_ue8m0, activation_format,
                                             max_tokens_per_expert)
 
@@ -91,7 +103,9 @@ def make_normal_prepare_finalize(buffer: Union[Buffer, Any], dispatch_dtype: str
 
     CPU tensors over a threads or MPI Buffer; CUDA tensors (with make_cuda_experts) over a cuda_ipc Buffer on their
     GPU: the layout, the fp8 quantization, the dispatch, the dequantization, the weight-and-reduce and the combine
-    then run on that GPU on the current stream (the dispatch waits once on the host for its receive counts)."""
+    then run on that GPU on the current stream (the dispatch waits once on the host for its receive counts).
+    Errors: use_ue8m0 without round_scale (invalid_argument)."""
+    _check_scale_format(round_scale, use_ue8m0)
     return _ext.make_normal_prepare_finalize(_runtime(buffer), dispatch_dtype, round_scale, use_ue8m0)
 
 
@@ -99,9 +113,11 @@ def make_low_latency_prepare_finalize(buffer: Union[Buffer, Any], num_max_dispat
                                       dispatch_dtype: str = "bfloat16", round_scale: bool = False,
                                       use_ue8m0: bool = False) -> PrepareFinalize:
     """Low-latency dispatch/combine over `buffer` ('batched_experts' format, at most
-    num_max_dispatch_tokens_per_rank tokens per rank per call; the combine applies the router weights)."""
-    return _ext.make_low_latency_prepare_finalize(_runtime(buffer), num_max_dispatch_tokens_per_rank,
-                                                  dispatch_dtype, round_scale, use_ue8m0)
+    num_max_dispatch_tokens_per_rank tokens per rank per call; the combine applies the router weights).
+    Errors: use_ue8m0 without round_scale, num_max_dispatch_tokens_per_rank not an int (invalid_argument)."""
+    _check_scale_format(round_scale, use_ue8m0)
+    tmax = int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, -(2**31), 2**31 - 1)
+    return _ext.make_low_latency_prepare_finalize(_runtime(buffer), tmax, dispatch_dtype, round_scale, use_ue8m0)
 
 
 class MoELayer:
@@ -125,10 +141,17 @@ class MoELayer:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.shared_experts = shared_experts
+        chunk_size = int_arg("chunk_size", chunk_size, -(2**63), 2**63 - 1)
+        micro_batch = int_arg("micro_batch", micro_batch, -(2**31), 2**31 - 1)
         wrapped = None
         if shared_experts is not None:
             def wrapped(hidden: Any, fn: Callable[[Any], Any] = shared_experts) -> Any:
-                return arg(fn(hidden))
+                out = fn(hidden)
+                # What the layer returns as shared_output: the same dtype and shape as its input, else named here.
+                if dtype_name(out) != dtype_name(hidden) or tuple(getattr(out, "shape", ())) != tuple(hidden.shape):
+                    raise invalid_argument("shared_experts", f"a callable returning {describe(hidden)} (bfloat16 "
+                                           "[T, H], as its input)", f"{describe(out)} from it")
+                return arg(out)
         self._layer = _ext.MoELayer(prepare_finalize, experts, wrapped, chunk_size, micro_batch, workspaces)
 
     @property
@@ -172,6 +195,17 @@ class MoELayer:
         so such an error leaves the layer usable. A call that fails after the dispatch started (a timeout, a
         broken group) leaves the ranks out of step: later calls raise 'unusable' naming that failure.
         """
+        for name, value in (("hidden", hidden), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights),
+                            ("topk_idx", topk_idx)):
+            if value is None:
+                raise invalid_argument(name, "a tensor", "None")
+        # Dtypes the tensor layer cannot hold at all (float64, uint16, ...) would otherwise be named only generically.
+        for name, value, expected in (("hidden", hidden, ("bfloat16",)), ("topk_weights", topk_weights, ("float32",)),
+                                      ("topk_idx", topk_idx, ("int64", "int32"))):
+            if dtype_name(value) not in expected:
+                raise invalid_argument(name, f"a {' or '.join(expected)} tensor", describe(value))
+        if global_num_experts is not None:
+            global_num_experts = int_arg("global_num_experts", global_num_experts, -(2**31), 2**31 - 1)
         self._check_devices(hidden, w1, w2, topk_weights, topk_idx, output)
         if global_num_experts is None or global_num_experts < 0:
             e_local = getattr(w1, "shape", (0,))[0]

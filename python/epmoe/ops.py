@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _ext
-from ._tensor import arg, framework_of
+from ._tensor import arg, framework_of, int_arg
 from ._tensor import on_stream as _on_stream
 
 FP8_GROUP_SIZE = 128
@@ -39,12 +39,14 @@ def topk_softmax(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple
     Returns: (topk_weights float32 [T, K], topk_idx int64 [T, K]), in descending weight order.
     Errors: epmoe.Error('invalid_argument') for logits not 2-d float32/bfloat16, K outside 1..E.
     """
+    num_topk = int_arg("num_topk", num_topk, -(2**31), 2**31 - 1)
     with _on_stream(logits):
         return _ext.topk_softmax(arg(logits), num_topk, renormalize, framework_of(logits))
 
 
 def topk_sigmoid(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple[Any, Any]:
     """Sigmoid of each logit, then the K largest (ties: lower expert id). Shapes and errors as topk_softmax."""
+    num_topk = int_arg("num_topk", num_topk, -(2**31), 2**31 - 1)
     with _on_stream(logits):
         return _ext.topk_sigmoid(arg(logits), num_topk, renormalize, framework_of(logits))
 
@@ -65,6 +67,9 @@ def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: 
     K > topk_group * E / num_expert_group, a bias of the wrong shape or dtype, scoring_func not
     'softmax'/'sigmoid'.
     """
+    num_topk = int_arg("num_topk", num_topk, -(2**31), 2**31 - 1)
+    num_expert_group = int_arg("num_expert_group", num_expert_group, -(2**31), 2**31 - 1)
+    topk_group = int_arg("topk_group", topk_group, -(2**31), 2**31 - 1)
     with _on_stream(logits):
         return _ext.grouped_topk(arg(logits), num_topk, num_expert_group, topk_group, scoring_func, renormalize,
                                  float(routed_scaling_factor), arg(e_score_correction_bias), framework_of(logits))
@@ -78,6 +83,8 @@ def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tupl
     Errors: epmoe.Error('invalid_argument') for topk_idx not int32/int64 [T, K], E % R != 0, E / R > 1024,
     an id outside [-1, E) (naming it and its [t, k]).
     """
+    num_experts = int_arg("num_experts", num_experts, -(2**31), 2**31 - 1)
+    num_ranks = int_arg("num_ranks", num_ranks, -(2**31), 2**31 - 1)
     with _on_stream(topk_idx):
         return _ext.get_dispatch_layout(arg(topk_idx), num_experts, num_ranks, framework_of(topk_idx))
 

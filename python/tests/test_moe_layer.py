@@ -120,6 +120,40 @@ def test_layer_errors(rng):
         layer.forward(x, w1, w2, w, idx)
 
 
+def test_arguments_the_binding_would_refuse_unnamed_are_named(rng):
+    """None tensors, non-int or out-of-range integers, dtypes the tensor layer cannot hold and a shared-experts result
+    of the wrong shape: each raises epmoe.Error('invalid_argument') naming the argument (nanobind's own TypeError, or
+    one from inside the package, would not), and the layer stays usable."""
+    E, T = 4, 5
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts())
+
+    def named(name, call):
+        with pytest.raises(epmoe.Error) as e:
+            call()
+        assert e.value.code == "invalid_argument" and f"'{name}'" in str(e.value), str(e.value)
+        return str(e.value)
+
+    named("hidden", lambda: layer.forward(None, w1, w2, w, idx))
+    named("topk_idx", lambda: layer.forward(x, w1, w2, w, None))
+    assert "got '8'" in named("global_num_experts", lambda: layer.forward(x, w1, w2, w, idx, global_num_experts="8"))
+    named("global_num_experts", lambda: layer.forward(x, w1, w2, w, idx, global_num_experts=2**40))
+    assert "float32" in named("topk_weights", lambda: layer.forward(x, w1, w2, w.astype(np.float64), idx))
+    assert "bfloat16" in named("hidden", lambda: layer.forward(x.view(np.uint16), w1, w2, w, idx))
+    named("max_tokens_per_expert", lambda: epmoe.make_no_ep_prepare_finalize(
+        activation_format="batched_experts", max_tokens_per_expert=2**70))
+    named("chunk_size", lambda: epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts(),
+                                               chunk_size=2**70))
+    named("num_topk", lambda: epmoe.topk_softmax(np.zeros((2, 8), np.float32), 2**40))
+    named("use_ue8m0", lambda: epmoe.make_no_ep_prepare_finalize("float8_e4m3fn", use_ue8m0=True))
+    shared = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts(),
+                            shared_experts=lambda h: h[:2])
+    assert f"bfloat16[{T}, {H}]" in named("shared_experts", lambda: shared.forward(x, w1, w2, w, idx))
+    out = layer.forward(x, w1, w2, w, idx)  # still usable
+    assert rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_bad_weights_on_one_rank_fail_before_communicating_and_leave_the_layer_usable(rng, mode):
     # Rank 1 alone makes each bad call: had one communicated, it would wait for rank 0 (which makes no such

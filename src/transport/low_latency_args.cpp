@@ -95,7 +95,7 @@ void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int c
   }
   if (num_rdma_bytes > 0 && num_rdma_bytes < needed)
     raise(ErrorCode::out_of_memory,
-          "invalid argument 'num_rdma_bytes': the low-latency buffer needs {} bytes per rank (Tmax = {}, H = {}, "
+          "num_rdma_bytes too small: the low-latency buffer needs {} bytes per rank (Tmax = {}, H = {}, "
           "R = {}, E = {}; see get_low_latency_rdma_size_hint), got {}",
           needed, tmax, hidden, R, num_experts, num_rdma_bytes);
 }

@@ -794,8 +794,10 @@ int tune(BenchConfig c) {
   // Flags are checked before looking for GPUs, so a bad value is named on any machine.
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   check_writable("--output", c.output);
-  std::string why = "--device cpu was given";
-  if (c.device == "cpu" || cuda_device_count(&why) == 0)
+  std::string why;
+  if (c.device == "cpu")
+    bad("--device", "auto or cuda (tune sweeps the cuda_ipc backend's num_sms and num_chunks on GPUs)", c.device);
+  if (cuda_device_count(&why) == 0)
     bad("--device", fmt::format("CUDA GPUs (tune sweeps the cuda_ipc backend's num_sms and num_chunks); {}", why),
         c.device);
   c.kind = DeviceKind::cuda;

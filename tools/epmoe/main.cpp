@@ -49,7 +49,12 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("tune")) return tune();
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
-    return 2;
+    // Bad arguments (and requests this machine cannot serve: sizes past its memory, no GPU): 2. A failure while
+    // running (a timeout, a broken group or buffer, an internal error): 1, as a failed check.
+    const epmoe::ErrorCode code = e.code();
+    const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
+                         code == epmoe::ErrorCode::unusable;
+    return failure ? 1 : 2;
   } catch (const std::exception& e) {
     // Not an epmoe error: a bug or a library's own failure. Said, never a crash (exit 1: not a bad argument).
     std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
