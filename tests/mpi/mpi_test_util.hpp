@@ -21,10 +21,10 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
-#include <stdexcept>
 
 #include <cuda_runtime.h>
+
+#include "gpu/gpu_util.hpp"
 #endif
 
 namespace epmoe::test {
@@ -75,10 +75,10 @@ inline std::optional<Error> catch_error(const std::function<void()>& fn) {
 #if defined(EPMOE_HAVE_CUDA)
 // ---- the cuda_ipc MPI tests (one process per GPU) ----
 
-/// Throws std::runtime_error naming `what` unless `e` is cudaSuccess.
-inline void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+// cuda_ok, to_gpu and to_cpu: the GPU tests' own (gpu/gpu_util.cpp, which test_mpi builds when CUDA is on).
+using gputest::cuda_ok;
+using gputest::to_cpu;
+using gputest::to_gpu;
 
 /// GPUs of this host (0 when CUDA has none or no driver).
 inline int gpus() {
@@ -100,27 +100,6 @@ inline std::optional<int> rank_device(int R, int rank) {
   return rank % std::max(1, gpus());
 }
 
-/// A device copy of host tensor `h` on cuda:device (undefined stays undefined).
-inline Tensor to_gpu(const Tensor& h, int device) {
-  if (!h.defined()) return {};
-  Tensor d = Tensor::empty(h.dtype(), h.shape(), Device::cuda(device));
-  if (h.nbytes()) cuda_ok(cudaMemcpy(d.data(), h.data(), h.nbytes(), cudaMemcpyHostToDevice), "H2D");
-  return d;
-}
-
-/// Host copy of a contiguous view (a device view: after the device is idle); undefined stays undefined.
-inline Tensor to_cpu(const TensorView& v) {
-  if (!v.defined()) return {};
-  Tensor h = Tensor::empty(v.dtype, v.shape);
-  if (v.numel() == 0) return h;
-  if (v.device.is_cuda()) {
-    cuda_ok(cudaDeviceSynchronize(), "sync");
-    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
-  } else {
-    std::memcpy(h.data(), v.data, v.nbytes());
-  }
-  return h;
-}
 #endif  // EPMOE_HAVE_CUDA
 
 }  // namespace epmoe::test
