@@ -32,11 +32,7 @@
 #include <random>
 #include <vector>
 
-#include "transport/transport.hpp"
-
-namespace epmoe {
-std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group);
-}
+#include "transport/cpu/transport.hpp"
 
 namespace {
 

@@ -9,7 +9,7 @@
 // combine. "vs_memcpy" is the op's bandwidth over that of every rank memcpy'ing its own share of those
 // bytes at the same time (source and destination already faulted in), measured just before.
 // Each iteration is timed from the start of the collective on every rank to its end on every rank,
-// after one untimed warm-up call (it fills the buffer's output pool, see normal_mode.hpp).
+// after one untimed warm-up call (it fills the buffer's output pool, see cpu/normal_mode.hpp).
 #include <benchmark/benchmark.h>
 
 #include <epmoe/buffer.hpp>

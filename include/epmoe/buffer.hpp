@@ -23,7 +23,7 @@
 //    skipping -1 ids, rounded to bfloat16 once.
 //  - two receive buffers alternate, one per low-latency call (dispatch or combine); a handle from
 //    two or more low-latency calls ago is rejected (ErrorCode::stale_handle).
-//  - cuda_ipc buffers: low-latency calls on CUDA tensors run on the GPUs (src/transport/cuda_ipc_low_latency.hpp:
+//  - cuda_ipc buffers: low-latency calls on CUDA tensors run on the GPUs (src/transport/cuda_ipc/low_latency.hpp:
 //    no host synchronisation, CUDA-graph capturable in whole calls, an even number per graph; results bit-identical
 //    to the threads backend); calls on CPU tensors still use the group's CPU transport.
 #pragma once

@@ -2,7 +2,7 @@
 // dispatch and the combine are split with receive hooks, so dispatch_a/combine_a only send.
 //
 // Calls whose hidden states are on a GPU run on the buffer's GPU low-latency mode (a cuda_ipc buffer,
-// cuda_ipc_low_latency.hpp) and stay on the device, asynchronous on the current stream: the router weight
+// cuda_ipc/low_latency.hpp) and stay on the device, asynchronous on the current stream: the router weight
 // on the input (K == 1) and the fp8 wire's dequantization run as CUDA kernels, the received slabs and counts
 // are views of the buffer's receive half, and the combine writes into MoEForwardArgs::output when given.
 #include <epmoe/quant.hpp>

@@ -1,5 +1,5 @@
 // Device-side fp8 e4m3 helpers of the CUDA quantizer (quant/cuda.cu), shared with kernels that quantize rows
-// themselves (the cuda_ipc low-latency dispatch, transport/cuda_ipc_low_latency_kernels.cu), so every GPU path
+// themselves (the cuda_ipc low-latency dispatch, transport/cuda_ipc/low_latency_kernels.cu), so every GPU path
 // computes a group's scale and codes with the same operations as quant_impl.hpp's group_scale and quant/cpu.cpp:
 // bit-identical to the CPU. CUDA sources only.
 #pragma once

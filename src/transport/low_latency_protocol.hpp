@@ -1,7 +1,7 @@
-// The low-latency mode's byte protocol (SPEC 5), one definition for the CPU implementation (low_latency_mode.cpp)
-// and the cuda_ipc kernels (cuda_ipc_low_latency_kernels.cu): the records a source writes into a peer's window,
+// The low-latency mode's byte protocol (SPEC 5), one definition for the CPU implementation (cpu/low_latency_mode.cpp)
+// and the cuda_ipc kernels (cuda_ipc/low_latency_kernels.cu): the records a source writes into a peer's window,
 // the flag bits, and the window's layout. Plain C++ without fmt or CUDA, so .cu files include it too. The layout
-// is described at the top of low_latency_mode.cpp.
+// is described at the top of cpu/low_latency_mode.cpp.
 #pragma once
 
 #include <cstddef>

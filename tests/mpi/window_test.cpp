@@ -10,11 +10,7 @@
 #include <vector>
 
 #include "mpi/mpi_test_util.hpp"
-#include "transport/transport.hpp"
-
-namespace epmoe {
-std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group);
-}
+#include "transport/cpu/transport.hpp"
 
 namespace epmoe::test {
 namespace {

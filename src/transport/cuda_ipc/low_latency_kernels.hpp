@@ -1,6 +1,6 @@
 // Kernels of the cuda_ipc low-latency mode (CUDA builds only): the window's control block, the kernels' parameter
 // records and thin launchers; the byte protocol's records are the CPU implementation's (low_latency_protocol.hpp).
-// No fmt here (this header is included by the .cu). Protocol: cuda_ipc_low_latency.hpp.
+// No fmt here (this header is included by the .cu). Protocol: cuda_ipc/low_latency.hpp.
 #pragma once
 
 #include <cstddef>
@@ -8,7 +8,7 @@
 
 #include <cuda_runtime.h>
 
-#include "transport/cuda_ipc_error.hpp"
+#include "transport/cuda_ipc/error.hpp"
 #include "transport/low_latency_protocol.hpp"
 
 namespace epmoe::cuda_ipc_ll {

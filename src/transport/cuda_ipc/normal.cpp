@@ -1,7 +1,7 @@
 // cuda-ipc normal mode: the host side (argument checks, buffer mapping, streams, events, the host read
-// of the counts). Kernels: cuda_ipc_kernels.cu. Protocol: cuda_ipc.hpp and docs/cuda_ipc_design.md.
-#include "transport/normal_args.hpp"
-#include "transport/cuda_ipc.hpp"
+// of the counts). Kernels: cuda_ipc/normal_kernels.cu. Protocol: cuda_ipc/normal.hpp and docs/cuda_ipc_design.md.
+#include "transport/args/normal.hpp"
+#include "transport/cuda_ipc/normal.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
@@ -70,9 +70,9 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 
 #include "core/cuda_check.hpp"
 #include "layout/cuda_util.cuh"
-#include "transport/cuda_ipc_kernels.hpp"
-#include "transport/cuda_ipc_memory.hpp"
-#include "transport/cuda_ipc_stream.hpp"
+#include "transport/cuda_ipc/normal_kernels.hpp"
+#include "transport/cuda_ipc/memory.hpp"
+#include "transport/cuda_ipc/stream.hpp"
 
 namespace epmoe {
 

@@ -1,6 +1,6 @@
 // Kernels of the cuda-ipc normal mode (CUDA builds only): the buffer layout they share with the host
 // class, their parameter records and thin launchers. No fmt here (this header is included by the .cu).
-// The protocol is described in cuda_ipc.hpp and docs/cuda_ipc_design.md.
+// The protocol is described in cuda_ipc/normal.hpp and docs/cuda_ipc_design.md.
 #pragma once
 
 #include <cstddef>
@@ -8,7 +8,7 @@
 
 #include <cuda_runtime.h>
 
-#include "transport/cuda_ipc_error.hpp"
+#include "transport/cuda_ipc/error.hpp"
 
 namespace epmoe::cuda_ipc {
 
@@ -202,7 +202,7 @@ struct DispatchSendArgs {
 /// publishes chunk_done[me][j] = seq in every peer, which pulls that stage with the copy engine while later stages
 /// are gathered. This rank's own rows go straight into its outputs (a second launch, once they are allocated).
 /// The staging needs only this rank's routing, so it may run before the count exchange (into the op's half of
-/// the region, see cuda_ipc.cpp); it stages nothing when its rows exceed `layout.capacity` (the count exchange
+/// the region, see cuda_ipc/normal.cpp); it stages nothing when its rows exceed `layout.capacity` (the count exchange
 /// then never chooses the copy-engine path).
 enum GatherPart : int {
   kGatherStages = 1,  ///< the staged rows for the peers only (no outputs needed: runs before the host read)

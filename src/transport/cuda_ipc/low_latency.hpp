@@ -2,7 +2,7 @@
 // host over NVLink, with no host synchronisation (CUDA-graph capturable) and receive hooks. CUDA-free header:
 // Buffer includes it in every build; the class is only constructed in CUDA builds.
 //
-// Semantics and byte protocol are the CPU implementation's (low_latency_mode.hpp/.cpp), and results are
+// Semantics and byte protocol are the CPU implementation's (cpu/low_latency_mode.hpp/.cpp), and results are
 // bit-identical to the threads backend: each rank's window (a CudaIpcMemory mapped by every peer) holds a control
 // block (data / consumed flags, the device call counter) and then the CPU layout's two halves
 // (LowLatencyMode::Layout); call i since the last clean uses half i % 2; a token is sent once per destination rank
@@ -23,6 +23,8 @@
 
 #include <epmoe/buffer.hpp>
 
+#include "transport/backend.hpp"
+
 #include <cstdint>
 #include <memory>
 
@@ -30,16 +32,15 @@ namespace epmoe {
 
 /// Low-latency dispatch/combine of a cuda_ipc Buffer on CUDA tensors. Collective as the CPU class; the window is
 /// allocated (and mapped by every peer) on the first call, with the settings compared across ranks.
-class CudaIpcLowLatency {
+class CudaIpcLowLatency : public LowLatencyBackend {
  public:
-  virtual ~CudaIpcLowLatency() = default;
   /// See Buffer::low_latency_dispatch. Tensors on this rank's device. Outputs are views of the window.
-  virtual LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args) = 0;
+  LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args) override = 0;
   /// See Buffer::low_latency_combine. topk_idx, topk_weights (and out) must stay alive until the receive ran
   /// (the hook, when return_recv_hook).
-  virtual LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) = 0;
+  LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) override = 0;
   /// Collective: zeroes every rank's window (flags and counters); pending hooks and older handles become stale.
-  virtual void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) = 0;
+  void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override = 0;
   /// Whether a call (or clean) has fixed Tmax/H/E and allocated the window.
   virtual bool configured() const = 0;
 };

@@ -1,5 +1,5 @@
-// Host-side stream helpers shared by the cuda_ipc modes (normal: cuda_ipc.cpp, low-latency:
-// cuda_ipc_low_latency.cpp). CUDA builds only.
+// Host-side stream helpers shared by the cuda_ipc modes (normal: cuda_ipc/normal.cpp, low-latency:
+// cuda_ipc/low_latency.cpp). CUDA builds only.
 #pragma once
 
 #include <epmoe/stream.hpp>

@@ -29,12 +29,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "transport/mpi_group.hpp"
-#include "transport/transport.hpp"
+#include "transport/group/mpi.hpp"
+#include "transport/cpu/transport.hpp"
 
 namespace epmoe {
-
-std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group);
 
 namespace {
 

@@ -1,5 +1,5 @@
-// CudaIpcMemory: see cuda_ipc_memory.hpp. Extracted from the cuda_ipc normal mode's buffer mapping.
-#include "transport/cuda_ipc_memory.hpp"
+// CudaIpcMemory: see cuda_ipc/memory.hpp. Extracted from the cuda_ipc normal mode's buffer mapping.
+#include "transport/cuda_ipc/memory.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>

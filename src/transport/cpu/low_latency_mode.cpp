@@ -1,5 +1,5 @@
 // Low-latency mode (SPEC 5) over Transport windows and signals. The protocol is summarised in
-// low_latency_mode.hpp; this file holds the byte layout, the argument checks and both halves of
+// cpu/low_latency_mode.hpp; this file holds the byte layout, the argument checks and both halves of
 // dispatch and combine.
 //
 // Window of one rank: two halves of Layout::half_bytes, call index i (since the last clean) uses half
@@ -25,8 +25,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "transport/low_latency_args.hpp"
-#include "transport/low_latency_mode.hpp"
+#include "transport/args/low_latency.hpp"
+#include "transport/cpu/low_latency_mode.hpp"
 
 namespace epmoe {
 

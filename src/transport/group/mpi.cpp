@@ -1,6 +1,6 @@
 // The MPI Group: rank, size and small collectives over a duplicated communicator, every wait
 // non-blocking with the group's timeout (SPEC 10, 11).
-#include "transport/mpi_group.hpp"
+#include "transport/group/mpi.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>

@@ -30,7 +30,8 @@
 
 #include <memory>
 
-#include "transport/transport.hpp"
+#include "transport/backend.hpp"
+#include "transport/cpu/transport.hpp"
 
 namespace epmoe {
 
@@ -53,16 +54,19 @@ class OutputPool {
   std::shared_ptr<State> state_;
 };
 
-class NormalMode {
+class NormalMode final : public NormalBackend {
  public:
-  NormalMode(Transport& transport, std::uint64_t buffer_id) : transport_(transport), buffer_id_(buffer_id) {}
+  /// `transport` is shared with the backend's low-latency mode (both live as long as the Buffer).
+  NormalMode(std::shared_ptr<Transport> transport, std::uint64_t buffer_id)
+      : owner_(std::move(transport)), transport_(*owner_), buffer_id_(buffer_id) {}
   /// See Buffer::dispatch and DispatchArgs. Errors: invalid_argument (before any exchange),
   /// rank_mismatch (every rank), timeout.
-  DispatchResult dispatch(const DispatchArgs& args);
+  DispatchResult dispatch(const DispatchArgs& args) override;
   /// See Buffer::combine and CombineArgs. Errors as dispatch.
-  CombineResult combine(const CombineArgs& args);
+  CombineResult combine(const CombineArgs& args) override;
 
  private:
+  std::shared_ptr<Transport> owner_;
   Transport& transport_;
   std::uint64_t buffer_id_;
   OutputPool pool_;

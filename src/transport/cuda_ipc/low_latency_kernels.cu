@@ -1,5 +1,5 @@
 // Kernels of the cuda_ipc low-latency mode: dispatch send/receive, combine send/receive. Protocol and byte layout:
-// cuda_ipc_low_latency.hpp (the CPU implementation's, low_latency_mode.cpp).
+// cuda_ipc/low_latency.hpp (the CPU implementation's, cpu/low_latency_mode.cpp).
 //
 // Every kernel learns its call index on the device: Control::calls counts the send kernels that finished since the
 // last clean, so a send kernel's index is `calls` (its last block advances it) and a receive kernel's is
@@ -12,10 +12,10 @@
 #include <epmoe/dtype.hpp>
 
 #include "core/bf16_device.cuh"
-#include "transport/cuda_ipc_low_latency_kernels.hpp"
+#include "transport/cuda_ipc/low_latency_kernels.hpp"
 
 #include "core/cuda_check.hpp"
-#include "transport/cuda_ipc_device.cuh"
+#include "transport/cuda_ipc/device.cuh"
 #include "quant/fp8_device.cuh"
 
 namespace epmoe::cuda_ipc_ll {

@@ -9,7 +9,7 @@
 #include <system_error>
 #include <thread>
 
-#include "transport/threads_world.hpp"
+#include "transport/group/threads_world.hpp"
 
 namespace epmoe {
 

@@ -1,7 +1,7 @@
 // Transport: how bytes move between the ranks of a Buffer (internal interface).
 //
-// Two primitives cover both modes, so each mode's semantics are written once (normal_mode.cpp,
-// low_latency_mode.cpp) and every backend only moves bytes:
+// Two primitives cover both modes, so each mode's semantics are written once (cpu/normal_mode.cpp,
+// cpu/low_latency_mode.cpp) and every backend only moves bytes:
 //  - exchange(): a collective all-to-all of row blocks, for normal mode. The threads backend hands
 //    out the peers' own memory (zero copy); the MPI backend receives into staging.
 //  - windows and signals: each rank owns a window of the same size that peers put() into, and a
@@ -58,7 +58,11 @@ class Transport {
   virtual void wait_signal(int slot, std::uint64_t value, int peer, std::string_view phase) = 0;
 };
 
-/// The transport of a Group of the threads backend.
+/// The transport of a Group of the threads backend (threads/transport.cpp).
 std::unique_ptr<Transport> make_threads_transport(std::shared_ptr<Group> group);
+#if defined(EPMOE_HAVE_MPI)
+/// The transport of an MPI Group (mpi/transport.cpp). Errors: invalid_argument for a group of another kind.
+std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group);
+#endif
 
 }  // namespace epmoe

@@ -1,5 +1,5 @@
 // Checks of normal-mode dispatch arguments, shared by every backend (the CPU transports through
-// normal_mode.cpp, and cuda_ipc), so each argument has one rule and one message.
+// cpu/normal_mode.cpp, and cuda_ipc), so each argument has one rule and one message.
 #pragma once
 
 #include <epmoe/buffer.hpp>

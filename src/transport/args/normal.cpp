@@ -1,4 +1,4 @@
-#include "transport/normal_args.hpp"
+#include "transport/args/normal.hpp"
 
 #include <epmoe/quant.hpp>
 

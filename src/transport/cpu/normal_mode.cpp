@@ -1,6 +1,6 @@
-// Normal (high-throughput) mode over Transport::exchange; the protocol is described in normal_mode.hpp.
-#include "transport/normal_mode.hpp"
-#include "transport/normal_args.hpp"
+// Normal (high-throughput) mode over Transport::exchange; the protocol is described in cpu/normal_mode.hpp.
+#include "transport/cpu/normal_mode.hpp"
+#include "transport/args/normal.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>

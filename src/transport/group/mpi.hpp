@@ -1,4 +1,4 @@
-// The MPI Group (internal): shared by mpi_group.cpp and mpi_transport.cpp.
+// The MPI Group (internal): shared by group/mpi.cpp and mpi/transport.cpp.
 //
 // The transport sends on the group's duplicated communicator and waits through the group, so one
 // timeout rule and one "unusable after a fault" flag cover the group and its transport.

@@ -1,7 +1,7 @@
 // cuda-ipc backend, normal mode (SPEC 4, 10): dispatch and combine between the GPUs of one host over
 // NVLink, through one worst-case-sized device buffer per rank that every peer maps (CUDA IPC handles
 // between processes, plain peer access within one process). CUDA-free header: Buffer includes it in
-// every build; the class is only constructed in CUDA builds (cuda_ipc.cpp, cuda_ipc_kernels.cu).
+// every build; the class is only constructed in CUDA builds (cuda_ipc/normal.cpp, cuda_ipc/normal_kernels.cu).
 //
 // Buffer of each rank: [control | data]. Addresses inside it are computed directly from the rank
 // prefix matrix (no ring queues), after DeepEP's maintainers' suggestion (deepseek-ai/DeepEP issue 39):
@@ -24,6 +24,8 @@
 
 #include <epmoe/buffer.hpp>
 
+#include "transport/backend.hpp"
+
 #include <cstdint>
 #include <memory>
 
@@ -31,15 +33,14 @@ namespace epmoe {
 
 /// Normal-mode dispatch/combine of a cuda_ipc Buffer. Collective: every rank of the group constructs
 /// one, with equal num_nvl_bytes and num_sms (compared at construction: rank_mismatch).
-class CudaIpcNormal {
+class CudaIpcNormal : public NormalBackend {
  public:
-  virtual ~CudaIpcNormal() = default;
   /// See Buffer::dispatch. Tensors must be CUDA tensors on this rank's device. Errors as the CPU
   /// backend's, plus out_of_memory (num_nvl_bytes too small; names the bytes needed), timeout
   /// (device-side, names rank, peer and phase; the buffer is unusable afterwards), unusable.
-  virtual DispatchResult dispatch(const DispatchArgs& args) = 0;
+  DispatchResult dispatch(const DispatchArgs& args) override = 0;
   /// See Buffer::combine.
-  virtual CombineResult combine(const CombineArgs& args) = 0;
+  CombineResult combine(const CombineArgs& args) override = 0;
   /// The CUDA device of this rank.
   virtual int device() const = 0;
 };

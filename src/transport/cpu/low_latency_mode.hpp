@@ -1,6 +1,6 @@
 // Low-latency mode, written once over Transport windows and signals (SPEC 5).
 //
-// Protocol (what every backend reproduces; see low_latency_mode.cpp for the byte layout):
+// Protocol (what every backend reproduces; see cpu/low_latency_mode.cpp for the byte layout):
 //  - low-latency call number g (dispatch or combine, counted from the last clean) uses half g % 2 of
 //    every rank's window. The sender puts its data and a header with its counts into the peer's
 //    staging area of that half, then sets the peer's data signal [half][sender] to g + 1. Nothing is
@@ -19,26 +19,29 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
-#include "transport/low_latency_args.hpp"
+#include "transport/args/low_latency.hpp"
+#include "transport/backend.hpp"
 #include "transport/low_latency_protocol.hpp"
-#include "transport/transport.hpp"
+#include "transport/cpu/transport.hpp"
 
 namespace epmoe {
 
-class LowLatencyMode {
+class LowLatencyMode final : public LowLatencyBackend {
  public:
-  LowLatencyMode(Transport& transport, std::uint64_t buffer_id, std::int64_t num_rdma_bytes)
-      : transport_(transport), buffer_id_(buffer_id), num_rdma_bytes_(num_rdma_bytes) {}
+  /// `transport` is shared with the backend's normal mode; `num_rdma_bytes` is BufferOptions::num_rdma_bytes.
+  LowLatencyMode(std::shared_ptr<Transport> transport, std::uint64_t buffer_id, std::int64_t num_rdma_bytes)
+      : owner_(std::move(transport)), transport_(*owner_), buffer_id_(buffer_id), num_rdma_bytes_(num_rdma_bytes) {}
   /// Window bytes per rank for these settings (both halves). Errors: non-positive sizes, E % R != 0,
   /// E / R > 1024.
   static std::int64_t size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_ranks,
                                 int num_experts);
-  LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args);
-  LowLatencyCombineResult combine(const LowLatencyCombineArgs& args);
+  LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args) override;
+  LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) override;
   /// Collective: re-creates the (zeroed) window; pending hooks and earlier handles become stale.
-  void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);
+  void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override;
 
   /// Byte layout of one rank's window (public so tests and other backends can reason about it).
   using Layout = low_latency_protocol::Layout;
@@ -80,6 +83,7 @@ class LowLatencyMode {
   low_latency_protocol::Header receive_header(const std::byte* staging, int half, int s, std::uint64_t index,
                                               std::uint32_t kind, const std::string& phase);
 
+  std::shared_ptr<Transport> owner_;
   Transport& transport_;
   std::uint64_t buffer_id_;
   std::int64_t num_rdma_bytes_;

@@ -1,5 +1,5 @@
-// Checks of low-latency arguments (SPEC 5, 11), shared by the CPU implementation (low_latency_mode.cpp) and the
-// cuda_ipc GPU implementation (cuda_ipc_low_latency.cpp), so each argument has one rule and one message.
+// Checks of low-latency arguments (SPEC 5, 11), shared by the CPU implementation (cpu/low_latency_mode.cpp) and the
+// cuda_ipc GPU implementation (cuda_ipc/low_latency.cpp), so each argument has one rule and one message.
 #pragma once
 
 #include <epmoe/buffer.hpp>

@@ -7,8 +7,8 @@
 #include <cstring>
 #include <thread>
 
-#include "transport/threads_world.hpp"
-#include "transport/transport.hpp"
+#include "transport/group/threads_world.hpp"
+#include "transport/cpu/transport.hpp"
 
 namespace epmoe {
 

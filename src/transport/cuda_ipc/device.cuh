@@ -1,11 +1,11 @@
-// Device helpers shared by the kernels of both cuda_ipc modes (cuda_ipc_kernels.cu, cuda_ipc_low_latency_kernels.cu):
+// Device helpers shared by the kernels of both cuda_ipc modes (cuda_ipc/normal_kernels.cu, cuda_ipc/low_latency_kernels.cu):
 // system-scope release/acquire flags, %globaltimer deadlines, the host-mapped error report, a warp's row copy.
 // CUDA sources only.
 #pragma once
 
 #include <cstddef>
 
-#include "transport/cuda_ipc_error.hpp"
+#include "transport/cuda_ipc/error.hpp"
 
 namespace epmoe::cuda_ipc_device {
 

@@ -1,6 +1,6 @@
 // cuda_ipc low-latency mode: the host side (argument checks, window, streams, hooks, errors). Kernels:
-// cuda_ipc_low_latency_kernels.cu. Protocol: cuda_ipc_low_latency.hpp and docs/cuda_ipc_design.md.
-#include "transport/cuda_ipc_low_latency.hpp"
+// cuda_ipc/low_latency_kernels.cu. Protocol: cuda_ipc/low_latency.hpp and docs/cuda_ipc_design.md.
+#include "transport/cuda_ipc/low_latency.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
@@ -30,11 +30,11 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 
 #include "core/cuda_check.hpp"
 #include "layout/cuda_util.cuh"
-#include "transport/cuda_ipc_low_latency_kernels.hpp"
-#include "transport/cuda_ipc_memory.hpp"
-#include "transport/cuda_ipc_stream.hpp"
-#include "transport/low_latency_args.hpp"
-#include "transport/low_latency_mode.hpp"
+#include "transport/cuda_ipc/low_latency_kernels.hpp"
+#include "transport/cuda_ipc/memory.hpp"
+#include "transport/cuda_ipc/stream.hpp"
+#include "transport/args/low_latency.hpp"
+#include "transport/cpu/low_latency_mode.hpp"
 
 namespace epmoe {
 

@@ -1,5 +1,5 @@
 // Kernels of the cuda-ipc normal mode: count exchange (notify), send positions, dispatch send/receive,
-// combine send/reduce. Protocol and layout: cuda_ipc.hpp and docs/cuda_ipc_design.md.
+// combine send/reduce. Protocol and layout: cuda_ipc/normal.hpp and docs/cuda_ipc_design.md.
 //
 // Memory ordering: a block's rows are written with plain stores to the peer's memory; after a
 // __syncthreads one thread per destination issues __threadfence_system and a st.release.sys of the op's
@@ -11,8 +11,8 @@
 
 #include "core/bf16_device.cuh"
 #include "layout/cuda_util.cuh"
-#include "transport/cuda_ipc_device.cuh"
-#include "transport/cuda_ipc_kernels.hpp"
+#include "transport/cuda_ipc/device.cuh"
+#include "transport/cuda_ipc/normal_kernels.hpp"
 
 namespace epmoe::cuda_ipc {
 

@@ -1,5 +1,5 @@
-// Checks of low-latency arguments shared by the CPU and GPU implementations: see low_latency_args.hpp.
-#include "transport/low_latency_args.hpp"
+// Checks of low-latency arguments shared by the CPU and GPU implementations: see args/low_latency.hpp.
+#include "transport/args/low_latency.hpp"
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>

@@ -1,0 +1,33 @@
+// The threads and mpi backends: both modes of cpu/ over the group's byte mover.
+#include "transport/backend.hpp"
+
+#include "core/check.hpp"
+#include <epmoe/error.hpp>
+
+#include <string_view>
+
+#include "transport/cpu/low_latency_mode.hpp"
+#include "transport/cpu/normal_mode.hpp"
+#include "transport/cpu/transport.hpp"
+
+namespace epmoe {
+
+BackendModes make_cpu_backend(std::shared_ptr<Group> group, Backend backend, const BufferOptions& options,
+                              std::uint64_t buffer_id) {
+  std::shared_ptr<Transport> transport;
+  switch (backend) {
+    case Backend::threads: transport = make_threads_transport(std::move(group)); break;
+#if defined(EPMOE_HAVE_MPI)
+    case Backend::mpi: transport = make_mpi_transport(std::move(group)); break;
+#endif
+    default:
+      raise(ErrorCode::unsupported, "backend {} is not available for a '{}' group in this build",
+            static_cast<int>(backend), group->backend());
+  }
+  BackendModes modes;
+  modes.normal = std::make_unique<NormalMode>(transport, buffer_id);
+  modes.low_latency = std::make_unique<LowLatencyMode>(transport, buffer_id, options.num_rdma_bytes);
+  return modes;
+}
+
+}  // namespace epmoe
