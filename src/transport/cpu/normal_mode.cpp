@@ -91,8 +91,7 @@ namespace {
 constexpr std::string_view kDispatchPhase = "normal dispatch";
 constexpr std::string_view kCombinePhase = "normal combine";
 
-// ---- argument checks (all local, before any communication); the dispatch's own are in normal_args ----
-
+// ---- argument checks (all local, before any communication); the dispatch's own are in args/normal ----
 
 /// First position where two equally shaped int32/bool tensors differ, compared as `T`; -1 if none.
 template <class V>
@@ -188,215 +187,276 @@ void while_exchanged(Transport& transport, std::string_view phase, Fn&& fn) {
 
 }  // namespace
 
-DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
-  Group& group = transport_.group();
-  const int R = group.size(), me = group.rank();
+namespace {
 
-  // ---- validate everything locally ----
-  const DispatchSpec spec = check_dispatch_args(a, R, buffer_id_, Device::cpu());
-  if (spec.cached) check_normal_handle(a.handle, buffer_id_, R);
-  const TensorView& x = a.x;
-  const bool fp8 = spec.fp8, cached = spec.cached, has_topk = spec.has_topk, has_weights = spec.has_weights;
-  const std::int64_t T = spec.T, H = spec.H, scale_cols = spec.scale_cols;
-  const ScaleFormat scale_format = spec.scale_format;
-  const int K = spec.K, E = spec.E, alignment = spec.alignment, worst = spec.worst;
-  const int E_local = E / R;
-  if (has_topk) {
-    // Recomputing the layout checks every id (naming the first bad one and its position).
-    const DispatchLayout layout = get_dispatch_layout(a.topk_idx, E, R);
-    if (cached) {
-      if (const auto i = first_difference<bool>(a.handle->is_token_in_rank, layout.is_token_in_rank); i >= 0)
-        throw_invalid_argument("topk_idx", "the routing the handle was made with",
-                               fmt::format("token {} {} rank {}", i / R,
-                                           layout.is_token_in_rank.ptr<bool>()[i] ? "routed to" : "not routed to",
-                                           i % R));
-    } else {
-      check_layout_matches(a, layout, R);
-    }
-  }
+/// Every id of topk_idx, checked by recomputing its layout (naming the first bad id and its position): it must
+/// match the layout tensors given, or for a cached dispatch the routing of the handle.
+void check_routing(const DispatchArgs& a, const DispatchSpec& spec, int R) {
+  if (!spec.has_topk) return;
+  const DispatchLayout layout = get_dispatch_layout(a.topk_idx, spec.E, R);
+  if (!spec.cached) return check_layout_matches(a, layout, R);
+  if (const auto i = first_difference<bool>(a.handle->is_token_in_rank, layout.is_token_in_rank); i >= 0)
+    throw_invalid_argument("topk_idx", "the routing the handle was made with",
+                           fmt::format("token {} {} rank {}", i / R,
+                                       layout.is_token_in_rank.ptr<bool>()[i] ? "routed to" : "not routed to", i % R));
+}
 
-  // ---- what this rank sends: the tokens of each destination, ascending ----
-  const TensorView& in_rank = cached ? a.handle->is_token_in_rank.view() : a.is_token_in_rank;
-  const bool* in_rank_p = static_cast<const bool*>(in_rank.data);
-  std::vector<std::int64_t> send_begin(static_cast<std::size_t>(R) + 1, 0);
+/// What this rank sends: the tokens of each destination rank d, ascending, at tokens[begin[d], begin[d + 1]).
+struct SendLists {
+  std::vector<std::int64_t> begin;
+  std::vector<std::int32_t> tokens;
+  std::int64_t count(int d) const { return begin[static_cast<std::size_t>(d) + 1] - begin[static_cast<std::size_t>(d)]; }
+};
+
+SendLists make_send_lists(const bool* in_rank, std::int64_t T, int R) {
+  SendLists l;
+  l.begin.assign(static_cast<std::size_t>(R) + 1, 0);
   for (std::int64_t t = 0; t < T; ++t)
-    for (int d = 0; d < R; ++d) send_begin[static_cast<std::size_t>(d) + 1] += in_rank_p[t * R + d] ? 1 : 0;
-  for (int d = 0; d < R; ++d) send_begin[static_cast<std::size_t>(d) + 1] += send_begin[static_cast<std::size_t>(d)];
-  std::vector<std::int32_t> send_tokens(static_cast<std::size_t>(send_begin[static_cast<std::size_t>(R)]));
-  {
-    std::vector<std::int64_t> fill(send_begin.begin(), send_begin.end() - 1);
-    for (std::int64_t t = 0; t < T; ++t)
-      for (int d = 0; d < R; ++d)
-        if (in_rank_p[t * R + d]) send_tokens[static_cast<std::size_t>(fill[static_cast<std::size_t>(d)]++)] = static_cast<std::int32_t>(t);
-  }
+    for (int d = 0; d < R; ++d) l.begin[static_cast<std::size_t>(d) + 1] += in_rank[t * R + d] ? 1 : 0;
+  for (int d = 0; d < R; ++d) l.begin[static_cast<std::size_t>(d) + 1] += l.begin[static_cast<std::size_t>(d)];
+  l.tokens.resize(static_cast<std::size_t>(l.begin[static_cast<std::size_t>(R)]));
+  std::vector<std::int64_t> fill(l.begin.begin(), l.begin.end() - 1);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (int d = 0; d < R; ++d)
+      if (in_rank[t * R + d])
+        l.tokens[static_cast<std::size_t>(fill[static_cast<std::size_t>(d)]++)] = static_cast<std::int32_t>(t);
+  return l;
+}
 
-  // ---- one all-gather: settings that must agree, and the counts ----
-  const std::size_t P = static_cast<std::size_t>(kHeader + R);
-  std::vector<std::int64_t> packet(P, 0), gathered(P * static_cast<std::size_t>(R));
-  packet[kHidden] = H;
-  packet[kDtype] = static_cast<std::int64_t>(x.dtype);
-  packet[kTopk] = K;
-  packet[kExperts] = E;
-  packet[kScaleFormat] = static_cast<std::int64_t>(scale_format);
-  packet[kAlignment] = alignment;
-  packet[kWorstTokens] = worst;
-  packet[kCached] = cached;
-  packet[kHasWeights] = has_weights;
-  packet[kHandleLayout] = cached ? layout_hash(*a.handle) : 0;
-  packet[kIdxBytes] = has_topk ? static_cast<std::int64_t>(dtype_size(a.topk_idx.dtype)) : 0;
-  packet[kNumTokens] = T;
-  for (int d = 0; d < R; ++d)
-    packet[static_cast<std::size_t>(kHeader + d)] = send_begin[static_cast<std::size_t>(d) + 1] - send_begin[static_cast<std::size_t>(d)];
-  group.all_gather(packet.data(), gathered.data(), P * sizeof(std::int64_t), kDispatchPhase);
-  auto at = [&](int r, int slot) { return gathered[static_cast<std::size_t>(r) * P + static_cast<std::size_t>(slot)]; };
-  // Every rank scans the same data in the same order, so every rank raises the same error.
+/// Every rank's settings packet, after the one all-gather of dispatch.
+struct Gathered {
+  std::vector<std::int64_t> packets;
+  std::size_t size = 0;  // int64 slots per rank
+  std::int64_t at(int r, int slot) const {
+    return packets[static_cast<std::size_t>(r) * size + static_cast<std::size_t>(slot)];
+  }
+};
+
+/// One all-gather of the settings that must agree and this rank's counts per destination; raises rank_mismatch,
+/// on every rank (all scan the same data in the same order), when a setting differs.
+Gathered agree_and_count(Group& group, const DispatchArgs& a, const DispatchSpec& spec, const SendLists& send,
+                         std::string_view phase) {
+  const int R = group.size();
+  Gathered g;
+  g.size = static_cast<std::size_t>(kHeader + R);
+  std::vector<std::int64_t> packet(g.size, 0);
+  g.packets.resize(g.size * static_cast<std::size_t>(R));
+  packet[kHidden] = spec.H;
+  packet[kDtype] = static_cast<std::int64_t>(a.x.dtype);
+  packet[kTopk] = spec.K;
+  packet[kExperts] = spec.E;
+  packet[kScaleFormat] = static_cast<std::int64_t>(spec.scale_format);
+  packet[kAlignment] = spec.alignment;
+  packet[kWorstTokens] = spec.worst;
+  packet[kCached] = spec.cached;
+  packet[kHasWeights] = spec.has_weights;
+  packet[kHandleLayout] = spec.cached ? layout_hash(*a.handle) : 0;
+  packet[kIdxBytes] = spec.has_topk ? static_cast<std::int64_t>(dtype_size(a.topk_idx.dtype)) : 0;
+  packet[kNumTokens] = spec.T;
+  for (int d = 0; d < R; ++d) packet[static_cast<std::size_t>(kHeader + d)] = send.count(d);
+  group.all_gather(packet.data(), g.packets.data(), g.size * sizeof(std::int64_t), phase);
   for (int r = 1; r < R; ++r)
     for (int s = 0; s < kNumAgreed; ++s)
-      if (at(r, s) != at(0, s))
+      if (g.at(r, s) != g.at(0, s))
         raise(ErrorCode::rank_mismatch,
-              "rank {}: setting '{}' of normal dispatch must be equal on all ranks: rank 0 has {}, rank {} has {}", me,
-              kSlotNames[static_cast<std::size_t>(s)], setting_text(s, at(0, s)), r, setting_text(s, at(r, s)));
+              "rank {}: setting '{}' of normal dispatch must be equal on all ranks: rank 0 has {}, rank {} has {}",
+              group.rank(), kSlotNames[static_cast<std::size_t>(s)], setting_text(s, g.at(0, s)), r,
+              setting_text(s, g.at(r, s)));
+  return g;
+}
 
-  // prefix[s][d] = tokens ranks 0..s send to rank d (the handle's rank_prefix_matrix).
+/// prefix[s][d] = tokens ranks 0..s send to rank d (the handle's rank_prefix_matrix), checked against the cached
+/// handle's and num_worst_tokens. Every rank sees the same counts, so every rank raises the same error.
+Tensor make_prefix_matrix(const Gathered& g, const DispatchArgs& a, const DispatchSpec& spec, int R, int me) {
   Tensor prefix = Tensor::empty(DType::int32, {R, R});
   auto* pm = prefix.ptr<std::int32_t>();
   for (int d = 0; d < R; ++d) {
     std::int64_t acc = 0;
     for (int s = 0; s < R; ++s) {
-      acc += at(s, kHeader + d);
-      if (acc > INT32_MAX)  // every rank sees the same counts, so every rank raises
+      acc += g.at(s, kHeader + d);
+      if (acc > INT32_MAX)
         raise(ErrorCode::invalid_argument, "rank {}: rank {} would receive more than 2^31 - 1 rows", me, d);
       pm[s * R + d] = static_cast<std::int32_t>(acc);
     }
   }
-  if (cached && std::memcmp(pm, a.handle->rank_prefix_matrix.data(), prefix.nbytes()) != 0)
+  if (spec.cached && std::memcmp(pm, a.handle->rank_prefix_matrix.data(), prefix.nbytes()) != 0)
     raise(ErrorCode::rank_mismatch, "rank {}: the handles passed to the cached dispatch do not describe the tokens the "
           "ranks send (is every rank passing the handle of the same dispatch?)", me);
-  if (worst > 0)
+  if (spec.worst > 0)
     for (int d = 0; d < R; ++d)
-      if (pm[(R - 1) * R + d] > worst)
+      if (pm[(R - 1) * R + d] > spec.worst)
         throw_invalid_argument("num_worst_tokens",
                                fmt::format("at least the rows every rank receives (rank {} receives {})", d,
                                            pm[(R - 1) * R + d]),
-                               std::to_string(worst));
+                               std::to_string(spec.worst));
+  return prefix;
+}
+
+/// Row sizes of the exchanged fields, and which field index each one has (-1 when not sent).
+struct Fields {
+  std::size_t x_row = 0, scale_row = 0, idx_row = 0, w_row = 0;
+  int x = 0, scales = -1, idx = -1, w = -1, src = -1;
+  int count = 1;
+  Fields(const DispatchArgs& a, const DispatchSpec& spec) {
+    x_row = static_cast<std::size_t>(spec.H) * dtype_size(a.x.dtype);
+    scale_row = static_cast<std::size_t>(spec.scale_cols) * 4;
+    idx_row = static_cast<std::size_t>(spec.K) * (spec.has_topk ? dtype_size(a.topk_idx.dtype) : 0);
+    w_row = static_cast<std::size_t>(spec.K) * sizeof(float);
+    scales = spec.fp8 ? count++ : -1;
+    idx = spec.has_topk ? count++ : -1;
+    w = spec.has_weights ? count++ : -1;
+    src = spec.cached ? -1 : count++;
+  }
+};
+
+/// What this rank offers each destination, one RowBlock per field, indexed by the send lists.
+std::vector<RowBlock> make_offers(const DispatchArgs& a, const DispatchSpec& spec, const Fields& f,
+                                  const SendLists& send, int R) {
+  std::vector<RowBlock> offered(static_cast<std::size_t>(R * f.count));
+  for (int d = 0; d < R; ++d) {
+    const std::int64_t b = send.begin[static_cast<std::size_t>(d)], n = send.count(d);
+    const std::int32_t* index = send.tokens.data() + b;
+    RowBlock* o = &offered[static_cast<std::size_t>(d * f.count)];
+    o[f.x] = RowBlock{static_cast<const std::byte*>(a.x.data), f.x_row, f.x_row, index, n};
+    if (spec.fp8)
+      o[f.scales] = RowBlock{static_cast<const std::byte*>(a.x_scales.data), f.scale_row, f.scale_row, index, n};
+    if (spec.has_topk)
+      o[f.idx] = RowBlock{static_cast<const std::byte*>(a.topk_idx.data), f.idx_row, f.idx_row, index, n};
+    if (spec.has_weights)
+      o[f.w] = RowBlock{static_cast<const std::byte*>(a.topk_weights.data), f.w_row, f.w_row, index, n};
+    if (!spec.cached) o[f.src] = dense_block(send.tokens.data(), sizeof(std::int32_t), b, n);
+  }
+  return offered;
+}
+
+/// Copies each source rank's rows into place (source rank ascending), mapping global ids to local ones (-1 and
+/// weight 0 for another rank's expert) and counting this rank's experts' rows into `counts` (not when cached).
+void receive_rows(const std::vector<RowBlock>& received, const Gathered& g, const Fields& f, const DispatchSpec& spec,
+                  const std::int32_t* pm, int R, int me, DispatchResult& out, std::int32_t* recv_src_idx,
+                  std::int32_t* counts) {
+  const int E_local = spec.E / R, K = spec.K;
+  auto* recv_x = static_cast<std::byte*>(out.recv_x.data());
+  auto* recv_scales = spec.fp8 ? static_cast<std::byte*>(out.recv_x_scales.data()) : nullptr;
+  std::int64_t* recv_idx = spec.has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
+  float* recv_w = spec.has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
+  const std::int64_t first_expert = static_cast<std::int64_t>(me) * E_local;
+  for (int s = 0; s < R; ++s) {
+    const std::int64_t off = s > 0 ? pm[(s - 1) * R + me] : 0, n = pm[s * R + me] - off;
+    const RowBlock* blk = &received[static_cast<std::size_t>(s * f.count)];
+    for (int i = 0; i < f.count; ++i) EPMOE_ASSERT(blk[i].count == n);
+    copy_rows(blk[f.x], n, recv_x + static_cast<std::size_t>(off) * f.x_row);
+    if (spec.fp8) copy_rows(blk[f.scales], n, recv_scales + static_cast<std::size_t>(off) * f.scale_row);
+    if (!spec.cached) copy_rows(blk[f.src], n, reinterpret_cast<std::byte*>(recv_src_idx + off));
+    if (!spec.has_topk) continue;
+    const std::int64_t idx_bytes = g.at(s, kIdxBytes);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::byte* ids = blk[f.idx].row(i);
+      const float* w = spec.has_weights ? reinterpret_cast<const float*>(blk[f.w].row(i)) : nullptr;
+      std::int64_t* oi = recv_idx + (off + i) * K;
+      float* ow = spec.has_weights ? recv_w + (off + i) * K : nullptr;
+      for (int k = 0; k < K; ++k) {
+        const std::int64_t local = read_id(ids, k, idx_bytes) - first_expert;
+        const bool mine = local >= 0 && local < E_local;
+        oi[k] = mine ? local : -1;
+        if (ow) ow[k] = mine ? w[k] : 0.0f;
+        if (counts && mine) ++counts[local];
+      }
+    }
+  }
+}
+
+/// Padding rows of num_worst_tokens: x and scales zero, no expert, weight 0.
+void pad_rows(DispatchResult& out, const DispatchSpec& spec, const Fields& f, std::int64_t num_recv, std::int64_t rows) {
+  if (rows <= num_recv) return;
+  const std::size_t pad = static_cast<std::size_t>(rows - num_recv);
+  const auto K = static_cast<std::size_t>(spec.K);
+  std::memset(static_cast<std::byte*>(out.recv_x.data()) + static_cast<std::size_t>(num_recv) * f.x_row, 0,
+              pad * f.x_row);
+  if (spec.fp8)
+    std::memset(static_cast<std::byte*>(out.recv_x_scales.data()) + static_cast<std::size_t>(num_recv) * f.scale_row,
+                0, pad * f.scale_row);
+  if (spec.has_topk) std::fill_n(out.recv_topk_idx.ptr<std::int64_t>() + num_recv * spec.K, pad * K, -1);
+  if (spec.has_weights) std::fill_n(out.recv_topk_weights.ptr<float>() + num_recv * spec.K, pad * K, 0.0f);
+}
+
+}  // namespace
+
+DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
+  Group& group = transport_.group();
+  const int R = group.size(), me = group.rank();
+
+  // Everything is validated locally, before any communication.
+  const DispatchSpec spec = check_dispatch_args(a, R, buffer_id_, Device::cpu());
+  if (spec.cached) check_normal_handle(a.handle, buffer_id_, R);
+  check_routing(a, spec, R);
+  const int E_local = spec.E / R;
+
+  const TensorView& in_rank = spec.cached ? a.handle->is_token_in_rank.view() : a.is_token_in_rank;
+  const bool* in_rank_p = static_cast<const bool*>(in_rank.data);
+  const SendLists send = make_send_lists(in_rank_p, spec.T, R);
+  const Gathered gathered = agree_and_count(group, a, spec, send, kDispatchPhase);
+  Tensor prefix = make_prefix_matrix(gathered, a, spec, R, me);
+  const auto* pm = prefix.ptr<std::int32_t>();
   auto before = [&](int s, int d) -> std::int64_t { return s > 0 ? pm[(s - 1) * R + d] : 0; };
   const std::int64_t num_recv = pm[(R - 1) * R + me];
-  const std::int64_t rows = worst > 0 ? worst : num_recv;
+  const std::int64_t rows = spec.worst > 0 ? spec.worst : num_recv;
 
-  // ---- outputs, allocated before the exchange so an allocation failure leaves no peer waiting ----
+  // Outputs are allocated before the exchange, so an allocation failure leaves no peer waiting.
   DispatchResult out;
-  const std::size_t x_row = static_cast<std::size_t>(H) * dtype_size(x.dtype);
-  const std::size_t scale_row = static_cast<std::size_t>(scale_cols) * 4;
-  const std::size_t idx_row = static_cast<std::size_t>(K) * (has_topk ? dtype_size(a.topk_idx.dtype) : 0);
-  const std::size_t w_row = static_cast<std::size_t>(K) * sizeof(float);
-  out.recv_x = pool_.empty(x.dtype, {rows, H});
-  if (fp8) out.recv_x_scales = pool_.empty(a.x_scales.dtype, {rows, scale_cols});
-  if (has_topk) out.recv_topk_idx = pool_.empty(DType::int64, {rows, K});
-  if (has_weights) out.recv_topk_weights = pool_.empty(DType::fp32, {rows, K});
+  const Fields f(a, spec);
+  out.recv_x = pool_.empty(a.x.dtype, {rows, spec.H});
+  if (spec.fp8) out.recv_x_scales = pool_.empty(a.x_scales.dtype, {rows, spec.scale_cols});
+  if (spec.has_topk) out.recv_topk_idx = pool_.empty(DType::int64, {rows, spec.K});
+  if (spec.has_weights) out.recv_topk_weights = pool_.empty(DType::fp32, {rows, spec.K});
   Tensor recv_src_idx, expert_counts;
-  if (!cached) {
+  if (!spec.cached) {
     recv_src_idx = pool_.empty(DType::int32, {num_recv});
     expert_counts = Tensor::zeros(DType::int32, {E_local});
   }
 
-  // ---- one exchange: a field per row-wise tensor ----
-  const int f_x = 0;
-  int F = 1;
-  const int f_scales = fp8 ? F++ : -1;
-  const int f_idx = has_topk ? F++ : -1;
-  const int f_w = has_weights ? F++ : -1;
-  const int f_src = cached ? -1 : F++;
-  std::vector<RowBlock> offered(static_cast<std::size_t>(R * F));
-  for (int d = 0; d < R; ++d) {
-    const std::int64_t b = send_begin[static_cast<std::size_t>(d)];
-    const std::int64_t n = send_begin[static_cast<std::size_t>(d) + 1] - b;
-    const std::int32_t* index = send_tokens.data() + b;
-    RowBlock* o = &offered[static_cast<std::size_t>(d * F)];
-    o[f_x] = RowBlock{static_cast<const std::byte*>(x.data), x_row, x_row, index, n};
-    if (fp8) o[f_scales] = RowBlock{static_cast<const std::byte*>(a.x_scales.data), scale_row, scale_row, index, n};
-    if (has_topk) o[f_idx] = RowBlock{static_cast<const std::byte*>(a.topk_idx.data), idx_row, idx_row, index, n};
-    if (has_weights) o[f_w] = RowBlock{static_cast<const std::byte*>(a.topk_weights.data), w_row, w_row, index, n};
-    if (!cached) o[f_src] = dense_block(send_tokens.data(), sizeof(std::int32_t), b, n);
-  }
-  const std::vector<RowBlock> received = transport_.exchange(offered, F, kDispatchPhase);
-
+  // One exchange, a field per row-wise tensor. The offers stay alive until end_exchange (peers may read them).
+  const std::vector<RowBlock> offered = make_offers(a, spec, f, send, R);
+  const std::vector<RowBlock> received = transport_.exchange(offered, f.count, kDispatchPhase);
   while_exchanged(transport_, kDispatchPhase, [&] {
-    auto* recv_x = static_cast<std::byte*>(out.recv_x.data());
-    auto* recv_scales = fp8 ? static_cast<std::byte*>(out.recv_x_scales.data()) : nullptr;
-    std::int64_t* recv_idx = has_topk ? out.recv_topk_idx.ptr<std::int64_t>() : nullptr;
-    float* recv_w = has_weights ? out.recv_topk_weights.ptr<float>() : nullptr;
-    std::int32_t* counts = cached ? nullptr : expert_counts.ptr<std::int32_t>();
-    const std::int64_t first_expert = static_cast<std::int64_t>(me) * E_local;
-    for (int s = 0; s < R; ++s) {
-      const std::int64_t off = before(s, me), n = pm[s * R + me] - off;
-      const RowBlock* blk = &received[static_cast<std::size_t>(s * F)];
-      for (int f = 0; f < F; ++f) EPMOE_ASSERT(blk[f].count == n);
-      copy_rows(blk[f_x], n, recv_x + static_cast<std::size_t>(off) * x_row);
-      if (fp8) copy_rows(blk[f_scales], n, recv_scales + static_cast<std::size_t>(off) * scale_row);
-      if (!cached) copy_rows(blk[f_src], n, reinterpret_cast<std::byte*>(recv_src_idx.ptr<std::int32_t>() + off));
-      if (!has_topk) continue;
-      const std::int64_t idx_bytes = at(s, kIdxBytes);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::byte* ids = blk[f_idx].row(i);
-        const float* w = has_weights ? reinterpret_cast<const float*>(blk[f_w].row(i)) : nullptr;
-        std::int64_t* oi = recv_idx + (off + i) * K;
-        float* ow = has_weights ? recv_w + (off + i) * K : nullptr;
-        for (int k = 0; k < K; ++k) {
-          const std::int64_t local = read_id(ids, k, idx_bytes) - first_expert;
-          const bool mine = local >= 0 && local < E_local;
-          oi[k] = mine ? local : -1;
-          if (ow) ow[k] = mine ? w[k] : 0.0f;
-          if (counts && mine) ++counts[local];
-        }
-      }
-    }
+    receive_rows(received, gathered, f, spec, pm, R, me, out,
+                 spec.cached ? nullptr : recv_src_idx.ptr<std::int32_t>(),
+                 spec.cached ? nullptr : expert_counts.ptr<std::int32_t>());
   });
+  pad_rows(out, spec, f, num_recv, rows);
 
-  // Padding rows of num_worst_tokens: x and scales zero, no expert, weight 0.
-  if (rows > num_recv) {
-    const std::size_t pad = static_cast<std::size_t>(rows - num_recv);
-    std::memset(static_cast<std::byte*>(out.recv_x.data()) + static_cast<std::size_t>(num_recv) * x_row, 0, pad * x_row);
-    if (fp8)
-      std::memset(static_cast<std::byte*>(out.recv_x_scales.data()) + static_cast<std::size_t>(num_recv) * scale_row, 0,
-                  pad * scale_row);
-    if (has_topk) std::fill_n(out.recv_topk_idx.ptr<std::int64_t>() + num_recv * K, pad * static_cast<std::size_t>(K), -1);
-    if (has_weights) std::fill_n(out.recv_topk_weights.ptr<float>() + num_recv * K, pad * static_cast<std::size_t>(K), 0.0f);
-  }
-
-  // ---- handle ----
-  if (cached) {
+  if (spec.cached) {
     out.handle = *a.handle;
   } else {
     NormalHandle& h = out.handle;
     for (int e = 0; e < E_local; ++e) {
       std::int32_t& c = expert_counts.ptr<std::int32_t>()[e];
-      c = static_cast<std::int32_t>((static_cast<std::int64_t>(c) + alignment - 1) / alignment * alignment);
+      c = static_cast<std::int32_t>((static_cast<std::int64_t>(c) + spec.alignment - 1) / spec.alignment *
+                                    spec.alignment);
     }
     h.rank_prefix_matrix = prefix;
-    h.is_token_in_rank = pool_.empty(DType::boolean, {T, R});
-    if (T > 0) std::memcpy(h.is_token_in_rank.data(), in_rank_p, h.is_token_in_rank.nbytes());
-    h.send_pos = pool_.empty(DType::int32, {T, R});
+    h.is_token_in_rank = pool_.empty(DType::boolean, {spec.T, R});
+    if (spec.T > 0) std::memcpy(h.is_token_in_rank.data(), in_rank_p, h.is_token_in_rank.nbytes());
+    h.send_pos = pool_.empty(DType::int32, {spec.T, R});
     auto* sp = h.send_pos.ptr<std::int32_t>();
-    std::fill_n(sp, T * R, -1);
+    std::fill_n(sp, spec.T * R, -1);
     for (int d = 0; d < R; ++d) {
-      const std::int64_t b = send_begin[static_cast<std::size_t>(d)];
-      const std::int64_t n = send_begin[static_cast<std::size_t>(d) + 1] - b;
-      for (std::int64_t j = 0; j < n; ++j)
-        sp[static_cast<std::int64_t>(send_tokens[static_cast<std::size_t>(b + j)]) * R + d] =
+      const std::int64_t b = send.begin[static_cast<std::size_t>(d)];
+      for (std::int64_t j = 0; j < send.count(d); ++j)
+        sp[static_cast<std::int64_t>(send.tokens[static_cast<std::size_t>(b + j)]) * R + d] =
             static_cast<std::int32_t>(before(me, d) + j);
     }
     h.recv_src_idx = recv_src_idx;
     h.num_recv_tokens_per_expert = expert_counts;
-    h.num_tokens = T;
+    h.num_tokens = spec.T;
     h.num_recv_tokens = num_recv;
     h.num_recv_rows = rows;
-    h.hidden = H;
-    h.num_experts = E;
-    h.expert_alignment = alignment;
-    h.num_worst_tokens = worst;
+    h.hidden = spec.H;
+    h.num_experts = spec.E;
+    h.expert_alignment = spec.alignment;
+    h.num_worst_tokens = spec.worst;
     h.buffer_id = buffer_id_;
   }
-  if (worst == 0) {
+  if (spec.worst == 0) {
     const auto* c = out.handle.num_recv_tokens_per_expert.ptr<std::int32_t>();
     out.num_recv_tokens_per_expert_list.assign(c, c + E_local);
   }
