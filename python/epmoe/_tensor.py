@@ -169,6 +169,16 @@ def int_arg(name: str, value: Any, low: int = 0, high: int = 2**31 - 1) -> int:
     return int(value)
 
 
+def int32_arg(name: str, value: Any) -> int:
+    """int_arg over the C++ int's range: the binding's own checks (>= 1, a multiple of ...) then name the rest."""
+    return int_arg(name, value, -(2**31), 2**31 - 1)
+
+
+def int64_arg(name: str, value: Any) -> int:
+    """int_arg over the C++ std::int64_t's range."""
+    return int_arg(name, value, -(2**63), 2**63 - 1)
+
+
 def dtype_name(x: Any) -> Optional[str]:
     """'bfloat16', 'float32', ... for NumPy / torch / CuPy arrays; None for other objects."""
     dtype = getattr(x, "dtype", None)

@@ -53,8 +53,8 @@ import numpy as np
 
 from . import _ext
 from ._group import as_group
-from ._tensor import (BFLOAT16, arg, current_stream, describe, framework_of, invalid_argument, is_cuda, is_torch,
-                      unsupported)
+from ._tensor import (BFLOAT16, arg, current_stream, describe, framework_of, int32_arg, int64_arg, int_arg,
+                      invalid_argument, is_cuda, is_torch, unsupported)
 
 Event = _ext.Event
 
@@ -346,9 +346,8 @@ class Buffer:
         """
         if enable_shrink:
             raise unsupported("Buffer(enable_shrink=True): rank masking is not supported")
-        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise invalid_argument(name, "an int >= 0", repr(value))
+        num_nvl_bytes = int_arg("num_nvl_bytes", num_nvl_bytes, 0, 2**63 - 1)
+        num_rdma_bytes = int_arg("num_rdma_bytes", num_rdma_bytes, 0, 2**63 - 1)
         if backend not in (None, "auto", "threads", "mpi", "cuda_ipc"):
             raise invalid_argument("backend", "None, 'auto', 'threads', 'mpi' or 'cuda_ipc'", repr(backend))
         native_group = as_group(group, comm)
@@ -373,8 +372,8 @@ class Buffer:
         if device is None:
             cuda = _torch_cuda()
             device = int(cuda.current_device()) if backend == "cuda_ipc" and cuda is not None else -1
-        elif not isinstance(device, (int, np.integer)) or device < 0:
-            raise invalid_argument("device", "None or a CUDA device index >= 0", repr(device))
+        elif isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < 2**31:
+            raise invalid_argument("device", "None or a CUDA device index in 0..2**31-1", repr(device))
         if isinstance(num_recv_slots, bool) or not isinstance(num_recv_slots, (int, np.integer)) \
                 or not 0 <= num_recv_slots <= 64:
             raise invalid_argument("num_recv_slots", "an int in 0..64", repr(num_recv_slots))
@@ -442,7 +441,9 @@ class Buffer:
         """``num_nvl_bytes`` a cuda_ipc buffer needs so that any normal-mode call of up to
         `max_tokens_per_rank` tokens per rank (bf16 or fp8 rows of `hidden`, `num_topk` ids) fits, whatever
         the routing (epmoe; DeepEP sizes its ring buffers with Config.get_nvl_buffer_size_hint instead)."""
-        return _ext.Buffer.get_normal_nvl_size_hint(max_tokens_per_rank, hidden, num_ranks, num_topk)
+        return _ext.Buffer.get_normal_nvl_size_hint(int64_arg("max_tokens_per_rank", max_tokens_per_rank),
+                                                    int64_arg("hidden", hidden), int32_arg("num_ranks", num_ranks),
+                                                    int32_arg("num_topk", num_topk))
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -450,8 +451,9 @@ class Buffer:
         """Bytes per rank the low-latency buffer needs for these settings (both alternating halves,
         fp8 or bf16 payloads). Errors: non-positive sizes, num_experts % num_ranks != 0, more than 1024
         local experts."""
-        return _ext.Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                          num_experts)
+        return _ext.Buffer.get_low_latency_rdma_size_hint(
+            int32_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            int64_arg("hidden", hidden), int32_arg("num_ranks", num_ranks), int32_arg("num_experts", num_experts))
 
     def get_comm_stream(self) -> Any:
         """DeepEP's communication stream: epmoe.Error 'unsupported' (the cuda_ipc stream is internal; order
@@ -548,6 +550,7 @@ class Buffer:
         (naming the first one and its [t, k]; CPU and debug GPU checks).
         """
         # The layout runs on the caller's stream itself: that stream waits for previous_event first.
+        num_experts = int32_arg("num_experts", num_experts)
         _check_allocate_on_comm_stream((topk_idx,), previous_event, async_finish, allocate_on_comm_stream)
         if previous_event is not None:
             previous_event.current_stream_wait()
@@ -605,9 +608,12 @@ class Buffer:
         Errors: epmoe.Error — invalid_argument for any bad argument (before any exchange, on this rank;
         GPU: a CPU tensor, a tensor on another device); rank_mismatch when settings differ across ranks
         (H, dtype, K, E, alignment; on every rank); out_of_memory (GPU: num_nvl_bytes too small, names the
-        bytes needed); timeout when a rank does not arrive (GPU: the buffer is unusable afterwards).
+        bytes needed; CPU: a num_worst_tokens whose padded outputs exceed this machine's memory, named before
+        anything is allocated); timeout when a rank does not arrive (GPU: the buffer is unusable afterwards).
         """
         _check_config(config)
+        expert_alignment = int32_arg("expert_alignment", expert_alignment)
+        num_worst_tokens = int32_arg("num_worst_tokens", num_worst_tokens)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         native_handle = None
         if handle is not None:
@@ -683,7 +689,9 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Resets the low-latency buffers (collective). Pending hooks and earlier handles become stale.
         Errors: settings differing from the buffer's first low-latency call."""
-        self.runtime.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.runtime.clean_low_latency_buffer(
+            int32_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            int64_arg("hidden", hidden), int32_arg("num_experts", num_experts))
 
     def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Any = None, dispatch_wait_recv_cost_stats: Any = None,
@@ -733,6 +741,9 @@ class Buffer:
         out_of_memory (num_rdma_bytes too small: says how much is needed), timeout.
         """
         _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
+        num_max_dispatch_tokens_per_rank = int32_arg("num_max_dispatch_tokens_per_rank",
+                                                     num_max_dispatch_tokens_per_rank)
+        num_experts = int32_arg("num_experts", num_experts)
         gpu = x is not None and is_cuda(x)
         inputs = (x, topk_idx, cumulative_local_expert_recv_stats)
         stream = current_stream(*inputs) if gpu else None

@@ -14,7 +14,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from . import _ext
-from ._tensor import arg, framework_of, is_torch
+from ._tensor import arg, framework_of, int64_arg, is_torch
 
 
 def _host_numpy(x: Any, dtype: Any) -> np.ndarray:
@@ -58,8 +58,10 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     'num_gpus'.
     """
     w = _host_numpy(weight, np.float64)
-    phy2log, log2phy, logcnt = _ext.rebalance_experts(w, int(num_replicas), int(num_groups), int(num_nodes),
-                                                      int(num_gpus))
+    phy2log, log2phy, logcnt = _ext.rebalance_experts(w, int64_arg("num_replicas", num_replicas),
+                                                      int64_arg("num_groups", num_groups),
+                                                      int64_arg("num_nodes", num_nodes),
+                                                      int64_arg("num_gpus", num_gpus))
     return _like(weight, phy2log, log2phy, logcnt)
 
 
@@ -78,7 +80,8 @@ def map_to_physical(topk_idx: Any, logical_to_physical: Any, logical_replica_cou
     or 'layer'.
     """
     return _ext.map_to_physical(arg(topk_idx), _host_numpy(logical_to_physical, np.int64),
-                                _host_numpy(logical_replica_count, np.int64), int(layer), framework_of(topk_idx))
+                                _host_numpy(logical_replica_count, np.int64), int64_arg("layer", layer),
+                                framework_of(topk_idx))
 
 
 class ExpertLoadRecorder:
@@ -87,11 +90,14 @@ class ExpertLoadRecorder:
     Expert e belongs to rank e // (num_experts // num_ranks). Record the ``num_tokens_per_expert`` that
     ``get_dispatch_layout`` returns (int32 [E], host arrays: recording never waits on a device). Not
     thread-safe. Errors: epmoe.Error('invalid_argument') naming 'num_layers', 'num_experts', 'num_ranks' (must
-    divide num_experts) or 'window' (each >= 1).
+    divide num_experts) or 'window' (each >= 1; an int that is not one, or one outside int64, named as well);
+    epmoe.Error('out_of_memory') naming 'window' when the num_layers x window x num_experts int64 counts kept
+    exceed this machine's memory (checked before allocating).
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int) -> None:
-        self._impl = _ext.ExpertLoadRecorder(int(num_layers), int(num_experts), int(num_ranks), int(window))
+        self._impl = _ext.ExpertLoadRecorder(int64_arg("num_layers", num_layers), int64_arg("num_experts", num_experts),
+                                             int64_arg("num_ranks", num_ranks), int64_arg("window", window))
 
     num_layers = property(lambda self: self._impl.num_layers)
     num_experts = property(lambda self: self._impl.num_experts)
@@ -101,7 +107,7 @@ class ExpertLoadRecorder:
     def record(self, layer: int, num_tokens_per_expert: Any) -> None:
         """Adds one step's counts (int32 or int64 [E], >= 0, on the CPU) for `layer`; the oldest record of the
         layer drops out once it holds `window`. Errors name 'layer' or 'num_tokens_per_expert'."""
-        self._impl.record(int(layer), arg(num_tokens_per_expert))
+        self._impl.record(int64_arg("layer", layer), arg(num_tokens_per_expert))
 
     def loads(self) -> np.ndarray:
         """int64 [L, E]: tokens per expert summed over each layer's window (the weight for rebalance_experts)."""

@@ -118,9 +118,209 @@ Buffer& buf(PyBuffer& b) {
   return *b.buffer;
 }
 
-}  // namespace
+// A num_worst_tokens that pads the CPU outputs beyond this machine's memory: named here, before the dispatch
+// allocates (a failed allocation would name only the bytes; an overcommitted one could end the process). GPU
+// outputs are checked by the cuda_ipc backend against num_nvl_bytes.
+void check_worst_rows_fit(const DispatchArgs& a) {
+  if (a.num_worst_tokens <= 0 || !a.x.defined() || !a.x.device.is_cpu() || a.x.ndim() != 2) return;
+  const double H = static_cast<double>(a.x.size(1));
+  const double K = a.topk_idx.defined() && a.topk_idx.ndim() == 2 ? static_cast<double>(a.topk_idx.size(1)) : 0.0;
+  double row = H * static_cast<double>(dtype_size(a.x.dtype)) + K * (8.0 + 4.0);  // recv_x, topk_idx, topk_weights
+  if (a.x_scales.defined() && a.x_scales.ndim() == 2)
+    row += static_cast<double>(a.x_scales.size(1)) * static_cast<double>(dtype_size(a.x_scales.dtype));
+  const double need = static_cast<double>(a.num_worst_tokens) * row, have = physical_memory_bytes();
+  if (have > 0 && need > have)
+    throw Error(ErrorCode::out_of_memory,
+                fmt::format("epmoe: out of memory: 'num_worst_tokens' = {} pads the dispatch outputs to {} rows of "
+                            "{:.0f} bytes (recv_x and its scales, topk_idx, topk_weights): {:.0f} bytes, more than "
+                            "this machine's {:.0f} bytes of memory",
+                            a.num_worst_tokens, a.num_worst_tokens, row, need, have));
+}
 
-void bind_buffer(nb::module_& m) {
+// ---- the Buffer's methods, bound by bind_buffer_class below ----
+
+void buffer_init(PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std::int64_t num_rdma_bytes,
+                 bool low_latency_mode, std::string_view backend, int device, int num_sms, int num_recv_slots) {
+  if (!group.group) throw_invalid_argument("group", "an epmoe Group", "None");
+  BufferOptions o;
+  o.backend = parse_backend(backend);
+  o.num_nvl_bytes = num_nvl_bytes;
+  o.num_rdma_bytes = num_rdma_bytes;
+  o.low_latency_mode = low_latency_mode;
+  o.device = device;
+  o.num_sms = num_sms;
+  o.num_recv_slots = num_recv_slots;
+  std::shared_ptr<Buffer> b;
+  {
+    nb::gil_scoped_release release;
+    b = std::make_shared<Buffer>(group.group, o);
+  }
+  new (self) PyBuffer{std::move(b)};
+}
+
+nb::tuple get_dispatch_layout(PyBuffer& b, nb::handle topk_idx, int num_experts, std::string_view framework,
+                              std::optional<std::uintptr_t> stream) {
+  const Framework fw = parse_framework(framework);
+  Inputs in;
+  const TensorView idx = arg(topk_idx, "topk_idx", in);
+  DispatchLayout l;
+  {
+    nb::gil_scoped_release release;
+    StreamGuard guard(stream_of(stream));
+    l = buf(b).get_dispatch_layout(idx, num_experts);
+  }
+  return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
+                        to_py(l.is_token_in_rank, fw));
+}
+
+nb::tuple dispatch(PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
+                   nb::handle num_tokens_per_rank, nb::handle is_token_in_rank, nb::handle num_tokens_per_expert,
+                   const NormalHandle* handle, int expert_alignment, int num_worst_tokens, const Event* previous_event,
+                   bool async_finish, bool allocate_on_comm_stream, std::string_view framework,
+                   std::optional<std::uintptr_t> stream) {
+  const Framework fw = parse_framework(framework);
+  Inputs in;
+  DispatchArgs a;
+  a.x = arg(x, "x", in);
+  a.x_scales = arg(x_scales, "x_scales", in);
+  a.topk_idx = arg(topk_idx, "topk_idx", in);
+  a.topk_weights = arg(topk_weights, "topk_weights", in);
+  a.num_tokens_per_rank = arg(num_tokens_per_rank, "num_tokens_per_rank", in);
+  a.is_token_in_rank = arg(is_token_in_rank, "is_token_in_rank", in);
+  a.num_tokens_per_expert = arg(num_tokens_per_expert, "num_tokens_per_expert", in);
+  a.handle = handle;
+  a.expert_alignment = expert_alignment;
+  a.num_worst_tokens = num_worst_tokens;
+  a.previous_event = previous_event;
+  a.async_finish = async_finish;
+  a.allocate_on_comm_stream = allocate_on_comm_stream;
+  check_worst_rows_fit(a);
+  DispatchResult r;
+  {
+    nb::gil_scoped_release release;
+    StreamGuard guard(stream_of(stream));
+    r = buf(b).dispatch(a);
+  }
+  const NormalHandle& h = r.handle;
+  nb::tuple handle_arrays = nb::make_tuple(to_py_or_none(h.rank_prefix_matrix, fw), to_py_or_none(h.recv_src_idx, fw),
+                                           to_py_or_none(h.is_token_in_rank, fw), to_py_or_none(h.send_pos, fw));
+  nb::list counts;
+  for (int c : r.num_recv_tokens_per_expert_list) counts.append(c);
+  return nb::make_tuple(to_py(r.recv_x, fw), to_py_or_none(r.recv_x_scales, fw), to_py_or_none(r.recv_topk_idx, fw),
+                        to_py_or_none(r.recv_topk_weights, fw), counts, nb::cast(r.handle), nb::cast(r.event),
+                        handle_arrays);
+}
+
+nb::tuple combine(PyBuffer& b, nb::handle x, const NormalHandle* handle, nb::handle topk_weights, nb::handle bias_0,
+                  nb::handle bias_1, const Event* previous_event, bool async_finish, bool allocate_on_comm_stream,
+                  std::string_view framework, std::optional<std::uintptr_t> stream) {
+  const Framework fw = parse_framework(framework);
+  Inputs in;
+  CombineArgs a;
+  a.x = arg(x, "x", in);
+  a.handle = handle;
+  a.topk_weights = arg(topk_weights, "topk_weights", in);
+  a.bias_0 = arg(bias_0, "bias", in);
+  a.bias_1 = arg(bias_1, "bias", in);
+  a.previous_event = previous_event;
+  a.async_finish = async_finish;
+  a.allocate_on_comm_stream = allocate_on_comm_stream;
+  CombineResult r;
+  {
+    nb::gil_scoped_release release;
+    StreamGuard guard(stream_of(stream));
+    r = buf(b).combine(a);
+  }
+  return nb::make_tuple(to_py(r.combined_x, fw), to_py_or_none(r.combined_topk_weights, fw), nb::cast(r.event));
+}
+
+void clean_low_latency_buffer(PyBuffer& b, int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
+                              int num_experts) {
+  nb::gil_scoped_release release;
+  buf(b).clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts);
+}
+
+nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
+                               int num_max_dispatch_tokens_per_rank, int num_experts, nb::handle stats, bool use_fp8,
+                               bool round_scale, bool use_ue8m0, bool async_finish, bool return_recv_hook,
+                               std::string_view framework, std::optional<std::uintptr_t> stream) {
+  const Framework fw = parse_framework(framework);
+  Inputs in;
+  LowLatencyDispatchArgs a;
+  a.x = arg(x, "x", in);
+  a.topk_idx = arg(topk_idx, "topk_idx", in);
+  a.topk_weights = arg(topk_weights, "topk_weights", in);
+  a.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
+  a.num_experts = num_experts;
+  a.use_fp8 = use_fp8;
+  a.round_scale = round_scale;
+  a.use_ue8m0 = use_ue8m0;
+  a.async_finish = async_finish;
+  a.return_recv_hook = return_recv_hook;
+  a.cumulative_local_expert_recv_stats = arg(stats, "cumulative_local_expert_recv_stats", in);
+  auto st = std::make_shared<LowLatencyDispatchState>();
+  st->buffer = b.buffer;
+  if (!stats.is_none()) st->keep = make_ref(stats);
+  bool gpu = false;
+  {
+    nb::gil_scoped_release release;
+    StreamGuard guard(stream_of(stream));
+    st->native = buf(b).low_latency_dispatch(a);
+    const LowLatencyDispatchResult& r = st->native;
+    gpu = r.packed_recv_x.device.is_cuda();
+    if (gpu) {
+      // The window's views, each keeping the buffer (and so the window) alive.
+      const auto view = [&](const TensorView& v) { return v.defined() ? Tensor::wrap(v, b.buffer) : Tensor(); };
+      st->x = view(r.packed_recv_x);
+      st->scales = view(r.packed_recv_x_scales);
+      st->count = view(r.packed_recv_count);
+      st->src_info = view(r.handle.src_info);
+      st->layout_range = view(r.handle.layout_range);
+    } else {
+      st->x = empty_like(r.packed_recv_x);
+      st->scales = empty_like(r.packed_recv_x_scales);
+      st->count = empty_like(r.packed_recv_count);
+      st->src_info = empty_like(r.handle.src_info);
+      st->layout_range = empty_like(r.handle.layout_range);
+      if (!return_recv_hook) st->copy_out();
+    }
+  }
+  nb::object hook = nb::none();
+  if (return_recv_hook) hook = nb::cast(PyRecvHook{st->native.hook, b.buffer, gpu ? nullptr : st, st->keep});
+  return nb::make_tuple(to_py(st->x, fw), to_py_or_none(st->scales, fw), to_py(st->count, fw), to_py(st->src_info, fw),
+                        to_py(st->layout_range, fw), nb::cast(st->native.handle), nb::cast(st->native.event), hook);
+}
+
+nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
+                              const LowLatencyHandle& handle, bool zero_copy, bool async_finish, bool return_recv_hook,
+                              nb::handle out, std::string_view framework, std::optional<std::uintptr_t> stream) {
+  const Framework fw = parse_framework(framework);
+  Inputs in;
+  LowLatencyCombineArgs a;
+  a.x = arg(x, "x", in);
+  a.topk_idx = arg(topk_idx, "topk_idx", in);
+  a.topk_weights = arg(topk_weights, "topk_weights", in);
+  a.handle = &handle;
+  a.zero_copy = zero_copy;
+  a.async_finish = async_finish;
+  a.return_recv_hook = return_recv_hook;
+  a.out = arg(out, "out", in);
+  LowLatencyCombineResult r;
+  {
+    nb::gil_scoped_release release;
+    StreamGuard guard(stream_of(stream));
+    r = buf(b).low_latency_combine(a);
+  }
+  nb::object hook = nb::none();
+  if (return_recv_hook) hook = nb::cast(PyRecvHook{r.hook, b.buffer, nullptr, out.is_none() ? PyRef() : make_ref(out)});
+  // With `out` the result is the caller's own array (epmoe/buffer.py returns it).
+  nb::object combined = out.is_none() ? to_py(r.combined_x, fw) : nb::none();
+  return nb::make_tuple(combined, nb::cast(r.event), hook);
+}
+
+// ---- the classes ----
+
+void bind_event(nb::module_& m) {
   nb::class_<Event>(m, "Event",
                     "Completion of an operation: a CUDA event of a cuda_ipc buffer (async_finish=True), else "
                     "already complete.")
@@ -145,7 +345,9 @@ void bind_buffer(nb::module_& m) {
             while (!e.done()) std::this_thread::yield();
           },
           "Blocks the host until the event completes, without holding the GIL.");
+}
 
+void bind_handles(nb::module_& m) {
   nb::class_<NormalHandle>(m, "NormalHandle", "What combine and a cached dispatch need from a normal-mode dispatch.")
       .def_ro("num_tokens", &NormalHandle::num_tokens)
       .def_ro("num_recv_tokens", &NormalHandle::num_recv_tokens)
@@ -167,31 +369,13 @@ void bind_buffer(nb::module_& m) {
       .def("__call__", &PyRecvHook::call, nb::arg("stream").none() = nb::none(),
            "Runs the receive half; on a GPU buffer it is enqueued on `stream` (a cudaStream_t as an int; None: the "
            "legacy default stream).");
+}
 
+void bind_buffer_class(nb::module_& m) {
   nb::class_<PyBuffer>(m, "Buffer", "epmoe::Buffer of one rank (use epmoe.Buffer).")
-      .def(
-          "__init__",
-          [](PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std::int64_t num_rdma_bytes,
-             bool low_latency_mode, std::string_view backend, int device, int num_sms, int num_recv_slots) {
-            if (!group.group) throw_invalid_argument("group", "an epmoe Group", "None");
-            BufferOptions o;
-            o.backend = parse_backend(backend);
-            o.num_nvl_bytes = num_nvl_bytes;
-            o.num_rdma_bytes = num_rdma_bytes;
-            o.low_latency_mode = low_latency_mode;
-            o.device = device;
-            o.num_sms = num_sms;
-            o.num_recv_slots = num_recv_slots;
-            std::shared_ptr<Buffer> b;
-            {
-              nb::gil_scoped_release release;
-              b = std::make_shared<Buffer>(group.group, o);
-            }
-            new (self) PyBuffer{std::move(b)};
-          },
-          nb::arg("group"), nb::arg("num_nvl_bytes") = 0, nb::arg("num_rdma_bytes") = 0,
-          nb::arg("low_latency_mode") = false, nb::arg("backend") = "auto", nb::arg("device") = -1,
-          nb::arg("num_sms") = 0, nb::arg("num_recv_slots") = 0)
+      .def("__init__", &buffer_init, nb::arg("group"), nb::arg("num_nvl_bytes") = 0, nb::arg("num_rdma_bytes") = 0,
+           nb::arg("low_latency_mode") = false, nb::arg("backend") = "auto", nb::arg("device") = -1,
+           nb::arg("num_sms") = 0, nb::arg("num_recv_slots") = 0)
       .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
       .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
       .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })
@@ -200,195 +384,37 @@ void bind_buffer(nb::module_& m) {
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
                   nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_ranks"),
                   nb::arg("num_experts"))
-      .def(
-          "get_dispatch_layout",
-          [](PyBuffer& b, nb::handle topk_idx, int num_experts, std::string_view framework,
-             std::optional<std::uintptr_t> stream) {
-            const Framework fw = parse_framework(framework);
-            Inputs in;
-            const TensorView idx = arg(topk_idx, "topk_idx", in);
-            DispatchLayout l;
-            {
-              nb::gil_scoped_release release;
-              StreamGuard guard(stream_of(stream));
-              l = buf(b).get_dispatch_layout(idx, num_experts);
-            }
-            return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
-                                  to_py(l.is_token_in_rank, fw));
-          },
-          nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("framework") = "numpy",
-          nb::arg("stream").none() = nb::none())
-      .def(
-          "dispatch",
-          [](PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
-             nb::handle num_tokens_per_rank, nb::handle is_token_in_rank, nb::handle num_tokens_per_expert,
-             const NormalHandle* handle, int expert_alignment, int num_worst_tokens, const Event* previous_event,
-             bool async_finish, bool allocate_on_comm_stream, std::string_view framework,
-             std::optional<std::uintptr_t> stream) {
-            const Framework fw = parse_framework(framework);
-            Inputs in;
-            DispatchArgs a;
-            a.x = arg(x, "x", in);
-            a.x_scales = arg(x_scales, "x_scales", in);
-            a.topk_idx = arg(topk_idx, "topk_idx", in);
-            a.topk_weights = arg(topk_weights, "topk_weights", in);
-            a.num_tokens_per_rank = arg(num_tokens_per_rank, "num_tokens_per_rank", in);
-            a.is_token_in_rank = arg(is_token_in_rank, "is_token_in_rank", in);
-            a.num_tokens_per_expert = arg(num_tokens_per_expert, "num_tokens_per_expert", in);
-            a.handle = handle;
-            a.expert_alignment = expert_alignment;
-            a.num_worst_tokens = num_worst_tokens;
-            a.previous_event = previous_event;
-            a.async_finish = async_finish;
-            a.allocate_on_comm_stream = allocate_on_comm_stream;
-            DispatchResult r;
-            {
-              nb::gil_scoped_release release;
-              StreamGuard guard(stream_of(stream));
-              r = buf(b).dispatch(a);
-            }
-            const NormalHandle& h = r.handle;
-            nb::tuple handle_arrays =
-                nb::make_tuple(to_py_or_none(h.rank_prefix_matrix, fw), to_py_or_none(h.recv_src_idx, fw),
-                               to_py_or_none(h.is_token_in_rank, fw), to_py_or_none(h.send_pos, fw));
-            nb::list counts;
-            for (int c : r.num_recv_tokens_per_expert_list) counts.append(c);
-            return nb::make_tuple(to_py(r.recv_x, fw), to_py_or_none(r.recv_x_scales, fw),
-                                  to_py_or_none(r.recv_topk_idx, fw), to_py_or_none(r.recv_topk_weights, fw), counts,
-                                  nb::cast(r.handle), nb::cast(r.event), handle_arrays);
-          },
-          nb::arg("x"), nb::arg("x_scales").none(), nb::arg("topk_idx").none(), nb::arg("topk_weights").none(),
-          nb::arg("num_tokens_per_rank").none(), nb::arg("is_token_in_rank").none(),
-          nb::arg("num_tokens_per_expert").none(), nb::arg("handle").none(), nb::arg("expert_alignment") = 1,
-          nb::arg("num_worst_tokens") = 0, nb::arg("previous_event").none() = nb::none(),
-          nb::arg("async_finish") = false, nb::arg("allocate_on_comm_stream") = false,
-          nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
-      .def(
-          "combine",
-          [](PyBuffer& b, nb::handle x, const NormalHandle* handle, nb::handle topk_weights, nb::handle bias_0,
-             nb::handle bias_1, const Event* previous_event, bool async_finish, bool allocate_on_comm_stream,
-             std::string_view framework, std::optional<std::uintptr_t> stream) {
-            const Framework fw = parse_framework(framework);
-            Inputs in;
-            CombineArgs a;
-            a.x = arg(x, "x", in);
-            a.handle = handle;
-            a.topk_weights = arg(topk_weights, "topk_weights", in);
-            a.bias_0 = arg(bias_0, "bias", in);
-            a.bias_1 = arg(bias_1, "bias", in);
-            a.previous_event = previous_event;
-            a.async_finish = async_finish;
-            a.allocate_on_comm_stream = allocate_on_comm_stream;
-            CombineResult r;
-            {
-              nb::gil_scoped_release release;
-              StreamGuard guard(stream_of(stream));
-              r = buf(b).combine(a);
-            }
-            return nb::make_tuple(to_py(r.combined_x, fw), to_py_or_none(r.combined_topk_weights, fw),
-                                  nb::cast(r.event));
-          },
-          nb::arg("x"), nb::arg("handle").none(), nb::arg("topk_weights").none(), nb::arg("bias_0").none(),
-          nb::arg("bias_1").none(), nb::arg("previous_event").none() = nb::none(), nb::arg("async_finish") = false,
-          nb::arg("allocate_on_comm_stream") = false, nb::arg("framework") = "numpy",
-          nb::arg("stream").none() = nb::none())
-      .def(
-          "clean_low_latency_buffer",
-          [](PyBuffer& b, int tmax, std::int64_t hidden, int num_experts) {
-            nb::gil_scoped_release release;
-            buf(b).clean_low_latency_buffer(tmax, hidden, num_experts);
-          },
-          nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_experts"))
-      .def(
-          "low_latency_dispatch",
-          [](PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, int tmax, int num_experts,
-             nb::handle stats, bool use_fp8, bool round_scale, bool use_ue8m0, bool async_finish,
-             bool return_recv_hook, std::string_view framework, std::optional<std::uintptr_t> stream) {
-            const Framework fw = parse_framework(framework);
-            Inputs in;
-            LowLatencyDispatchArgs a;
-            a.x = arg(x, "x", in);
-            a.topk_idx = arg(topk_idx, "topk_idx", in);
-            a.topk_weights = arg(topk_weights, "topk_weights", in);
-            a.num_max_dispatch_tokens_per_rank = tmax;
-            a.num_experts = num_experts;
-            a.use_fp8 = use_fp8;
-            a.round_scale = round_scale;
-            a.use_ue8m0 = use_ue8m0;
-            a.async_finish = async_finish;
-            a.return_recv_hook = return_recv_hook;
-            a.cumulative_local_expert_recv_stats = arg(stats, "cumulative_local_expert_recv_stats", in);
-            auto st = std::make_shared<LowLatencyDispatchState>();
-            st->buffer = b.buffer;
-            if (!stats.is_none()) st->keep = make_ref(stats);
-            bool gpu = false;
-            {
-              nb::gil_scoped_release release;
-              StreamGuard guard(stream_of(stream));
-              st->native = buf(b).low_latency_dispatch(a);
-              const LowLatencyDispatchResult& r = st->native;
-              gpu = r.packed_recv_x.device.is_cuda();
-              if (gpu) {
-                // The window's views, each keeping the buffer (and so the window) alive.
-                const auto view = [&](const TensorView& v) { return v.defined() ? Tensor::wrap(v, b.buffer) : Tensor(); };
-                st->x = view(r.packed_recv_x);
-                st->scales = view(r.packed_recv_x_scales);
-                st->count = view(r.packed_recv_count);
-                st->src_info = view(r.handle.src_info);
-                st->layout_range = view(r.handle.layout_range);
-              } else {
-                st->x = empty_like(r.packed_recv_x);
-                st->scales = empty_like(r.packed_recv_x_scales);
-                st->count = empty_like(r.packed_recv_count);
-                st->src_info = empty_like(r.handle.src_info);
-                st->layout_range = empty_like(r.handle.layout_range);
-                if (!return_recv_hook) st->copy_out();
-              }
-            }
-            nb::object hook = nb::none();
-            if (return_recv_hook)
-              hook = nb::cast(PyRecvHook{st->native.hook, b.buffer, gpu ? nullptr : st, st->keep});
-            return nb::make_tuple(to_py(st->x, fw), to_py_or_none(st->scales, fw), to_py(st->count, fw),
-                                  to_py(st->src_info, fw), to_py(st->layout_range, fw), nb::cast(st->native.handle),
-                                  nb::cast(st->native.event), hook);
-          },
-          nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights").none(),
-          nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("num_experts"),
-          nb::arg("cumulative_local_expert_recv_stats").none(), nb::arg("use_fp8") = true,
-          nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("async_finish") = false,
-          nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
-      .def(
-          "low_latency_combine",
-          [](PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, const LowLatencyHandle& handle,
-             bool zero_copy, bool async_finish, bool return_recv_hook, nb::handle out, std::string_view framework,
-             std::optional<std::uintptr_t> stream) {
-            const Framework fw = parse_framework(framework);
-            Inputs in;
-            LowLatencyCombineArgs a;
-            a.x = arg(x, "x", in);
-            a.topk_idx = arg(topk_idx, "topk_idx", in);
-            a.topk_weights = arg(topk_weights, "topk_weights", in);
-            a.handle = &handle;
-            a.zero_copy = zero_copy;
-            a.async_finish = async_finish;
-            a.return_recv_hook = return_recv_hook;
-            a.out = arg(out, "out", in);
-            LowLatencyCombineResult r;
-            {
-              nb::gil_scoped_release release;
-              StreamGuard guard(stream_of(stream));
-              r = buf(b).low_latency_combine(a);
-            }
-            nb::object hook = nb::none();
-            if (return_recv_hook)
-              hook = nb::cast(PyRecvHook{r.hook, b.buffer, nullptr, out.is_none() ? PyRef() : make_ref(out)});
-            // With `out` the result is the caller's own array (epmoe/buffer.py returns it).
-            nb::object combined = out.is_none() ? to_py(r.combined_x, fw) : nb::none();
-            return nb::make_tuple(combined, nb::cast(r.event), hook);
-          },
-          nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"), nb::arg("handle"), nb::arg("zero_copy") = false,
-          nb::arg("async_finish") = false, nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(),
-          nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none());
+      .def("get_dispatch_layout", &get_dispatch_layout, nb::arg("topk_idx"), nb::arg("num_experts"),
+           nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
+      .def("dispatch", &dispatch, nb::arg("x"), nb::arg("x_scales").none(), nb::arg("topk_idx").none(),
+           nb::arg("topk_weights").none(), nb::arg("num_tokens_per_rank").none(), nb::arg("is_token_in_rank").none(),
+           nb::arg("num_tokens_per_expert").none(), nb::arg("handle").none(), nb::arg("expert_alignment") = 1,
+           nb::arg("num_worst_tokens") = 0, nb::arg("previous_event").none() = nb::none(),
+           nb::arg("async_finish") = false, nb::arg("allocate_on_comm_stream") = false, nb::arg("framework") = "numpy",
+           nb::arg("stream").none() = nb::none())
+      .def("combine", &combine, nb::arg("x"), nb::arg("handle").none(), nb::arg("topk_weights").none(),
+           nb::arg("bias_0").none(), nb::arg("bias_1").none(), nb::arg("previous_event").none() = nb::none(),
+           nb::arg("async_finish") = false, nb::arg("allocate_on_comm_stream") = false, nb::arg("framework") = "numpy",
+           nb::arg("stream").none() = nb::none())
+      .def("clean_low_latency_buffer", &clean_low_latency_buffer, nb::arg("num_max_dispatch_tokens_per_rank"),
+           nb::arg("hidden"), nb::arg("num_experts"))
+      .def("low_latency_dispatch", &low_latency_dispatch, nb::arg("x"), nb::arg("topk_idx"),
+           nb::arg("topk_weights").none(), nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("num_experts"),
+           nb::arg("cumulative_local_expert_recv_stats").none(), nb::arg("use_fp8") = true,
+           nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("async_finish") = false,
+           nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
+      .def("low_latency_combine", &low_latency_combine, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
+           nb::arg("handle"), nb::arg("zero_copy") = false, nb::arg("async_finish") = false,
+           nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(), nb::arg("framework") = "numpy",
+           nb::arg("stream").none() = nb::none());
+}
+
+}  // namespace
+
+void bind_buffer(nb::module_& m) {
+  bind_event(m);
+  bind_handles(m);
+  bind_buffer_class(m);
 }
 
 }  // namespace epmoe::py

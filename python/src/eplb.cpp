@@ -42,6 +42,22 @@ std::span<const T> host_array(const nb::ndarray<nb::ro>& a, size_t ndim, const c
   return {static_cast<const T*>(a.data()), a.size()};
 }
 
+// The recorder keeps num_layers x window x num_experts int64 counts: settings whose history cannot fit this machine's
+// memory are named before the constructor allocates it (a bad_alloc, or an overcommitted allocation ending the
+// process, would not name them). Settings the constructor refuses are left for it to name.
+void check_recorder_fits(std::int64_t num_layers, std::int64_t num_experts, std::int64_t num_ranks,
+                         std::int64_t window) {
+  if (num_layers < 1 || num_experts < 1 || num_ranks < 1 || num_experts % num_ranks != 0 || window < 1) return;
+  const double need = static_cast<double>(num_layers) * static_cast<double>(window) *
+                      static_cast<double>(num_experts) * sizeof(std::int64_t);
+  const double have = physical_memory_bytes();
+  if (have > 0 && need > have)
+    throw Error(ErrorCode::out_of_memory,
+                fmt::format("epmoe: out of memory: 'window' = {} keeps num_layers ({}) x window x num_experts ({}) "
+                            "int64 counts: {:.0f} bytes, more than this machine's {:.0f} bytes of memory",
+                            window, num_layers, num_experts, need, have));
+}
+
 }  // namespace
 
 void bind_eplb(nb::module_& m) {
@@ -87,8 +103,14 @@ void bind_eplb(nb::module_& m) {
       nb::arg("framework") = "numpy");
 
   nb::class_<ExpertLoadRecorder>(m, "ExpertLoadRecorder", "Tokens per (layer, expert) over a window (SPEC 9).")
-      .def(nb::init<std::int64_t, std::int64_t, std::int64_t, std::int64_t>(), nb::arg("num_layers"),
-           nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("window"))
+      .def(
+          "__init__",
+          [](ExpertLoadRecorder* self, std::int64_t num_layers, std::int64_t num_experts, std::int64_t num_ranks,
+             std::int64_t window) {
+            check_recorder_fits(num_layers, num_experts, num_ranks, window);
+            new (self) ExpertLoadRecorder(num_layers, num_experts, num_ranks, window);
+          },
+          nb::arg("num_layers"), nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("window"))
       .def(
           "record",
           [](ExpertLoadRecorder& r, std::int64_t layer, nb::handle counts) {

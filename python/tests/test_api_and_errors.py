@@ -133,6 +133,87 @@ def test_buffer_arguments_are_checked_before_any_exchange(rng):
         assert "explicitly_destroy" in codes["destroy"][1]
 
 
+TOO_BIG = (2**31, 2**40, 2**62)  # Python ints past the C++ int the binding takes
+INT32_RANGE = "an int in -2147483648..2147483647"
+
+
+def assert_named(name, value, call, expected=INT32_RANGE):
+    """call() raises epmoe.Error('invalid_argument') naming `name`, the range expected and `value`."""
+    with pytest.raises(epmoe.Error) as e:
+        call()
+    message = str(e.value)
+    assert e.value.code == "invalid_argument", message
+    assert message == f"epmoe: invalid argument '{name}': expected {expected}, got {value!r}", message
+
+
+def test_integers_that_do_not_fit_are_named_with_the_range_and_the_value(rng):
+    """Found by a fresh user: 2**31 or more for num_max_dispatch_tokens_per_rank, num_experts, expert_alignment or
+    num_worst_tokens (and in get_low_latency_rdma_size_hint) came back as nanobind's TypeError, naming nothing. Every
+    public entry point taking such an integer names the argument, the range and the value, before any exchange,
+    and the buffer stays usable."""
+    R, E, H, K = 2, 4, 128, 2
+    x = nice_bf16(rng, (3, H))
+    idx = random_topk_idx(rng, 3, K, E)
+    for v in TOO_BIG:
+        assert_named("num_max_dispatch_tokens_per_rank", v,
+                     lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(v, H, R, E))
+        assert_named("num_ranks", v, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, H, v, E))
+        assert_named("num_experts", v, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, H, R, v))
+        assert_named("num_topk", v, lambda: epmoe.Buffer.get_normal_nvl_size_hint(8, H, R, v))
+        assert_named("num_experts", v, lambda: epmoe.get_dispatch_layout(idx, v, R))
+    int64_range = "an int in -9223372036854775808..9223372036854775807"
+    assert_named("hidden", 2**64, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, 2**64, R, E), int64_range)
+    assert_named("max_tokens_per_rank", 2**64, lambda: epmoe.Buffer.get_normal_nvl_size_hint(2**64, H, R, K),
+                 int64_range)
+    assert epmoe.Buffer.get_low_latency_rdma_size_hint(8, H, R, E) > 0  # in range: the C++ answer
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx)
+        for v in TOO_BIG:
+            assert_named("num_experts", v, lambda: buf.get_dispatch_layout(idx, v))
+            assert_named("expert_alignment", v, lambda: buf.dispatch(x, **layout, expert_alignment=v))
+            assert_named("num_worst_tokens", v, lambda: buf.dispatch(x, **layout, num_worst_tokens=v))
+            assert_named("num_max_dispatch_tokens_per_rank", v, lambda: buf.low_latency_dispatch(x, idx, v, E))
+            assert_named("num_experts", v, lambda: buf.low_latency_dispatch(x, idx, 8, v))
+            assert_named("num_max_dispatch_tokens_per_rank", v, lambda: buf.clean_low_latency_buffer(v, H, E))
+            assert_named("num_experts", v, lambda: buf.clean_low_latency_buffer(8, H, v))
+            assert_named("num_max_dispatch_tokens_per_rank", v, lambda: epmoe.make_low_latency_prepare_finalize(buf, v))
+        assert_named("num_rdma_bytes", 2**64, lambda: epmoe.Buffer(group, num_rdma_bytes=2**64),
+                     "an int in 0..9223372036854775807")
+        assert_named("device", 2**40, lambda: epmoe.Buffer(group, device=2**40),
+                     "None or a CUDA device index in 0..2**31-1")
+        recv_x, recv_idx, _, counts, _, _ = buf.dispatch(x, **layout)  # still usable
+        return recv_x.shape[0], sum(counts)
+
+    for rows, routed in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
+        assert rows > 0 and routed > 0
+
+
+def test_num_worst_tokens_past_this_machines_memory_is_named_before_allocating(rng):
+    """Found by a fresh user: a num_worst_tokens in range whose padded outputs cannot be allocated failed (or was
+    killed) in the allocation, naming no argument. It is named with the bytes needed, before any exchange, and the
+    buffer stays usable."""
+    R, E, H, K = 2, 4, 4096, 2  # 2**31 - 1 rows of 8 KiB: about 17.6 TB, more than any machine here
+    x = nice_bf16(rng, (3, H))
+    idx = random_topk_idx(rng, 3, K, E)
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx)
+        with pytest.raises(epmoe.Error) as e:
+            buf.dispatch(x, **layout, num_worst_tokens=2**31 - 1)
+        recv_x = buf.dispatch(x, **layout, num_worst_tokens=2 * 3 * R)[0]  # still usable
+        return e.value.code, str(e.value), recv_x.shape
+
+    for code, message, shape in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
+        assert code == "out_of_memory", message
+        assert "'num_worst_tokens' = 2147483647" in message and "bytes of memory" in message, message
+        assert shape == (2 * 3 * R, H)
+
+
 def test_buffer_groups_and_destroy():
     with pytest.raises(epmoe.Error, match="'group'"):
         epmoe.Buffer(None)

@@ -181,6 +181,18 @@ def test_routing_and_recorder_errors_name_the_argument():
         epmoe.ExpertLoadRecorder(1, 4, 3, 1)
     with pytest.raises(epmoe.Error, match="'window'"):
         epmoe.ExpertLoadRecorder(1, 4, 2, 0)
+    # Found by a fresh user: a window whose history cannot fit in memory failed in the allocation, naming nothing;
+    # it is named before allocating. Ints outside int64 are named too (not nanobind's TypeError).
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.ExpertLoadRecorder(1, 4, 2, 2**40)
+    assert e.value.code == "out_of_memory" and "'window' = 1099511627776" in str(e.value), str(e.value)
+    for name, args in (("num_layers", (2**64, 4, 2, 1)), ("num_experts", (1, 2**64, 2, 1)),
+                       ("num_ranks", (1, 4, 2**64, 1)), ("window", (1, 4, 2, 2**64))):
+        with pytest.raises(epmoe.Error) as e:
+            epmoe.ExpertLoadRecorder(*args)
+        assert e.value.code == "invalid_argument" and f"'{name}'" in str(e.value) and str(2**64) in str(e.value)
+    with pytest.raises(epmoe.Error, match="'num_replicas'.*18446744073709551616"):
+        epmoe.rebalance_experts(np.ones((1, 4)), 2**64, 1, 1, 2)
     rec = epmoe.ExpertLoadRecorder(1, 4, 2, 1)
     with pytest.raises(epmoe.Error, match="'num_tokens_per_expert'"):
         rec.record(0, np.ones(3, np.int32))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -80,22 +82,93 @@ def test_expert_parallel_layer_matches_numpy(rng, R, mode, dispatch_dtype):
         assert rel_l2(out[r], ref) <= 1e-2, (r, rel_l2(out[r], ref))
 
 
+def make_shared_expert(rng):
+    """A gated SiLU MLP as an engine's shared expert (float32 NumPy), its weights, and its float64 reference: moe_ref
+    with one expert that every token picks with weight 1 (written independently of the callable)."""
+    ws1 = (rng.standard_normal((1, 2 * N, H)) / np.sqrt(H)).astype(BF16)
+    ws2 = (rng.standard_normal((1, H, N)) / np.sqrt(N)).astype(BF16)
+    gate_up_w, down_w = ws1[0].astype(np.float32), ws2[0].astype(np.float32)
+
+    def mlp(hidden):
+        gate_up = hidden.astype(np.float32) @ gate_up_w.T
+        gate, up = gate_up[:, :N], gate_up[:, N:]
+        return ((gate / (1.0 + np.exp(-gate)) * up) @ down_w.T).astype(BF16)
+
+    def reference(x):
+        T = x.shape[0]
+        return moe_ref(x, ws1, ws2, np.ones((T, 1), np.float32), np.zeros((T, 1), np.int64), "silu")
+
+    return mlp, reference
+
+
 def test_shared_experts_run_beside_the_routed_ones(rng):
     E, T = 4, 7
     w1, w2 = make_weights(rng, E)
     x, idx, w = make_tokens(rng, T, E)
+    mlp, shared_ref = make_shared_expert(rng)
     seen = []
 
     def shared(hidden):
         seen.append(hidden.copy())
-        return (hidden.astype(np.float64) * 2.0).astype(BF16)
+        return mlp(hidden)
 
     layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts(), shared_experts=shared,
                            workspaces=epmoe.WorkspaceCache())
     out, shared_out = layer.forward(x, w1, w2, w, idx)
+    assert len(seen) == 1
     np.testing.assert_array_equal(seen[0].view(np.uint16), x.view(np.uint16))
-    np.testing.assert_array_equal(shared_out.view(np.uint16), (x.astype(np.float64) * 2.0).astype(BF16).view(np.uint16))
+    assert shared_out.dtype == BF16 and shared_out.shape == (T, H)
+    assert rel_l2(shared_out, shared_ref(x)) <= 1e-2
     assert rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
+def test_shared_experts_overlap_the_dispatch_and_combine(rng):
+    """Rank 0's shared experts must be running while its dispatch and combine run. They signal that they started, and
+    only then does rank 1 enter its forward: rank 0's dispatch (a collective) cannot complete before they started.
+    They then block until rank 1's forward has returned, which needs rank 0's dispatch and combine to complete while
+    they still run. Run before the dispatch or after the combine instead, one of the waits (shorter than the group's
+    timeout) runs out and its flag says which. Both outputs are checked against float64 references."""
+    R, E = 2, 4
+    el = E // R
+    wait_s = TIMEOUT_S / 3  # well below the group's timeout: a missing overlap shows as a flag, not a timeout
+    w1, w2 = make_weights(rng, E)
+    mlp, shared_ref = make_shared_expert(rng)
+    Ts = [5, 6]
+    tokens = [make_tokens(rng, T, E) for T in Ts]
+    shared_started, rank1_returned = threading.Event(), threading.Event()
+    flags = {}
+
+    def rank_main(group):
+        r = group.rank()
+
+        def shared(hidden):
+            if r == 0:
+                shared_started.set()
+                flags["rank 1 returned before rank 0's shared experts started"] = rank1_returned.is_set()
+                flags["rank 1 returned while rank 0's shared experts ran"] = rank1_returned.wait(wait_s)
+            return mlp(hidden)
+
+        buf = epmoe.Buffer(group)
+        layer = epmoe.MoELayer(epmoe.make_normal_prepare_finalize(buf), epmoe.make_blas_experts(),
+                               shared_experts=shared)
+        x, idx, w = tokens[r]
+        if r == 1:
+            flags["rank 0's shared experts started before rank 1's forward"] = shared_started.wait(wait_s)
+        result = layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx)
+        if r == 1:
+            rank1_returned.set()
+        return result
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    assert flags == {"rank 0's shared experts started before rank 1's forward": True,
+                     "rank 1 returned before rank 0's shared experts started": False,
+                     "rank 1 returned while rank 0's shared experts ran": True}
+    for r in range(R):
+        x, idx, w = tokens[r]
+        routed, shared_out = out[r]
+        assert routed.shape == (Ts[r], H) and shared_out.shape == (Ts[r], H)
+        assert rel_l2(routed, moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2, r
+        assert rel_l2(shared_out, shared_ref(x)) <= 1e-2, r
 
 
 def test_layer_errors(rng):

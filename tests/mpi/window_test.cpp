@@ -1,12 +1,15 @@
 // MpiTransport windows: allocate_window zeroes, put lands at the right offset of the right rank,
-// a signal is ordered after the sender's earlier puts, wait_signal times out naming the peer.
+// a signal is ordered after the sender's earlier puts, wait_signal returns at once for a value already
+// there and times out naming the peer (and the value it saw).
 #include <epmoe/error.hpp>
 #include <epmoe/mpi.hpp>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "mpi/mpi_test_util.hpp"
@@ -89,17 +92,39 @@ TEST(MpiWindow, PutsThenSignalDeliverTheDataBeforeTheSignal) {
 }
 
 TEST(MpiWindow, WaitSignalReturnsAtOnceForAValueAlreadyReachedAndForLargerValues) {
-  auto g = test_group();
+  // Each rank signals the next one; after a barrier every signal has landed (signal() flushes it at the target),
+  // so a wait for the value signalled, or for a smaller one (the slot holds a larger value than asked), must return
+  // at once: well within a bound far below the group's timeout, where a wait that polled for a value not yet there
+  // would instead run into the timeout. The value the slot holds is then read back through the timeout message of
+  // a wait for one more: the latest signal replaced the earlier one (41 then 100 is 100, not their sum).
+  constexpr double kTimeoutS = 20.0, kAtOnceS = 2.0;
+  auto g = test_group(kTimeoutS);
   auto t = make_mpi_transport(g);
-  const int R = g->size(), me = g->rank();
+  const int R = g->size(), me = g->rank(), from = (me + R - 1) % R;
   t->allocate_window(64, 1, "window");
+  const auto seconds_of = [](const std::function<void()>& fn) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   t->signal((me + 1) % R, 0, 41);
-  t->wait_signal(0, 41, (me + R - 1) % R, "wait 41");
-  t->wait_signal(0, 7, (me + R - 1) % R, "wait 7");  // >= value
+  g->barrier("the first signals have landed");
+  EXPECT_LT(seconds_of([&] { t->wait_signal(0, 41, from, "wait 41"); }), kAtOnceS);
+  EXPECT_LT(seconds_of([&] { t->wait_signal(0, 7, from, "wait 7"); }), kAtOnceS);  // the slot holds more than 7
   g->barrier("before the second signal");
   t->signal((me + 1) % R, 0, 100);
-  t->wait_signal(0, 100, (me + R - 1) % R, "wait 100");
-  g->barrier("done");
+  g->barrier("the second signals have landed");
+  EXPECT_LT(seconds_of([&] { t->wait_signal(0, 100, from, "wait 100"); }), kAtOnceS);
+  EXPECT_LT(seconds_of([&] { t->wait_signal(0, 41, from, "wait 41 again"); }), kAtOnceS);
+  g->barrier("every at-once wait is done");
+  // No rank signals again: a wait for 101 times out (on every rank, so the group breaks everywhere alike) and
+  // names the value it saw.
+  g->set_timeout_s(0.3);
+  auto e = catch_error([&] { t->wait_signal(0, 101, from, "wait 101"); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), ErrorCode::timeout);
+  EXPECT_NE(std::string(e->what()).find("signal slot 0 is 100, expected >= 101"), std::string::npos) << e->what();
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 TEST(MpiWindow, WaitSignalTimesOutNamingThePeerAndBreaksTheGroup) {

@@ -517,6 +517,34 @@ TEST(Cli, RunBadRoutingTracesAndOffsetsAreNamedBeforeAnyWork) {
   }
 }
 
+// Found by a fresh user: `--routing DIR/math.topk_idx.npy --domain reasoning` replayed 'math' and said nothing of
+// --domain. A file names its own domain: --domain beside it is refused naming both flags; with the directory it
+// picks the file, and the file alone replays its own domain.
+TEST(Cli, RunDomainWithARoutingFileIsRefusedNamingBothFlags) {
+  const std::string tiny = " --device cpu --ranks 2 --experts 64 --tokens 4 --hidden 128 --intermediate 64 --iters 1";
+  const std::string dir = make_trace("domain");
+  std::filesystem::copy_file(dir + "/general.topk_idx.npy", dir + "/math.topk_idx.npy",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(dir + "/general.topk_weights.npy", dir + "/math.topk_weights.npy",
+                             std::filesystem::copy_options::overwrite_existing);
+  const std::string file = dir + "/math.topk_idx.npy";
+  for (const std::string domain : {"reasoning", "math"}) {
+    const CliResult r = run_cli("run --routing '" + file + "' --domain " + domain + tiny);
+    EXPECT_EQ(r.code, 2) << domain << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("invalid argument '--domain': expected nothing when --routing is a file"), std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("math.topk_idx.npy"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("got " + domain), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << "refused only after starting\n" << r.out;
+  }
+  CliResult r = run_cli("run --routing '" + file + "'" + tiny);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("routing: replaying 'math' layer 0"), std::string::npos) << r.out;
+  r = run_cli("run --routing '" + dir + "' --domain math" + tiny);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("routing: replaying 'math' layer 0"), std::string::npos) << r.out;
+}
+
 // Found by a fresh user: --json /proc/x.json passed the early check and failed after the whole job;
 // /dev/full failed with no reason. The early check opens the file as the final write will.
 TEST(Cli, RunJsonPathsThatCannotBeWrittenAreNamedWithTheReason) {

@@ -88,15 +88,15 @@ bool per_pair(std::string_view op) { return op == "ll_combine_bf16"; }
 struct Counts {
   std::vector<std::int64_t> rows, pairs;
 };
-Counts count_routing(const Tensor& idx, int E, int R) {
-  const std::int64_t T = idx.size(0), K = idx.size(1);
+Counts count_routing(const Tensor& topk_idx, int E, int R) {
+  const std::int64_t T = topk_idx.size(0), K = topk_idx.size(1);
   const int E_local = E / R;
   Counts c{std::vector<std::int64_t>(static_cast<std::size_t>(R)), std::vector<std::int64_t>(static_cast<std::size_t>(R))};
   std::vector<char> seen(static_cast<std::size_t>(R));
   for (std::int64_t t = 0; t < T; ++t) {
     std::fill(seen.begin(), seen.end(), 0);
     for (std::int64_t k = 0; k < K; ++k) {
-      const std::int64_t e = idx.ptr<std::int64_t>()[t * K + k];
+      const std::int64_t e = topk_idx.ptr<std::int64_t>()[t * K + k];
       if (e < 0) continue;
       const auto d = static_cast<std::size_t>(e / E_local);
       ++c.pairs[d];
@@ -180,18 +180,18 @@ class Collector {
 
 // Deterministic host inputs of rank r at T.
 struct HostInputs {
-  Tensor x, idx, w;
+  Tensor x, topk_idx, topk_weights;
 };
 HostInputs host_inputs(const BenchConfig& c, std::uint64_t seed, int r, std::int64_t T) {
   const std::uint64_t id = static_cast<std::uint64_t>(r) * 1000003ull + static_cast<std::uint64_t>(T);
   HostInputs in;
   in.x = Tensor::empty(DType::bf16, {T, c.hidden});
   fill_bf16(in.x.ptr<bf16_t>(), T * c.hidden, seed, id, 1.0f);
-  in.idx = random_topk(T, c.topk, c.experts, seed ^ (id * 0x9E3779B97F4A7C15ull));
-  in.w = Tensor::empty(DType::fp32, {T, c.topk});
+  in.topk_idx = random_topk(T, c.topk, c.experts, seed ^ (id * 0x9E3779B97F4A7C15ull));
+  in.topk_weights = Tensor::empty(DType::fp32, {T, c.topk});
   std::mt19937_64 rng(seed + id);
   std::uniform_real_distribution<float> u(0.05f, 1.0f);
-  for (std::int64_t i = 0; i < in.w.numel(); ++i) in.w.ptr<float>()[i] = u(rng);
+  for (std::int64_t i = 0; i < in.topk_weights.numel(); ++i) in.topk_weights.ptr<float>()[i] = u(rng);
   return in;
 }
 
@@ -258,7 +258,7 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
     // between two op names of the progress line would share its line.
     std::vector<Sample> measured;
     const HostInputs in = host_inputs(c, seed, r, T);
-    const Matrix m = gather_counts(*g, count_routing(in.idx, c.experts, R), false);
+    const Matrix m = gather_counts(*g, count_routing(in.topk_idx, c.experts, R), false);
 
     // Floor: this rank's remote bytes of the op, memcpy'd while every other rank does the same.
     double floor_bytes = 0;
@@ -304,9 +304,9 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
 
     if (normal) {
       Buffer buf(g, c.options);
-      const DispatchLayout layout = buf.get_dispatch_layout(in.idx, c.experts);
+      const DispatchLayout layout = buf.get_dispatch_layout(in.topk_idx, c.experts);
       const Fp8Tensor q = quantize_fp8(in.x);
-      DispatchArgs a = make_dispatch_args(layout, in.x, in.idx, in.w);
+      DispatchArgs a = make_dispatch_args(layout, in.x, in.topk_idx, in.topk_weights);
       DispatchResult keep, last;  // cleared before each run, so freeing outputs is not timed
       CombineResult last_combine;
       measure("normal", "dispatch_bf16", [&] { keep = {}; }, [&] { keep = buf.dispatch(a); });
@@ -329,8 +329,8 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
       Buffer buf(g, lo);
       LowLatencyDispatchArgs la;
       la.x = in.x;
-      la.topk_idx = in.idx;
-      la.topk_weights = in.w;
+      la.topk_idx = in.topk_idx;
+      la.topk_weights = in.topk_weights;
       la.num_max_dispatch_tokens_per_rank = static_cast<int>(T);
       la.num_experts = c.experts;
       la.use_fp8 = false;
@@ -346,8 +346,8 @@ void cpu_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64
           [&] {
             d = buf.low_latency_dispatch(la);
             ca.x = d.packed_recv_x;
-            ca.topk_idx = in.idx;
-            ca.topk_weights = in.w;
+            ca.topk_idx = in.topk_idx;
+            ca.topk_weights = in.topk_weights;
             ca.handle = &d.handle;
           },
           [&] { buf.low_latency_combine(ca); });
@@ -417,6 +417,206 @@ struct DeviceBytes {
   DeviceBytes& operator=(const DeviceBytes&) = delete;
 };
 
+// What the ops of one gpu_point share: the timing loop, the floor buffers and the samples made.
+class GpuPoint {
+ public:
+  GpuPoint(Group& g, GpuContext& ctx, const BenchConfig& c, const Matrix& m, std::int64_t T,
+           const std::vector<std::string>& ops, bool floors, Collector& col, bool progress)
+      : g_(g), ctx_(ctx), c_(c), m_(m), ops_(ops), floors_(floors), col_(col), progress_(progress) {
+    const int R = g.size();
+    any_ll_ = std::any_of(ops.begin(), ops.end(), [](const std::string& op) { return op.rfind("ll_", 0) == 0; });
+    // Floor buffers: chunk p of src goes to rank p; chunk s of each rank's dst receives from rank s.
+    // (a low-latency combine sends up to K rows per token to a rank: one per (token, k) pair)
+    const double per_token = std::max(row_bytes("dispatch_bf16", c.hidden, c.topk),
+                                      any_ll_ ? c.topk * row_bytes("ll_combine_bf16", c.hidden, c.topk) : 0.0);
+    chunk_ = static_cast<std::size_t>(static_cast<double>(T) * per_token) + 256;
+    dsts_.resize(static_cast<std::size_t>(R));
+    if (floors) {
+      src_.emplace(chunk_ * static_cast<std::size_t>(R));
+      dst_.emplace(chunk_ * static_cast<std::size_t>(R));
+      cuda_check(cudaMemset(src_->p, 1, chunk_ * static_cast<std::size_t>(R)), "cudaMemset");
+      void* mine = dst_->p;
+      g.all_gather(&mine, dsts_.data(), sizeof(void*), "bench.floor_buffers");
+    }
+  }
+
+  bool want(std::string_view op) const { return std::find(ops_.begin(), ops_.end(), op) != ops_.end(); }
+  bool any_ll() const { return any_ll_; }
+
+  // (median, min) over the runs of the slowest rank's time of `fn`. `setup` runs untimed before each run: it
+  // releases the previous run's outputs, so freeing them is not part of the next call's time.
+  std::pair<double, double> timed(const std::function<void()>& fn, const std::function<void()>& setup = {}) {
+    std::vector<double> us;
+    for (int k = 0; k < c_.warmup + c_.runs; ++k) {
+      if (setup) setup();
+      cuda_check(cudaMemsetAsync(ctx_.flush, k & 0xff, ctx_.flush_bytes, nullptr), "L2 flush");
+      cuda_sync_device();
+      g_.barrier("bench.run");
+      cuda_check(cudaEventRecord(ctx_.start, nullptr), "cudaEventRecord");
+      fn();
+      cuda_check(cudaEventRecord(ctx_.stop, nullptr), "cudaEventRecord");
+      cuda_check(cudaEventSynchronize(ctx_.stop), "cudaEventSynchronize");
+      float ms = 0;
+      cuda_check(cudaEventElapsedTime(&ms, ctx_.start, ctx_.stop), "cudaEventElapsedTime");
+      if (k >= c_.warmup) us.push_back(ms * 1000.0);
+    }
+    return col_.reduce(g_, std::move(us));
+  }
+
+  // A measured op's bytes and, with floors, the peer copies and NCCL moving the same bytes; then the sample.
+  void finish(Sample& s) {
+    const int R = g_.size(), r = g_.rank();
+    const double rb = row_bytes(s.op, c_.hidden, c_.topk);
+    s.remote_bytes = m_.remote_units(s.op) * rb;
+    s.logical_bytes = m_.logical_bytes(s.op, c_.hidden);
+    s.ranks = R;
+    if (floors_) {
+      std::vector<std::size_t> send(static_cast<std::size_t>(R)), recv(send.size()), off(send.size());
+      // Bytes of `op` from rank `from` to rank `to`, at most a chunk.
+      const auto bytes = [&](int from, int to) {
+        return std::min(chunk_, static_cast<std::size_t>(static_cast<double>(m_.units(s.op, from, to)) * rb));
+      };
+      for (int p = 0; p < R; ++p) {
+        const auto q = static_cast<std::size_t>(p);
+        off[q] = q * chunk_;
+        send[q] = p == r ? 0 : bytes(r, p);
+        recv[q] = p == r ? 0 : bytes(p, r);
+      }
+      s.floor_us = timed([&] { peer_copies(send, off); }).first;
+      if (ctx_.nccl)
+        s.nccl_us = timed([&] { ctx_.nccl->all_to_all_v(src_->p, send, off, dst_->p, recv, off, nullptr); }).first;
+    }
+    if (progress_ && r == 0) fmt::print(stderr, "{} ", s.op);
+    out_.push_back(s);
+  }
+
+  std::vector<Sample> take_samples() { return std::move(out_); }
+
+ private:
+  // Peer copies, every direction at once: one stream per peer, forked from and joined to the caller's.
+  void peer_copies(const std::vector<std::size_t>& send, const std::vector<std::size_t>& off) {
+    const int R = g_.size(), r = g_.rank();
+    cuda_check(cudaEventRecord(ctx_.fork, nullptr), "cudaEventRecord");
+    for (int p = 0; p < R; ++p) {
+      const auto q = static_cast<std::size_t>(p);
+      if (send[q] == 0) continue;
+      cuda_check(cudaStreamWaitEvent(ctx_.streams[q], ctx_.fork, 0), "cudaStreamWaitEvent");
+      cuda_check(cudaMemcpyPeerAsync(static_cast<char*>(dsts_[q]) + static_cast<std::size_t>(r) * chunk_, p,
+                                     static_cast<char*>(src_->p) + off[q], ctx_.device, send[q], ctx_.streams[q]),
+                 "cudaMemcpyPeerAsync");
+      cuda_check(cudaEventRecord(ctx_.joins[q], ctx_.streams[q]), "cudaEventRecord");
+      cuda_check(cudaStreamWaitEvent(nullptr, ctx_.joins[q], 0), "cudaStreamWaitEvent");
+    }
+  }
+
+  Group& g_;
+  GpuContext& ctx_;
+  const BenchConfig& c_;
+  const Matrix& m_;
+  const std::vector<std::string>& ops_;
+  bool floors_, any_ll_ = false;
+  Collector& col_;
+  bool progress_;
+  std::size_t chunk_ = 0;
+  std::optional<DeviceBytes> src_, dst_;
+  std::vector<void*> dsts_;
+  std::vector<Sample> out_;
+};
+
+// Normal mode of a gpu_point: dispatch_bf16 (also run, untimed in the results, to make combine_bf16's handle),
+// dispatch_fp8 and combine_bf16, those of the point's ops.
+void measure_normal_ops(GpuPoint& point, Buffer& buf, const DispatchArgs& a, const Fp8Tensor& q, const BenchConfig& c,
+                        std::uint64_t seed, int rank, int dev, std::int64_t T, int num_sms) {
+  DispatchResult keep, last;
+  CombineResult last_combine;
+  Tensor cx;
+  for (const char* op : {"dispatch_bf16", "dispatch_fp8", "combine_bf16"}) {
+    if (!point.want(op) && !(std::string_view(op) == "dispatch_bf16" && point.want("combine_bf16"))) continue;
+    Sample s;
+    s.mode = "normal";
+    s.op = op;
+    s.tokens = T;
+    s.num_sms = num_sms;
+    if (std::string_view(op) == "dispatch_bf16") {
+      std::tie(s.median_us, s.min_us) = point.timed([&] { keep = buf.dispatch(a); }, [&] { keep = {}; });
+    } else if (std::string_view(op) == "dispatch_fp8") {
+      DispatchArgs a8 = a;
+      a8.x = q.data;
+      a8.x_scales = q.scales;
+      std::tie(s.median_us, s.min_us) = point.timed([&] { last = buf.dispatch(a8); }, [&] { last = {}; });
+      last = {};
+    } else {
+      Tensor hx = Tensor::empty(DType::bf16, {keep.handle.num_recv_rows, c.hidden});
+      fill_bf16(hx.ptr<bf16_t>(), hx.numel(), seed, 11 + static_cast<std::uint64_t>(rank), 1.0f);
+      cx = to_device(hx, dev);
+      CombineArgs ca;
+      ca.x = cx;
+      ca.handle = &keep.handle;
+      std::tie(s.median_us, s.min_us) =
+          point.timed([&] { last_combine = buf.combine(ca); }, [&] { last_combine = {}; });
+      last_combine = {};
+    }
+    if (!point.want(op)) continue;  // dispatch_bf16 ran only to make the combine's handle
+    point.finish(s);
+  }
+}
+
+// Low-latency mode of a gpu_point: its own buffer (Tmax = T). debug_validate off: it copies topk_idx to the host
+// on each call.
+void measure_low_latency_ops(GpuPoint& point, const std::shared_ptr<Group>& gp, const BenchConfig& c,
+                             const BufferOptions& options, std::uint64_t seed, int dev, std::int64_t T,
+                             const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights) {
+  const int R = gp->size(), r = gp->rank();
+  BufferOptions lo = options;
+  lo.backend = Backend::cuda_ipc;
+  lo.device = dev;
+  lo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, c.hidden, R, 1);  // normal mode unused
+  lo.low_latency_mode = true;
+  lo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(static_cast<int>(T), c.hidden, R, c.experts);
+  lo.debug_validate = false;
+  Buffer llbuf(gp, lo);
+  LowLatencyDispatchArgs la;
+  la.x = x;
+  la.topk_idx = topk_idx;
+  la.topk_weights = topk_weights;
+  la.num_max_dispatch_tokens_per_rank = static_cast<int>(T);
+  la.num_experts = c.experts;
+  Tensor ll_x;  // combine input [E_local, R*T, H]
+  LowLatencyDispatchResult ld;
+  for (const char* op : {"ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine_bf16"}) {
+    if (!point.want(op)) continue;
+    Sample s;
+    s.mode = "low-latency";
+    s.op = op;
+    s.tokens = T;
+    s.num_sms = options.num_sms;
+    if (std::string_view(op) != "ll_combine_bf16") {
+      la.use_fp8 = std::string_view(op) == "ll_dispatch_fp8";
+      std::tie(s.median_us, s.min_us) = point.timed([&] { llbuf.low_latency_dispatch(la); });
+    } else {
+      la.use_fp8 = false;
+      if (!ll_x.defined()) {
+        Tensor hx = Tensor::empty(DType::bf16, {c.experts / R, R * T, c.hidden});
+        fill_bf16(hx.ptr<bf16_t>(), hx.numel(), seed, 13 + static_cast<std::uint64_t>(r), 1.0f);
+        ll_x = to_device(hx, dev);
+      }
+      LowLatencyCombineArgs lc;
+      lc.x = ll_x;
+      lc.topk_idx = topk_idx;
+      lc.topk_weights = topk_weights;
+      // Each run combines the handle of a dispatch made (untimed) just before it.
+      std::tie(s.median_us, s.min_us) = point.timed(
+          [&] {
+            lc.handle = &ld.handle;
+            llbuf.low_latency_combine(lc);
+          },
+          [&] { ld = llbuf.low_latency_dispatch(la); });
+    }
+    point.finish(s);
+  }
+  cuda_sync_device();
+}
+
 // One point on the GPUs at T with `options`: the ops of `ops` (normal mode: dispatch_bf16, dispatch_fp8,
 // combine_bf16; low-latency mode, Tmax = T: ll_dispatch_fp8, ll_dispatch_bf16, ll_combine_bf16), each with floors
 // (peer copies, NCCL) of its bytes when `floors`. Collective; returns the samples on every rank.
@@ -425,177 +625,25 @@ std::vector<Sample> gpu_point(Group& g, const std::shared_ptr<Group>& gp, GpuCon
                               const std::vector<std::string>& ops, bool floors, Collector& col, bool progress) {
   const int R = g.size(), r = g.rank(), dev = ctx.device;
   const HostInputs hin = host_inputs(c, seed, r, T);
-  const Matrix m = gather_counts(g, count_routing(hin.idx, c.experts, R), true);
+  const Matrix m = gather_counts(g, count_routing(hin.topk_idx, c.experts, R), true);
   BufferOptions bo = options;
   bo.backend = Backend::cuda_ipc;
   bo.device = dev;
   bo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(T, c.hidden, R, c.topk);
   Buffer buf(gp, bo);
-  const Tensor x = to_device(hin.x, dev), idx = to_device(hin.idx, dev), w = to_device(hin.w, dev);
+  const Tensor x = to_device(hin.x, dev), topk_idx = to_device(hin.topk_idx, dev),
+               topk_weights = to_device(hin.topk_weights, dev);
   const Fp8Tensor q = quantize_fp8(x);
-  const DispatchLayout layout = buf.get_dispatch_layout(idx, c.experts);
+  const DispatchLayout layout = buf.get_dispatch_layout(topk_idx, c.experts);
   cuda_sync_device();
 
-  // `setup` runs untimed before each run: it releases the previous run's outputs, so freeing them is not
-  // part of the next call's time.
-  auto timed = [&](const std::function<void()>& fn, const std::function<void()>& setup = {}) {
-    std::vector<double> us;
-    for (int k = 0; k < c.warmup + c.runs; ++k) {
-      if (setup) setup();
-      cuda_check(cudaMemsetAsync(ctx.flush, k & 0xff, ctx.flush_bytes, nullptr), "L2 flush");
-      cuda_sync_device();
-      g.barrier("bench.run");
-      cuda_check(cudaEventRecord(ctx.start, nullptr), "cudaEventRecord");
-      fn();
-      cuda_check(cudaEventRecord(ctx.stop, nullptr), "cudaEventRecord");
-      cuda_check(cudaEventSynchronize(ctx.stop), "cudaEventSynchronize");
-      float ms = 0;
-      cuda_check(cudaEventElapsedTime(&ms, ctx.start, ctx.stop), "cudaEventElapsedTime");
-      if (k >= c.warmup) us.push_back(ms * 1000.0);
-    }
-    return col.reduce(g, std::move(us));
-  };
-
-  // Floor buffers: chunk p of src goes to rank p; chunk s of each rank's dst receives from rank s.
-  // (a low-latency combine sends up to K rows per token to a rank: one per (token, k) pair)
-  const bool any_ll = std::any_of(ops.begin(), ops.end(), [](const std::string& op) { return op.rfind("ll_", 0) == 0; });
-  const double per_token = std::max(row_bytes("dispatch_bf16", c.hidden, c.topk),
-                                    any_ll ? c.topk * row_bytes("ll_combine_bf16", c.hidden, c.topk) : 0.0);
-  const std::size_t chunk = static_cast<std::size_t>(static_cast<double>(T) * per_token) + 256;
-  std::optional<DeviceBytes> src, dst;
-  std::vector<void*> dsts(static_cast<std::size_t>(R));
-  if (floors) {
-    src.emplace(chunk * static_cast<std::size_t>(R));
-    dst.emplace(chunk * static_cast<std::size_t>(R));
-    cuda_check(cudaMemset(src->p, 1, chunk * static_cast<std::size_t>(R)), "cudaMemset");
-    void* mine = dst->p;
-    g.all_gather(&mine, dsts.data(), sizeof(void*), "bench.floor_buffers");
-  }
-
-  DispatchArgs a = make_dispatch_args(layout, x, idx, w);
-  DispatchResult keep, last;
-  CombineResult last_combine;
-  Tensor cx;
-  std::vector<Sample> out;
-  auto want = [&](const char* op) { return std::find(ops.begin(), ops.end(), op) != ops.end(); };
-  // A measured op's bytes and, with `floors`, the peer copies and NCCL moving the same bytes; then the sample.
-  const auto finish = [&](Sample& s) {
-    const double rb = row_bytes(s.op, c.hidden, c.topk);
-    s.remote_bytes = m.remote_units(s.op) * rb;
-    s.logical_bytes = m.logical_bytes(s.op, c.hidden);
-    s.ranks = R;
-    if (floors) {
-      std::vector<std::size_t> send(static_cast<std::size_t>(R)), recv(send.size()), off(send.size());
-      for (int p = 0; p < R; ++p) {
-        const auto q2 = static_cast<std::size_t>(p);
-        off[q2] = q2 * chunk;
-        send[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(s.op, r, p)) * rb));
-        recv[q2] = p == r ? 0 : std::min(chunk, static_cast<std::size_t>(static_cast<double>(m.units(s.op, p, r)) * rb));
-      }
-      // Peer copies, every direction at once: one stream per peer, forked from and joined to the caller's.
-      s.floor_us = timed([&] {
-                     cuda_check(cudaEventRecord(ctx.fork, nullptr), "cudaEventRecord");
-                     for (int p = 0; p < R; ++p) {
-                       const auto q2 = static_cast<std::size_t>(p);
-                       if (send[q2] == 0) continue;
-                       cuda_check(cudaStreamWaitEvent(ctx.streams[q2], ctx.fork, 0), "cudaStreamWaitEvent");
-                       cuda_check(cudaMemcpyPeerAsync(static_cast<char*>(dsts[q2]) + static_cast<std::size_t>(r) * chunk, p,
-                                                      static_cast<char*>(src->p) + off[q2], dev, send[q2], ctx.streams[q2]),
-                                  "cudaMemcpyPeerAsync");
-                       cuda_check(cudaEventRecord(ctx.joins[q2], ctx.streams[q2]), "cudaEventRecord");
-                       cuda_check(cudaStreamWaitEvent(nullptr, ctx.joins[q2], 0), "cudaStreamWaitEvent");
-                     }
-                   }).first;
-      if (ctx.nccl)
-        s.nccl_us = timed([&] { ctx.nccl->all_to_all_v(src->p, send, off, dst->p, recv, off, nullptr); }).first;
-    }
-    if (progress && r == 0) fmt::print(stderr, "{} ", s.op);
-    out.push_back(s);
-  };
-  for (const char* op : {"dispatch_bf16", "dispatch_fp8", "combine_bf16"}) {
-    if (!want(op) && !(std::string_view(op) == "dispatch_bf16" && want("combine_bf16"))) continue;
-    Sample s;
-    s.mode = "normal";
-    s.op = op;
-    s.tokens = T;
-    s.num_sms = options.num_sms;
-    if (std::string_view(op) == "dispatch_bf16") {
-      std::tie(s.median_us, s.min_us) = timed([&] { keep = buf.dispatch(a); }, [&] { keep = {}; });
-    } else if (std::string_view(op) == "dispatch_fp8") {
-      DispatchArgs a8 = a;
-      a8.x = q.data;
-      a8.x_scales = q.scales;
-      std::tie(s.median_us, s.min_us) = timed([&] { last = buf.dispatch(a8); }, [&] { last = {}; });
-      last = {};
-    } else {
-      Tensor hx = Tensor::empty(DType::bf16, {keep.handle.num_recv_rows, c.hidden});
-      fill_bf16(hx.ptr<bf16_t>(), hx.numel(), seed, 11 + static_cast<std::uint64_t>(r), 1.0f);
-      cx = to_device(hx, dev);
-      CombineArgs ca;
-      ca.x = cx;
-      ca.handle = &keep.handle;
-      std::tie(s.median_us, s.min_us) = timed([&] { last_combine = buf.combine(ca); }, [&] { last_combine = {}; });
-      last_combine = {};
-    }
-    if (!want(op)) continue;  // dispatch_bf16 ran only to make the combine's handle
-    finish(s);
-  }
-  keep = {};
-
-  // Low-latency mode: its own buffer (Tmax = T). debug_validate off: it copies topk_idx to the host on each call.
-  if (any_ll) {
-    BufferOptions lo = options;
-    lo.backend = Backend::cuda_ipc;
-    lo.device = dev;
-    lo.num_nvl_bytes = Buffer::get_normal_nvl_size_hint(1, c.hidden, R, 1);  // normal mode unused
-    lo.low_latency_mode = true;
-    lo.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(static_cast<int>(T), c.hidden, R, c.experts);
-    lo.debug_validate = false;
-    Buffer llbuf(gp, lo);
-    LowLatencyDispatchArgs la;
-    la.x = x;
-    la.topk_idx = idx;
-    la.topk_weights = w;
-    la.num_max_dispatch_tokens_per_rank = static_cast<int>(T);
-    la.num_experts = c.experts;
-    Tensor ll_x;  // combine input [E_local, R*T, H]
-    LowLatencyDispatchResult ld;
-    for (const char* op : {"ll_dispatch_fp8", "ll_dispatch_bf16", "ll_combine_bf16"}) {
-      if (!want(op)) continue;
-      Sample s;
-      s.mode = "low-latency";
-      s.op = op;
-      s.tokens = T;
-      s.num_sms = options.num_sms;
-      if (std::string_view(op) != "ll_combine_bf16") {
-        la.use_fp8 = std::string_view(op) == "ll_dispatch_fp8";
-        std::tie(s.median_us, s.min_us) = timed([&] { llbuf.low_latency_dispatch(la); });
-      } else {
-        la.use_fp8 = false;
-        if (!ll_x.defined()) {
-          Tensor hx = Tensor::empty(DType::bf16, {c.experts / R, R * T, c.hidden});
-          fill_bf16(hx.ptr<bf16_t>(), hx.numel(), seed, 13 + static_cast<std::uint64_t>(r), 1.0f);
-          ll_x = to_device(hx, dev);
-        }
-        LowLatencyCombineArgs lc;
-        lc.x = ll_x;
-        lc.topk_idx = idx;
-        lc.topk_weights = w;
-        // Each run combines the handle of a dispatch made (untimed) just before it.
-        std::tie(s.median_us, s.min_us) = timed(
-            [&] {
-              lc.handle = &ld.handle;
-              llbuf.low_latency_combine(lc);
-            },
-            [&] { ld = llbuf.low_latency_dispatch(la); });
-      }
-      finish(s);
-    }
-    cuda_sync_device();
-  }
+  GpuPoint point(g, ctx, c, m, T, ops, floors, col, progress);
+  measure_normal_ops(point, buf, make_dispatch_args(layout, x, topk_idx, topk_weights), q, c, seed, r, dev, T,
+                     options.num_sms);
+  if (point.any_ll()) measure_low_latency_ops(point, gp, c, options, seed, dev, T, x, topk_idx, topk_weights);
   cuda_sync_device();
   g.barrier("bench.point_done");  // every rank done with the peers' floor buffers before they are freed
-  return out;
+  return point.take_samples();
 }
 
 void gpu_bench_rank(const std::shared_ptr<Group>& g, const BenchConfig& c, std::uint64_t seed, Collector& col,

@@ -67,6 +67,7 @@ struct RunConfig {
   std::string config;       // --config: BufferOptions tunables (JSON)
   bool topk_given = false;  // --topk on the command line (it must then match a replayed trace's K)
   std::string replay_flags_given;  // --domain / --layer / --offset given (they apply only with --routing)
+  bool domain_given = false;       // --domain given (it applies only when --routing is a directory)
   bool ranks_given = false;
   // Resolved by run():
   DeviceKind kind = DeviceKind::cpu;
@@ -130,15 +131,15 @@ void check_reference(RankResult& res, const RunConfig& c, const Shared& sh, cons
   const std::int64_t S = std::min<std::int64_t>(T, c.check_tokens);
   if (S <= 0) return;
   const int K = static_cast<int>(routing.topk_idx.size(1));
-  Tensor xs = Tensor::empty(DType::bf16, {S, H}), ids = Tensor::empty(DType::int64, {S, K}),
-         ws = Tensor::empty(DType::fp32, {S, K});
+  Tensor xs = Tensor::empty(DType::bf16, {S, H}), topk_idx = Tensor::empty(DType::int64, {S, K}),
+         topk_weights = Tensor::empty(DType::fp32, {S, K});
   std::vector<std::int64_t> picked(static_cast<std::size_t>(S));
   for (std::int64_t s = 0; s < S; ++s) {
     const std::int64_t t = s * T / S;
     picked[static_cast<std::size_t>(s)] = t;
     std::copy_n(hidden.ptr<bf16_t>() + t * H, H, xs.ptr<bf16_t>() + s * H);
-    std::copy_n(routing.topk_idx.ptr<std::int64_t>() + t * K, K, ids.ptr<std::int64_t>() + s * K);
-    std::copy_n(routing.topk_weights.ptr<float>() + t * K, K, ws.ptr<float>() + s * K);
+    std::copy_n(routing.topk_idx.ptr<std::int64_t>() + t * K, K, topk_idx.ptr<std::int64_t>() + s * K);
+    std::copy_n(routing.topk_weights.ptr<float>() + t * K, K, topk_weights.ptr<float>() + s * K);
   }
   Tensor seen = xs;
   if (fp8) {
@@ -149,8 +150,8 @@ void check_reference(RankResult& res, const RunConfig& c, const Shared& sh, cons
   in.hidden = seen;
   in.w1 = sh.model->w1;
   in.w2 = sh.model->w2;
-  in.topk_idx = ids;
-  in.topk_weights = ws;
+  in.topk_idx = topk_idx;
+  in.topk_weights = topk_weights;
   in.activation = sh.activation;
   const std::vector<double> ref = reference_experts_f64(in);
   for (std::int64_t s = 0; s < S; ++s)
@@ -418,62 +419,44 @@ std::vector<RankResult> launch_threads(const RunConfig& c, Shared& sh) {
 
 int report(const RunConfig& c, const std::vector<RankResult>& results, const RoutingTrace* trace, bool print);
 
-int run(RunConfig c) {
-  if (c.backend != "threads" && c.backend != "mpi")
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
-  bool root = true;
-  // Started by mpirun without --backend mpi, every process would run its own independent job: refuse.
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
-    if (const char* n = std::getenv(var); c.backend == "threads" && n != nullptr && std::atoi(n) > 1)
-      bad("--backend", fmt::format("mpi when started by mpirun with several processes ({}={})", var, n), c.backend);
-#if defined(EPMOE_HAVE_MPI)
-  std::optional<MpiSession> session;
-  std::shared_ptr<Group> mpi_group;
-  if (c.backend == "mpi") {
-    session.emplace(nullptr, nullptr);
-    mpi_group = make_mpi_group();
-    // One rank per process of mpirun: --ranks, when given, must say the same (outside mpirun there is 1 process).
-    if (c.ranks_given && c.ranks != mpi_group->size())
-      bad("--ranks", fmt::format("the number of MPI processes ({}: set it with mpirun -np) or nothing with --backend mpi",
-                                 mpi_group->size()),
-          c.ranks);
-    c.ranks = mpi_group->size();
-    root = mpi_group->rank() == 0;
-  }
-#endif
-  Activation act{};
+Activation parse_activation_flag(const std::string& name) {
   try {
-    act = parse_activation(c.activation);
+    return parse_activation(name);
   } catch (const Error& e) {  // the library names its argument 'activation'; on the command line it is the flag
     if (e.code() != ErrorCode::invalid_argument) throw;
     std::string message = e.what();
     if (const auto at = message.find("'activation'"); at != std::string::npos) message.insert(at + 1, "--");
     throw Error(ErrorCode::invalid_argument, message);
   }
-  // CPU or GPU ranks: auto takes the GPUs when there are any, in both modes (low-latency mode on GPUs: the MoE
-  // layer's low-latency prepare/finalize over the cuda_ipc buffer's GPU low-latency mode).
+}
+
+// CPU or GPU ranks, and the experts for them: auto takes the GPUs when there are any, in both modes (low-latency
+// mode on GPUs: the MoE layer's low-latency prepare/finalize over the cuda_ipc buffer's GPU low-latency mode).
+// Returns the visible GPUs (0 on CPU ranks).
+int resolve_devices(RunConfig& c) {
   c.kind = resolve_device(c.device);
-  int gpus = 0;
-  if (c.kind == DeviceKind::cuda) {
-    gpus = cuda_device_count();
-    if (c.experts_impl == "auto") c.experts_impl = "cuda";
-    if (c.experts_impl != "cuda")
-      bad("--experts-impl", "cuda or auto on GPU ranks (or --device cpu)", c.experts_impl);
-    if (c.backend == "threads") {
-      if (!c.ranks_given) {  // one rank per local GPU (the most GPUs whose count divides E)
-        c.ranks = gpus;
-        while (c.experts >= 1 && c.ranks > 1 && c.experts % c.ranks != 0) --c.ranks;
-        if (c.ranks < gpus) fmt::print(stderr, "note: {} of the {} GPUs, so that they divide --experts {}\n", c.ranks, gpus, c.experts);
-      }
-      if (c.ranks > gpus) bad("--ranks", fmt::format("at most the {} visible GPUs (one rank per GPU)", gpus), c.ranks);
-    }
-  } else {
+  if (c.kind == DeviceKind::cpu) {
     if (c.experts_impl == "auto") c.experts_impl = "blas";
     if (c.experts_impl == "cuda") bad("--experts-impl", "blas or reference on CPU ranks (cuda needs --device cuda)", c.experts_impl);
+    return 0;
   }
-  apply_config_flag(c.config, c.buffer_options);
-  if (!c.config.empty() && c.kind == DeviceKind::cpu && root)
-    fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
+  const int gpus = cuda_device_count();
+  if (c.experts_impl == "auto") c.experts_impl = "cuda";
+  if (c.experts_impl != "cuda")
+    bad("--experts-impl", "cuda or auto on GPU ranks (or --device cpu)", c.experts_impl);
+  if (c.backend == "threads") {
+    if (!c.ranks_given) {  // one rank per local GPU (the most GPUs whose count divides E)
+      c.ranks = gpus;
+      while (c.experts >= 1 && c.ranks > 1 && c.experts % c.ranks != 0) --c.ranks;
+      if (c.ranks < gpus) fmt::print(stderr, "note: {} of the {} GPUs, so that they divide --experts {}\n", c.ranks, gpus, c.experts);
+    }
+    if (c.ranks > gpus) bad("--ranks", fmt::format("at most the {} visible GPUs (one rank per GPU)", gpus), c.ranks);
+  }
+  return gpus;
+}
+
+// The sizes and counts of the job, each named by its flag.
+void check_job_flags(const RunConfig& c) {
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
   if (c.kind == DeviceKind::cpu && c.backend == "threads" && c.experts_impl == "blas" &&
       c.ranks > blas_experts_max_concurrent_threads())
@@ -507,76 +490,124 @@ int run(RunConfig c) {
   if (c.chunk_size < 0) bad("--chunk-size", ">= 0", c.chunk_size);
   if (c.iters < 1) bad("--iters", ">= 1", c.iters);
   if (!c.json.empty()) check_writable("--json", c.json);
+}
 
+// The trace of --routing, checked against the other flags; --topk becomes the trace's K.
+RoutingTrace load_replayed_trace(RunConfig& c, bool root) {
+  // A file names its own domain: a --domain beside it would be silently ignored, so the pair is refused.
+  if (c.domain_given && std::filesystem::exists(c.routing) && !std::filesystem::is_directory(c.routing))
+    bad("--domain",
+        fmt::format("nothing when --routing is a file (its name, {}, gives the domain; --domain picks a "
+                    "DOMAIN.topk_idx.npy of a --routing directory)",
+                    std::filesystem::path(c.routing).filename().string()),
+        c.domain);
   RoutingTrace trace;
+  try {
+    trace = load_routing_trace(c.routing, c.domain);
+  } catch (const Error& e) {
+    // The library names its argument 'routing'; on the command line it is the flag.
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    std::string message = e.what();
+    if (const auto at = message.find("'routing"); at != std::string::npos) message.insert(at + 1, "--");
+    throw Error(ErrorCode::invalid_argument, message);
+  }
+  if (c.layer >= trace.num_layers()) bad("--layer", fmt::format("in [0, {})", trace.num_layers()), c.layer);
+  // Ranks take tokens from the offset on, wrapping at the end: an offset past the trace means nothing.
+  if (c.offset >= trace.num_tokens())
+    bad("--offset", fmt::format("in [0, {}) (the tokens of --routing)", trace.num_tokens()), c.offset);
+  if (c.experts % trace.num_experts != 0)
+    bad("--experts", fmt::format("a multiple of the trace's {} experts", trace.num_experts), c.experts);
+  if (c.topk_given && c.topk != trace.num_topk())
+    bad("--topk", fmt::format("the trace's K = {} (or nothing) with --routing", trace.num_topk()), c.topk);
+  c.topk = trace.num_topk();
+  if (root && c.offset + c.ranks * c.tokens > trace.num_tokens())
+    fmt::print("note: tokens [{}, {}) wrap around the trace's {} recorded tokens\n", c.offset,
+               c.offset + c.ranks * c.tokens, trace.num_tokens());
+  if (root)
+    fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
+               trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
+  return trace;
+}
+
+// Host memory the job needs, roughly, against the machine's: an impossible size is named here, not by a failed
+// allocation (or the OOM killer) later. The bf16 weights of every expert; per rank its tokens, their K copies after
+// dispatch and the expert intermediates; the buffers of the CPU transport: normal mode's count exchange and
+// handles, which grow with R^2 per rank (threads_normal_bytes_per_rank; ranks that are threads of this process),
+// or the low-latency window (E_local x R x T rows and an R x T staging area).
+void check_job_memory(const RunConfig& c, Activation act) {
+  const double weights = static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2;
+  double per_rank = static_cast<double>(c.tokens) * (c.hidden * 2.0 * (3 + c.topk) + 4.0 * c.intermediate * c.topk);
+  if (c.kind == DeviceKind::cpu && c.mode == "normal") {
+    per_rank += threads_normal_bytes_per_rank(c.ranks, c.tokens, 1);
+  } else if (c.kind == DeviceKind::cpu) {
+    // R x T >= 2^31 is beyond the library's limit (and any memory): counted as such. Settings the window
+    // cannot have (more than 1024 experts per rank) are left for the layer to name.
+    if (static_cast<double>(c.tokens) * c.ranks >= 2147483648.0) {
+      per_rank += 1e30;
+    } else {
+      try {
+        per_rank += static_cast<double>(
+            Buffer::get_low_latency_rdma_size_hint(static_cast<int>(c.tokens), c.hidden, c.ranks, c.experts));
+      } catch (const Error&) {
+      }
+    }
+  }
+  // With MPI each process holds its own rank's share; the machine's memory is still shared by all of them.
+  check_host_memory(weights + per_rank * c.ranks, "--ranks/--tokens/--hidden/--experts/--intermediate",
+                    fmt::format("weights {:.1f} GiB, {} ranks' tokens and buffers {:.1f} GiB", weights / 1073741824.0,
+                                c.ranks, per_rank * c.ranks / 1073741824.0));
+}
+
+void print_run_header(const RunConfig& c) {
+  const std::string where =
+      c.kind == DeviceKind::cuda
+          ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
+                        c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
+          : fmt::format("{} CPU rank{} ({}; {})", c.ranks, c.ranks == 1 ? "" : "s", c.backend,
+                        cpu_ranks_reason(c.device));
+  fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
+             where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
+             c.experts_impl);
+}
+
+int run(RunConfig c) {
+  if (c.backend != "threads" && c.backend != "mpi")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
+  bool root = true;
+  // Started by mpirun without --backend mpi, every process would run its own independent job: refuse.
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char* n = std::getenv(var); c.backend == "threads" && n != nullptr && std::atoi(n) > 1)
+      bad("--backend", fmt::format("mpi when started by mpirun with several processes ({}={})", var, n), c.backend);
+#if defined(EPMOE_HAVE_MPI)
+  std::optional<MpiSession> session;
+  std::shared_ptr<Group> mpi_group;
+  if (c.backend == "mpi") {
+    session.emplace(nullptr, nullptr);
+    mpi_group = make_mpi_group();
+    // One rank per process of mpirun: --ranks, when given, must say the same (outside mpirun there is 1 process).
+    if (c.ranks_given && c.ranks != mpi_group->size())
+      bad("--ranks", fmt::format("the number of MPI processes ({}: set it with mpirun -np) or nothing with --backend mpi",
+                                 mpi_group->size()),
+          c.ranks);
+    c.ranks = mpi_group->size();
+    root = mpi_group->rank() == 0;
+  }
+#endif
+  const Activation act = parse_activation_flag(c.activation);
+  const int gpus = resolve_devices(c);
+  apply_config_flag(c.config, c.buffer_options);
+  if (!c.config.empty() && c.kind == DeviceKind::cpu && root)
+    fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
+  check_job_flags(c);
+
   const bool replay = !c.routing.empty();
   if (!replay && !c.replay_flags_given.empty() && root)
     fmt::print(stderr, "note: ignored without --routing: {} (the routing is random here)\n", c.replay_flags_given);
-  if (replay) {
-    try {
-      trace = load_routing_trace(c.routing, c.domain);
-    } catch (const Error& e) {
-      // The library names its argument 'routing'; on the command line it is the flag.
-      if (e.code() != ErrorCode::invalid_argument) throw;
-      std::string message = e.what();
-      if (const auto at = message.find("'routing"); at != std::string::npos) message.insert(at + 1, "--");
-      throw Error(ErrorCode::invalid_argument, message);
-    }
-    if (c.layer >= trace.num_layers()) bad("--layer", fmt::format("in [0, {})", trace.num_layers()), c.layer);
-    // Ranks take tokens from the offset on, wrapping at the end: an offset past the trace means nothing.
-    if (c.offset >= trace.num_tokens())
-      bad("--offset", fmt::format("in [0, {}) (the tokens of --routing)", trace.num_tokens()), c.offset);
-    if (c.experts % trace.num_experts != 0)
-      bad("--experts", fmt::format("a multiple of the trace's {} experts", trace.num_experts), c.experts);
-    if (c.topk_given && c.topk != trace.num_topk())
-      bad("--topk", fmt::format("the trace's K = {} (or nothing) with --routing", trace.num_topk()), c.topk);
-    c.topk = trace.num_topk();
-    if (root && c.offset + c.ranks * c.tokens > trace.num_tokens())
-      fmt::print("note: tokens [{}, {}) wrap around the trace's {} recorded tokens\n", c.offset,
-                 c.offset + c.ranks * c.tokens, trace.num_tokens());
-    if (root)
-      fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
-               trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
-  }
-  {
-    // Host memory the job needs, roughly, against the machine's: an impossible size is named here, not by a
-    // failed allocation (or the OOM killer) later. The bf16 weights of every expert; per rank its tokens, their
-    // K copies after dispatch and the expert intermediates; the buffers of the CPU transport: normal mode's count
-    // exchange and handles, which grow with R^2 per rank (threads_normal_bytes_per_rank; ranks that are
-    // threads of this process), or the low-latency window (E_local x R x T rows and an R x T staging area).
-    const double weights = static_cast<double>(c.experts) * (is_gated(act) ? 3 : 2) * c.intermediate * c.hidden * 2;
-    double per_rank = static_cast<double>(c.tokens) * (c.hidden * 2.0 * (3 + c.topk) + 4.0 * c.intermediate * c.topk);
-    if (c.kind == DeviceKind::cpu && c.mode == "normal") {
-      per_rank += threads_normal_bytes_per_rank(c.ranks, c.tokens, 1);
-    } else if (c.kind == DeviceKind::cpu) {
-      // R x T >= 2^31 is beyond the library's limit (and any memory): counted as such. Settings the window
-      // cannot have (more than 1024 experts per rank) are left for the layer to name.
-      if (static_cast<double>(c.tokens) * c.ranks >= 2147483648.0) {
-        per_rank += 1e30;
-      } else {
-        try {
-          per_rank += static_cast<double>(
-              Buffer::get_low_latency_rdma_size_hint(static_cast<int>(c.tokens), c.hidden, c.ranks, c.experts));
-        } catch (const Error&) {
-        }
-      }
-    }
-    // With MPI each process holds its own rank's share; the machine's memory is still shared by all of them.
-    check_host_memory(weights + per_rank * c.ranks, "--ranks/--tokens/--hidden/--experts/--intermediate",
-                      fmt::format("weights {:.1f} GiB, {} ranks' tokens and buffers {:.1f} GiB", weights / 1073741824.0,
-                                  c.ranks, per_rank * c.ranks / 1073741824.0));
-  }
-  if (root) {
-    const std::string where =
-        c.kind == DeviceKind::cuda
-            ? fmt::format("{} GPU ranks ({} x {}, cuda_ipc over a {} group, num_sms {})", c.ranks, c.ranks, device_name(0),
-                          c.backend, c.buffer_options.num_sms == 0 ? std::string("default") : std::to_string(c.buffer_options.num_sms))
-            : fmt::format("{} CPU rank{} ({}; {})", c.ranks, c.ranks == 1 ? "" : "s", c.backend,
-                          cpu_ranks_reason(c.device));
-    fmt::print("epmoe {} run: {}, T={} per rank, H={}, E={}, K={}, N={}, {} mode, {} dispatch, {}, experts={}\n", version(),
-               where, c.tokens, c.hidden, c.experts, c.topk, c.intermediate, c.mode, c.dispatch_dtype, c.activation,
-               c.experts_impl);
-  }
+  RoutingTrace trace;
+  if (replay) trace = load_replayed_trace(c, root);
+  check_job_memory(c, act);
+  if (root) print_run_header(c);
+
   const auto tg = Clock::now();
   if (root)
     fmt::print(stderr, "  generating expert weights ({:.0f} MiB)...\n",
@@ -601,6 +632,7 @@ int run(RunConfig c) {
   for (int r = 0; r < group->size(); ++r) results.push_back(unpack(all.data() + r * mine.size(), c.iters));
   return report(c, results, sh.trace, group->rank() == 0);
 #else
+  (void)gpus;
   throw Error(ErrorCode::unsupported, "epmoe: --backend mpi: this epmoe was built without MPI");
 #endif
 }
@@ -710,7 +742,9 @@ std::function<int()> add_run_command(CLI::App& app) {
                   "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file; .npy files DOMAIN.topk_idx "
                   "(int16 [tokens, layers, K], ids in [-1, 64)) and DOMAIN.topk_weights (float32, same shape, finite)")
       ->check(non_empty_input());
-  cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory")->capture_default_str();
+  cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory (refused with a --routing file: "
+                                        "the file's name gives its domain)")
+      ->capture_default_str();
   cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
   cmd->add_option("--offset", c.offset,
                   "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
@@ -724,6 +758,7 @@ std::function<int()> add_run_command(CLI::App& app) {
     config->topk_given = cmd->count("--topk") > 0;
     for (const char* flag : {"--domain", "--layer", "--offset"})
       if (cmd->count(flag) > 0) config->replay_flags_given += (config->replay_flags_given.empty() ? "" : ", ") + std::string(flag);
+    config->domain_given = cmd->count("--domain") > 0;
     config->ranks_given = cmd->count("--ranks") > 0;
     return run(*config);
   };
