@@ -2,15 +2,16 @@
 # Gathers the C++ libraries epmoe builds against (fmt, spdlog, nlohmann_json, CLI11, OpenBLAS with its
 # Fortran runtime) from this machine's Debian packages into one relocatable prefix, for a machine that has
 # a compiler and CUDA but not these -dev packages (the GPU machines): carry the prefix there and
-# python/tests/gpu/run_gpu_tests.sh builds against it (CMAKE_PREFIX_PATH, LD_LIBRARY_PATH).
+# `scripts/gpu_check.sh python` builds the Python package against it (CMAKE_PREFIX_PATH, LD_LIBRARY_PATH).
 #
-#   python/tests/gpu/make_deps_prefix.sh [PREFIX]     # default build/h3-py-deps (ignored by git), ~42 MB
+#   scripts/gpu/make_deps_prefix.sh [PREFIX]     # default build/deps (ignored by git), ~42 MB
+#   scripts/gpu_check.sh deps                    # the same
 #
 # The CMake package files of these packages compute their prefix from their own location, so the copy
 # works wherever it lands. Needs scripts/setup.sh's packages installed here.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
-PREFIX="${1:-$ROOT/build/h3-py-deps}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PREFIX="${1:-$ROOT/build/deps}"
 ARCH="$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)"
 LIB="$PREFIX/lib/$ARCH"
 rm -rf "$PREFIX"

@@ -1,0 +1,66 @@
+# Part `anchors` of scripts/gpu_check.sh (sourced): the systems epmoe is measured against, built and run on the
+# same GPU machine in the same call, so their figures and epmoe's share the hardware (ratios, not absolutes).
+#
+#   scripts/gpu_check.sh anchors --anchors DIR
+#
+# DIR: DeepEP's source folder (the one holding setup.py and tests/; DeepEP V1 at commit 567632d is what epmoe's
+# Python Buffer follows), or a folder holding it as src/. Without DIR, or when it does not exist, the part is
+# skipped with a note. It travels to the GPU machine only inside the checkout: copy it into an ignored folder of
+# the tree and name that folder in the call's carry list.
+#
+# The source is copied to a temporary folder and built there with `python3 setup.py build_ext --inplace`
+# (TORCH_CUDA_ARCH_LIST 9.0, NVSHMEM from the nvidia-nvshmem wheel; CUDA 13's CCCL headers and, when the machine has
+# no rdma-core headers, DIR/../fallback_include added to CPATH), then its tests/test_low_latency.py runs with
+# --num-processes 1 (one GPU; DeepEP's intranode kernels need 2, 4 or 8 ranks) at DeepEP's decode shapes.
+# Logs: deepep_build.log, deepep_low_latency.log; the timing lines are copied into the summary.
+part_anchors() {
+  part_begin anchors 570
+  local dir="${ANCHORS_DIR:-}"
+  if [ -z "$dir" ]; then
+    skip "DeepEP low-latency test" "no --anchors DIR given (DeepEP's source folder)"
+    return
+  fi
+  [ -f "$dir/setup.py" ] || { [ -f "$dir/src/setup.py" ] && dir="$dir/src"; }
+  if [ ! -f "$dir/setup.py" ]; then
+    skip "DeepEP low-latency test" "$dir holds no DeepEP source (no setup.py)"
+    return
+  fi
+  dir="$(cd "$dir" && pwd)"
+  local py="${EPMOE_PYTHON:-python3}" work
+  work="$(mktemp -d /tmp/epmoe-deepep.XXXXXX)"
+  cp -a "$dir/." "$work/"
+  local cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+  [ -x "$cuda_home/bin/nvcc" ] || cuda_home="$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /x/x)")")"
+  export CUDA_HOME="$cuda_home" PATH="$cuda_home/bin:$PATH"
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}" DISABLE_SM90_FEATURES=0
+  # CUDA 13 keeps cuda/std (needed by NVSHMEM's headers, compiled by g++) under include/cccl.
+  [ -d "$cuda_home/include/cccl" ] && export CPATH="$cuda_home/include/cccl${CPATH:+:$CPATH}"
+  if [ ! -f /usr/include/infiniband/mlx5dv.h ] && [ -d "$dir/../fallback_include" ]; then
+    export CPATH="${CPATH:+$CPATH:}$(cd "$dir/../fallback_include" && pwd)"
+  fi
+  # setup.py links -lcuda: the toolkit's stub when the linker finds no libcuda.so.
+  if ! echo 'int main(){return 0;}' | g++ -x c++ - -o "$work/lcuda_probe" -lcuda >/dev/null 2>&1 &&
+     [ -e "$cuda_home/lib64/stubs/libcuda.so" ]; then
+    export LIBRARY_PATH="$cuda_home/lib64/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  fi
+  local nvshmem
+  nvshmem="$("$py" -c 'import importlib.util as u; print(u.find_spec("nvidia.nvshmem").submodule_search_locations[0])' \
+    2>/dev/null)"
+  [ -n "$nvshmem" ] && export LD_LIBRARY_PATH="$nvshmem/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  note "DeepEP source $dir, built in $work; NVSHMEM ${nvshmem:-not found (setup.py then drops the low-latency kernels)}"
+  local t0=$SECONDS
+  step "DeepEP build (setup.py build_ext --inplace)" 420 bash -c 'cd "$1" && shift && "$@" >"$0" 2>&1' \
+    "$RESULTS/deepep_build.log" "$work" "$py" setup.py build_ext --inplace
+  if ! ls "$work"/deep_ep_cpp*.so >/dev/null 2>&1; then
+    note "DeepEP did not build (after $((SECONDS - t0)) s); the end of deepep_build.log:"
+    grep -E 'error|FAILED' "$RESULTS/deepep_build.log" | head -10 | tee -a "$LOG"
+    return
+  fi
+  # tests/utils.py reads WORLD_SIZE / RANK as the node count / node rank: keep them unset.
+  step "DeepEP test_low_latency.py --num-processes 1" 150 env -u WORLD_SIZE -u RANK -u LOCAL_RANK \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29500 + RANDOM % 2000)) PYTHONPATH="$work${PYTHONPATH:+:$PYTHONPATH}" \
+    bash -c 'cd "$1/tests" && shift && "$@" >"$0" 2>&1' "$RESULTS/deepep_low_latency.log" "$work" \
+    "$py" test_low_latency.py --num-processes 1 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256
+  ANCHOR_LINES="$(grep -E '\[rank [0-9]+\] (Dispatch|Combine)' "$RESULTS/deepep_low_latency.log" 2>/dev/null)"
+  [ -n "$ANCHOR_LINES" ] && note "$ANCHOR_LINES"
+}

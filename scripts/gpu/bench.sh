@@ -1,0 +1,64 @@
+# Parts `bench` and `ab` of scripts/gpu_check.sh (sourced). Every figure is the benchmark's own method (median of
+# >= 50 runs after warm-up, L2 flushed, floors measured in the same run: docs/semantics.md section 12).
+
+# bench: every bench_gpu_* binary of the build, JSON of each to the results.
+part_bench() {
+  part_begin bench 570
+  local b name benches=()
+  mapfile -t benches < <(find "$BUILD/bench" -maxdepth 1 -name 'bench_gpu_*' -type f -executable 2>/dev/null | sort)
+  if [ ${#benches[@]} -eq 0 ]; then
+    ensure_built bench_gpu_stages:bench/bench_gpu_stages bench_gpu_experts:bench/bench_gpu_experts \
+      bench_gpu_moe_layer:bench/bench_gpu_moe_layer bench_gpu_normal_mode:bench/bench_gpu_normal_mode \
+      bench_gpu_low_latency:bench/bench_gpu_low_latency bench_gpu_peer_store:bench/bench_gpu_peer_store ||
+      { fail build "binaries missing"; return; }
+    mapfile -t benches < <(find "$BUILD/bench" -maxdepth 1 -name 'bench_gpu_*' -type f -executable | sort)
+  fi
+  report_missing_libraries "${benches[@]}"
+  for b in "${benches[@]}"; do
+    name="$(basename "$b")"
+    if "$b" --help 2>&1 | grep -q benchmark_filter; then
+      step "$name" 120 "$b" --benchmark_out="$RESULTS/$name.json" --benchmark_out_format=json
+    else
+      step "$name" 120 "$b" --json "$RESULTS/$name.json"
+    fi
+    BENCHES_RUN+=("$name")
+  done
+}
+
+# ab_run TAG ARGS...: one bench_gpu_normal_mode run of the A/B, its JSON as TAG.json; its table rows printed.
+ab_run() {
+  local tag="$1"
+  shift
+  step "normal mode: $tag" 90 "$AB_BENCH" --runs 50 "$@" --json "$RESULTS/ab_$tag.json"
+  awk -v s="== normal mode: $tag " 'index($0, s) == 1 {p=1; next} p && /^   -> /{p=0} p && /^(peer copy|\| (dispatch|combine))/' \
+    "$LOG"
+}
+
+# ab: the normal-mode A/B on 2 or more GPUs, in one call, every run bench_gpu_normal_mode (median of 50, floors in
+# the same run): the copy-engine default against the zero-copy dispatch (--recv-slots 2) at 16..64 blocks and the
+# SM-store path (--copy-engine 0: dispatch and combine by SM stores), then recorded OLMoE routing and K = 2 for the
+# default and zero-copy at 48 blocks, and a traced zero-copy run. The most important runs come first, so a run cut
+# short by the budget still has them.
+part_ab() {
+  part_begin ab 570
+  ensure_built bench_gpu_normal_mode:bench/bench_gpu_normal_mode || { fail build "binaries missing"; return; }
+  AB_BENCH="$BUILD/bench/bench_gpu_normal_mode"
+  export EPMOE_TIMEOUT_S="${EPMOE_TIMEOUT_S:-20}"
+  if [ "$(gpu_count)" -lt 2 ]; then
+    note "ab: fewer than 2 GPUs: the runs measure one rank's fixed cost (no NVLink)"
+  fi
+  ab_run default
+  ab_run zero_copy_48 --recv-slots 2 --sms 48
+  ab_run zero_copy_32 --recv-slots 2 --sms 32
+  ab_run zero_copy_24 --recv-slots 2 --sms 24
+  ab_run zero_copy_16 --recv-slots 2 --sms 16
+  ab_run zero_copy_64 --recv-slots 2 --sms 64  # SM stores over NVLink may want more SMs than the copy engines
+  ab_run sm_stores_24 --copy-engine 0
+  ab_run sm_stores_48 --copy-engine 0 --sms 48
+  ab_run olmoe_zero_copy_48 --recv-slots 2 --sms 48 --routing "$ROOT/tests/data/olmoe-routing"
+  ab_run k2_zero_copy_48 --recv-slots 2 --sms 48 --topk 2
+  ab_run olmoe_default --routing "$ROOT/tests/data/olmoe-routing"
+  ab_run k2_default --topk 2
+  step "normal mode: traced zero_copy_48" 90 env EPMOE_CUDA_IPC_TRACE=1 "$AB_BENCH" --runs 50 --recv-slots 2 \
+    --sms 48 --json "$RESULTS/ab_trace_zero_copy_48.json"
+}
