@@ -4,10 +4,13 @@
 #include <epmoe/replay.hpp>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "moe/weight_and_reduce.hpp"
 #include "support/moe_reference.hpp"
@@ -278,26 +281,57 @@ TEST(MoELayer, StagesMustRunInOrder) {
   EXPECT_EQ(hooks, 2);
 }
 
-TEST(MoELayer, SharedExpertsRunBesideAndComeBack) {
+// The shared experts run beside the routed path, not before or after it: on 2 ranks (normal mode), rank 0's
+// shared experts wait until rank 1's whole forward has returned, which needs rank 0's dispatch and combine. Run
+// in sequence, rank 1 would wait in dispatch for rank 0 while rank 0 waits here: the bounded wait would run out.
+// The outputs: routed against the float64 layer reference, shared exactly 2 * x (exact in bf16).
+TEST(MoELayer, SharedExpertsRunBesideTheDispatchAndComeBack) {
   std::mt19937_64 rng(fresh_seed());
-  const Problem p = make_problem(rng, 1, 8, 2, 8, 128, 64);
-  SharedExperts shared = [](const TensorView& h) {
-    Tensor t = Tensor::empty(DType::bf16, h.shape);
-    for (std::int64_t i = 0; i < t.numel(); ++i) t.ptr<bf16_t>()[i] = float_to_bf16(2.0f * bf16_to_float(h.ptr<bf16_t>()[i]));
-    return t;
-  };
-  MoELayer layer(make_no_ep_prepare_finalize(), make_blas_experts(), shared);
-  MoEForwardArgs a;
-  a.hidden = p.x[0];
-  a.w1 = p.w1;
-  a.w2 = p.w2;
-  a.topk_idx = p.topk_idx[0];
-  a.topk_weights = p.topk_weights[0];
-  a.global_num_experts = p.E;
-  const auto r = layer.forward(a);
-  ASSERT_TRUE(r.shared_output.defined());
-  for (std::int64_t i = 0; i < r.shared_output.numel(); ++i)
-    ASSERT_EQ(bf16_to_float(r.shared_output.ptr<bf16_t>()[i]), 2.0f * bf16_to_float(p.x[0].ptr<bf16_t>()[i]));
+  const Problem p = make_problem(rng, 2, 8, 2, 8, 128, 64);
+  std::atomic<bool> rank1_returned{false}, rank0_saw_it{false};
+  std::vector<Tensor> routed(2), shared_out(2);
+  run_thread_ranks(2, [&](Group& g) {
+    const int r = g.rank(), E_local = p.E / p.R;
+    std::shared_ptr<Group> group(std::shared_ptr<Group>{}, &g);
+    SharedExperts shared = [&, r](const TensorView& h) {
+      if (r == 0) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!rank1_returned.load() && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        rank0_saw_it = rank1_returned.load();
+      }
+      Tensor t = Tensor::empty(DType::bf16, h.shape);
+      for (std::int64_t i = 0; i < t.numel(); ++i)
+        t.ptr<bf16_t>()[i] = float_to_bf16(2.0f * bf16_to_float(h.ptr<bf16_t>()[i]));
+      return t;
+    };
+    MoELayer layer(make_normal_prepare_finalize(std::make_shared<Buffer>(group)), make_blas_experts(), shared);
+    MoEForwardArgs a;
+    a.hidden = p.x[static_cast<std::size_t>(r)];
+    a.w1 = p.w1.view().slice_rows(r * E_local, (r + 1) * E_local);
+    a.w2 = p.w2.view().slice_rows(r * E_local, (r + 1) * E_local);
+    a.topk_idx = p.topk_idx[static_cast<std::size_t>(r)];
+    a.topk_weights = p.topk_weights[static_cast<std::size_t>(r)];
+    a.global_num_experts = p.E;
+    const auto res = layer.forward(a);
+    if (r == 1) rank1_returned = true;
+    routed[static_cast<std::size_t>(r)] = res.output;
+    shared_out[static_cast<std::size_t>(r)] = res.shared_output;
+  });
+  EXPECT_TRUE(rank0_saw_it.load()) << "rank 0's shared experts did not overlap its dispatch and combine";
+  const auto want = test::moe_layer_reference(concat_rows(p.x), p.w1, p.w2, concat_rows(p.topk_idx),
+                                              concat_rows(p.topk_weights), p.activation, false);
+  EXPECT_LE(test::relative_l2(concat_rows(routed), want), 1e-2);
+  for (int r = 0; r < 2; ++r) {
+    const Tensor& got = shared_out[static_cast<std::size_t>(r)];
+    const Tensor& x = p.x[static_cast<std::size_t>(r)];
+    ASSERT_TRUE(got.defined());
+    ASSERT_EQ(got.shape(), x.shape());
+    for (std::int64_t i = 0; i < got.numel(); ++i)
+      ASSERT_EQ(static_cast<double>(bf16_to_float(got.ptr<bf16_t>()[i])),
+                2.0 * static_cast<double>(bf16_to_float(x.ptr<bf16_t>()[i])))
+          << "rank " << r << " element " << i;
+  }
 }
 
 TEST(WeightAndReduce, ContiguousAndNaiveBatchedMatchHandSums) {
