@@ -21,7 +21,6 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -72,7 +71,8 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
         buffer_id_(buffer_id),
         device_(device),
         num_rdma_bytes_(o.num_rdma_bytes),
-        debug_validate_(o.debug_validate) {
+        debug_validate_(o.debug_validate),
+        separate_quant_(o.low_latency_separate_quant) {
     R_ = group_->size();
     me_ = group_->rank();
     EPMOE_CHECK_ARG(R_ <= ll::kMaxRanks, "group", fmt::format("at most {} ranks (one NVLink host)", ll::kMaxRanks), R_);
@@ -85,10 +85,6 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
     timeout_ns_ = static_cast<long long>(group_->timeout_s() * 1e9);
-    // EPMOE_CUDA_IPC_LL_QUANT=separate: fp8 rows quantized by the library's quantizer into a scratch first (one
-    // more launch) instead of inside the send kernel (A/B and diagnosis; both give the CPU's bits).
-    const char* quant = std::getenv("EPMOE_CUDA_IPC_LL_QUANT");
-    separate_quant_ = quant != nullptr && std::string_view(quant) == "separate";
   }
 
   ~CudaIpcLowLatencyImpl() override {
@@ -172,7 +168,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   int device_ = 0, R_ = 0, me_ = 0;
   std::int64_t num_rdma_bytes_ = 0;
   bool debug_validate_ = true;
-  bool separate_quant_ = false;  // EPMOE_CUDA_IPC_LL_QUANT=separate
+  bool separate_quant_ = false;  // BufferOptions::low_latency_separate_quant
   long long timeout_ns_ = 0;
   Config config_;
   LowLatencyMode::Layout layout_;

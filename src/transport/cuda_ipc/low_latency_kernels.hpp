@@ -61,8 +61,8 @@ struct Common : low_latency_protocol::Layout {
 struct DispatchSendArgs {
   const void* x = nullptr;  ///< bf16 [T, H] rows of x_stride elements (bf16 dispatch)
   long long x_stride = 0;
-  /// fp8 with EPMOE_CUDA_IPC_LL_QUANT=separate: quantized rows + scales, record_bytes apart (device scratch); null:
-  /// an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
+  /// fp8 with BufferOptions::low_latency_separate_quant: quantized rows + scales, record_bytes apart (device
+  /// scratch); null: an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
   const void* records = nullptr;
   const void* topk_idx = nullptr;  ///< [T, K] contiguous
   bool idx64 = true;

@@ -229,19 +229,15 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
     data_bytes_ = o.num_nvl_bytes;
     use_copy_engine_ = o.use_copy_engine;
     copy_engine_min_rows_ = o.copy_engine_min_rows;
-    // EPMOE_CUDA_IPC_COPY_ENGINE=0|1 overrides the option (diagnosis: the same program on both paths).
-    if (const char* ce = std::getenv("EPMOE_CUDA_IPC_COPY_ENGINE"); ce != nullptr && *ce != '\0')
-      use_copy_engine_ = std::string_view(ce) != "0";
-    // EPMOE_CUDA_IPC_COMBINE_PUSH=sm: the copy-engine combine's pushes by SM stores (A/B measurement).
-    if (const char* push = std::getenv("EPMOE_CUDA_IPC_COMBINE_PUSH"); push != nullptr)
-      combine_sm_push_ = std::string_view(push) == "sm";
+    combine_sm_push_ = o.combine_sm_push;
     chunks_ = o.num_chunks == 0 ? ipc::kDefaultChunks : o.num_chunks;
     EPMOE_CHECK_ARG(chunks_ >= 1 && chunks_ <= ipc::kMaxChunks, "options.num_chunks",
                     fmt::format("0 (default {}) or 1..{}", ipc::kDefaultChunks, ipc::kMaxChunks), o.num_chunks);
-    const std::array<Setting, 5> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_},
+    const std::array<Setting, 6> settings = {Setting{"num_nvl_bytes", o.num_nvl_bytes}, Setting{"num_sms", blocks_},
                                              Setting{"use_copy_engine", o.use_copy_engine ? 1 : 0},
                                              Setting{"num_chunks", chunks_},
-                                             Setting{"copy_engine_min_rows", o.copy_engine_min_rows}};
+                                             Setting{"copy_engine_min_rows", o.copy_engine_min_rows},
+                                             Setting{"combine_sm_push", o.combine_sm_push ? 1 : 0}};
     g.check_agreement(settings, kSetupPhase);
 
     DeviceGuard guard(Device::cuda(device_));

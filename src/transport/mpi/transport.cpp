@@ -8,7 +8,7 @@
 // messages are missing (libnbc implements Ialltoallv with the same point-to-point messages).
 // Contiguous and strided blocks are sent straight from the caller's memory (hvector for strides);
 // indexed blocks are described by an hindexed datatype by default, so Open MPI packs the rows straight
-// into its shared-memory fragments, pipelined with the receiver. EPMOE_MPI_EXCHANGE=pack packs them
+// into its shared-memory fragments, pipelined with the receiver. BufferOptions::mpi_pack_rows packs them
 // into a send staging buffer first instead. Measured with bench_mpi_alltoall (16-core host, Open MPI
 // 4.1, T = 4096, H = 7168, K = 8 of E = 256): datatype 22.5 ms (R = 2) and 54.7 ms (R = 4) per
 // exchange, pack 33.3 and 96.1 ms, a plain MPI_Alltoallv of the same, already packed rows 27.7 and
@@ -109,14 +109,9 @@ struct MessageBuilder {
 
 class MpiTransport final : public Transport {
  public:
-  explicit MpiTransport(std::shared_ptr<Group> group) : holder_(std::move(group)) {
+  MpiTransport(std::shared_ptr<Group> group, bool pack_rows) : holder_(std::move(group)), pack_indexed_(pack_rows) {
     group_ = dynamic_cast<MpiGroup*>(holder_.get());
     EPMOE_CHECK_ARG(group_ != nullptr, "group", "a group from make_mpi_group (backend 'mpi')", holder_->backend());
-    if (const char* s = std::getenv("EPMOE_MPI_EXCHANGE")) {
-      const std::string_view v(s);
-      EPMOE_CHECK_ARG(v == "pack" || v == "datatype", "EPMOE_MPI_EXCHANGE", "'pack' or 'datatype'", v);
-      pack_indexed_ = v == "pack";
-    }
   }
 
   ~MpiTransport() override { free_window("MPI transport destruction", /*in_destructor=*/true); }
@@ -149,7 +144,7 @@ class MpiTransport final : public Transport {
 
   std::shared_ptr<Group> holder_;
   MpiGroup* group_ = nullptr;
-  bool pack_indexed_ = false;  // see the top of the file
+  bool pack_indexed_ = false;  // BufferOptions::mpi_pack_rows: see the top of the file
   std::vector<Scratch> recv_pool_;
   int active_ = 0;
   Scratch send_staging_;
@@ -432,9 +427,9 @@ void MpiTransport::wait_signal(int slot, std::uint64_t value, int peer, std::str
 
 }  // namespace
 
-std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group) {
+std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group, bool pack_rows) {
   EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
-  return std::make_unique<MpiTransport>(std::move(group));
+  return std::make_unique<MpiTransport>(std::move(group), pack_rows);
 }
 
 }  // namespace epmoe
