@@ -198,10 +198,8 @@ void BM_plain_alltoallv(benchmark::State& state) {
 void BM_exchange(benchmark::State& state) {
   const Inputs& in = inputs_for(state.range(0), state.range(1));
   const int R = world_size();
-  setenv("EPMOE_MPI_EXCHANGE", state.range(2) == 0 ? "pack" : "datatype", 1);
   auto group = epmoe::make_mpi_group();
-  auto transport = epmoe::make_mpi_transport(group);
-  unsetenv("EPMOE_MPI_EXCHANGE");
+  auto transport = epmoe::make_mpi_transport(group, /*pack_rows=*/state.range(2) == 0);
   const std::size_t row_bytes = static_cast<std::size_t>(in.H) * 2;
   std::vector<RowBlock> offered(static_cast<std::size_t>(R));
   for (int d = 0; d < R; ++d) {

@@ -120,11 +120,31 @@ struct BufferOptions {
   /// SM-store path. 0 (the default until it is measured against the copy-engine path on 2 GPUs): never
   /// zero-copy. Per rank.
   int num_recv_slots = 0;
+  /// cuda_ipc copy-engine combine (use_copy_engine): push each peer's rows into it with one SM-store kernel
+  /// (num_sms blocks; each pipeline stage published as its rows land) instead of cudaMemcpyAsync calls per stage:
+  /// no host call and no copy-engine start-up per copy, but SMs busy during the NVLink transfer, at the SM stores'
+  /// rate (~90% of the peer rate, PERF.md). false (the default): the copy engines. Equal on all ranks.
+  bool combine_sm_push = false;
+  /// cuda_ipc low-latency dispatch with use_fp8 on CUDA tensors: quantize x with the library's quantizer
+  /// (quantize_fp8_into) into a device scratch first and send those records (one more launch and one more pass
+  /// over x), instead of inside the send kernel, which quantizes each row once while storing it (false, the
+  /// default). Both give the CPU's bits: true is for A/B measurement and diagnosis. Per rank (the same bytes are
+  /// sent either way).
+  bool low_latency_separate_quant = false;
+  /// mpi backend: rows sent from scattered positions (an exchange's indexed blocks, e.g. a dispatch's tokens) are
+  /// copied into one send staging buffer first and sent from there (one more copy of the rows), instead of being
+  /// described by an MPI hindexed datatype that the MPI library packs straight into its shared-memory fragments,
+  /// pipelined with the receiver (false, the default: 22.5 / 54.7 ms per exchange at R = 2 / 4 against 33.3 /
+  /// 96.1 ms packed; Open MPI 4.1, 16 cores, T = 4096, H = 7168). true can be faster with more ranks than cores,
+  /// where the datatype path needs sender and receiver running at the same time. Per rank (the messages are the
+  /// same either way).
+  bool mpi_pack_rows = false;
 };
 
 /// The tunables of BufferOptions as a JSON object (src/transport/buffer_config.cpp), e.g. {"num_sms": 16}:
 /// what `epmoe tune` writes and `epmoe run/bench --config` read. Fields: num_sms (0..64), use_copy_engine
-/// (true/false), num_chunks (0..16), copy_engine_min_rows (>= 0), num_recv_slots (0..64). Keys starting
+/// (true/false), num_chunks (0..16), copy_engine_min_rows (>= 0), num_recv_slots (0..64), combine_sm_push,
+/// low_latency_separate_quant and mpi_pack_rows (true/false). Keys starting
 /// with '_' are notes (the tuner's measurements) and are ignored. Only the fields present are set in
 /// `options`; the rest keep their values. Errors (invalid_argument, message naming `source` and the
 /// field): text that is not a JSON object, an unknown field (the known ones are listed), a value of the

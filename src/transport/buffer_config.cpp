@@ -36,6 +36,11 @@ const Field kFields[] = {
     {"copy_engine_min_rows", &BufferOptions::copy_engine_min_rows, 0, kNoMax,
      "cuda_ipc: fewer rows per rank take the SM-store path"},
     {"num_recv_slots", &BufferOptions::num_recv_slots, 0, 64, "cuda_ipc zero-copy receive slots (0 = none)"},
+    {"combine_sm_push", &BufferOptions::combine_sm_push, 0, 1,
+     "cuda_ipc copy-engine combine: pushes by SM stores (else copy engines)"},
+    {"low_latency_separate_quant", &BufferOptions::low_latency_separate_quant, 0, 1,
+     "cuda_ipc low-latency fp8 dispatch: quantize before the send kernel (else inside it)"},
+    {"mpi_pack_rows", &BufferOptions::mpi_pack_rows, 0, 1, "mpi: pack scattered rows before sending (else a datatype)"},
 };
 
 std::string known_fields() {

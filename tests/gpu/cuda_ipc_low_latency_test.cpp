@@ -55,6 +55,7 @@ struct Case {
   int only_expert = -1, all_minus_one_rank = -1;
   int calls = 2;  // dispatch + combine pairs
   bool hooks = false, async = false, stats = false, out_param = true;
+  bool separate_quant = false;  // BufferOptions::low_latency_separate_quant of the cuda_ipc buffers
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E << " Tmax=" << tmax
@@ -64,7 +65,7 @@ struct Case {
                : " bf16")
        << (int32_idx ? " int32 ids" : "") << " p(-1)=" << p_minus_one << " only_expert=" << only_expert
        << " all-1 rank=" << all_minus_one_rank << " calls=" << calls << (hooks ? " hooks" : "")
-       << (async ? " async" : "") << (stats ? " stats" : "");
+       << (async ? " async" : "") << (stats ? " stats" : "") << (separate_quant ? " separate quant" : "");
     return os.str();
   }
 };
@@ -149,6 +150,7 @@ BufferOptions gpu_options(int r, int R, const Case& c) {
   o.backend = Backend::cuda_ipc;
   o.device = r;
   o.low_latency_mode = true;  // num_nvl_bytes 0: a low-latency-only buffer, as DeepEP's decode buffers
+  o.low_latency_separate_quant = c.separate_quant;
   return o;
 }
 
@@ -257,16 +259,17 @@ TEST(GpuCudaIpcLowLatency, Bf16DispatchCombineMatchThreadsBackend) {
 }
 
 // Both quantization paths: inside the send kernel (the default) and the library's quantizer first
-// (EPMOE_CUDA_IPC_LL_QUANT=separate, read when the buffer's low-latency mode starts).
+// (BufferOptions::low_latency_separate_quant).
 TEST(GpuCudaIpcLowLatency, Fp8FloatRoundScaleAndUe8m0Match) {
-  for (const char* quant : {"fused", "separate"})
+  for (bool separate : {false, true})
     for (std::int64_t H : {std::int64_t{2880}, std::int64_t{7168}})
-      for (int mode = 0; mode < 3; ++mode) {
-        SCOPED_TRACE(std::string("quantization ") + quant);
-        setenv("EPMOE_CUDA_IPC_LL_QUANT", quant, 1);
-        check_case({.H = H, .fp8 = true, .round_scale = mode >= 1, .ue8m0 = mode == 2, .calls = 2});
-        unsetenv("EPMOE_CUDA_IPC_LL_QUANT");
-      }
+      for (int mode = 0; mode < 3; ++mode)
+        check_case({.H = H,
+                    .fp8 = true,
+                    .round_scale = mode >= 1,
+                    .ue8m0 = mode == 2,
+                    .calls = 2,
+                    .separate_quant = separate});
 }
 
 TEST(GpuCudaIpcLowLatency, HiddenSizes) {

@@ -110,6 +110,7 @@ struct Case {
   /// BufferOptions::num_recv_slots (> 0: dispatches without num_worst_tokens take the zero-copy path; 0: the
   /// copy-engine or SM-store path, as copy_engine and ce_min_rows say).
   int recv_slots = 2;
+  bool combine_sm_push = false;  ///< BufferOptions::combine_sm_push (the copy-engine combine's pushes by SM stores)
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
@@ -117,7 +118,8 @@ struct Case {
        << " p(-1)=" << p_minus_one << " only_expert=" << only_expert << " all-1 rank=" << all_minus_one_rank
        << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "")
        << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks << " ce_min_rows=" << ce_min_rows
-       << (olmoe ? " olmoe routing" : "") << " recv_slots=" << recv_slots;
+       << (olmoe ? " olmoe routing" : "") << " recv_slots=" << recv_slots
+       << (combine_sm_push ? " combine sm push" : "");
     return os.str();
   }
 };
@@ -212,6 +214,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
       opts.copy_engine_min_rows = c.ce_min_rows;
       opts.num_chunks = c.chunks;
       opts.num_recv_slots = c.recv_slots;
+      opts.combine_sm_push = c.combine_sm_push;
     } else {
       opts.backend = Backend::threads;
     }
@@ -818,6 +821,21 @@ TEST(GpuCudaIpcNormal, CopyEngineWithSkewedRoutingAndSmallK) {
   hot.only_expert = 200;  // every token to rank 1's expert: rank 0 receives nothing
   hot.T = {1000, 10};
   check_case(hot);
+}
+
+TEST(GpuCudaIpcNormal, CopyEngineCombineWithSmPushesMatches) {
+  REQUIRE_TWO_GPUS();
+  // The copy-engine combine's pushes by one SM-store kernel (per-stage counters) instead of cudaMemcpyAsync.
+  for (int chunks : {1, 4}) {
+    Case c;
+    c.recv_slots = 0;
+    c.combine_sm_push = true;
+    c.chunks = chunks;
+    c.T = {gputest::quick() ? 300 : 2000, 555};
+    c.fp8 = chunks == 4;
+    c.cached = chunks == 4;
+    check_case(c);
+  }
 }
 
 TEST(GpuCudaIpcNormal, CopyEngineStagesFromOneToSixteenIncludingEmptyOnes) {

@@ -50,6 +50,14 @@ TEST(BufferConfig, EveryTunableIsRead) {
   apply_buffer_config_json(R"({"use_copy_engine": true})", o);
   EXPECT_TRUE(o.use_copy_engine);
   EXPECT_EQ(o.num_chunks, 7);
+  // The A/B switches, off by default.
+  EXPECT_FALSE(o.combine_sm_push || o.low_latency_separate_quant || o.mpi_pack_rows);
+  apply_buffer_config_json(R"({"combine_sm_push": true, "low_latency_separate_quant": true, "mpi_pack_rows": true})",
+                           o);
+  EXPECT_TRUE(o.combine_sm_push);
+  EXPECT_TRUE(o.low_latency_separate_quant);
+  EXPECT_TRUE(o.mpi_pack_rows);
+  EXPECT_EQ(o.num_sms, 12);
   const std::string msg = error_of([&] { apply_buffer_config_json(R"({"use_copy_engine": 1})", o, "c.json"); });
   EXPECT_NE(msg.find("'c.json:use_copy_engine'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("true or false"), std::string::npos) << msg;
@@ -118,9 +126,15 @@ TEST(BufferConfig, FileRoundTrip) {
   o.use_copy_engine = (rng() & 1) != 0;
   o.copy_engine_min_rows = static_cast<std::int64_t>(rng() % 100000);
   o.num_recv_slots = static_cast<int>(rng() % 65);
+  o.combine_sm_push = (rng() & 1) != 0;
+  o.low_latency_separate_quant = (rng() & 1) != 0;
+  o.mpi_pack_rows = (rng() & 1) != 0;
+  const auto b = [](bool v) -> std::string { return v ? "true" : "false"; };
   const std::string text = buffer_config_json(o);
   // Hand-made: every tunable, keys sorted (nlohmann's object order).
-  EXPECT_EQ(text, "{\n  \"copy_engine_min_rows\": " + std::to_string(o.copy_engine_min_rows) +
+  EXPECT_EQ(text, "{\n  \"combine_sm_push\": " + b(o.combine_sm_push) + ",\n  \"copy_engine_min_rows\": " +
+                      std::to_string(o.copy_engine_min_rows) + ",\n  \"low_latency_separate_quant\": " +
+                      b(o.low_latency_separate_quant) + ",\n  \"mpi_pack_rows\": " + b(o.mpi_pack_rows) +
                       ",\n  \"num_chunks\": " + std::to_string(o.num_chunks) + ",\n  \"num_recv_slots\": " +
                       std::to_string(o.num_recv_slots) + ",\n  \"num_sms\": " +
                       std::to_string(o.num_sms) + ",\n  \"use_copy_engine\": " +
@@ -134,6 +148,9 @@ TEST(BufferConfig, FileRoundTrip) {
   EXPECT_EQ(back.use_copy_engine, o.use_copy_engine);
   EXPECT_EQ(back.copy_engine_min_rows, o.copy_engine_min_rows);
   EXPECT_EQ(back.num_recv_slots, o.num_recv_slots);
+  EXPECT_EQ(back.combine_sm_push, o.combine_sm_push);
+  EXPECT_EQ(back.low_latency_separate_quant, o.low_latency_separate_quant);
+  EXPECT_EQ(back.mpi_pack_rows, o.mpi_pack_rows);
   std::remove(path.c_str());
   const std::string msg = error_of([&] { load_buffer_config(path, back); });
   EXPECT_NE(msg.find("'config'"), std::string::npos) << msg;

@@ -18,7 +18,7 @@ BackendModes make_cpu_backend(std::shared_ptr<Group> group, Backend backend, con
   switch (backend) {
     case Backend::threads: transport = make_threads_transport(std::move(group)); break;
 #if defined(EPMOE_HAVE_MPI)
-    case Backend::mpi: transport = make_mpi_transport(std::move(group)); break;
+    case Backend::mpi: transport = make_mpi_transport(std::move(group), options.mpi_pack_rows); break;
 #endif
     default:
       raise(ErrorCode::unsupported, "backend {} is not available for a '{}' group in this build",

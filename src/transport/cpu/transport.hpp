@@ -61,8 +61,9 @@ class Transport {
 /// The transport of a Group of the threads backend (threads/transport.cpp).
 std::unique_ptr<Transport> make_threads_transport(std::shared_ptr<Group> group);
 #if defined(EPMOE_HAVE_MPI)
-/// The transport of an MPI Group (mpi/transport.cpp). Errors: invalid_argument for a group of another kind.
-std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group);
+/// The transport of an MPI Group (mpi/transport.cpp); `pack_rows`: BufferOptions::mpi_pack_rows. Errors:
+/// invalid_argument for a group of another kind.
+std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group, bool pack_rows = false);
 #endif
 
 }  // namespace epmoe

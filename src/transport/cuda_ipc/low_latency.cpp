@@ -21,7 +21,6 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -72,7 +71,8 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
         buffer_id_(buffer_id),
         device_(device),
         num_rdma_bytes_(o.num_rdma_bytes),
-        debug_validate_(o.debug_validate) {
+        debug_validate_(o.debug_validate),
+        separate_quant_(o.low_latency_separate_quant) {
     R_ = group_->size();
     me_ = group_->rank();
     EPMOE_CHECK_ARG(R_ <= ll::kMaxRanks, "group", fmt::format("at most {} ranks (one NVLink host)", ll::kMaxRanks), R_);
@@ -85,10 +85,6 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
     timeout_ns_ = static_cast<long long>(group_->timeout_s() * 1e9);
-    // EPMOE_CUDA_IPC_LL_QUANT=separate: fp8 rows quantized by the library's quantizer into a scratch first (one
-    // more launch) instead of inside the send kernel (A/B and diagnosis; both give the CPU's bits).
-    const char* quant = std::getenv("EPMOE_CUDA_IPC_LL_QUANT");
-    separate_quant_ = quant != nullptr && std::string_view(quant) == "separate";
   }
 
   ~CudaIpcLowLatencyImpl() override {
@@ -111,7 +107,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
 
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& a) override;
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& a) override;
-  void clean(int tmax, std::int64_t hidden, int num_experts) override;
+  void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override;
   bool configured() const override { return config_.set; }
 
  private:
@@ -140,7 +136,8 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   };
 
   void check_state();
-  void ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase);
+  void ensure_configured(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts,
+                         std::string_view phase);
   void begin_call(std::string_view what);
   ll::Common common() const;
   /// Orders a launch on `s` after this buffer's previous launch (on whatever stream it was).
@@ -172,13 +169,13 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   int device_ = 0, R_ = 0, me_ = 0;
   std::int64_t num_rdma_bytes_ = 0;
   bool debug_validate_ = true;
-  bool separate_quant_ = false;  // EPMOE_CUDA_IPC_LL_QUANT=separate
+  bool separate_quant_ = false;  // BufferOptions::low_latency_separate_quant
   long long timeout_ns_ = 0;
   Config config_;
   LowLatencyMode::Layout layout_;
   std::unique_ptr<CudaIpcMemory> mem_;
   Tensor scratch_;   // fp8 records (quantized rows + scales, record_bytes apart) before they are sent
-  Tensor sent_idx_;  // int32 [2, Tmax * 16]: each half's dispatch ids, for combine's check (device)
+  Tensor sent_idx_;  // int32 [2, num_max_dispatch_tokens_per_rank * 16]: each half's dispatch ids (device)
   ll::HostRecord* host_ = nullptr;
   ll::HostRecord* host_dev_ = nullptr;
   cudaStream_t comm_ = nullptr;
@@ -231,8 +228,9 @@ void CudaIpcLowLatencyImpl::check_state() {
     case ll::kErrShape:
       broken_ = "settings differ: " + where;
       raise(ErrorCode::rank_mismatch,
-            "rank {}: Tmax/H/E must be equal on all ranks: rank {} sent hidden = {}, Tmax = {}, E = {} ({})", me_, peer,
-            value, value2 >> 32, value2 & 0xffffffff, where);
+            "rank {}: num_max_dispatch_tokens_per_rank, hidden and num_experts must be equal on all ranks: rank {} "
+            "sent hidden = {}, num_max_dispatch_tokens_per_rank = {}, num_experts = {} ({})",
+            me_, peer, value, value2 >> 32, value2 & 0xffffffff, where);
     case ll::kErrCount:
       broken_ = "row counts differ: " + where;
       raise(ErrorCode::rank_mismatch,
@@ -259,11 +257,13 @@ void CudaIpcLowLatencyImpl::check_state() {
                          fmt::format("{} at {} (found on the device in {})", value, at, where));
 }
 
-void CudaIpcLowLatencyImpl::ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase) {
+void CudaIpcLowLatencyImpl::ensure_configured(int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
+                                              int num_experts, std::string_view phase) {
   if (config_.set) return;
-  const LowLatencyMode::Layout L = LowLatencyMode::Layout::make(tmax, hidden, R_, num_experts);
+  const LowLatencyMode::Layout L =
+      LowLatencyMode::Layout::make(num_max_dispatch_tokens_per_rank, hidden, R_, num_experts);
   const std::int64_t bytes = num_rdma_bytes_ > 0 ? num_rdma_bytes_ : static_cast<std::int64_t>(2 * L.half_bytes);
-  const Setting settings[] = {{"num_max_dispatch_tokens_per_rank", tmax},
+  const Setting settings[] = {{"num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank},
                               {"hidden", hidden},
                               {"num_experts", num_experts},
                               {"num_rdma_bytes (low-latency window bytes)", bytes}};
@@ -276,15 +276,18 @@ void CudaIpcLowLatencyImpl::ensure_configured(int tmax, std::int64_t hidden, int
       fmt::format("{}: map the low-latency window", phase));
   {
     StreamGuard on_comm(Stream{comm_});
-    scratch_ = Tensor::empty(DType::int8, {static_cast<std::int64_t>(tmax) * static_cast<std::int64_t>(L.record_bytes)},
-                             Device::cuda(device_));
+    scratch_ = Tensor::empty(
+        DType::int8,
+        {static_cast<std::int64_t>(num_max_dispatch_tokens_per_rank) * static_cast<std::int64_t>(L.record_bytes)},
+        Device::cuda(device_));
     sent_idx_ =
-        Tensor::empty(DType::int32, {2 * static_cast<std::int64_t>(tmax) * ll::kMaxTopk}, Device::cuda(device_));
+        Tensor::empty(DType::int32, {2 * static_cast<std::int64_t>(num_max_dispatch_tokens_per_rank) * ll::kMaxTopk},
+                      Device::cuda(device_));
     EPMOE_CUDA_CHECK(cudaMemsetAsync(sent_idx_.data(), 0xff, sent_idx_.nbytes(), comm_));
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(comm_));
   }
   layout_ = L;
-  config_ = {true, tmax, hidden, num_experts};
+  config_ = {true, num_max_dispatch_tokens_per_rank, hidden, num_experts};
 }
 
 void CudaIpcLowLatencyImpl::begin_call(std::string_view what) {
@@ -331,9 +334,10 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   // --- every argument, before any communication
   args::DispatchSpec spec = args::check_dispatch(a, R_, gpu);
   const std::int64_t T = spec.T, H = spec.H, K = spec.K;
-  const int tmax = spec.tmax, E = spec.E, El = spec.El;
-  args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, H, E, R_,
-                             num_rdma_bytes_, config_.set ? 0 : LowLatencyMode::size_hint(tmax, H, R_, E));
+  const int num_max_dispatch_tokens_per_rank = spec.tmax, E = spec.E, El = spec.El;
+  args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts,
+                             num_max_dispatch_tokens_per_rank, H, E, R_, num_rdma_bytes_,
+                             config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, H, R_, E));
   DeviceGuard guard(gpu);
   const cudaStream_t caller = cuda_util::to_cuda(current_stream());
   std::vector<std::int32_t> ids;
@@ -346,7 +350,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   if (debug_validate_ && !graph) ids = host_ids(a.topk_idx, T, E, caller);
   begin_call("low_latency_dispatch");
 
-  ensure_configured(tmax, H, E, "low_latency_dispatch");
+  ensure_configured(num_max_dispatch_tokens_per_rank, H, E, "low_latency_dispatch");
   const LowLatencyMode::Layout& L = layout_;
   const std::uint64_t gen = generation_, index = gen - base_;
   const std::int64_t sc_cols = a.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
@@ -395,7 +399,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   }
 
   char* base = half_base(index);
-  const std::int64_t rows = static_cast<std::int64_t>(R_) * tmax;
+  const std::int64_t rows = static_cast<std::int64_t>(R_) * num_max_dispatch_tokens_per_rank;
   LowLatencyDispatchResult r;
   r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H}, gpu);
   if (a.use_fp8)
@@ -404,7 +408,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   r.packed_recv_count = TensorView(base + L.count, DType::int32, {El}, gpu);
   r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows}, gpu);
   r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R_}, gpu);
-  r.handle.num_max_dispatch_tokens_per_rank = tmax;
+  r.handle.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
   r.handle.hidden = H;
   r.handle.num_experts = E;
   r.handle.generation = gen;
@@ -466,12 +470,12 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   EPMOE_CHECK_ARG(config_.set, "handle", "the handle of a low_latency_dispatch on CUDA tensors of this buffer",
                   "a handle of its CPU low-latency mode");
   const LowLatencyMode::Layout& L = layout_;
-  const int El = L.local_experts, tmax = L.tmax;
-  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R_) * tmax;
+  const int El = L.local_experts, num_max_dispatch_tokens_per_rank = L.tmax;
+  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R_) * num_max_dispatch_tokens_per_rank;
   const Sent& sent = sent_[(hd.generation - base_) % 2];
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
-  args::check_combine_handle(hd, me_, tmax, H, L.num_experts, base_, generation_, sent.generation,
-                             unreceived.active && unreceived.generation == hd.generation);
+  args::check_combine_handle(hd, me_, num_max_dispatch_tokens_per_rank, H, L.num_experts, base_, generation_,
+                             sent.generation, unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
   args::check_combine_x(a.x, El, rows, H, gpu);
@@ -544,14 +548,15 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   return r;
 }
 
-void CudaIpcLowLatencyImpl::clean(int tmax, std::int64_t hidden, int num_experts) {
-  args::check_settings(tmax, hidden, R_, num_experts);
-  args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, hidden, num_experts,
-                             R_, num_rdma_bytes_,
-                             config_.set ? 0 : LowLatencyMode::size_hint(tmax, hidden, R_, num_experts));
+void CudaIpcLowLatencyImpl::clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) {
+  args::check_settings(num_max_dispatch_tokens_per_rank, hidden, R_, num_experts);
+  args::check_against_config(
+      config_.set, config_.tmax, config_.hidden, config_.num_experts, num_max_dispatch_tokens_per_rank, hidden,
+      num_experts, R_, num_rdma_bytes_,
+      config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, hidden, R_, num_experts));
   check_state();
   if (!config_.set) {
-    ensure_configured(tmax, hidden, num_experts, "clean_low_latency_buffer");
+    ensure_configured(num_max_dispatch_tokens_per_rank, hidden, num_experts, "clean_low_latency_buffer");
   } else {
     // Every rank's kernels are done before any window is zeroed, and every window is zeroed before any rank's
     // next call (its kernels write into the peers' windows).

@@ -41,7 +41,8 @@ class CudaIpcLowLatency : public LowLatencyBackend {
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) override = 0;
   /// Collective: zeroes every rank's window (flags and counters); pending hooks and older handles become stale.
   void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override = 0;
-  /// Whether a call (or clean) has fixed Tmax/H/E and allocated the window.
+  /// Whether a call (or clean) has fixed num_max_dispatch_tokens_per_rank, hidden and num_experts and allocated the
+  /// window.
   virtual bool configured() const = 0;
 };
 

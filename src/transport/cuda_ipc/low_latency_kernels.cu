@@ -404,12 +404,13 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
       const unsigned long long hindex = __ldcg(reinterpret_cast<const unsigned long long*>(&hp->index));
       const long long count = __ldcg(reinterpret_cast<const long long*>(&hp->count));
       const long long hidden = __ldcg(reinterpret_cast<const long long*>(&hp->hidden));
-      const int tmax = __ldcg(&hp->tmax), E = __ldcg(&hp->num_experts);
+      const int num_max_dispatch_tokens_per_rank = __ldcg(&hp->tmax), E = __ldcg(&hp->num_experts);
       if (magic != kMagic || hkind != kind || hindex != index) {
         report(c, kErrOtherCall, s, phase, index, static_cast<long long>(hindex), magic != kMagic ? 0 : hkind);
         ok = 0;
-      } else if (hidden != c.hidden || tmax != c.tmax || E != c.num_experts) {
-        report(c, kErrShape, s, phase, index, hidden, static_cast<long long>(tmax) << 32 | E);
+      } else if (hidden != c.hidden || num_max_dispatch_tokens_per_rank != c.tmax || E != c.num_experts) {
+        report(c, kErrShape, s, phase, index, hidden,
+               static_cast<long long>(num_max_dispatch_tokens_per_rank) << 32 | E);
         ok = 0;
       } else if (kind == kKindDispatch && hflags != flags) {
         report(c, kErrFlags, s, phase, index, hflags, flags);

@@ -36,7 +36,8 @@ enum : int {
   kErrTimeout = 1,
   kErrOtherCall = 2,    ///< a peer's header is of another call or kind: value = its index, value2 = its kind
   kErrFlags = 3,        ///< use_fp8/round_scale/use_ue8m0 differ: value = the peer's flags, value2 = this rank's
-  kErrShape = 4,        ///< hidden/Tmax/E differ: value = the peer's hidden, value2 = its tmax << 32 | E
+  kErrShape = 4,        ///< hidden/num_max_dispatch_tokens_per_rank/E differ: value = the peer's hidden, value2 =
+                        ///< its num_max_dispatch_tokens_per_rank << 32 | E
   kErrBadId = 5,        ///< an id outside [-1, E) (skipped): value = the id, value2 = its flat index t * K + k
   kErrDuplicateId = 6,  ///< an id twice in one token (the second skipped): value = the id, value2 = t * K + k
   kErrCount = 7,        ///< combine: the peer sent `value` rows, this rank's topk_idx routes value2 to it
@@ -55,14 +56,15 @@ struct Common : low_latency_protocol::Layout {
   int rank = 0;
   long long timeout_ns = 0;
   HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
-  std::int32_t* sent_idx = nullptr;  ///< this rank's device scratch [2][tmax * kMaxTopk]: dispatch ids per half
+  std::int32_t* sent_idx = nullptr;  ///< this rank's device scratch [2][num_max_dispatch_tokens_per_rank * kMaxTopk]:
+                                     ///< dispatch ids per half
 };
 
 struct DispatchSendArgs {
   const void* x = nullptr;  ///< bf16 [T, H] rows of x_stride elements (bf16 dispatch)
   long long x_stride = 0;
-  /// fp8 with EPMOE_CUDA_IPC_LL_QUANT=separate: quantized rows + scales, record_bytes apart (device scratch); null:
-  /// an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
+  /// fp8 with BufferOptions::low_latency_separate_quant: quantized rows + scales, record_bytes apart (device
+  /// scratch); null: an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
   const void* records = nullptr;
   const void* topk_idx = nullptr;  ///< [T, K] contiguous
   bool idx64 = true;
@@ -81,7 +83,7 @@ struct DispatchRecvArgs {
 };
 
 struct CombineSendArgs {
-  const void* x = nullptr;             ///< bf16 [E_local, R * Tmax, H]
+  const void* x = nullptr;             ///< bf16 [E_local, R * num_max_dispatch_tokens_per_rank, H]
   long long stride0 = 0, stride1 = 0;  ///< elements
 };
 

@@ -170,45 +170,27 @@ __device__ __forceinline__ void publish_ticket(const Common& c, unsigned long lo
   *reinterpret_cast<volatile unsigned long long*>(&c.host->ticket) = ticket;
 }
 
-__global__ void __launch_bounds__(1024)
-    notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
-  // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
-  // here, or begin_op): a captured CUDA graph replays with the next number, where a kernel parameter would
-  // repeat the old one.
-  stamp(c_in, kStampNotifyStart);
-  // The zero-copy send kernel is launched behind this one as a programmatic dependent: its blocks may start now and
-  // wait (griddepcontrol.wait) for this grid to finish, so its launch latency overlaps the exchange.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  __shared__ unsigned long long op;
-  const int R = c_in.num_ranks, me = c_in.rank;
-  const int El = a.experts_per_rank;
-  // This rank's counts are loaded before the sequence number's barrier: their latency overlaps its read (cold
-  // after an L2 flush, each dependent round trip is ~1 us of the op's fixed cost). One local expert per thread:
-  // El <= kMaxLocalExperts = the block's 1024 threads.
-  std::int32_t my_rank_count = 0, my_expert_counts[kMaxRanks];
+// The notify kernel's steps, each called by every thread of its one block (barriers as noted). __forceinline__: the
+// kernel compiles to the code of one function (the same PTX as when the steps were written inline).
+
+/// This rank's counts into registers, loaded before the sequence number's barrier: their latency overlaps its read
+/// (cold after an L2 flush, each dependent round trip is ~1 us of the op's fixed cost). One local expert per thread:
+/// El <= kMaxLocalExperts = the block's 1024 threads.
+__device__ __forceinline__ void load_own_counts(const NotifyArgs& a, int R, int El, std::int32_t& my_rank_count,
+                                                std::int32_t (&my_expert_counts)[kMaxRanks]) {
   if (a.per_rank) {
     if (threadIdx.x < R) my_rank_count = a.per_rank[threadIdx.x];
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d)
       my_expert_counts[d] = d < R && static_cast<int>(threadIdx.x) < El ? a.per_expert[d * El + threadIdx.x] : 0;
   }
-  if (threadIdx.x == 0) {
-    Control* own = control(c_in.peers[c_in.rank]);
-    op = *reinterpret_cast<volatile unsigned long long*>(&own->op_seq) + (a.advance ? 1 : 0);
-    own->op_seq = op;
-  }
-  __syncthreads();
-  Common c = c_in;
-  c.seq = op;
-  const int par = static_cast<int>(c.seq & 1);
-  stamp(c, kStampNotifySeq);
-  __shared__ int ok, bad, bad_peer, first_bad;
-  __shared__ long long bad_value;
-  if (threadIdx.x == 0) {
-    ok = 1;
-    bad = kErrNone;
-    first_bad = 0x7fffffff;
-  }
+}
+
+/// This rank's slot in every peer (settings, prestaged, offered receive slot, counts), then, after a barrier, its
+/// tag: a peer that sees the tag sees the whole slot.
+__device__ __forceinline__ void publish_own_slots(const Common& c, const NotifyArgs& a, int R, int me, int par, int El,
+                                                  std::int32_t my_rank_count,
+                                                  const std::int32_t (&my_expert_counts)[kMaxRanks]) {
   for (int d = 0; d < R; ++d) {
     NotifySlot* slot = &control(c.peers[d])->slots[par][me];
     for (int i = threadIdx.x; i < a.num_settings; i += blockDim.x) slot->settings[i] = a.settings[i];
@@ -233,31 +215,20 @@ __global__ void __launch_bounds__(1024)
     fence_acq_rel_sys();
     st_release_sys(&control(c.peers[threadIdx.x])->slots[par][me].tag, c.seq);
   }
-  stamp(c, kStampNotifyReleased);
-  // While the peers' counts are in flight: this rank's local send positions (zero-copy attempt).
-  if (a.local_pos) {
-    for (int d = 0; d < R; ++d) block_positions(a.in_rank, a.T, R, d, 0, a.local_pos, nullptr);
-    stamp(c, kStampNotifyPositions);
-  }
-  if (threadIdx.x < R && !wait_geq(&control(c.peers[me])->slots[par][threadIdx.x].tag, c, threadIdx.x, a.phase))
-    ok = 0;
-  __syncthreads();
-  stamp(c, kStampNotifyPeers);
-  Control* mine = control(c.peers[me]);
-  if (!ok) {
-    if (threadIdx.x == 0) mine->abort_seq = c.seq;
-    return;
-  }
-  // Settings every rank must share (the same comparison on every rank: all of them abandon the op; the lowest
-  // (setting, peer) wins so every rank names the same difference), and everything the peers sent, read in one
-  // round before one barrier (parallel loads into shared memory; the counts are used only if the settings agree).
+}
+
+/// Settings every rank must share (the same comparison on every rank: all of them abandon the op; the lowest
+/// (setting, peer) wins so every rank names the same difference, in first_bad), and everything the peers sent, read
+/// in one round before one barrier (parallel loads into shared memory; the counts are used only if the settings
+/// agree).
+__device__ __forceinline__ void read_peer_slots(const NotifyArgs& a, int R, int par, int El, Control* mine,
+                                                int& first_bad, std::int32_t* prestaged, std::int32_t* offered,
+                                                std::int32_t* counts, std::int32_t* expert_in) {
   for (int i = threadIdx.x; i < a.num_settings * R; i += blockDim.x) {
     const int k = i / R, s = i % R;
     const long long theirs = *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]);
     if (theirs != a.settings[k]) atomicMin(&first_bad, i);
   }
-  __shared__ std::int32_t prestaged[kMaxRanks], offered[kMaxRanks], counts[kMaxRanks * kMaxRanks];
-  __shared__ std::int32_t expert_in[kMaxRanks * kMaxLocalExperts];
   if (threadIdx.x < R) {
     prestaged[threadIdx.x] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][threadIdx.x].prestaged);
     offered[threadIdx.x] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][threadIdx.x].recv_slot);
@@ -269,18 +240,13 @@ __global__ void __launch_bounds__(1024)
       expert_in[i] = *reinterpret_cast<volatile std::int32_t*>(&mine->slots[par][i / El].expert_counts[i % El]);
   }
   __syncthreads();
-  if (first_bad != 0x7fffffff) {
-    if (threadIdx.x == 0) {
-      const int k = first_bad / R, s = first_bad % R;
-      report(c, kErrSettings, s, a.phase, *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]),
-             a.settings[k], k);
-      mine->abort_seq = c.seq;
-    }
-    return;
-  }
-  stamp(c, kStampNotifyRead);
-  // The zero-copy path: every rank offered a receive slot and none staged early (the same choice everywhere).
-  __shared__ bool any_prestaged, direct;
+}
+
+/// Thread 0: the zero-copy path is taken when every rank offered a receive slot and none staged early (the same
+/// choice everywhere); a handshake's ticket is published here (it has no counts to wait for).
+__device__ __forceinline__ void choose_zero_copy(const Common& c, const NotifyArgs& a, int R, Control* mine,
+                                                 const std::int32_t* prestaged, const std::int32_t* offered,
+                                                 bool& any_prestaged, bool& direct) {
   if (threadIdx.x == 0) {
     bool all_slots = true;
     any_prestaged = false;
@@ -293,9 +259,13 @@ __global__ void __launch_bounds__(1024)
     c.host->use_direct = direct ? 1 : 0;
     if (!a.per_rank) publish_ticket(c, a.ticket);
   }
-  if (!a.per_rank) return;  // a handshake (cached dispatch, combine): the counts are known
+}
 
-  __shared__ std::int32_t pm[kMaxRanks * kMaxRanks];
+/// Threads d < R: the rank prefix matrix's column d (pm[s][d] = tokens ranks 0..s send to d), and the first error
+/// (a column past 2^31 - 1 rows, or one past the receive capacity: the same on every rank, so every rank aborts).
+/// A barrier follows.
+__device__ __forceinline__ void prefix_matrix(const NotifyArgs& a, int R, const std::int32_t* counts,
+                                              std::int32_t* pm, int& bad, int& bad_peer, long long& bad_value) {
   if (threadIdx.x < R) {
     const int d = threadIdx.x;
     long long acc = 0;
@@ -316,13 +286,13 @@ __global__ void __launch_bounds__(1024)
     }
   }
   __syncthreads();
-  if (bad != kErrNone) {
-    if (threadIdx.x == 0) {
-      report(c, bad, bad_peer, a.phase, bad_value);
-      mine->abort_seq = c.seq;
-    }
-    return;
-  }
+}
+
+/// The results, to the device outputs and the host record: the prefix matrix, the data path, the aligned expert
+/// counts, then (after a barrier) the ticket the host polls.
+__device__ __forceinline__ void publish_counts(const Common& c, const NotifyArgs& a, int R, int El, Control* mine,
+                                               const std::int32_t* pm, const std::int32_t* expert_in,
+                                               const bool& direct, const bool& any_prestaged) {
   volatile HostRecord* h = c.host;
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     a.pm_out[i] = pm[i];
@@ -346,6 +316,82 @@ __global__ void __launch_bounds__(1024)
     __syncthreads();  // every thread's record writes before the ticket
     if (threadIdx.x == 0) publish_ticket(c, a.ticket);
   }
+}
+
+__global__ void __launch_bounds__(1024)
+    notify_kernel(const __grid_constant__ Common c_in, const __grid_constant__ NotifyArgs a) {
+  // The op's sequence number lives on the device (Control::op_seq, advanced by the first kernel of every op:
+  // here, or begin_op): a captured CUDA graph replays with the next number, where a kernel parameter would
+  // repeat the old one.
+  stamp(c_in, kStampNotifyStart);
+  // The zero-copy send kernel is launched behind this one as a programmatic dependent: its blocks may start now and
+  // wait (griddepcontrol.wait) for this grid to finish, so its launch latency overlaps the exchange.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  __shared__ unsigned long long op;
+  const int R = c_in.num_ranks, me = c_in.rank;
+  const int El = a.experts_per_rank;
+  std::int32_t my_rank_count = 0, my_expert_counts[kMaxRanks];
+  load_own_counts(a, R, El, my_rank_count, my_expert_counts);
+  if (threadIdx.x == 0) {
+    Control* own = control(c_in.peers[c_in.rank]);
+    op = *reinterpret_cast<volatile unsigned long long*>(&own->op_seq) + (a.advance ? 1 : 0);
+    own->op_seq = op;
+  }
+  __syncthreads();
+  Common c = c_in;
+  c.seq = op;
+  const int par = static_cast<int>(c.seq & 1);
+  stamp(c, kStampNotifySeq);
+  __shared__ int ok, bad, bad_peer, first_bad;
+  __shared__ long long bad_value;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    bad = kErrNone;
+    first_bad = 0x7fffffff;
+  }
+  publish_own_slots(c, a, R, me, par, El, my_rank_count, my_expert_counts);
+  stamp(c, kStampNotifyReleased);
+  // While the peers' counts are in flight: this rank's local send positions (zero-copy attempt).
+  if (a.local_pos) {
+    for (int d = 0; d < R; ++d) block_positions(a.in_rank, a.T, R, d, 0, a.local_pos, nullptr);
+    stamp(c, kStampNotifyPositions);
+  }
+  if (threadIdx.x < R && !wait_geq(&control(c.peers[me])->slots[par][threadIdx.x].tag, c, threadIdx.x, a.phase))
+    ok = 0;
+  __syncthreads();
+  stamp(c, kStampNotifyPeers);
+  Control* mine = control(c.peers[me]);
+  if (!ok) {
+    if (threadIdx.x == 0) mine->abort_seq = c.seq;
+    return;
+  }
+  __shared__ std::int32_t prestaged[kMaxRanks], offered[kMaxRanks], counts[kMaxRanks * kMaxRanks];
+  __shared__ std::int32_t expert_in[kMaxRanks * kMaxLocalExperts];
+  read_peer_slots(a, R, par, El, mine, first_bad, prestaged, offered, counts, expert_in);
+  if (first_bad != 0x7fffffff) {
+    if (threadIdx.x == 0) {
+      const int k = first_bad / R, s = first_bad % R;
+      report(c, kErrSettings, s, a.phase, *reinterpret_cast<volatile long long*>(&mine->slots[par][s].settings[k]),
+             a.settings[k], k);
+      mine->abort_seq = c.seq;
+    }
+    return;
+  }
+  stamp(c, kStampNotifyRead);
+  __shared__ bool any_prestaged, direct;
+  choose_zero_copy(c, a, R, mine, prestaged, offered, any_prestaged, direct);
+  if (!a.per_rank) return;  // a handshake (cached dispatch, combine): the counts are known
+
+  __shared__ std::int32_t pm[kMaxRanks * kMaxRanks];
+  prefix_matrix(a, R, counts, pm, bad, bad_peer, bad_value);
+  if (bad != kErrNone) {
+    if (threadIdx.x == 0) {
+      report(c, bad, bad_peer, a.phase, bad_value);
+      mine->abort_seq = c.seq;
+    }
+    return;
+  }
+  publish_counts(c, a, R, El, mine, pm, expert_in, direct, any_prestaged);
   stamp(c, kStampNotifyEnd);
 }
 

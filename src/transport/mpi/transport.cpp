@@ -8,7 +8,7 @@
 // messages are missing (libnbc implements Ialltoallv with the same point-to-point messages).
 // Contiguous and strided blocks are sent straight from the caller's memory (hvector for strides);
 // indexed blocks are described by an hindexed datatype by default, so Open MPI packs the rows straight
-// into its shared-memory fragments, pipelined with the receiver. EPMOE_MPI_EXCHANGE=pack packs them
+// into its shared-memory fragments, pipelined with the receiver. BufferOptions::mpi_pack_rows packs them
 // into a send staging buffer first instead. Measured with bench_mpi_alltoall (16-core host, Open MPI
 // 4.1, T = 4096, H = 7168, K = 8 of E = 256): datatype 22.5 ms (R = 2) and 54.7 ms (R = 4) per
 // exchange, pack 33.3 and 96.1 ms, a plain MPI_Alltoallv of the same, already packed rows 27.7 and
@@ -109,14 +109,9 @@ struct MessageBuilder {
 
 class MpiTransport final : public Transport {
  public:
-  explicit MpiTransport(std::shared_ptr<Group> group) : holder_(std::move(group)) {
+  MpiTransport(std::shared_ptr<Group> group, bool pack_rows) : holder_(std::move(group)), pack_indexed_(pack_rows) {
     group_ = dynamic_cast<MpiGroup*>(holder_.get());
     EPMOE_CHECK_ARG(group_ != nullptr, "group", "a group from make_mpi_group (backend 'mpi')", holder_->backend());
-    if (const char* s = std::getenv("EPMOE_MPI_EXCHANGE")) {
-      const std::string_view v(s);
-      EPMOE_CHECK_ARG(v == "pack" || v == "datatype", "EPMOE_MPI_EXCHANGE", "'pack' or 'datatype'", v);
-      pack_indexed_ = v == "pack";
-    }
   }
 
   ~MpiTransport() override { free_window("MPI transport destruction", /*in_destructor=*/true); }
@@ -139,6 +134,14 @@ class MpiTransport final : public Transport {
   void wait_signal(int slot, std::uint64_t value, int peer, std::string_view phase) override;
 
  private:
+  struct Exchange;
+  void describe_sends(Exchange& x) const;
+  void exchange_counts(Exchange& x, std::string_view phase);
+  void lay_out_receives(Exchange& x, Scratch& staging) const;
+  void reserve_packing(Exchange& x);
+  void post_row_receives(Exchange& x, Datatypes& types);
+  void post_row_sends(Exchange& x, Datatypes& types);
+  static std::vector<RowBlock> received_views(const Exchange& x);
   void free_window(std::string_view phase, bool in_destructor);
   /// Staging `index` of the current exchange (a pool so that two exchanges before one end_exchange
   /// keep their views apart).
@@ -149,7 +152,7 @@ class MpiTransport final : public Transport {
 
   std::shared_ptr<Group> holder_;
   MpiGroup* group_ = nullptr;
-  bool pack_indexed_ = false;  // see the top of the file
+  bool pack_indexed_ = false;  // BufferOptions::mpi_pack_rows: see the top of the file
   std::vector<Scratch> recv_pool_;
   int active_ = 0;
   Scratch send_staging_;
@@ -161,113 +164,136 @@ class MpiTransport final : public Transport {
   int num_signals_ = 0;
 };
 
-std::vector<RowBlock> MpiTransport::exchange(std::span<const RowBlock> offered, int num_fields,
-                                             std::string_view phase) {
-  group_->check_usable(phase);
-  const int R = group_->size(), me = group_->rank(), F = num_fields;
-  const MPI_Comm comm = group_->comm();
-  EPMOE_ASSERT(F >= 1 && offered.size() == static_cast<std::size_t>(R) * static_cast<std::size_t>(F));
-  auto block = [&](std::span<const RowBlock> blocks, int rank, int f) -> const RowBlock& {
-    return blocks[static_cast<std::size_t>(rank) * static_cast<std::size_t>(F) + static_cast<std::size_t>(f)];
-  };
+// exchange() in steps; every step sees the same bookkeeping: the offer, and per rank [count, row_bytes of each field]
+// sent to it (send) and received from it (recv).
+struct MpiTransport::Exchange {
+  std::span<const RowBlock> offered;
+  int R = 0, me = 0, F = 0;
+  std::size_t M = 0;  // F + 1 int64 per rank
+  std::vector<std::int64_t> send_meta, recv_meta;
+  std::vector<std::byte*> recv_ptr;  // [source * F + field]: where its block lands (null for this rank's own)
+  std::byte* pack = nullptr;         // send staging of packed indexed blocks (pack_indexed_)
+  std::vector<MPI_Request> requests;
+  std::vector<int> peers;  // the rank of each request, for wait_all's timeout message
+  const RowBlock& block(int rank, int f) const {
+    return offered[static_cast<std::size_t>(rank) * static_cast<std::size_t>(F) + static_cast<std::size_t>(f)];
+  }
+  std::int64_t recv_count(int s) const { return recv_meta[static_cast<std::size_t>(s) * M]; }
+  std::size_t recv_row_bytes(int s, int f) const {
+    return static_cast<std::size_t>(recv_meta[static_cast<std::size_t>(s) * M + 1 + static_cast<std::size_t>(f)]);
+  }
+};
 
-  // 1. What this rank sends: per destination [count, row_bytes of each field].
-  const std::size_t M = static_cast<std::size_t>(F) + 1;
-  std::vector<std::int64_t> send_meta(static_cast<std::size_t>(R) * M), recv_meta(static_cast<std::size_t>(R) * M);
-  for (int d = 0; d < R; ++d) {
-    const std::int64_t count = block(offered, d, 0).count;
+// 1. What this rank sends: per destination [count, row_bytes of each field], the offer's rules checked.
+void MpiTransport::describe_sends(Exchange& x) const {
+  x.send_meta.resize(static_cast<std::size_t>(x.R) * x.M);
+  x.recv_meta.resize(static_cast<std::size_t>(x.R) * x.M);
+  for (int d = 0; d < x.R; ++d) {
+    const std::int64_t count = x.block(d, 0).count;
     EPMOE_CHECK_ARG(count >= 0 && count <= INT_MAX, "offered count", "in [0, 2^31)", count);
-    send_meta[static_cast<std::size_t>(d) * M] = count;
-    for (int f = 0; f < F; ++f) {
-      const RowBlock& b = block(offered, d, f);
+    x.send_meta[static_cast<std::size_t>(d) * x.M] = count;
+    for (int f = 0; f < x.F; ++f) {
+      const RowBlock& b = x.block(d, f);
       EPMOE_ASSERT(b.count == count);  // every field of one destination has the same count
       EPMOE_CHECK_ARG(b.row_bytes <= static_cast<std::size_t>(INT_MAX), "offered row_bytes", "< 2^31", b.row_bytes);
       EPMOE_ASSERT(count == 0 || b.row_bytes == 0 || b.base != nullptr);
-      send_meta[static_cast<std::size_t>(d) * M + 1 + static_cast<std::size_t>(f)] =
+      x.send_meta[static_cast<std::size_t>(d) * x.M + 1 + static_cast<std::size_t>(f)] =
           static_cast<std::int64_t>(b.row_bytes);
     }
   }
+}
 
-  // 2. Count exchange: the receiver learns how many rows of which size come from every source.
-  std::vector<MPI_Request> requests;
-  std::vector<int> peers;
-  requests.reserve(static_cast<std::size_t>(4 * R));
-  peers.reserve(static_cast<std::size_t>(4 * R));
-  for (int s = 0; s < R; ++s) {
-    if (s == me) continue;
-    requests.emplace_back();
-    peers.push_back(s);
-    check_mpi(MPI_Irecv(&recv_meta[static_cast<std::size_t>(s) * M], static_cast<int>(M), MPI_INT64_T, s, kCountTag,
-                        comm, &requests.back()),
+// 2. Count exchange: the receiver learns how many rows of which size come from every source (before it can post
+// its receives), and this rank's own entry is copied.
+void MpiTransport::exchange_counts(Exchange& x, std::string_view phase) {
+  const MPI_Comm comm = group_->comm();
+  for (int s = 0; s < x.R; ++s) {
+    if (s == x.me) continue;
+    x.requests.emplace_back();
+    x.peers.push_back(s);
+    check_mpi(MPI_Irecv(&x.recv_meta[static_cast<std::size_t>(s) * x.M], static_cast<int>(x.M), MPI_INT64_T, s,
+                        kCountTag, comm, &x.requests.back()),
               "MPI_Irecv");
   }
-  for (int d = 0; d < R; ++d) {
-    if (d == me) continue;
-    requests.emplace_back();
-    peers.push_back(d);
-    check_mpi(MPI_Isend(&send_meta[static_cast<std::size_t>(d) * M], static_cast<int>(M), MPI_INT64_T, d, kCountTag,
-                        comm, &requests.back()),
+  for (int d = 0; d < x.R; ++d) {
+    if (d == x.me) continue;
+    x.requests.emplace_back();
+    x.peers.push_back(d);
+    check_mpi(MPI_Isend(&x.send_meta[static_cast<std::size_t>(d) * x.M], static_cast<int>(x.M), MPI_INT64_T, d,
+                        kCountTag, comm, &x.requests.back()),
               "MPI_Isend");
   }
-  group_->wait_all(requests, peers, phase, "count exchange");
-  std::copy_n(&send_meta[static_cast<std::size_t>(me) * M], M, &recv_meta[static_cast<std::size_t>(me) * M]);
+  group_->wait_all(x.requests, x.peers, phase, "count exchange");
+  const std::size_t own = static_cast<std::size_t>(x.me) * x.M;
+  std::copy_n(&x.send_meta[own], x.M, &x.recv_meta[own]);
+}
 
-  // 3. Receive layout: per source, per field, count * row_bytes bytes, each block 64-byte aligned.
+// 3. Receive layout: per source, per field, count * row_bytes bytes of `staging`, each block 64-byte aligned (the
+// views handed back point there).
+void MpiTransport::lay_out_receives(Exchange& x, Scratch& staging) const {
+  const int R = x.R, F = x.F;
   std::vector<std::size_t> recv_offset(static_cast<std::size_t>(R * F), 0);
   std::size_t recv_total = 0;
   for (int s = 0; s < R; ++s) {
-    if (s == me) continue;
-    const auto count = static_cast<std::size_t>(recv_meta[static_cast<std::size_t>(s) * M]);
+    if (s == x.me) continue;
+    const auto count = static_cast<std::size_t>(x.recv_count(s));
     for (int f = 0; f < F; ++f) {
       recv_offset[static_cast<std::size_t>(s * F + f)] = recv_total;
-      recv_total += align_up(count * static_cast<std::size_t>(recv_meta[static_cast<std::size_t>(s) * M + 1 + f]));
+      recv_total += align_up(count * x.recv_row_bytes(s, f));
     }
   }
-  Scratch& staging = recv_staging();
   std::byte* recv_base = staging.reserve(std::max<std::size_t>(recv_total, 1));
+  x.recv_ptr.assign(static_cast<std::size_t>(R * F), nullptr);
+  for (int s = 0; s < R; ++s)
+    for (int f = 0; f < F && s != x.me; ++f)
+      x.recv_ptr[static_cast<std::size_t>(s * F + f)] = recv_base + recv_offset[static_cast<std::size_t>(s * F + f)];
+}
 
-  // Send staging for packed indexed blocks, sized up front so packing never reallocates.
+// Send staging for packed indexed blocks, sized up front so packing never reallocates (pack_indexed_ only).
+void MpiTransport::reserve_packing(Exchange& x) {
   std::size_t pack_total = 0;
   if (pack_indexed_)
-    for (int d = 0; d < R; ++d)
-      for (int f = 0; f < F && d != me; ++f) {
-        const RowBlock& b = block(offered, d, f);
+    for (int d = 0; d < x.R; ++d)
+      for (int f = 0; f < x.F && d != x.me; ++f) {
+        const RowBlock& b = x.block(d, f);
         if (b.index) pack_total += align_up(static_cast<std::size_t>(b.count) * b.row_bytes);
       }
-  std::byte* pack = pack_total ? send_staging_.reserve(pack_total) : nullptr;
+  x.pack = pack_total ? send_staging_.reserve(pack_total) : nullptr;
+}
 
-  // 4. Rows: post every receive, then pack and send destination by destination, starting after this
-  // rank so that not every rank sends to rank 0 first.
-  Datatypes types;
-  requests.clear();
-  peers.clear();
-  std::vector<std::byte*> recv_ptr(static_cast<std::size_t>(R * F), nullptr);
-  for (int s = 0; s < R; ++s) {
-    if (s == me) continue;
-    const auto count = static_cast<int>(recv_meta[static_cast<std::size_t>(s) * M]);
+// 4a. Every receive, posted before any send: one message per source, a struct of its fields' blocks.
+void MpiTransport::post_row_receives(Exchange& x, Datatypes& types) {
+  for (int s = 0; s < x.R; ++s) {
+    if (s == x.me) continue;
+    const auto count = static_cast<int>(x.recv_count(s));
     MessageBuilder msg;
-    for (int f = 0; f < F; ++f) {
-      const auto row_bytes = static_cast<std::size_t>(recv_meta[static_cast<std::size_t>(s) * M + 1 + f]);
-      std::byte* p = recv_base + recv_offset[static_cast<std::size_t>(s * F + f)];
-      recv_ptr[static_cast<std::size_t>(s * F + f)] = p;
-      if (row_bytes) msg.add(p, count, types.row(row_bytes));
+    for (int f = 0; f < x.F; ++f) {
+      const std::size_t row_bytes = x.recv_row_bytes(s, f);
+      if (row_bytes) msg.add(x.recv_ptr[static_cast<std::size_t>(s * x.F + f)], count, types.row(row_bytes));
     }
     if (msg.empty()) continue;
-    requests.emplace_back();
-    peers.push_back(s);
-    check_mpi(MPI_Irecv(MPI_BOTTOM, 1, msg.commit(types), s, kRowsTag, comm, &requests.back()), "MPI_Irecv");
+    x.requests.emplace_back();
+    x.peers.push_back(s);
+    check_mpi(MPI_Irecv(MPI_BOTTOM, 1, msg.commit(types), s, kRowsTag, group_->comm(), &x.requests.back()),
+              "MPI_Irecv");
   }
+}
+
+// 4b. Pack (pack_indexed_) and send destination by destination, starting after this rank so that not every rank
+// sends to rank 0 first. Each block goes straight from the caller's memory unless packed: contiguous, strided
+// (hvector) or indexed (hindexed) rows.
+void MpiTransport::post_row_sends(Exchange& x, Datatypes& types) {
   std::size_t packed = 0;
-  for (int step = 1; step < R; ++step) {
-    const int d = (me + step) % R;
-    const auto count = static_cast<int>(send_meta[static_cast<std::size_t>(d) * M]);
+  for (int step = 1; step < x.R; ++step) {
+    const int d = (x.me + step) % x.R;
+    const auto count = static_cast<int>(x.send_meta[static_cast<std::size_t>(d) * x.M]);
     MessageBuilder msg;
-    for (int f = 0; f < F && count > 0; ++f) {
-      const RowBlock& b = block(offered, d, f);
+    for (int f = 0; f < x.F && count > 0; ++f) {
+      const RowBlock& b = x.block(d, f);
       if (b.row_bytes == 0) continue;
       const MPI_Datatype row = types.row(b.row_bytes);
       if (b.index && pack_indexed_) {
-        std::byte* out = pack + packed;
+        std::byte* out = x.pack + packed;
         for (int i = 0; i < count; ++i)
           std::memcpy(out + static_cast<std::size_t>(i) * b.row_bytes, b.row(i), b.row_bytes);
         packed += align_up(static_cast<std::size_t>(count) * b.row_bytes);
@@ -292,34 +318,63 @@ std::vector<RowBlock> MpiTransport::exchange(std::span<const RowBlock> offered, 
       }
     }
     if (msg.empty()) continue;
-    requests.emplace_back();
-    peers.push_back(d);
-    check_mpi(MPI_Isend(MPI_BOTTOM, 1, msg.commit(types), d, kRowsTag, comm, &requests.back()), "MPI_Isend");
+    x.requests.emplace_back();
+    x.peers.push_back(d);
+    check_mpi(MPI_Isend(MPI_BOTTOM, 1, msg.commit(types), d, kRowsTag, group_->comm(), &x.requests.back()),
+              "MPI_Isend");
   }
+}
+
+// 5. Views: this rank's own blocks are handed back as offered (zero copy, like the threads backend), the others
+// point into the receive staging.
+std::vector<RowBlock> MpiTransport::received_views(const Exchange& x) {
+  std::vector<RowBlock> received(static_cast<std::size_t>(x.R * x.F));
+  for (int s = 0; s < x.R; ++s)
+    for (int f = 0; f < x.F; ++f) {
+      RowBlock& r = received[static_cast<std::size_t>(s * x.F + f)];
+      if (s == x.me) {
+        r = x.block(x.me, f);
+        continue;
+      }
+      r.base = x.recv_ptr[static_cast<std::size_t>(s * x.F + f)];
+      r.row_bytes = x.recv_row_bytes(s, f);
+      r.stride_bytes = r.row_bytes;
+      r.index = nullptr;
+      r.count = x.recv_count(s);
+    }
+  return received;
+}
+
+std::vector<RowBlock> MpiTransport::exchange(std::span<const RowBlock> offered, int num_fields,
+                                             std::string_view phase) {
+  group_->check_usable(phase);
+  Exchange x;
+  x.offered = offered;
+  x.R = group_->size();
+  x.me = group_->rank();
+  x.F = num_fields;
+  EPMOE_ASSERT(x.F >= 1 && offered.size() == static_cast<std::size_t>(x.R) * static_cast<std::size_t>(x.F));
+  x.M = static_cast<std::size_t>(x.F) + 1;
+  describe_sends(x);
+  x.requests.reserve(static_cast<std::size_t>(4 * x.R));
+  x.peers.reserve(static_cast<std::size_t>(4 * x.R));
+  exchange_counts(x, phase);
+  Scratch& staging = recv_staging();
+  lay_out_receives(x, staging);
+  reserve_packing(x);
+  Datatypes types;
+  x.requests.clear();
+  x.peers.clear();
+  post_row_receives(x, types);
+  post_row_sends(x, types);
   try {
-    group_->wait_all(requests, peers, phase, "exchange of rows");
+    group_->wait_all(x.requests, x.peers, phase, "exchange of rows");
   } catch (const Error&) {
     group_->keep_after_fault(staging.data);  // abandoned receives may still land here
     group_->keep_after_fault(send_staging_.data);
     throw;
   }
-
-  // 5. Views: this rank's own blocks are handed back as offered (zero copy, like the threads backend).
-  std::vector<RowBlock> received(static_cast<std::size_t>(R * F));
-  for (int s = 0; s < R; ++s)
-    for (int f = 0; f < F; ++f) {
-      RowBlock& r = received[static_cast<std::size_t>(s * F + f)];
-      if (s == me) {
-        r = block(offered, me, f);
-        continue;
-      }
-      r.base = recv_ptr[static_cast<std::size_t>(s * F + f)];
-      r.row_bytes = static_cast<std::size_t>(recv_meta[static_cast<std::size_t>(s) * M + 1 + f]);
-      r.stride_bytes = r.row_bytes;
-      r.index = nullptr;
-      r.count = recv_meta[static_cast<std::size_t>(s) * M];
-    }
-  return received;
+  return received_views(x);
 }
 
 void MpiTransport::free_window(std::string_view phase, bool in_destructor) {
@@ -432,9 +487,9 @@ void MpiTransport::wait_signal(int slot, std::uint64_t value, int peer, std::str
 
 }  // namespace
 
-std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group) {
+std::unique_ptr<Transport> make_mpi_transport(std::shared_ptr<Group> group, bool pack_rows) {
   EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
-  return std::make_unique<MpiTransport>(std::move(group));
+  return std::make_unique<MpiTransport>(std::move(group), pack_rows);
 }
 
 }  // namespace epmoe
