@@ -29,7 +29,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.hpp"
+#include "core/cuda_util.hpp"
 #include "experts/cuda_workspace.hpp"
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
@@ -59,7 +59,8 @@ constexpr int kSideStreams = 4;
 // cuBLAS's recommended workspace on Hopper (cuBLAS docs, "cublasSetWorkspace"): 32 MiB per stream.
 constexpr std::size_t kBlasWorkspace = std::size_t{32} << 20;
 
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+using cuda_util::capturing;
+using cuda_util::DeviceGuard;
 
 // ---- argument checks ------------------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ void check_device_tensor(const TensorView& t, std::string_view name, const Devic
 }
 
 void check_vector_rows(const TensorView& t, std::string_view name) {
-  EPMOE_CHECK_ARG(t.numel() == 0 || aligned16(t.data), name, "a 16-byte-aligned data pointer on CUDA",
+  EPMOE_CHECK_ARG(t.numel() == 0 || cuda_util::aligned16(t.data), name, "a 16-byte-aligned data pointer on CUDA",
                   fmt::format("{} at {}", describe(t), t.data));
 }
 

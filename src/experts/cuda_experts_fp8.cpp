@@ -32,7 +32,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include "core/cuda_check.hpp"
+#include "core/cuda_util.hpp"
 #include "experts/cuda_workspace.hpp"
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
@@ -43,9 +43,9 @@ namespace epmoe::experts_cuda_fp8 {
 
 namespace {
 
-using experts_cuda::capturing;  // the host-side CUDA helpers shared with the bf16 experts (cuda_workspace.hpp)
-using experts_cuda::Carve;
-using experts_cuda::DeviceGuard;
+using cuda_util::capturing;
+using experts_cuda::Carve;  // the host-side CUDA helpers shared with the bf16 experts (cuda_workspace.hpp)
+using cuda_util::DeviceGuard;
 using experts_cuda::Workspace;
 
 using experts_fp8::blocks;
@@ -71,7 +71,6 @@ constexpr int kMaxStreams = 4;
 constexpr double kStreamsMaxMeanRows = 256;
 
 std::int64_t round_up(std::int64_t v, std::int64_t m) { return (v + m - 1) / m * m; }
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 // ---- argument checks ------------------------------------------------------------------------------------
 
@@ -94,7 +93,7 @@ void check_on_device(const TensorView& t, std::string_view name, const Device& d
 }
 
 void check_aligned(const TensorView& t, std::string_view name) {
-  EPMOE_CHECK_ARG(t.numel() == 0 || aligned16(t.data), name, "a 16-byte-aligned data pointer on CUDA",
+  EPMOE_CHECK_ARG(t.numel() == 0 || cuda_util::aligned16(t.data), name, "a 16-byte-aligned data pointer on CUDA",
                   fmt::format("{} at {}", describe(t), t.data));
 }
 

@@ -10,8 +10,6 @@
 
 #include "core/cuda_check.hpp"
 
-#define EPMOE_FP8_CHECK_LAUNCH() EPMOE_CUDA_CHECK(cudaGetLastError())
-
 namespace epmoe::experts_cuda_fp8 {
 
 namespace {
@@ -234,14 +232,14 @@ void quantize_rows(const void* x, bool x_fp32, std::int64_t rows, std::int64_t h
   else
     quantize_rows_kernel<false><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
         x, rows, h, groups, weights, weight_stride, in_slab, out_slab, q, scales, transposed, seg);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void transpose_scales(const float* src, std::int64_t rows_total, std::int64_t groups, const Segments& seg, float* dst,
                       cudaStream_t stream) {
   if (rows_total * groups == 0) return;
   transpose_scales_kernel<<<blocks_for(rows_total * groups, 256), 256, 0, stream>>>(src, rows_total, groups, seg, dst);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void activation_quant(Activation act, const float* g, std::int64_t rows_total, std::int64_t n, const Segments& seg,
@@ -263,14 +261,14 @@ void activation_quant(Activation act, const float* g, std::int64_t rows_total, s
     EPMOE_FP8_ACT_CASE(Activation::relu2_no_mul)
   }
 #undef EPMOE_FP8_ACT_CASE
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void pad_weight_scales(const float* src, std::int64_t rows, std::int64_t kb, std::int64_t kb4, float* dst,
                        cudaStream_t stream) {
   if (rows * kb4 == 0) return;
   pad_weight_scales_kernel<<<blocks_for(rows * kb4, 256), 256, 0, stream>>>(src, rows, kb, kb4, dst);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void copy_slab_rows(const void* src, std::int64_t src_slab, void* dst, std::int64_t dst_slab, int e_local,
@@ -278,7 +276,7 @@ void copy_slab_rows(const void* src, std::int64_t src_slab, void* dst, std::int6
   if (e_local == 0 || rows == 0) return;
   copy_slab_rows_kernel<<<static_cast<unsigned>(e_local * rows), 128, 0, stream>>>(
       static_cast<const uint4*>(src), src_slab, static_cast<uint4*>(dst), dst_slab, rows, row_bytes / 16, counts);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace epmoe::experts_cuda_fp8

@@ -9,8 +9,6 @@
 
 #include "core/cuda_check.hpp"
 
-#define EPMOE_EXPERTS_CHECK_LAUNCH() EPMOE_CUDA_CHECK(cudaGetLastError())
-
 namespace epmoe::experts_cuda {
 
 namespace {
@@ -193,7 +191,7 @@ void map_ids(const void* idx, bool idx64, std::int64_t n, const std::int32_t* ma
   else
     map_ids_kernel<std::int32_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         static_cast<const std::int32_t*>(idx), n, map, map_size, limit, e_local, local, flags);
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void prepare_hidden(const void* hidden, bool hidden_fp32, std::int64_t rows, std::int64_t h, const float* weights,
@@ -206,7 +204,7 @@ void prepare_hidden(const void* hidden, bool hidden_fp32, std::int64_t rows, std
   else
     prepare_hidden_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(hidden, vecs, weights, weight_stride,
                                                                              static_cast<uint4*>(out));
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void activation(Activation act, const void* g, std::int64_t rows, std::int64_t n, void* a, const std::int32_t* counts,
@@ -235,7 +233,7 @@ void activation(Activation act, const void* g, std::int64_t rows, std::int64_t n
       activation_kernel<Activation::relu2_no_mul><<<grid, kRowThreads, 0, stream>>>(gv, n, av, counts, max_tokens);
       break;
   }
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void gather_rows(const void* y, const std::int32_t* src2dst, std::int64_t rows, std::int64_t h, void* out,
@@ -243,7 +241,7 @@ void gather_rows(const void* y, const std::int32_t* src2dst, std::int64_t rows, 
   if (rows == 0) return;
   gather_rows_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(static_cast<const uint4*>(y), src2dst, h / 8,
                                                                    static_cast<uint4*>(out));
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::int64_t max_tokens, std::int64_t h,
@@ -252,7 +250,7 @@ void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::in
   if (rows == 0) return;
   masked_copy_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(static_cast<const uint4*>(y), counts, max_tokens,
                                                                    h / 8, static_cast<uint4*>(out));
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace epmoe::experts_cuda

@@ -12,19 +12,6 @@
 
 namespace epmoe::experts_cuda {
 
-DeviceGuard::DeviceGuard(int device) {
-  int current = 0;
-  EPMOE_CUDA_CHECK(cudaGetDevice(&current));
-  if (current != device) {
-    EPMOE_CUDA_CHECK(cudaSetDevice(device));
-    previous_ = current;
-  }
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (previous_ >= 0) cudaSetDevice(previous_);
-}
-
 cudaMemPool_t workspace_pool(int device) {
   static std::mutex mutex;
   static std::unordered_map<int, cudaMemPool_t> pools;
@@ -52,12 +39,6 @@ Workspace::Workspace(int device, std::size_t bytes, cudaStream_t stream) : strea
 
 Workspace::~Workspace() {
   if (data_ != nullptr) cudaFreeAsync(data_, stream_);
-}
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace epmoe::experts_cuda

@@ -1,4 +1,4 @@
-// Host-side CUDA helpers the bf16 and fp8 CUDA experts share (CUDA builds only): a device guard, stream-ordered
+// Host-side CUDA helpers the bf16 and fp8 CUDA experts share (CUDA builds only): stream-ordered
 // workspaces from a per-device pool that never trims (repeated calls reuse memory; the BatchedExperts path stays
 // capturable in a CUDA graph), and offsets of several buffers inside one workspace.
 #pragma once
@@ -10,18 +10,6 @@
 namespace epmoe::experts_cuda {
 
 inline constexpr std::size_t kWorkspaceAlign = 256;  // bytes; every carved buffer starts on this boundary
-
-/// Makes `device` current for the scope (restores the previous device when it changed it).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 /// The experts' memory pool of `device` (created once; release threshold: never).
 cudaMemPool_t workspace_pool(int device);
@@ -50,8 +38,5 @@ struct Carve {
     return offset;
   }
 };
-
-/// Whether `s` is capturing a CUDA graph.
-bool capturing(cudaStream_t s);
 
 }  // namespace epmoe::experts_cuda

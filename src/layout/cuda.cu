@@ -16,27 +16,10 @@
 #include <string>
 
 #include "layout/cuda.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "layout/id_flag.cuh"
 
 namespace epmoe {
-
-namespace cuda_util {
-
-int num_sms() {
-  static std::mutex mutex;
-  static int cached[64] = {};
-  int device = 0;
-  EPMOE_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device < 64) cached[device] = n;
-  return n;
-}
-
-}  // namespace cuda_util
 
 namespace layout_detail {
 

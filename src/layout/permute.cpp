@@ -3,6 +3,8 @@
 #include "core/check.hpp"
 #include <epmoe/permute.hpp>
 
+#include "core/cuda_util.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -28,8 +30,6 @@ std::string strides_of(const TensorView& t) {
         to_string(t.device), describe(t));
 }
 
-bool is_aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-
 // A [rows, cols] matrix with unit inner stride and a row stride >= cols; on CUDA with 16-byte-aligned rows
 // when `vector_rows` (the kernels move whole rows in 16-byte vectors).
 void check_rows(const TensorView& t, std::string_view name, std::int64_t cols, bool vector_rows) {
@@ -40,7 +40,7 @@ void check_rows(const TensorView& t, std::string_view name, std::int64_t cols, b
   EPMOE_CHECK_ARG(t.data != nullptr || t.numel() == 0, name, "a non-null data pointer", "nullptr");
   if (vector_rows && t.device.is_cuda()) {
     const auto elem = static_cast<std::int64_t>(dtype_size(t.dtype));
-    EPMOE_CHECK_ARG(is_aligned16(t.data) && (t.size(0) <= 1 || (t.stride(0) * elem) % 16 == 0), name,
+    EPMOE_CHECK_ARG(cuda_util::aligned16(t.data) && (t.size(0) <= 1 || (t.stride(0) * elem) % 16 == 0), name,
                     "16-byte-aligned rows on CUDA (data pointer and row stride in bytes multiples of 16)",
                     fmt::format("{} at {}", strides_of(t), t.data));
   }

@@ -16,7 +16,7 @@
 #include <algorithm>
 
 #include "layout/cuda.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "layout/id_flag.cuh"
 
 namespace epmoe::layout_detail {

@@ -28,9 +28,6 @@ FaultRecord* fault_record_for_kernels();
 /// The host's view of device `device`'s record, or nullptr when no kernel ever used one there.
 volatile FaultRecord* fault_record_host(int device);
 
-/// Whether `stream` is being captured into a CUDA graph.
-bool capturing(Stream stream);
-
 /// counts[e] = number of entries of topk_idx (int64/int32 [M, K], contiguous) equal to e, for e < E
 /// (counts overwritten). Ids outside [-1, E) are skipped and flagged (the fault record, and the first one
 /// in the device word cuda::check_invalid_ids reads).

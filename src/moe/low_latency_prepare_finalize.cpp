@@ -13,7 +13,7 @@
 #include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "quant/cuda.hpp"
 #endif
 

@@ -1,25 +1,21 @@
 // The token-side steps the prepare/finalize implementations share on CUDA tensors (prepare_common.hpp): the
 // argument check of a GPU call and the router weight on the input as a CUDA kernel.
 #include "core/check.hpp"
+#include "core/cuda_util.hpp"
 #include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
 #include "experts/cuda_experts.hpp"
-#include "layout/cuda_util.cuh"
 #include "moe/cuda_moe.hpp"
 #endif
 
 namespace epmoe {
 
-namespace {
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-}  // namespace
-
 void check_cuda_prepare_inputs(const PrepareInputs& in) {
   const TensorView& x = in.hidden;
   const Device d = x.device;
   EPMOE_CHECK_ARG(x.dtype == DType::bf16 && x.ndim() == 2 && x.is_contiguous() && x.size(1) % 8 == 0 &&
-                      (x.numel() == 0 || aligned16(x.data)),
+                      (x.numel() == 0 || cuda_util::aligned16(x.data)),
                   "hidden", "contiguous bfloat16 [T, H] with H % 8 == 0 and 16-byte-aligned data on CUDA",
                   describe(x));
   const std::int64_t T = x.size(0);

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "layout/cuda.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "layout/id_flag.cuh"
 #include "moe/cuda_moe.hpp"
 
@@ -145,12 +145,6 @@ volatile FaultRecord* fault_record_host(int device) {
   RecordTable& t = records();
   std::lock_guard<std::mutex> lock(t.mutex);
   return t.host[device];
-}
-
-bool capturing(Stream stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda_util::to_cuda(stream), &status));
-  return status != cudaStreamCaptureStatusNone;
 }
 
 void count_ids(const TensorView& topk_idx, int num_experts, std::int32_t* counts, Stream stream) {

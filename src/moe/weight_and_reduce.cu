@@ -4,7 +4,7 @@
 // the K choices in k order, each product rounded before the add (__fmul_rn / __fadd_rn: never a fused
 // multiply-add, which the CPU loop does not use either), and rounds once to bf16.
 #include "core/bf16_device.cuh"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "moe/weight_and_reduce.hpp"
 
 namespace epmoe {
@@ -59,7 +59,7 @@ void launch(const TensorView& fused, const std::int32_t* rows, const Id* idx, co
   const std::int64_t M = out.size(0), H = out.size(1);
   const int K = static_cast<int>(topk_weights.size(1));
   if (M == 0) return;
-  if (K > kMaxTopk) cuda_util::invalid("topk_weights", "K <= 512 on CUDA", std::to_string(K));
+  if (K > kMaxTopk) throw_invalid_argument("topk_weights", "K <= 512 on CUDA", std::to_string(K));
   const std::int64_t row_vecs = H * static_cast<std::int64_t>(sizeof(bf16_t)) / 16;
   const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(cuda_util::ceil_div(row_vecs, kThreads)));
   reduce_kernel<kSlots, Id><<<grid, kThreads, 0, cuda_util::to_cuda(stream)>>>(

@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "quant/cuda.hpp"
 #include "quant/fp8_device.cuh"
 
@@ -198,8 +198,8 @@ __global__ void dequantize_scalar_kernel(const std::uint8_t* __restrict__ q, std
 void require_vector_rows(const TensorView& t, const char* name) {
   const auto elem = static_cast<std::int64_t>(dtype_size(t.dtype));
   if (!cuda_util::aligned16(t.data) || (t.size(0) > 1 && (t.stride(0) * elem) % 16 != 0))
-    cuda_util::invalid(name, "16-byte-aligned rows on CUDA (data pointer and row stride in bytes multiples of 16)",
-                       describe(t) + " with row stride " + std::to_string(t.stride(0)));
+    throw_invalid_argument(name, "16-byte-aligned rows on CUDA (data pointer and row stride in bytes multiples of 16)",
+                           describe(t) + " with row stride " + std::to_string(t.stride(0)));
 }
 
 }  // namespace

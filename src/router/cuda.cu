@@ -10,7 +10,7 @@
 #include <climits>
 #include <string>
 
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "router/cuda.hpp"
 #include "router/score_math.hpp"
 

@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 
 namespace epmoe::cuda_ipc {
 
