@@ -33,7 +33,7 @@
 #include "experts/cuda_workspace.hpp"
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
-#include "layout/cuda.hpp"
+#include "layout/layout.hpp"
 #endif
 
 namespace epmoe {

@@ -37,7 +37,7 @@
 #include "experts/cuda_experts.hpp"
 #include "experts/cuda_experts_fp8.hpp"
 #include "experts/fp8.hpp"
-#include "layout/cuda.hpp"
+#include "layout/layout.hpp"
 
 namespace epmoe::experts_cuda_fp8 {
 

@@ -14,7 +14,7 @@
 
 #if defined(EPMOE_HAVE_CUDA)
 #include "core/cuda_util.hpp"
-#include "quant/cuda.hpp"
+#include "quant/quant.hpp"
 #endif
 
 namespace epmoe {

@@ -17,11 +17,11 @@
 #include <limits>
 
 #include "experts/cuda_experts.hpp"
-#include "layout/cuda.hpp"
+#include "layout/layout.hpp"
 #include "core/cuda_util.hpp"
 #include "moe/cuda_moe.hpp"
 #include "moe/weight_and_reduce.hpp"
-#include "quant/cuda.hpp"
+#include "quant/quant.hpp"
 #endif
 
 namespace epmoe {

@@ -3,14 +3,14 @@
 // The fault record lives in page-locked host memory mapped into the device's address space, so the host
 // reads it at any time without a synchronisation or a copy, and kernels replayed from a CUDA graph write
 // it like any other. The exact first offender ([t, k] and value) still goes to the per-device word of
-// layout/id_flag.cuh (an atomicMin, which host-mapped memory cannot do portably), read by
+// core/id_flag.cuh (an atomicMin, which host-mapped memory cannot do portably), read by
 // cuda::check_invalid_ids() once the record says there is something to read.
 #include <mutex>
 #include <string>
 
-#include "layout/cuda.hpp"
 #include "core/cuda_util.hpp"
-#include "layout/id_flag.cuh"
+#include "core/id_flag.cuh"
+#include "layout/layout.hpp"
 #include "moe/cuda_moe.hpp"
 
 namespace epmoe::moe_cuda {
@@ -53,7 +53,7 @@ __global__ void count_ids_kernel(const Id* __restrict__ idx, std::int64_t n, int
     if (e >= 0 && e < E) {
       atomicAdd(&h[e], 1);
     } else if (e != -1) {
-      layout_detail::flag_bad_id(bad_word, i / K, i % K, e);
+      cuda_util::flag_bad_id(bad_word, i / K, i % K, e);
       raise_invalid_id(record);
     }
   }

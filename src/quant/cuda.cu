@@ -5,15 +5,14 @@
 // for float32; one 16-byte fp8 store). A warp covers the four groups that share one UE8M0 word of one
 // row, so the word is assembled with three shuffles and written once (optionally four such words per
 // warp, all loads first). The group's absolute maximum (NaN skipped, as on the CPU) is reduced with three
-// xor-shuffles; scale and inverse are computed as quant_impl.hpp's group_scale does.
+// xor-shuffles; scale and inverse are computed as quant.hpp's group_scale does.
 // Dequantize: one thread per 16 values.
 #include <epmoe/quant.hpp>
 
 #include <string>
 
 #include "core/cuda_util.hpp"
-#include "quant/cuda.hpp"
-#include "quant/fp8_device.cuh"
+#include "quant/quant.hpp"
 
 namespace epmoe::quant_detail {
 

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "core/cuda_util.hpp"
-#include "router/cuda.hpp"
+#include "router/router.hpp"
 #include "router/score_math.hpp"
 
 namespace epmoe::router_detail {
