@@ -9,6 +9,7 @@
 #include "moe/no_ep_cuda.hpp"
 
 #include "core/check.hpp"
+#include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
 #include <epmoe/permute.hpp>
@@ -16,10 +17,9 @@
 
 #include <limits>
 
-#include "experts/cuda_experts.hpp"
-#include "layout/layout.hpp"
 #include "core/cuda_util.hpp"
-#include "moe/cuda_moe.hpp"
+#include "layout/layout.hpp"
+#include "moe/cuda.hpp"
 #include "moe/weight_and_reduce.hpp"
 #include "quant/quant.hpp"
 #endif
@@ -92,11 +92,7 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
     // As on the CPU: x * w rounded to bf16, and weights of 1 so nothing weights the token again.
     const TensorView scaled = ws("scaled", DType::bf16, {T_, H_});
     const TensorView ones = ws("ones", DType::fp32, {T_, 1});
-    if (T_ > 0) {
-      experts_cuda::prepare_hidden(x.data, false, T_, H_, static_cast<const float*>(in.topk_weights.data), 1,
-                                   scaled.data, cuda_util::to_cuda(s));
-      fill(static_cast<float*>(ones.data), T_, 1.0f, s);
-    }
+    weight_on_input_cuda(x, in.topk_weights, scaled, ones, s);
     hidden = scaled;
     topk_weights_ = ones;
   }

@@ -15,7 +15,7 @@
 #include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
-#include "moe/cuda_moe.hpp"
+#include "moe/cuda.hpp"
 #include "moe/weight_and_reduce.hpp"
 #endif
 

@@ -1,7 +1,8 @@
-// Internal entry points of the MoE stage's CUDA kernels (CUDA builds only: EPMOE_HAVE_CUDA): the no-EP
-// prepare (id counts and checks, the BatchedExperts scatter) and SPEC 11's host-mapped fault record. The
-// host side (no_ep_cuda.cpp) checks every argument first; everything here is asynchronous on `stream`
-// and launches no zero-sized grid. No fmt here: nvcc compiles prepare_cuda.cu.
+// Entry points of the MoE stage's CUDA kernels (cuda.cu; CUDA builds only: EPMOE_HAVE_CUDA), private to
+// src/moe/: the no-EP prepare (id counts and checks, the BatchedExperts scatter) and SPEC 11's host-mapped fault
+// record (TopKWeightAndReduce: weight_and_reduce.hpp). The host side (no_ep_cuda.cpp, cuda.cpp) checks every
+// argument first; everything here is asynchronous on `stream` and launches no zero-sized grid. No fmt here:
+// nvcc compiles cuda.cu.
 #pragma once
 
 #include <epmoe/stream.hpp>

@@ -1,9 +1,9 @@
-// Elementwise kernels of the CUDA experts (see cuda_experts.hpp): id mapping, input preparation, the
+// Elementwise kernels of the CUDA experts (see cuda.hpp): id mapping, input preparation, the
 // fused activation after gemm1, and the final row copies. The GEMMs are cuBLAS calls on the host side.
 //
 // Every kernel moves rows in 16-byte vectors (8 bf16), one block per row: rows here are long (H or N in
 // the thousands) and row-major, so a block's loads are contiguous and fully coalesced.
-#include "experts/cuda_experts.hpp"
+#include "experts/cuda.hpp"
 
 #include <cuda_bf16.h>
 

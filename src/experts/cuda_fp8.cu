@@ -1,9 +1,9 @@
-// Elementwise kernels of the fp8 block-scaled CUDA experts (see cuda_experts_fp8.hpp): SPEC 6 quantization
+// Elementwise kernels of the fp8 block-scaled CUDA experts (see cuda_fp8.hpp): SPEC 6 quantization
 // of the input rows and of the activation output, and the scale/row reordering cuBLASLt's block-scaled GEMMs
 // need. Quantization works one warp per (row, group of 128 channels): each lane holds 4 consecutive channels,
 // the group's absolute maximum is a warp reduction, and the arithmetic is SPEC 6's float32 rule
 // (a = max(amax, 1e-4); q = fp8(x * (448 / a)); scale = a / 448), the one quant.hpp implements.
-#include "experts/cuda_experts_fp8.hpp"
+#include "experts/cuda_fp8.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
