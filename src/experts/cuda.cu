@@ -7,22 +7,15 @@
 
 #include <cuda_bf16.h>
 
+#include "core/bf16_device.cuh"
 #include "core/cuda_check.hpp"
+#include "experts/activation.cuh"
 
 namespace epmoe::experts_cuda {
 
 namespace {
 
 constexpr int kRowThreads = 128;
-
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
-  const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
 
 __device__ __forceinline__ std::uint32_t bf16_bits(float f) {
   return static_cast<std::uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(f)));
@@ -85,7 +78,7 @@ __global__ void __launch_bounds__(kRowThreads)
       f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
       f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
     } else {
-      unpack8(__ldg(static_cast<const uint4*>(hidden) + r * vecs + v), f);
+      unpack_bf16x8(__ldg(static_cast<const uint4*>(hidden) + r * vecs + v), f);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], w);
@@ -94,23 +87,6 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // ---- activation ---------------------------------------------------------------------------------
-
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-template <Activation A>
-__device__ __forceinline__ float act_value(float g, float u) {
-  if constexpr (A == Activation::silu) return silu_f(g) * u;
-  else if constexpr (A == Activation::gelu) return gelu_f(g) * u;
-  else if constexpr (A == Activation::swigluoai) {
-    // gpt-oss constants (vLLM's swigluoai_and_mul): alpha 1.702, limit 7.
-    g = fminf(g, 7.0f);
-    u = fminf(fmaxf(u, -7.0f), 7.0f);
-    return (u + 1.0f) * g / (1.0f + expf(-1.702f * g));
-  } else if constexpr (A == Activation::silu_no_mul) return silu_f(g);
-  else if constexpr (A == Activation::gelu_no_mul) return gelu_f(g);
-  else return g > 0.0f ? g * g : 0.0f;  // relu2_no_mul
-}
 
 // One block per row; each thread makes 8 consecutive outputs from 16-byte loads: gate and up halves of
 // the row (silu, gelu), 16 interleaved values (swigluoai), or 8 values (non-gated).
@@ -129,18 +105,18 @@ __global__ void __launch_bounds__(kRowThreads)
     float gate[8], up[8], out[8];
     if constexpr (A == Activation::swigluoai) {
       float f[16];
-      unpack8(__ldg(gr + 2 * v), f);
-      unpack8(__ldg(gr + 2 * v + 1), f + 8);
+      unpack_bf16x8(__ldg(gr + 2 * v), f);
+      unpack_bf16x8(__ldg(gr + 2 * v + 1), f + 8);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         gate[i] = f[2 * i];
         up[i] = f[2 * i + 1];
       }
     } else if constexpr (kGated) {
-      unpack8(__ldg(gr + v), gate);
-      unpack8(__ldg(gr + nv + v), up);
+      unpack_bf16x8(__ldg(gr + v), gate);
+      unpack_bf16x8(__ldg(gr + nv + v), up);
     } else {
-      unpack8(__ldg(gr + v), gate);
+      unpack_bf16x8(__ldg(gr + v), gate);
 #pragma unroll
       for (int i = 0; i < 8; ++i) up[i] = 0.0f;
     }

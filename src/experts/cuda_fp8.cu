@@ -9,10 +9,13 @@
 #include <cuda_fp8.h>
 
 #include "core/cuda_check.hpp"
+#include "experts/activation.cuh"
 
 namespace epmoe::experts_cuda_fp8 {
 
 namespace {
+
+using experts_cuda::act_value;
 
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
@@ -134,22 +137,6 @@ __global__ void transpose_scales_kernel(const float* __restrict__ src, std::int6
     v = t < seg.valid ? src[(e * seg.valid + t) * groups + g] : 0.0f;
   }
   dst[p.r0 * groups + g * p.n + (o - p.r0)] = v;
-}
-
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-template <Activation A>
-__device__ __forceinline__ float act_value(float g, float u) {
-  if constexpr (A == Activation::silu) return silu_f(g) * u;
-  else if constexpr (A == Activation::gelu) return gelu_f(g) * u;
-  else if constexpr (A == Activation::swigluoai) {
-    g = fminf(g, 7.0f);  // gpt-oss constants (vLLM's swigluoai_and_mul): alpha 1.702, limit 7
-    u = fminf(fmaxf(u, -7.0f), 7.0f);
-    return (u + 1.0f) * g / (1.0f + expf(-1.702f * g));
-  } else if constexpr (A == Activation::silu_no_mul) return silu_f(g);
-  else if constexpr (A == Activation::gelu_no_mul) return gelu_f(g);
-  else return g > 0.0f ? g * g : 0.0f;  // relu2_no_mul
 }
 
 template <Activation A>

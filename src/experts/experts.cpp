@@ -228,27 +228,18 @@ void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda,
 // Checks everything (shapes, dtypes, layouts and index values) before any work, and resolves the
 // routing to local ids once so the implementations never see a global id.
 ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig& config) {
-  ExpertsSizes s = check_bf16_weights(in, config, false);
-  check_experts_routing(in, nullptr, s);
   ExpertsProblem p;
+  static_cast<ExpertsSizes&>(p) = check_bf16_weights(in, config, false);
+  check_experts_routing(in, nullptr, p);
   p.format = config.format;
-  p.reduce = config.reduce;
   p.activation = in.activation;
-  p.gated = s.gated;
-  p.e_local = s.e_local;
-  p.n = s.n;
-  p.h = s.h;
-  p.m = s.m;
-  p.k = s.k;
-  p.max_tokens = s.max_tokens;
   p.w1 = static_cast<const bf16_t*>(in.w1.data);
   p.w2 = static_cast<const bf16_t*>(in.w2.data);
   p.hidden = in.hidden.data;
   p.hidden_dtype = in.hidden.dtype;
-  p.weight_on_input = s.weight_on_input;
 
   // The values, on the host.
-  if (s.batched) {
+  if (p.batched) {
     p.counts = static_cast<const std::int32_t*>(in.expert_num_tokens.data);
     for (std::int64_t e = 0; e < p.e_local; ++e)
       EPMOE_CHECK_ARG(p.counts[e] >= 0 && p.counts[e] <= p.max_tokens, "expert_num_tokens",
@@ -260,7 +251,7 @@ ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig
   const std::int32_t* map = nullptr;
   if (in.expert_map.defined()) {
     map = static_cast<const std::int32_t*>(in.expert_map.data);
-    for (std::int64_t g = 0; g < s.id_limit; ++g)
+    for (std::int64_t g = 0; g < p.id_limit; ++g)
       EPMOE_CHECK_ARG(map[g] >= -1 && map[g] < p.e_local, "expert_map",
                       fmt::format("entries in [-1, {}) (E_local)", p.e_local), fmt::format("{} at {}", map[g], g));
   }
@@ -269,8 +260,8 @@ ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig
   for (std::int64_t i = 0; i < p.m * p.k; ++i) {
     const std::int64_t id = idx64 ? load_index<std::int64_t>(in.topk_idx.data, i)
                                   : load_index<std::int32_t>(in.topk_idx.data, i);
-    EPMOE_CHECK_ARG(id >= -1 && id < s.id_limit, "topk_idx",
-                    fmt::format("ids in [-1, {}) ({})", s.id_limit, map ? "E, the size of expert_map" : "E_local"),
+    EPMOE_CHECK_ARG(id >= -1 && id < p.id_limit, "topk_idx",
+                    fmt::format("ids in [-1, {}) ({})", p.id_limit, map ? "E, the size of expert_map" : "E_local"),
                     fmt::format("{} at [{}, {}]", id, i / p.k, i % p.k));
     p.local_ids[static_cast<std::size_t>(i)] =
         id < 0 ? -1 : (map ? map[id] : static_cast<std::int32_t>(id));

@@ -54,14 +54,10 @@ struct CudaIndexLimits {
 /// limits (nullptr on the CPU). Errors: invalid_argument naming the argument, the expected and the actual value.
 void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda, ExpertsSizes& s);
 
-struct ExpertsProblem {
+/// The checked form of ExpertsInputs the CPU implementations run from (host pointers, local ids).
+struct ExpertsProblem : ExpertsSizes {
   ActivationFormat format = ActivationFormat::standard;
-  bool reduce = true;  ///< standard only
   Activation activation = Activation::silu;
-  bool gated = true;
-  std::int64_t e_local = 0, n = 0, h = 0;
-  std::int64_t m = 0, k = 0;        ///< standard: tokens and choices per token
-  std::int64_t max_tokens = 0;      ///< batched: rows per slab
   const void* hidden = nullptr;     ///< bf16 or fp32, see hidden_dtype
   DType hidden_dtype = DType::bf16;
   const bf16_t* w1 = nullptr;       ///< [e_local, w1_rows(), h]
@@ -69,7 +65,6 @@ struct ExpertsProblem {
   const float* topk_weights = nullptr;  ///< standard: [m, k]
   std::vector<std::int32_t> local_ids;  ///< standard: [m, k] local expert id or -1 (expert_map applied)
   const std::int32_t* counts = nullptr; ///< batched: [e_local]
-  bool weight_on_input = false;
 
   std::int64_t w1_rows() const { return gated ? 2 * n : n; }
   /// Row of w1[e] holding the gate (or, non-gated, the only) value of intermediate channel j.

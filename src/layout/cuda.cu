@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/bf16_device.cuh"
 #include "core/cuda_util.hpp"
 #include "core/id_flag.cuh"
 #include "layout/layout.hpp"
@@ -435,14 +436,7 @@ constexpr int kReduceBatch = 8;  // expert rows loaded before they are added
 
 struct Bf16x8 {
   static constexpr int kElems = 8;
-  __device__ static void unpack(const uint4& v, float* f) {
-    const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
+  __device__ static void unpack(const uint4& v, float* f) { unpack_bf16x8(v, f); }
   __device__ static uint4 pack(const float* f) {
     std::uint32_t w[4];
 #pragma unroll
