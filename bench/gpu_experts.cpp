@@ -46,8 +46,7 @@ int main() {
 
 #include "bench_util.hpp"
 
-#include "experts/cuda_experts.hpp"
-#include "experts/cuda_experts_fp8.hpp"
+#include "experts/experts.hpp"
 
 namespace {
 

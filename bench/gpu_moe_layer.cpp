@@ -42,7 +42,7 @@ int main() {
 
 #include "bench_util.hpp"
 
-#include "router/cuda.hpp"
+#include "router/router.hpp"
 
 namespace {
 

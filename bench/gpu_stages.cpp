@@ -27,8 +27,8 @@
 
 #include "bench_util.hpp"
 
-#include "layout/cuda.hpp"
-#include "quant/cuda.hpp"
+#include "layout/layout.hpp"
+#include "quant/quant.hpp"
 
 namespace {
 

@@ -231,7 +231,7 @@ int blas_experts_max_concurrent_threads();
 /// Experts::apply does. For tests and for error measurements against the unrounded reference.
 std::vector<double> reference_experts_f64(const ExpertsInputs& in, const ExpertsConfig& config = {});
 
-/// The experts on one GPU (src/experts/cuda_experts.cpp): every tensor of ExpertsInputs and `out` on
+/// The experts on one GPU (src/experts/cuda.cpp): every tensor of ExpertsInputs and `out` on
 /// the same CUDA device; work is enqueued on the calling thread's current stream (stream.hpp).
 /// Per local expert: gemm1 on cuBLAS (bf16 in, float32 accumulation, bf16 out), one fused activation
 /// kernel, gemm2 on cuBLAS (bf16 out) -- the CPU fast path's roundings. Float32 hidden is rounded to
@@ -249,7 +249,7 @@ std::vector<double> reference_experts_f64(const ExpertsInputs& in, const Experts
 ///     can be captured in a CUDA graph (call apply once on the thread before capturing: that creates
 ///     the cuBLAS handle). Counts outside [0, max_tokens] are clamped there (they cannot be checked
 ///     without a synchronisation). Rows past each count are left untouched.
-/// ExpertsQuant::fp8_block (src/experts/cuda_experts_fp8.cpp): DeepSeek-V3's format on cuBLASLt's
+/// ExpertsQuant::fp8_block (src/experts/cuda_fp8.cpp): DeepSeek-V3's format on cuBLASLt's
 ///   block-scaled fp8 GEMMs (cuBLAS >= 12.9 on Hopper; weights as A with 128x128 float32 block scales,
 ///   activations as B with 1x128 float32 group scales, float32 accumulation, no fast accumulation). Per layer
 ///   one GEMM per non-empty local expert; gemm1 writes float32, one kernel applies the activation and

@@ -14,3 +14,6 @@ namespace epmoe {
     if (epmoe_err_ != cudaSuccess)                                                               \
       ::epmoe::throw_cuda_error(static_cast<int>(epmoe_err_), cudaGetErrorString(epmoe_err_), #expr, __FILE__, __LINE__); \
   } while (0)
+
+/// Checks the launch just made (bad configuration, too much shared memory, ...).
+#define EPMOE_CUDA_CHECK_LAUNCH() EPMOE_CUDA_CHECK(cudaGetLastError())

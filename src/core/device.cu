@@ -1,7 +1,9 @@
 // Device discovery (CUDA builds).
 #include <epmoe/version.hpp>
 
-#include <cuda_runtime.h>
+#include <mutex>
+
+#include "core/cuda_util.hpp"
 
 namespace epmoe {
 
@@ -14,5 +16,22 @@ int cuda_device_count() {
   }
   return n;
 }
+
+namespace cuda_util {
+
+int num_sms() {
+  static std::mutex mutex;
+  static int cached[64] = {};
+  int device = 0;
+  EPMOE_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device < 64 && cached[device] > 0) return cached[device];
+  int n = 0;
+  EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device < 64) cached[device] = n;
+  return n;
+}
+
+}  // namespace cuda_util
 
 }  // namespace epmoe

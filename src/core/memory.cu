@@ -19,26 +19,12 @@
 #include <limits>
 #include <mutex>
 
-#include "core/cuda_check.hpp"
+#include "core/cuda_util.hpp"
 
 namespace epmoe {
 namespace {
 
 constexpr int kMaxDevices = 64;
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // Once per device: never trim the default pool at synchronisation points, so freed blocks are reused.
 void configure_pool(int device) {
@@ -68,9 +54,10 @@ int stream_device(cudaStream_t stream, int fallback) {
 }  // namespace
 
 void* device_alloc(std::size_t bytes, Device d, void** alloc_stream) {
-  DeviceGuard guard(d.index);
+  // Errors are reported below, as out_of_memory naming the device.
+  cuda_util::DeviceGuard guard(d.index, std::nothrow);
   configure_pool(d.index);
-  auto stream = static_cast<cudaStream_t>(current_stream().handle);
+  auto stream = cuda_util::to_cuda(current_stream());
   // A current stream of another device cannot order this device's allocation: use this device's legacy stream.
   if (stream_device(stream, d.index) != d.index) stream = nullptr;
   void* p = nullptr;
@@ -91,9 +78,9 @@ void* device_alloc(std::size_t bytes, Device d, void** alloc_stream) {
 }
 
 void device_free(void* p, Device d, void* alloc_stream_handle) noexcept {
-  DeviceGuard guard(d.index);
+  cuda_util::DeviceGuard guard(d.index, std::nothrow);
   auto alloc_stream = static_cast<cudaStream_t>(alloc_stream_handle);
-  auto release = static_cast<cudaStream_t>(current_stream().handle);
+  auto release = cuda_util::to_cuda(current_stream());
   if (stream_device(release, d.index) != d.index) release = nullptr;
   if (release != alloc_stream && alloc_stream == nullptr) {
     // The legacy stream never dies, so the free can also wait for the producer's work on it.

@@ -1,12 +1,14 @@
-// Names, scalar activation definitions and the argument check shared by every Experts implementation.
+// Names, scalar activation definitions and the argument checks shared by every Experts implementation.
 #include <epmoe/experts.hpp>
 
 #include "core/check.hpp"
+#include "core/cuda_util.hpp"
 #include "experts/problem.hpp"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 
 namespace epmoe {
 
@@ -18,12 +20,6 @@ constexpr std::array<Activation, 6> kActivations = {Activation::silu,        Act
 
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
-
-void check_tensor(const TensorView& t, std::string_view name) {
-  EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor", describe(t));
-  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("strides {}", t.strides));
-  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "nullptr");
-}
 
 void check_dtype(const TensorView& t, std::string_view name, DType a) {
   EPMOE_CHECK_ARG(t.dtype == a, name, dtype_name(a), describe(t));
@@ -94,64 +90,156 @@ WeightAndReduce Experts::weight_and_reduce() const {
   return config_.reduce ? WeightAndReduce::none : WeightAndReduce::contiguous;
 }
 
-// Checks everything (shapes, dtypes, layouts and index values) before any work, and resolves the
-// routing to local ids once so the implementations never see a global id.
-ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig& config) {
-  ExpertsProblem p;
-  p.format = config.format;
-  p.reduce = config.reduce;
-  p.activation = in.activation;
-  EPMOE_CHECK_ARG(std::find(kActivations.begin(), kActivations.end(), in.activation) != kActivations.end(),
-                  "activation", "a valid Activation", static_cast<int>(in.activation));
-  p.gated = is_gated(in.activation);
-  const bool batched = config.format == ActivationFormat::batched_experts;
+bool check_activation(Activation a) {
+  EPMOE_CHECK_ARG(std::find(kActivations.begin(), kActivations.end(), a) != kActivations.end(), "activation",
+                  "a valid Activation", static_cast<int>(a));
+  return is_gated(a);
+}
+
+void check_experts_tensor(const TensorView& t, std::string_view name, const Device& device) {
+  if (device.is_cpu()) {
+    EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor", describe(t));
+  } else {
+    EPMOE_CHECK_ARG(t.device.is_cuda(), name, "a CUDA tensor (make_cuda_experts)", describe(t));
+    EPMOE_CHECK_ARG(t.device == device, name, fmt::format("a tensor on the weights' device {}", to_string(device)),
+                    describe(t));
+  }
+  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("strides {}", t.strides));
+  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "nullptr");
+}
+
+Device cuda_weights_device(const TensorView& w2) {
+  EPMOE_CHECK_ARG(w2.device.is_cuda(), "w2", "a CUDA tensor (make_cuda_experts)", describe(w2));
+  return w2.device;
+}
+
+void check_aligned16(const TensorView& t, std::string_view name) {
+  EPMOE_CHECK_ARG(t.numel() == 0 || cuda_util::aligned16(t.data), name, "a 16-byte-aligned data pointer on CUDA",
+                  fmt::format("{} at {}", describe(t), t.data));
+}
+
+ExpertsSizes check_bf16_weights(const ExpertsInputs& in, const ExpertsConfig& config, bool cuda) {
+  ExpertsSizes s;
+  s.batched = config.format == ActivationFormat::batched_experts;
+  s.reduce = config.reduce;
+  s.gated = check_activation(in.activation);
 
   // Weights first: they fix E_local, N and H.
   EPMOE_CHECK_ARG(in.w1.defined(), "w1", "a bfloat16 [E_local, 2N or N, H] tensor", "None");
   EPMOE_CHECK_ARG(in.w2.defined(), "w2", "a bfloat16 [E_local, H, N] tensor", "None");
-  check_tensor(in.w1, "w1");
-  check_tensor(in.w2, "w2");
+  s.device = cuda ? cuda_weights_device(in.w2) : Device::cpu();
+  check_experts_tensor(in.w2, "w2", s.device);
+  check_experts_tensor(in.w1, "w1", s.device);
   check_dtype(in.w1, "w1", DType::bf16);
   check_dtype(in.w2, "w2", DType::bf16);
   EPMOE_CHECK_ARG(in.w2.ndim() == 3, "w2", "3 dimensions [E_local, H, N]", describe(in.w2));
   EPMOE_CHECK_ARG(in.w1.ndim() == 3, "w1", "3 dimensions [E_local, 2N or N, H]", describe(in.w1));
-  p.e_local = in.w2.size(0);
-  p.h = in.w2.size(1);
-  p.n = in.w2.size(2);
-  EPMOE_CHECK_ARG(p.e_local >= 1 && p.h >= 1 && p.n >= 1, "w2", "[E_local, H, N] with all sizes >= 1",
+  s.e_local = in.w2.size(0);
+  s.h = in.w2.size(1);
+  s.n = in.w2.size(2);
+  EPMOE_CHECK_ARG(s.e_local >= 1 && s.h >= 1 && s.n >= 1, "w2", "[E_local, H, N] with all sizes >= 1",
                   describe(in.w2));
-  const Shape w1_shape{p.e_local, p.w1_rows(), p.h};
+  if (cuda) {
+    EPMOE_CHECK_ARG(s.h % 8 == 0 && s.n % 8 == 0, "w2",
+                    "H % 8 == 0 and N % 8 == 0 on CUDA (rows of a multiple of 16 bytes)", describe(in.w2));
+    EPMOE_CHECK_ARG(s.e_local <= 1024, "w2", "E_local <= 1024 (SPEC 1)", describe(in.w2));
+  }
+  s.r1 = s.gated ? 2 * s.n : s.n;
+  const Shape w1_shape{s.e_local, s.r1, s.h};
   EPMOE_CHECK_ARG(in.w1.shape == w1_shape, "w1",
-                  fmt::format("shape {} ({} activation '{}', from w2 {})", w1_shape,
-                              p.gated ? "gated" : "non-gated", activation_name(in.activation), describe(in.w2)),
+                  fmt::format("shape {} ({} activation '{}', from w2 {})", w1_shape, s.gated ? "gated" : "non-gated",
+                              activation_name(in.activation), describe(in.w2)),
                   describe(in.w1));
-  p.w1 = static_cast<const bf16_t*>(in.w1.data);
-  p.w2 = static_cast<const bf16_t*>(in.w2.data);
+  if (cuda) {
+    check_aligned16(in.w1, "w1");
+    check_aligned16(in.w2, "w2");
+  }
 
-  EPMOE_CHECK_ARG(in.hidden.defined(), "hidden", batched ? "a [E_local, max_tokens, H] tensor" : "an [M, H] tensor",
+  EPMOE_CHECK_ARG(in.hidden.defined(), "hidden", s.batched ? "a [E_local, max_tokens, H] tensor" : "an [M, H] tensor",
                   "None");
-  check_tensor(in.hidden, "hidden");
+  check_experts_tensor(in.hidden, "hidden", s.device);
   EPMOE_CHECK_ARG(in.hidden.dtype == DType::bf16 || in.hidden.dtype == DType::fp32, "hidden",
                   "bfloat16 or float32", describe(in.hidden));
-  p.hidden = in.hidden.data;
-  p.hidden_dtype = in.hidden.dtype;
+  if (cuda) check_aligned16(in.hidden, "hidden");
+  return s;
+}
 
-  if (batched) {
-    const Shape hidden_shape{p.e_local, in.hidden.ndim() == 3 ? in.hidden.size(1) : 0, p.h};
+void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda, ExpertsSizes& s) {
+  if (s.batched) {
+    const Shape hidden_shape{s.e_local, in.hidden.ndim() == 3 ? in.hidden.size(1) : 0, s.h};
     EPMOE_CHECK_ARG(in.hidden.ndim() == 3 && in.hidden.shape == hidden_shape, "hidden",
-                    fmt::format("[E_local={}, max_tokens, H={}] (from w2)", p.e_local, p.h), describe(in.hidden));
-    p.max_tokens = in.hidden.size(1);
+                    fmt::format("[E_local={}, max_tokens, H={}] (from w2)", s.e_local, s.h), describe(in.hidden));
+    s.max_tokens = in.hidden.size(1);
+    if (cuda) {
+      const std::int64_t slab = (s.max_tokens + cuda->slab_align - 1) / cuda->slab_align * cuda->slab_align;
+      EPMOE_CHECK_ARG(s.e_local * slab <= std::numeric_limits<int>::max(), "hidden",
+                      "E_local * max_tokens < 2^31 rows on CUDA", describe(in.hidden));
+    }
     EPMOE_CHECK_ARG(!in.expert_map.defined(), "expert_map", "None in batched_experts format (slabs are local)",
                     describe(in.expert_map));
     EPMOE_CHECK_ARG(!in.apply_router_weight_on_input, "apply_router_weight_on_input",
                     "false in batched_experts format (no router weights; the producer applies them)", "true");
-    EPMOE_CHECK_ARG(in.expert_num_tokens.defined(), "expert_num_tokens", fmt::format("int32 [{}]", p.e_local),
+    EPMOE_CHECK_ARG(in.expert_num_tokens.defined(), "expert_num_tokens", fmt::format("int32 [{}]", s.e_local),
                     "None");
-    check_tensor(in.expert_num_tokens, "expert_num_tokens");
+    check_experts_tensor(in.expert_num_tokens, "expert_num_tokens", s.device);
     check_dtype(in.expert_num_tokens, "expert_num_tokens", DType::int32);
-    EPMOE_CHECK_ARG(in.expert_num_tokens.ndim() == 1 && in.expert_num_tokens.size(0) == p.e_local,
-                    "expert_num_tokens", fmt::format("int32 [{}] (E_local)", p.e_local),
+    EPMOE_CHECK_ARG(in.expert_num_tokens.ndim() == 1 && in.expert_num_tokens.size(0) == s.e_local,
+                    "expert_num_tokens", fmt::format("int32 [{}] (E_local)", s.e_local),
                     describe(in.expert_num_tokens));
+    s.out_shape = Shape{s.e_local, s.max_tokens, s.h};
+    return;
+  }
+
+  EPMOE_CHECK_ARG(in.hidden.ndim() == 2 && in.hidden.size(1) == s.h, "hidden",
+                  fmt::format("[M, H={}] (H from w2)", s.h), describe(in.hidden));
+  s.m = in.hidden.size(0);
+  EPMOE_CHECK_ARG(in.topk_idx.defined(), "topk_idx", fmt::format("an int64 or int32 [{}, K] tensor", s.m), "None");
+  check_experts_tensor(in.topk_idx, "topk_idx", s.device);
+  EPMOE_CHECK_ARG(in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32, "topk_idx",
+                  "int64 or int32", describe(in.topk_idx));
+  EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == s.m && in.topk_idx.size(1) >= 1, "topk_idx",
+                  fmt::format("[M={}, K >= 1] (M from hidden)", s.m), describe(in.topk_idx));
+  s.k = in.topk_idx.size(1);
+  if (cuda)
+    EPMOE_CHECK_ARG(s.k <= 512 && s.m * s.k <= cuda->max_slots, "topk_idx", cuda->slots, describe(in.topk_idx));
+  EPMOE_CHECK_ARG(in.topk_weights.defined(), "topk_weights", fmt::format("float32 [{}, {}]", s.m, s.k), "None");
+  check_experts_tensor(in.topk_weights, "topk_weights", s.device);
+  check_dtype(in.topk_weights, "topk_weights", DType::fp32);
+  EPMOE_CHECK_ARG(in.topk_weights.shape == (Shape{s.m, s.k}), "topk_weights",
+                  fmt::format("[{}, {}] (as topk_idx)", s.m, s.k), describe(in.topk_weights));
+  EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || s.k == 1, "apply_router_weight_on_input",
+                  "K == 1 (one router weight per token to fold into the input)", fmt::format("true with K = {}", s.k));
+  s.weight_on_input = in.apply_router_weight_on_input;
+
+  // Map: global -> local. Without one, ids are already local.
+  s.id_limit = s.e_local;
+  if (in.expert_map.defined()) {
+    check_experts_tensor(in.expert_map, "expert_map", s.device);
+    check_dtype(in.expert_map, "expert_map", DType::int32);
+    EPMOE_CHECK_ARG(in.expert_map.ndim() == 1 && in.expert_map.size(0) >= 1, "expert_map", "int32 [E], E >= 1",
+                    describe(in.expert_map));
+    s.id_limit = in.expert_map.size(0);
+    EPMOE_CHECK_ARG(in.global_num_experts == -1 || in.global_num_experts == s.id_limit, "global_num_experts",
+                    fmt::format("-1 or {} (the size of expert_map)", s.id_limit), in.global_num_experts);
+  }
+  s.out_shape = s.reduce ? Shape{s.m, s.h} : Shape{s.m, s.k, s.h};
+}
+
+// Checks everything (shapes, dtypes, layouts and index values) before any work, and resolves the
+// routing to local ids once so the implementations never see a global id.
+ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig& config) {
+  ExpertsProblem p;
+  static_cast<ExpertsSizes&>(p) = check_bf16_weights(in, config, false);
+  check_experts_routing(in, nullptr, p);
+  p.format = config.format;
+  p.activation = in.activation;
+  p.w1 = static_cast<const bf16_t*>(in.w1.data);
+  p.w2 = static_cast<const bf16_t*>(in.w2.data);
+  p.hidden = in.hidden.data;
+  p.hidden_dtype = in.hidden.dtype;
+
+  // The values, on the host.
+  if (p.batched) {
     p.counts = static_cast<const std::int32_t*>(in.expert_num_tokens.data);
     for (std::int64_t e = 0; e < p.e_local; ++e)
       EPMOE_CHECK_ARG(p.counts[e] >= 0 && p.counts[e] <= p.max_tokens, "expert_num_tokens",
@@ -159,41 +247,11 @@ ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig
                       fmt::format("{} at expert {}", p.counts[e], e));
     return p;
   }
-
-  EPMOE_CHECK_ARG(in.hidden.ndim() == 2 && in.hidden.size(1) == p.h, "hidden",
-                  fmt::format("[M, H={}] (H from w2)", p.h), describe(in.hidden));
-  p.m = in.hidden.size(0);
-  EPMOE_CHECK_ARG(in.topk_idx.defined(), "topk_idx", fmt::format("an int64 or int32 [{}, K] tensor", p.m), "None");
-  check_tensor(in.topk_idx, "topk_idx");
-  EPMOE_CHECK_ARG(in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32, "topk_idx",
-                  "int64 or int32", describe(in.topk_idx));
-  EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == p.m && in.topk_idx.size(1) >= 1, "topk_idx",
-                  fmt::format("[M={}, K >= 1] (M from hidden)", p.m), describe(in.topk_idx));
-  p.k = in.topk_idx.size(1);
-  EPMOE_CHECK_ARG(in.topk_weights.defined(), "topk_weights", fmt::format("float32 [{}, {}]", p.m, p.k), "None");
-  check_tensor(in.topk_weights, "topk_weights");
-  check_dtype(in.topk_weights, "topk_weights", DType::fp32);
-  EPMOE_CHECK_ARG(in.topk_weights.shape == (Shape{p.m, p.k}), "topk_weights",
-                  fmt::format("[{}, {}] (as topk_idx)", p.m, p.k), describe(in.topk_weights));
   p.topk_weights = static_cast<const float*>(in.topk_weights.data);
-  EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || p.k == 1, "apply_router_weight_on_input",
-                  "K == 1 (one router weight per token to fold into the input)",
-                  fmt::format("true with K = {}", p.k));
-  p.weight_on_input = in.apply_router_weight_on_input;
-
-  // Map: global -> local. Without one, ids are already local.
   const std::int32_t* map = nullptr;
-  std::int64_t id_limit = p.e_local;
   if (in.expert_map.defined()) {
-    check_tensor(in.expert_map, "expert_map");
-    check_dtype(in.expert_map, "expert_map", DType::int32);
-    EPMOE_CHECK_ARG(in.expert_map.ndim() == 1 && in.expert_map.size(0) >= 1, "expert_map", "int32 [E], E >= 1",
-                    describe(in.expert_map));
-    id_limit = in.expert_map.size(0);
-    EPMOE_CHECK_ARG(in.global_num_experts == -1 || in.global_num_experts == id_limit, "global_num_experts",
-                    fmt::format("-1 or {} (the size of expert_map)", id_limit), in.global_num_experts);
     map = static_cast<const std::int32_t*>(in.expert_map.data);
-    for (std::int64_t g = 0; g < id_limit; ++g)
+    for (std::int64_t g = 0; g < p.id_limit; ++g)
       EPMOE_CHECK_ARG(map[g] >= -1 && map[g] < p.e_local, "expert_map",
                       fmt::format("entries in [-1, {}) (E_local)", p.e_local), fmt::format("{} at {}", map[g], g));
   }
@@ -202,8 +260,8 @@ ExpertsProblem check_experts_inputs(const ExpertsInputs& in, const ExpertsConfig
   for (std::int64_t i = 0; i < p.m * p.k; ++i) {
     const std::int64_t id = idx64 ? load_index<std::int64_t>(in.topk_idx.data, i)
                                   : load_index<std::int32_t>(in.topk_idx.data, i);
-    EPMOE_CHECK_ARG(id >= -1 && id < id_limit, "topk_idx",
-                    fmt::format("ids in [-1, {}) ({})", id_limit, map ? "E, the size of expert_map" : "E_local"),
+    EPMOE_CHECK_ARG(id >= -1 && id < p.id_limit, "topk_idx",
+                    fmt::format("ids in [-1, {}) ({})", p.id_limit, map ? "E, the size of expert_map" : "E_local"),
                     fmt::format("{} at [{}, {}]", id, i / p.k, i % p.k));
     p.local_ids[static_cast<std::size_t>(i)] =
         id < 0 ? -1 : (map ? map[id] : static_cast<std::int32_t>(id));
@@ -237,7 +295,7 @@ void Experts::apply(const ExpertsInputs& in, const TensorView& out) const {
   const ExpertsProblem p = check_experts_inputs(in, config_);
   const Shape want = problem_output_shape(p);
   EPMOE_CHECK_ARG(out.defined(), "out", fmt::format("bfloat16{}", want), "None");
-  check_tensor(out, "out");
+  check_experts_tensor(out, "out", Device::cpu());
   EPMOE_CHECK_ARG(out.dtype == DType::bf16 && out.shape == want, "out", fmt::format("bfloat16{}", want),
                   describe(out));
   if (!has_work(p)) return;  // a rank without tokens: nothing to compute or write

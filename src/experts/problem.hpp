@@ -1,4 +1,5 @@
-// The checked form of ExpertsInputs that every Experts implementation runs from (internal).
+// The argument checks of ExpertsInputs, one for every Experts implementation (CPU and CUDA, bf16 and fp8;
+// defined in experts.cpp), and the checked form the CPU implementations run from (internal).
 #pragma once
 
 #include <epmoe/dtype.hpp>
@@ -6,18 +7,57 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 namespace epmoe {
 
-struct ExpertsProblem {
+/// What the checks of ExpertsInputs establish.
+struct ExpertsSizes {
+  bool batched = false, reduce = true, gated = true, weight_on_input = false;
+  Device device;  ///< every tensor's: the CPU, or the weights' GPU (make_cuda_experts)
+  std::int64_t e_local = 0, n = 0, h = 0, r1 = 0;  ///< r1: rows of w1 per expert (2N or N)
+  std::int64_t m = 0, k = 0;    ///< standard: tokens and choices per token
+  std::int64_t max_tokens = 0;  ///< batched: rows per slab
+  std::int64_t id_limit = 0;    ///< standard: ids lie in [-1, id_limit) (E_local, or the size of expert_map)
+  Shape out_shape;
+};
+
+/// invalid_argument unless `a` is an Activation; returns is_gated(a).
+bool check_activation(Activation a);
+
+/// One tensor of an Experts call: on `device` (the CPU, or for the CUDA experts a CUDA tensor on the weights'
+/// device), contiguous, with data unless empty.
+void check_experts_tensor(const TensorView& t, std::string_view name, const Device& device);
+
+/// The CUDA experts' device, the weights': invalid_argument unless w2 (defined) is a CUDA tensor.
+Device cuda_weights_device(const TensorView& w2);
+
+/// A 16-byte-aligned data pointer (the CUDA kernels' vector loads), unless `t` is empty.
+void check_aligned16(const TensorView& t, std::string_view name);
+
+/// Checks the bf16 weights (ExpertsQuant::none) and hidden's dtype on the CPU, or with `cuda` on the weights'
+/// GPU with the CUDA experts' restrictions (H % 8 == 0, N % 8 == 0, E_local <= 1024, aligned data).
+ExpertsSizes check_bf16_weights(const ExpertsInputs& in, const ExpertsConfig& config, bool cuda);
+
+/// Limits of the CUDA experts' int32 row and slot indices.
+struct CudaIndexLimits {
+  std::int64_t slab_align;  ///< batched: rows per slab are rounded up to a multiple of this
+  std::int64_t max_slots;   ///< standard: M * K at most this
+  const char* slots;        ///< topk_idx's expected text when K or M * K is too large
+};
+
+/// The routing part of every check, once the weights fixed `s`'s sizes: hidden's shape; batched:
+/// expert_num_tokens int32 [E_local], no expert_map, no router weight on the input; standard: topk_idx,
+/// topk_weights, expert_map and global_num_experts. Shapes and dtypes only: the caller checks the values where
+/// it can read them. Sets m, k, max_tokens, weight_on_input, id_limit and out_shape. `cuda`: the CUDA experts'
+/// limits (nullptr on the CPU). Errors: invalid_argument naming the argument, the expected and the actual value.
+void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda, ExpertsSizes& s);
+
+/// The checked form of ExpertsInputs the CPU implementations run from (host pointers, local ids).
+struct ExpertsProblem : ExpertsSizes {
   ActivationFormat format = ActivationFormat::standard;
-  bool reduce = true;  ///< standard only
   Activation activation = Activation::silu;
-  bool gated = true;
-  std::int64_t e_local = 0, n = 0, h = 0;
-  std::int64_t m = 0, k = 0;        ///< standard: tokens and choices per token
-  std::int64_t max_tokens = 0;      ///< batched: rows per slab
   const void* hidden = nullptr;     ///< bf16 or fp32, see hidden_dtype
   DType hidden_dtype = DType::bf16;
   const bf16_t* w1 = nullptr;       ///< [e_local, w1_rows(), h]
@@ -25,7 +65,6 @@ struct ExpertsProblem {
   const float* topk_weights = nullptr;  ///< standard: [m, k]
   std::vector<std::int32_t> local_ids;  ///< standard: [m, k] local expert id or -1 (expert_map applied)
   const std::int32_t* counts = nullptr; ///< batched: [e_local]
-  bool weight_on_input = false;
 
   std::int64_t w1_rows() const { return gated ? 2 * n : n; }
   /// Row of w1[e] holding the gate (or, non-gated, the only) value of intermediate channel j.

@@ -28,16 +28,15 @@ std::string_view experts_quant_name(ExpertsQuant q) {
 
 namespace experts_fp8 {
 
-Fp8Sizes check_fp8_inputs(const ExpertsInputs& in, const ExpertsConfig& config,
-                          const std::function<void(const TensorView&, std::string_view)>& check_tensor) {
+Fp8Sizes check_fp8_inputs(const ExpertsInputs& in, const ExpertsConfig& config, const Device& device) {
   Fp8Sizes s;
   s.batched = config.format == ActivationFormat::batched_experts;
+  s.reduce = config.reduce;
+  s.device = device;
   EPMOE_CHECK_ARG(config.quant == ExpertsQuant::fp8_block, "config.quant", "fp8_block",
                   experts_quant_name(config.quant));
-  const int act = static_cast<int>(in.activation);
-  EPMOE_CHECK_ARG(act >= 0 && act <= static_cast<int>(Activation::relu2_no_mul), "activation", "a valid Activation",
-                  act);
-  s.gated = is_gated(in.activation);
+  s.gated = check_activation(in.activation);
+  auto check_tensor = [&](const TensorView& t, std::string_view name) { check_experts_tensor(t, name, device); };
 
   EPMOE_CHECK_ARG(in.w1.defined(), "w1", "a float8_e4m3fn [E_local, 2N or N, H] tensor (fp8_block)", "None");
   EPMOE_CHECK_ARG(in.w2.defined(), "w2", "a float8_e4m3fn [E_local, H, N] tensor (fp8_block)", "None");
@@ -110,12 +109,6 @@ ExpertsInputs as_bf16_layout(const ExpertsInputs& in) {
 
 namespace {
 
-void check_cpu_tensor(const TensorView& t, std::string_view name) {
-  EPMOE_CHECK_ARG(t.device.is_cpu(), name, "a CPU tensor", describe(t));
-  EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("strides {}", t.strides));
-  EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "nullptr");
-}
-
 struct Problem {
   ExpertsProblem p;  // routing, sizes, counts (the bf16 pointers in it are not used)
   Fp8Sizes s;
@@ -130,7 +123,7 @@ struct Problem {
 
 Problem check(const ExpertsInputs& in, const ExpertsConfig& config) {
   Problem q;
-  q.s = check_fp8_inputs(in, config, check_cpu_tensor);
+  q.s = check_fp8_inputs(in, config, Device::cpu());
   q.p = check_experts_inputs(as_bf16_layout(in), config);
   q.w1 = static_cast<const std::uint8_t*>(in.w1.data);
   q.w2 = static_cast<const std::uint8_t*>(in.w2.data);
@@ -263,7 +256,7 @@ class ReferenceFp8Experts final : public Experts {
     const Shape want = q.s.batched ? Shape{q.p.e_local, q.p.max_tokens, q.p.h}
                                    : (q.p.reduce ? Shape{q.p.m, q.p.h} : Shape{q.p.m, q.p.k, q.p.h});
     EPMOE_CHECK_ARG(out.defined(), "out", fmt::format("bfloat16{}", want), "None");
-    check_cpu_tensor(out, "out");
+    check_experts_tensor(out, "out", Device::cpu());
     EPMOE_CHECK_ARG(out.dtype == DType::bf16 && out.shape == want, "out", fmt::format("bfloat16{}", want),
                     describe(out));
     const std::vector<double> r = compute(q);

@@ -5,9 +5,7 @@
 
 #include "core/check.hpp"
 
-#if defined(EPMOE_HAVE_CUDA)
-#include "moe/cuda_moe.hpp"
-#endif
+#include "core/cuda_util.hpp"
 
 namespace epmoe {
 
@@ -24,7 +22,7 @@ TensorView WorkspaceCache::get(int micro_batch, std::string_view name, DType dty
   const std::size_t need = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
   if (!t.defined() || t.nbytes() < need) {
 #if defined(EPMOE_HAVE_CUDA)
-    if (moe_cuda::capturing(current_stream()))
+    if (cuda_util::capturing(cuda_util::to_cuda(current_stream())))
       raise(ErrorCode::unsupported, "workspace '{}' of micro-batch {} on {} must grow to {} bytes (has {}) while the "
             "stream is being captured in a CUDA graph: run the same shapes once before capturing",
             name, micro_batch, to_string(device), need, t.defined() ? t.nbytes() : 0);

@@ -13,8 +13,8 @@
 #include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
-#include "layout/cuda_util.cuh"
-#include "quant/cuda.hpp"
+#include "core/cuda_util.hpp"
+#include "quant/quant.hpp"
 #endif
 
 namespace epmoe {

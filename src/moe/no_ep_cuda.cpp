@@ -9,6 +9,7 @@
 #include "moe/no_ep_cuda.hpp"
 
 #include "core/check.hpp"
+#include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
 #include <epmoe/permute.hpp>
@@ -16,12 +17,11 @@
 
 #include <limits>
 
-#include "experts/cuda_experts.hpp"
-#include "layout/cuda.hpp"
-#include "layout/cuda_util.cuh"
-#include "moe/cuda_moe.hpp"
+#include "core/cuda_util.hpp"
+#include "layout/layout.hpp"
+#include "moe/cuda.hpp"
 #include "moe/weight_and_reduce.hpp"
-#include "quant/cuda.hpp"
+#include "quant/quant.hpp"
 #endif
 
 namespace epmoe {
@@ -31,8 +31,6 @@ namespace moe_cuda {
 #if defined(EPMOE_HAVE_CUDA)
 
 namespace {
-
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 void check_on(const TensorView& t, std::string_view name, const Device& device, std::string_view what) {
   EPMOE_CHECK_ARG(t.device == device && t.is_contiguous(), name,
@@ -53,7 +51,7 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
   const TensorView& x = in.hidden;
   device_ = x.device;
   EPMOE_CHECK_ARG(x.dtype == DType::bf16 && x.ndim() == 2 && x.is_contiguous() && x.size(1) >= 8 &&
-                      x.size(1) % 8 == 0 && (x.numel() == 0 || aligned16(x.data)),
+                      x.size(1) % 8 == 0 && (x.numel() == 0 || cuda_util::aligned16(x.data)),
                   "hidden", "contiguous bfloat16 [T, H] with H % 8 == 0 and 16-byte-aligned data on CUDA", describe(x));
   T_ = x.size(0);
   H_ = x.size(1);
@@ -75,7 +73,7 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
   if (in.output.defined()) {
     check_on(in.output, "output", device_, "bfloat16 [T, H]");
     EPMOE_CHECK_ARG(in.output.dtype == DType::bf16 && in.output.shape == (Shape{T_, H_}) &&
-                        (in.output.numel() == 0 || aligned16(in.output.data)),
+                        (in.output.numel() == 0 || cuda_util::aligned16(in.output.data)),
                     "output", fmt::format("bfloat16 [{}, {}], 16-byte aligned", T_, H_), describe(in.output));
   }
   EPMOE_CHECK_ARG(T_ * K_ <= std::numeric_limits<std::int32_t>::max(), "topk_idx", "T * K < 2^31 on CUDA",
@@ -94,11 +92,7 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
     // As on the CPU: x * w rounded to bf16, and weights of 1 so nothing weights the token again.
     const TensorView scaled = ws("scaled", DType::bf16, {T_, H_});
     const TensorView ones = ws("ones", DType::fp32, {T_, 1});
-    if (T_ > 0) {
-      experts_cuda::prepare_hidden(x.data, false, T_, H_, static_cast<const float*>(in.topk_weights.data), 1,
-                                   scaled.data, cuda_util::to_cuda(s));
-      fill(static_cast<float*>(ones.data), T_, 1.0f, s);
-    }
+    weight_on_input_cuda(x, in.topk_weights, scaled, ones, s);
     hidden = scaled;
     topk_weights_ = ones;
   }
@@ -149,7 +143,7 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
 Tensor NoEpCuda::combine(const TensorView& fused, WeightAndReduce w) {
   const bool batched = no_ep_.format == ActivationFormat::batched_experts;
   EPMOE_CHECK_ARG(fused.dtype == DType::bf16 && fused.device == device_ && fused.is_contiguous() &&
-                      (fused.numel() == 0 || aligned16(fused.data)),
+                      (fused.numel() == 0 || cuda_util::aligned16(fused.data)),
                   "fused_expert_output", fmt::format("contiguous bfloat16 on {}, 16-byte aligned", to_string(device_)),
                   describe(fused));
   cuda_util::DeviceGuard guard(device_);
@@ -158,7 +152,7 @@ Tensor NoEpCuda::combine(const TensorView& fused, WeightAndReduce w) {
   if (output_.defined()) {
     out = Tensor::wrap(output_, nullptr);
   } else {
-    if (capturing(s))
+    if (cuda_util::capturing(cuda_util::to_cuda(s)))
       raise(ErrorCode::unsupported, "no_ep combine on {}: the stream is being captured in a CUDA graph and no output "
             "buffer was given (PrepareInputs::output / MoEForwardArgs::output): allocating one would not be replayable",
             to_string(device_));

@@ -11,18 +11,16 @@
 #include <epmoe/quant.hpp>
 
 #include "core/check.hpp"
+#include "core/cuda_util.hpp"
 #include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
-#include "layout/cuda_util.cuh"
-#include "moe/cuda_moe.hpp"
+#include "moe/cuda.hpp"
 #include "moe/weight_and_reduce.hpp"
 #endif
 
 namespace epmoe {
 namespace {
-
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 class NormalPrepareFinalize final : public PrepareFinalize {
  public:
@@ -126,7 +124,7 @@ class NormalPrepareFinalize final : public PrepareFinalize {
   Tensor gpu_combine(const TensorView& fused, WeightAndReduce w) {
     const std::int64_t M = recv_.recv_x.size(0), H = recv_.recv_x.size(1), K = recv_.recv_topk_idx.size(1);
     EPMOE_CHECK_ARG(fused.dtype == DType::bf16 && fused.device == device_ && fused.is_contiguous() &&
-                        (fused.numel() == 0 || aligned16(fused.data)),
+                        (fused.numel() == 0 || cuda_util::aligned16(fused.data)),
                     "fused_expert_output",
                     fmt::format("contiguous bfloat16 on {} (hidden's device), 16-byte aligned", to_string(device_)),
                     describe(fused));

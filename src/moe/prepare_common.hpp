@@ -1,5 +1,4 @@
-// Steps every prepare/finalize shares: on the CPU (prepare_finalize.cpp) and on CUDA tensors
-// (prepare_common_cuda.cpp).
+// Steps every prepare/finalize shares (private to src/moe/): on the CPU (cpu.cpp) and on CUDA tensors (cuda.cpp).
 #pragma once
 
 #include <epmoe/moe.hpp>
@@ -29,6 +28,11 @@ void check_cuda_prepare_inputs(const PrepareInputs& in);
 /// prepare_token_side, same rounding), written into workspaces "<prefix>.scaled" and "<prefix>.ones" of
 /// micro-batch 0 (valid until the next call that uses them). unsupported in builds without CUDA.
 TokenSide cuda_token_side(const PrepareInputs& in, WorkspaceCache& workspaces, std::string_view prefix);
+
+/// apply_router_weight_on_input (K == 1) on CUDA tensors of one GPU, asynchronous on `stream`: scaled bf16 [T, H] =
+/// hidden * topk_weights rounded to bf16 (as prepare_token_side), ones float32 [T, 1] = 1. CUDA builds only.
+void weight_on_input_cuda(const TensorView& hidden, const TensorView& topk_weights, const TensorView& scaled,
+                          const TensorView& ones, Stream stream);
 
 /// The activations the experts see after an fp8 wire: quantize, then dequantize to bfloat16.
 Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options);

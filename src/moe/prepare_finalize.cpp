@@ -1,4 +1,4 @@
-// The stage machine of PrepareFinalize, the shared prepare steps, and the no-EP implementations.
+// The stage machine of PrepareFinalize and the no-EP implementations.
 #include <cstring>
 #include <vector>
 
@@ -6,8 +6,6 @@
 #include "moe/no_ep_cuda.hpp"
 #include "moe/prepare_common.hpp"
 #include "moe/weight_and_reduce.hpp"
-
-#include <epmoe/quant.hpp>
 
 namespace epmoe {
 
@@ -54,72 +52,6 @@ Tensor PrepareFinalize::combine_b() {
   Tensor out = do_combine_b();
   stage_ = Stage::initial;
   if (after_combine) after_combine();
-  return out;
-}
-
-namespace {
-void check_prepare_inputs(const PrepareInputs& in) {
-  EPMOE_CHECK_ARG(in.hidden.dtype == DType::bf16 && in.hidden.ndim() == 2 && in.hidden.is_contiguous() &&
-                      in.hidden.device.is_cpu(),
-                  "hidden", "contiguous bfloat16 [T, H] on cpu", describe(in.hidden));
-  const std::int64_t T = in.hidden.size(0);
-  // The CPU steps read the ids and weights on the host: a CUDA tensor here would be a device pointer.
-  EPMOE_CHECK_ARG((in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32) && in.topk_idx.ndim() == 2 &&
-                      in.topk_idx.size(0) == T && in.topk_idx.is_contiguous() && in.topk_idx.device.is_cpu(),
-                  "topk_idx", fmt::format("contiguous int64/int32 [{}, K] on cpu (hidden's device)", T),
-                  describe(in.topk_idx));
-  EPMOE_CHECK_ARG(in.topk_weights.dtype == DType::fp32 && in.topk_weights.shape == in.topk_idx.shape &&
-                      in.topk_weights.is_contiguous() && in.topk_weights.device.is_cpu(),
-                  "topk_weights", fmt::format("contiguous float32 {} on cpu (hidden's device)", to_string(in.topk_idx.shape)),
-                  describe(in.topk_weights));
-  EPMOE_CHECK_ARG(in.global_num_experts > 0, "global_num_experts", "> 0", in.global_num_experts);
-  EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || in.topk_idx.size(1) == 1, "apply_router_weight_on_input",
-                  "only with K == 1", fmt::format("K = {}", in.topk_idx.size(1)));
-}
-}  // namespace
-
-Tensor clone(const TensorView& v) {
-  Tensor t = Tensor::empty(v.dtype, v.shape);
-  EPMOE_ASSERT(v.is_contiguous());
-  if (t.nbytes()) std::memcpy(t.data(), v.data, t.nbytes());
-  return t;
-}
-
-TokenSide prepare_token_side(const PrepareInputs& in) {
-  check_prepare_inputs(in);
-  const Tensor topk_idx = Tensor::wrap(in.topk_idx, nullptr);
-  if (!in.apply_router_weight_on_input)
-    return {Tensor::wrap(in.hidden, nullptr), topk_idx, Tensor::wrap(in.topk_weights, nullptr)};
-  const std::int64_t T = in.hidden.size(0), H = in.hidden.size(1);
-  Tensor x = Tensor::empty(DType::bf16, {T, H});
-  Tensor ones = Tensor::empty(DType::fp32, {T, 1});
-  for (std::int64_t t = 0; t < T; ++t) {
-    const float w = in.topk_weights.ptr<float>()[t];
-    for (std::int64_t h = 0; h < H; ++h)
-      x.ptr<bf16_t>()[t * H + h] = float_to_bf16(w * bf16_to_float(in.hidden.ptr<bf16_t>()[t * H + h]));
-    ones.ptr<float>()[t] = 1.0f;
-  }
-  return {x, topk_idx, ones};
-}
-
-Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options) {
-  const Fp8Tensor q = quantize_fp8(hidden, {options.round_scale, options.use_ue8m0});
-  return dequantize_fp8(q.data, q.scales, DType::bf16);
-}
-
-Tensor reduce_standard(const TensorView& fused, WeightAndReduce w, const TensorView& topk_weights,
-                       const TensorView& topk_idx) {
-  const std::int64_t M = topk_idx.size(0);
-  if (w == WeightAndReduce::none) {
-    EPMOE_CHECK_ARG(fused.ndim() == 2 && fused.size(0) == M, "fused_expert_output", fmt::format("bfloat16 [{}, H]", M),
-                    describe(fused));
-    return clone(fused);
-  }
-  EPMOE_CHECK_ARG(w == WeightAndReduce::contiguous, "weight_and_reduce", "none or contiguous for the standard format",
-                  weight_and_reduce_name(w));
-  EPMOE_CHECK_ARG(fused.ndim() == 3, "fused_expert_output", "bfloat16 [M, K, H]", describe(fused));
-  Tensor out = Tensor::empty(DType::bf16, {M, fused.size(2)});
-  weight_and_reduce_contiguous(fused, topk_weights, topk_idx, out);
   return out;
 }
 

@@ -1,4 +1,5 @@
-// TopKWeightAndReduce on CPU: the step between the experts and the combine (SPEC 8).
+// TopKWeightAndReduce, the step between the experts and the combine (SPEC 8), on the CPU (cpu.cpp) and on CUDA
+// (cuda.cu). Private to src/moe/.
 #pragma once
 
 #include <epmoe/experts.hpp>
@@ -18,7 +19,7 @@ void weight_and_reduce_contiguous(const TensorView& fused, const TensorView& top
 void weight_and_reduce_naive_batched(const TensorView& fused, const TensorView& topk_weights,
                                      const TensorView& topk_idx, int first_expert, const TensorView& out);
 
-// The CUDA twins (weight_and_reduce.cu, CUDA builds only), asynchronous on `stream`, every tensor on one
+// The CUDA twins (cuda.cu, CUDA builds only), asynchronous on `stream`, every tensor on one
 // device and contiguous, H % 8 == 0 with 16-byte-aligned rows (checked by the caller). Same arithmetic as the
 // CPU: float32 products rounded, then added in k order (no fused multiply-add), one bf16 rounding, so the
 // bits equal the CPU's. Every row of `out` is written (zeros for a row without an expert).

@@ -20,7 +20,7 @@
 #include <type_traits>
 
 #include "quant/fp8_cpu.hpp"
-#include "quant/quant_impl.hpp"
+#include "quant/quant.hpp"
 
 namespace epmoe::quant_detail {
 

@@ -5,15 +5,14 @@
 // for float32; one 16-byte fp8 store). A warp covers the four groups that share one UE8M0 word of one
 // row, so the word is assembled with three shuffles and written once (optionally four such words per
 // warp, all loads first). The group's absolute maximum (NaN skipped, as on the CPU) is reduced with three
-// xor-shuffles; scale and inverse are computed as quant_impl.hpp's group_scale does.
+// xor-shuffles; scale and inverse are computed as quant.hpp's group_scale does.
 // Dequantize: one thread per 16 values.
 #include <epmoe/quant.hpp>
 
 #include <string>
 
-#include "layout/cuda_util.cuh"
-#include "quant/cuda.hpp"
-#include "quant/fp8_device.cuh"
+#include "core/cuda_util.hpp"
+#include "quant/quant.hpp"
 
 namespace epmoe::quant_detail {
 
@@ -198,8 +197,8 @@ __global__ void dequantize_scalar_kernel(const std::uint8_t* __restrict__ q, std
 void require_vector_rows(const TensorView& t, const char* name) {
   const auto elem = static_cast<std::int64_t>(dtype_size(t.dtype));
   if (!cuda_util::aligned16(t.data) || (t.size(0) > 1 && (t.stride(0) * elem) % 16 != 0))
-    cuda_util::invalid(name, "16-byte-aligned rows on CUDA (data pointer and row stride in bytes multiples of 16)",
-                       describe(t) + " with row stride " + std::to_string(t.stride(0)));
+    throw_invalid_argument(name, "16-byte-aligned rows on CUDA (data pointer and row stride in bytes multiples of 16)",
+                           describe(t) + " with row stride " + std::to_string(t.stride(0)));
 }
 
 }  // namespace

@@ -4,10 +4,7 @@
 
 #include <cmath>
 
-#include "quant/quant_impl.hpp"
-#if defined(EPMOE_HAVE_CUDA)
-#include "quant/cuda.hpp"
-#endif
+#include "quant/quant.hpp"
 
 namespace epmoe {
 

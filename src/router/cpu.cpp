@@ -11,7 +11,7 @@
 #include <limits>
 #include <vector>
 
-#include "router/router_impl.hpp"
+#include "router/router.hpp"
 #include "router/score_math.hpp"
 
 namespace epmoe::router_detail {

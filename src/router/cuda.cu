@@ -10,8 +10,8 @@
 #include <climits>
 #include <string>
 
-#include "layout/cuda_util.cuh"
-#include "router/cuda.hpp"
+#include "core/cuda_util.hpp"
+#include "router/router.hpp"
 #include "router/score_math.hpp"
 
 namespace epmoe::router_detail {

@@ -4,10 +4,7 @@
 
 #include <cmath>
 
-#include "router/router_impl.hpp"
-#if defined(EPMOE_HAVE_CUDA)
-#include "router/cuda.hpp"
-#endif
+#include "router/router.hpp"
 
 namespace epmoe {
 

@@ -22,7 +22,7 @@
 
 #include <cuda_runtime.h>
 
-#include "experts/cuda_experts_fp8.hpp"
+#include "experts/experts.hpp"
 #include "experts/experts_fp8_test_util.hpp"
 #include "gpu/gpu_util.hpp"
 #include "support/random.hpp"

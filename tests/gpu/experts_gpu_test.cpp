@@ -20,7 +20,7 @@
 
 #include <cuda_runtime.h>
 
-#include "experts/cuda_experts.hpp"
+#include "experts/experts.hpp"
 #include "experts/experts_test_util.hpp"
 #include "gpu/gpu_util.hpp"
 #include "support/random.hpp"

@@ -10,7 +10,7 @@
 #include <random>
 
 #include "gpu/gpu_util.hpp"
-#include "layout/cuda.hpp"
+#include "layout/layout.hpp"
 #include "support/random.hpp"
 
 namespace epmoe {

@@ -27,7 +27,7 @@
 
 #include "gpu/gpu_util.hpp"
 #include "moe/weight_and_reduce.hpp"
-#include "router/cuda.hpp"
+#include "router/router.hpp"
 #include "support/moe_reference.hpp"
 #include "support/random.hpp"
 

@@ -14,7 +14,7 @@
 #include <random>
 
 #include "gpu/gpu_util.hpp"
-#include "quant/cuda.hpp"
+#include "quant/quant.hpp"
 #include "support/quant_reference.hpp"
 #include "support/random.hpp"
 

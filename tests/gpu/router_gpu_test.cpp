@@ -8,7 +8,7 @@
 #include <random>
 
 #include "gpu/gpu_util.hpp"
-#include "router/cuda.hpp"
+#include "router/router.hpp"
 #include "support/random.hpp"
 
 namespace epmoe {

@@ -28,7 +28,7 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "transport/cuda_ipc/low_latency_kernels.hpp"
 #include "transport/cuda_ipc/memory.hpp"
 #include "transport/cuda_ipc/stream.hpp"

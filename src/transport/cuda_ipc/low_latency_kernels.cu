@@ -16,7 +16,7 @@
 
 #include "core/cuda_check.hpp"
 #include "transport/cuda_ipc/device.cuh"
-#include "quant/fp8_device.cuh"
+#include "quant/quant.hpp"
 
 namespace epmoe::cuda_ipc_ll {
 

@@ -53,7 +53,7 @@ std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group>, cons
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "transport/cuda_ipc/stream.hpp"
 
 namespace epmoe {

@@ -10,7 +10,7 @@
 #include <epmoe/dtype.hpp>
 
 #include "core/bf16_device.cuh"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "transport/cuda_ipc/device.cuh"
 #include "transport/cuda_ipc/normal_kernels.hpp"
 

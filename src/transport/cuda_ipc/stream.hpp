@@ -7,16 +7,11 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 
 namespace epmoe::cuda_ipc {
 
-/// Whether `s` is capturing a CUDA graph (a capture cannot wait for host-recorded events nor synchronise).
-inline bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
+using cuda_util::capturing;  // one definition, in core
 
 /// An async_finish event: recorded on a buffer's communication stream `stream` of GPU `device` when made.
 class CudaEvent final : public EventImpl {

@@ -1,25 +1,22 @@
-// The token-side steps the prepare/finalize implementations share on CUDA tensors (prepare_common.hpp): the
-// argument check of a GPU call and the router weight on the input as a CUDA kernel.
+// The MoE stage's steps on CUDA tensors, host side, shared by the prepare/finalize implementations
+// (prepare_common.hpp): the argument check of a GPU call and the router weight on the input. The CPU twins are
+// in cpu.cpp, the kernels in cuda.cu.
 #include "core/check.hpp"
+#include "core/cuda_util.hpp"
 #include "moe/prepare_common.hpp"
 
 #if defined(EPMOE_HAVE_CUDA)
-#include "experts/cuda_experts.hpp"
-#include "layout/cuda_util.cuh"
-#include "moe/cuda_moe.hpp"
+#include "experts/experts.hpp"
+#include "moe/cuda.hpp"
 #endif
 
 namespace epmoe {
-
-namespace {
-bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-}  // namespace
 
 void check_cuda_prepare_inputs(const PrepareInputs& in) {
   const TensorView& x = in.hidden;
   const Device d = x.device;
   EPMOE_CHECK_ARG(x.dtype == DType::bf16 && x.ndim() == 2 && x.is_contiguous() && x.size(1) % 8 == 0 &&
-                      (x.numel() == 0 || aligned16(x.data)),
+                      (x.numel() == 0 || cuda_util::aligned16(x.data)),
                   "hidden", "contiguous bfloat16 [T, H] with H % 8 == 0 and 16-byte-aligned data on CUDA",
                   describe(x));
   const std::int64_t T = x.size(0);
@@ -44,6 +41,16 @@ void check_cuda_prepare_inputs(const PrepareInputs& in) {
                     describe(in.output));
 }
 
+#if defined(EPMOE_HAVE_CUDA)
+void weight_on_input_cuda(const TensorView& hidden, const TensorView& topk_weights, const TensorView& scaled,
+                          const TensorView& ones, Stream stream) {
+  const std::int64_t T = hidden.size(0);
+  if (T == 0) return;
+  experts_cuda::weight_hidden_cuda(hidden, topk_weights, scaled, stream);
+  moe_cuda::fill(static_cast<float*>(ones.data), T, 1.0f, stream);
+}
+#endif
+
 TokenSide cuda_token_side(const PrepareInputs& in, WorkspaceCache& workspaces, std::string_view prefix) {
   const Tensor topk_idx = Tensor::wrap(in.topk_idx, nullptr);
   if (!in.apply_router_weight_on_input)
@@ -55,11 +62,7 @@ TokenSide cuda_token_side(const PrepareInputs& in, WorkspaceCache& workspaces, s
   const Stream s = current_stream();
   const TensorView scaled = workspaces.get(0, fmt::format("{}.scaled", prefix), DType::bf16, {T, H}, d);
   const TensorView ones = workspaces.get(0, fmt::format("{}.ones", prefix), DType::fp32, {T, 1}, d);
-  if (T > 0) {
-    experts_cuda::prepare_hidden(in.hidden.data, false, T, H, static_cast<const float*>(in.topk_weights.data), 1,
-                                 scaled.data, cuda_util::to_cuda(s));
-    moe_cuda::fill(static_cast<float*>(ones.data), T, 1.0f, s);
-  }
+  weight_on_input_cuda(in.hidden, in.topk_weights, scaled, ones, s);
   return {Tensor::wrap(scaled, nullptr), topk_idx, Tensor::wrap(ones, nullptr)};
 #else
   (void)workspaces;

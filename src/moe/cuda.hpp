@@ -1,7 +1,8 @@
-// Internal entry points of the MoE stage's CUDA kernels (CUDA builds only: EPMOE_HAVE_CUDA): the no-EP
-// prepare (id counts and checks, the BatchedExperts scatter) and SPEC 11's host-mapped fault record. The
-// host side (no_ep_cuda.cpp) checks every argument first; everything here is asynchronous on `stream`
-// and launches no zero-sized grid. No fmt here: nvcc compiles prepare_cuda.cu.
+// Entry points of the MoE stage's CUDA kernels (cuda.cu; CUDA builds only: EPMOE_HAVE_CUDA), private to
+// src/moe/: the no-EP prepare (id counts and checks, the BatchedExperts scatter) and SPEC 11's host-mapped fault
+// record (TopKWeightAndReduce: weight_and_reduce.hpp). The host side (no_ep_cuda.cpp, cuda.cpp) checks every
+// argument first; everything here is asynchronous on `stream` and launches no zero-sized grid. No fmt here:
+// nvcc compiles cuda.cu.
 #pragma once
 
 #include <epmoe/stream.hpp>
@@ -27,9 +28,6 @@ struct FaultRecord {
 FaultRecord* fault_record_for_kernels();
 /// The host's view of device `device`'s record, or nullptr when no kernel ever used one there.
 volatile FaultRecord* fault_record_host(int device);
-
-/// Whether `stream` is being captured into a CUDA graph.
-bool capturing(Stream stream);
 
 /// counts[e] = number of entries of topk_idx (int64/int32 [M, K], contiguous) equal to e, for e < E
 /// (counts overwritten). Ids outside [-1, E) are skipped and flagged (the fault record, and the first one

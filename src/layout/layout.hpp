@@ -1,6 +1,7 @@
-// Internal entry points of the CUDA layout and permute kernels (CUDA builds only: EPMOE_HAVE_CUDA).
-// The public functions (layout/cpu.cpp, layout/permute.cpp) check every argument on the host, then call
-// these when the tensors are on a GPU. Everything here is asynchronous on `stream`.
+// Module interface of the layout stage (the one header of src/layout/ that other folders include): the public
+// functions (layout.cpp) check every argument on the host, then call the CPU loops (cpu.cpp) or, for tensors
+// on a GPU, the CUDA entry points (cuda.cu, CUDA builds only: EPMOE_HAVE_CUDA), which other stages also run
+// on their own buffers. Everything on CUDA is asynchronous on `stream`.
 #pragma once
 
 #include <epmoe/layout.hpp>
@@ -11,6 +12,23 @@
 #include <cstdint>
 
 namespace epmoe::layout_detail {
+
+// ---- CPU (arguments checked; ids are checked here, before anything is written) --------------------------
+
+/// get_dispatch_layout into `out`'s tensors (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+/// is_token_in_rank bool [T, R], host memory). invalid_argument naming the first id outside [-1, E).
+void dispatch_layout_cpu(const TensorView& topk_idx, int num_experts, int num_ranks, DispatchLayout& out);
+
+/// Counting sort of topk_idx [M, K] into the layout's tensors (sizes set, tensors allocated on the host).
+void make_permute_layout_cpu(const TensorView& topk_idx, PermuteLayout& layout);
+
+/// As permute_cuda and unpermute_cuda, on host memory.
+void permute_cpu(const TensorView& x, const TensorView& x_scales, const PermuteLayout& layout, const TensorView& out,
+                 const TensorView& out_scales);
+void unpermute_cpu(const TensorView& y, const PermuteLayout& layout, const TensorView& topk_weights,
+                   const TensorView& out);
+
+// ---- CUDA -------------------------------------------------------------------------------------------------
 
 /// Which kernel family found an out-of-range id (each has its own flag on each device).
 enum class IdCheck : int { dispatch_layout = 0, permute = 1 };

@@ -1,6 +1,6 @@
-// Internal interface of the fp8 block-scaled CUDA experts (ExpertsQuant::fp8_block; CUDA builds only). The host
-// side (cuda_experts_fp8.cpp) checks arguments and runs cuBLASLt's block-scaled fp8 GEMMs; these launchers
-// (cuda_experts_fp8_kernels.cu) quantize, reorder scales and copy rows. No fmt here: nvcc compiles the kernels.
+// The launchers of the fp8 block-scaled CUDA experts' kernels (ExpertsQuant::fp8_block; cuda_fp8.cu, CUDA builds
+// only), private to src/experts/. The host side (cuda_fp8.cpp) checks arguments and runs cuBLASLt's block-scaled
+// fp8 GEMMs; these quantize, reorder scales and copy rows. No fmt here: nvcc compiles cuda_fp8.cu.
 //
 // Scale layouts cuBLASLt reads on Hopper (CUBLASLT_MATMUL_MATRIX_SCALE_*, cuBLAS >= 12.9), for the row-major
 // GEMM C[rows, out] = X[rows, inner] @ W[out, inner]^T issued as the column-major "TN" GEMM (A = W, B = X):
@@ -14,19 +14,10 @@
 #include <epmoe/experts.hpp>
 
 #include <cstdint>
-#include <memory>
 
 #include <cuda_runtime.h>
 
 namespace epmoe::experts_cuda_fp8 {
-
-/// make_cuda_experts for ExpertsQuant::fp8_block (cuda_experts.cpp dispatches here). The per-expert GEMMs of a
-/// layer go to 4 forked streams when the experts average <= 256 rows, else to the caller's stream; the
-/// environment variable EPMOE_CUDA_EXPERTS_FP8_STREAMS=auto|1..4 overrides.
-std::unique_ptr<Experts> make_cuda_experts_fp8(const ExpertsConfig& config);
-/// The same with an explicit stream count: 0 = auto, 1 = the caller's stream only, 2..4 forked streams (tests and
-/// benchmark cover each).
-std::unique_ptr<Experts> make_cuda_experts_fp8(const ExpertsConfig& config, int streams);
 
 /// Where the GEMMs' rows lie: Standard format: the permuted segments seg[e]..seg[e+1] (int64 [E+1], on the
 /// device); batched: slab e holds rows [e * slab, (e + 1) * slab) of which the first counts[e] (clamped to

@@ -1,35 +1,15 @@
-// Internal interface of the CUDA experts (CUDA builds only: EPMOE_HAVE_CUDA). The host side
-// (cuda_experts.cpp) checks arguments, owns cuBLAS and the workspaces and calls these thin launchers of
-// the elementwise kernels (cuda_experts_kernels.cu). No fmt here: nvcc compiles the kernels' file.
+// The launchers of the bf16 CUDA experts' elementwise kernels (cuda.cu; CUDA builds only: EPMOE_HAVE_CUDA),
+// private to src/experts/. The host side (cuda.cpp, with what both CUDA experts share in cuda_common.cpp)
+// checks arguments, owns cuBLAS and the workspaces and calls these. No fmt here: nvcc compiles cuda.cu.
 #pragma once
 
 #include <epmoe/experts.hpp>
 
 #include <cstdint>
-#include <memory>
 
 #include <cuda_runtime.h>
 
 namespace epmoe::experts_cuda {
-
-/// How the Standard format runs its per-expert GEMMs (measured in bench/gpu_experts.cpp).
-enum class GemmMode : std::uint8_t {
-  loop,     ///< one cublasGemmEx per non-empty expert, in order, on the caller's stream
-  streams,  ///< the same GEMMs spread round-robin over 4 forked streams (overlaps small GEMMs' tails)
-  grouped,  ///< one cublasGemmGroupedBatchedEx per layer (pointer arrays copied to the device)
-  /// grouped when the non-empty experts average at most kGroupedMaxMeanRows rows (decode: small, memory-bound
-  /// GEMMs, where one grouped launch keeps the weights streaming), else loop (cuBLAS 13.0's grouped kernels
-  /// ran 1.3x slower than the loop at 128 rows per expert and 2.4x slower at 1024 on an H200). The default.
-  automatic,
-};
-/// The crossover of GemmMode::automatic in rows per non-empty expert, measured by bench/gpu_experts.cpp on
-/// an H200 at H = 7168, N = 2048, 32 experts: grouped won at 32 (0.81 vs 1.14 ms) and 64 rows (1.02 vs
-/// 1.15 ms), the loop at 128 (1.19 vs 1.56 ms) and above.
-inline constexpr std::int64_t kGroupedMaxMeanRows = 64;
-const char* gemm_mode_name(GemmMode mode);
-
-/// make_cuda_experts with an explicit GEMM mode (tests and benchmark cover every mode).
-std::unique_ptr<Experts> make_cuda_experts(const ExpertsConfig& config, GemmMode mode);
 
 /// Slot flags of map_ids: all ones when clear, else the smallest offending index.
 struct IdFlags {

@@ -1,9 +1,10 @@
-// Internal interface of the router stage: the public functions (router.cpp) validate their arguments
-// once, normalise every variant to one RoutingProblem, and hand it to a device implementation
-// (cpu.cpp here; a CUDA twin implements the same entry point).
+// Module interface of the router stage (the one header of src/router/ that other folders include): the
+// public functions (router.cpp) validate their arguments once, normalise every variant to one RoutingProblem
+// and hand it to a device implementation, cpu.cpp or cuda.cu (CUDA builds only: EPMOE_HAVE_CUDA).
 #pragma once
 
 #include <epmoe/router.hpp>
+#include <epmoe/stream.hpp>
 
 namespace epmoe::router_detail {
 
@@ -24,5 +25,10 @@ struct RoutingProblem {
 
 /// CPU implementation: writes float32 [T, K] weights and int64 [T, K] ids (contiguous, host memory).
 void route_cpu(const RoutingProblem& p, float* topk_weights, std::int64_t* topk_idx);
+
+/// CUDA implementation, bit-identical to route_cpu: writes float32 [T, K] weights and int64 [T, K] ids
+/// (contiguous, device memory of the logits' device), asynchronously on `stream`. Errors: unsupported when a
+/// row's scratch (about 9 bytes per expert) exceeds the shared memory of a block (E above about 20000).
+void route_cuda(const RoutingProblem& p, float* topk_weights, std::int64_t* topk_idx, Stream stream);
 
 }  // namespace epmoe::router_detail

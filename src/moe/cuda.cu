@@ -1,17 +1,20 @@
-// CUDA kernels of the no-EP prepare (see cuda_moe.hpp) and SPEC 11's host-mapped fault record.
+// The MoE stage's CUDA kernels: the no-EP prepare (see cuda.hpp) with SPEC 11's host-mapped fault record, and
+// TopKWeightAndReduce (SPEC 8, weight_and_reduce.hpp), the twin of cpu.cpp's.
 //
 // The fault record lives in page-locked host memory mapped into the device's address space, so the host
 // reads it at any time without a synchronisation or a copy, and kernels replayed from a CUDA graph write
 // it like any other. The exact first offender ([t, k] and value) still goes to the per-device word of
-// layout/id_flag.cuh (an atomicMin, which host-mapped memory cannot do portably), read by
+// core/id_flag.cuh (an atomicMin, which host-mapped memory cannot do portably), read by
 // cuda::check_invalid_ids() once the record says there is something to read.
 #include <mutex>
 #include <string>
 
-#include "layout/cuda.hpp"
-#include "layout/cuda_util.cuh"
-#include "layout/id_flag.cuh"
-#include "moe/cuda_moe.hpp"
+#include "core/bf16_device.cuh"
+#include "core/cuda_util.hpp"
+#include "core/id_flag.cuh"
+#include "layout/layout.hpp"
+#include "moe/cuda.hpp"
+#include "moe/weight_and_reduce.hpp"
 
 namespace epmoe::moe_cuda {
 
@@ -53,7 +56,7 @@ __global__ void count_ids_kernel(const Id* __restrict__ idx, std::int64_t n, int
     if (e >= 0 && e < E) {
       atomicAdd(&h[e], 1);
     } else if (e != -1) {
-      layout_detail::flag_bad_id(bad_word, i / K, i % K, e);
+      cuda_util::flag_bad_id(bad_word, i / K, i % K, e);
       raise_invalid_id(record);
     }
   }
@@ -147,12 +150,6 @@ volatile FaultRecord* fault_record_host(int device) {
   return t.host[device];
 }
 
-bool capturing(Stream stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  EPMOE_CUDA_CHECK(cudaStreamIsCapturing(cuda_util::to_cuda(stream), &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 void count_ids(const TensorView& topk_idx, int num_experts, std::int32_t* counts, Stream stream) {
   const cudaStream_t s = cuda_util::to_cuda(stream);
   EPMOE_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(std::int32_t) * static_cast<std::size_t>(num_experts), s));
@@ -219,3 +216,87 @@ void copy(void* dst, const void* src, std::size_t bytes, Stream stream) {
 }
 
 }  // namespace epmoe::moe_cuda
+
+// ---- TopKWeightAndReduce ------------------------------------------------------------------------
+//
+// Block (m, y): output row m, 16-byte vectors [y * kReduceThreads, ...); each thread sums its 8 bf16 channels over
+// the K choices in k order, each product rounded before the add (__fmul_rn / __fadd_rn: never a fused
+// multiply-add, which the CPU loop does not use either), and rounds once to bf16.
+namespace epmoe {
+
+namespace {
+
+constexpr int kReduceThreads = 128;
+constexpr int kMaxTopk = 512;  // K limit of the CUDA TopKWeightAndReduce (the shared arrays below)
+
+// kSlots: rows[m*K + k] gives the fused row of choice (m, k) (NaiveBatched); else the row is m*K + k when
+// topk_idx[m, k] >= 0 (Contiguous).
+template <bool kSlots, class Id>
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_kernel(const uint4* __restrict__ fused, std::int64_t row_vecs, const std::int32_t* __restrict__ rows,
+                  const Id* __restrict__ idx, const float* __restrict__ w, int K, uint4* __restrict__ out) {
+  __shared__ std::int64_t src[kMaxTopk];
+  __shared__ float weight[kMaxTopk];
+  const std::int64_t m = blockIdx.x;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    const std::int64_t i = m * K + k;
+    if constexpr (kSlots)
+      src[k] = rows[i];
+    else
+      src[k] = idx[i] >= 0 ? i : -1;
+    weight[k] = w[i];
+  }
+  __syncthreads();
+  const std::int64_t v = static_cast<std::int64_t>(blockIdx.y) * kReduceThreads + threadIdx.x;
+  if (v >= row_vecs) return;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < K; ++k) {
+    if (src[k] < 0) continue;
+    const uint4 r = __ldg(fused + src[k] * row_vecs + v);
+    const std::uint32_t words[4] = {r.x, r.y, r.z, r.w};
+    const float wk = weight[k];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(wk, __uint_as_float(words[j] << 16)));
+      acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(wk, __uint_as_float(words[j] & 0xffff0000u)));
+    }
+  }
+  std::uint32_t packed[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
+  out[m * row_vecs + v] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+template <bool kSlots, class Id>
+void launch_reduce(const TensorView& fused, const std::int32_t* rows, const Id* idx, const TensorView& topk_weights,
+            const TensorView& out, Stream stream) {
+  const std::int64_t M = out.size(0), H = out.size(1);
+  const int K = static_cast<int>(topk_weights.size(1));
+  if (M == 0) return;
+  if (K > kMaxTopk) throw_invalid_argument("topk_weights", "K <= 512 on CUDA", std::to_string(K));
+  const std::int64_t row_vecs = H * static_cast<std::int64_t>(sizeof(bf16_t)) / 16;
+  const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(cuda_util::ceil_div(row_vecs, kReduceThreads)));
+  reduce_kernel<kSlots, Id><<<grid, kReduceThreads, 0, cuda_util::to_cuda(stream)>>>(
+      static_cast<const uint4*>(fused.data), row_vecs, rows, idx, static_cast<const float*>(topk_weights.data), K,
+      static_cast<uint4*>(out.data));
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void weight_and_reduce_contiguous_cuda(const TensorView& fused, const TensorView& topk_weights,
+                                       const TensorView& topk_idx, const TensorView& out, Stream stream) {
+  if (topk_idx.dtype == DType::int64)
+    launch_reduce<false>(fused, nullptr, static_cast<const std::int64_t*>(topk_idx.data), topk_weights, out, stream);
+  else
+    launch_reduce<false>(fused, nullptr, static_cast<const std::int32_t*>(topk_idx.data), topk_weights, out, stream);
+}
+
+void weight_and_reduce_naive_batched_cuda(const TensorView& fused, const TensorView& topk_weights,
+                                          const TensorView& slot_of, const TensorView& out, Stream stream) {
+  launch_reduce<true>(fused, static_cast<const std::int32_t*>(slot_of.data), static_cast<const std::int32_t*>(nullptr),
+               topk_weights, out, stream);
+}
+
+}  // namespace epmoe

@@ -1,14 +1,78 @@
-// Device-side fp8 e4m3 helpers of the CUDA quantizer (quant/cuda.cu), shared with kernels that quantize rows
-// themselves (the cuda_ipc low-latency dispatch, transport/cuda_ipc/low_latency_kernels.cu), so every GPU path
-// computes a group's scale and codes with the same operations as quant_impl.hpp's group_scale and quant/cpu.cpp:
-// bit-identical to the CPU. CUDA sources only.
+// Module interface of the quantization stage (the one header of src/quant/ that other folders include):
+// quant.cpp validates the arguments of the public functions and dispatches on device to cpu.cpp or cuda.cu
+// (CUDA builds only: EPMOE_HAVE_CUDA), which agree bit for bit. The group-scale rule lives here once, for the
+// host; its device twin and the other device-side fp8 helpers follow for CUDA sources (nvcc), shared with the
+// kernels that quantize rows themselves (the cuda_ipc low-latency dispatch).
 #pragma once
 
 #include <epmoe/dtype.hpp>
+#include <epmoe/quant.hpp>
+#include <epmoe/stream.hpp>
 
+#include <cmath>
 #include <cstdint>
 
-#include "quant/quant_impl.hpp"
+namespace epmoe::quant_detail {
+
+/// Lower clamp of a group's absolute maximum (SPEC 6), so an all-zero group gets a finite scale.
+inline constexpr float kAmaxFloor = 1e-4f;
+
+/// A group's scale as SPEC 6 defines it, with the factor the values are multiplied by.
+struct GroupScale {
+  float scale;  ///< a / 448, or 2^exponent with round_scale
+  float inv;  ///< 448 / a, or 2^-exponent (x * inv equals x / scale exactly for a power of two)
+  int exponent;  ///< ceil(log2(a / 448)) with round_scale, else 0
+};
+
+/// a = max(amax, 1e-4) in float32; scale = a / 448, or 2^ceil(log2(a / 448)) with round_scale.
+inline GroupScale group_scale(float amax, bool round_scale) {
+  const float a = amax > kAmaxFloor ? amax : kAmaxFloor;
+  if (!round_scale) return {a / kFp8E4m3Max, kFp8E4m3Max / a, 0};
+  // ceil(log2(c)) of a normal float c: its unbiased exponent, plus one unless c is a power of two.
+  // c >= 1e-4 / 448 is always normal; c = inf gives 128 (scale inf, UE8M0 byte 255 = NaN).
+  const std::uint32_t c = float_bits(a / kFp8E4m3Max);
+  const int e = static_cast<int>((c >> 23) & 0xffu) - 127 + ((c & 0x7fffffu) != 0u ? 1 : 0);
+  const float scale = std::ldexp(1.0f, e);
+  return {scale, 1.0f / scale, e};
+}
+
+/// Validated quantization problem: x [T, H] bf16/fp32, q [T, H] fp8, scales float32 [T, G] or int32
+/// [T, W] (UE8M0); each with unit stride in dimension 1 and any row stride >= its width.
+struct QuantizeProblem {
+  TensorView x, q, scales;
+  std::int64_t num_tokens = 0, hidden = 0;
+  Fp8Options options;
+};
+
+void quantize_fp8_cpu(const QuantizeProblem& p);
+
+/// q [T, H] fp8, scales float32 [T, G] or int32 [T, W]; out [T, H] bf16/fp32, contiguous.
+void dequantize_fp8_cpu(const TensorView& q, const TensorView& scales, const TensorView& out);
+
+// ---- CUDA (asynchronous on `stream`; bit-identical to the CPU) ------------------------------------------
+
+/// Per-token-group fp8 quantization of a validated problem. On CUDA the rows of x and q must be
+/// 16-byte aligned (pointer and row stride in bytes); invalid_argument otherwise.
+/// `hardware_convert` selects the cvt.rn.satfinite.e4m3x2 instruction (default) or the software
+/// conversion of dtype.hpp; both give the same bits (tests/gpu checks it). `tasks_per_warp` 1 or 4
+/// forces that many rows' scale words per warp (0: chosen by size; the benchmark compares them).
+void quantize_fp8_cuda(const QuantizeProblem& p, Stream stream, bool hardware_convert = true, int tasks_per_warp = 0);
+
+/// q [T, H] fp8, scales float32 [T, G] or int32 [T, W]; out [T, H] bf16/fp32, contiguous.
+void dequantize_fp8_cuda(const TensorView& q, const TensorView& scales, const TensorView& out, Stream stream);
+
+/// Slabs (the low-latency layout): q [E, rows, H] fp8, scales [E, rows, G or W], out [E, rows, H], contiguous;
+/// only slab e's first masked_m[e] rows (device int32 [E], clamped to [0, rows]) are written: the others are
+/// never read by a masked (batched) consumer. Rows that are not 16-byte vectors fall back to every row.
+void dequantize_fp8_masked_cuda(const TensorView& q, const TensorView& scales, const TensorView& out,
+                                const std::int32_t* masked_m, Stream stream);
+
+}  // namespace epmoe::quant_detail
+
+#if defined(__CUDACC__)
+
+// ---- device side (CUDA sources only) --------------------------------------------------------------------
+// Every GPU path computes a group's scale and codes with the same operations as group_scale and quant/cpu.cpp.
 
 namespace epmoe::quant_detail {
 
@@ -17,7 +81,7 @@ struct DeviceGroupScale {
   int exponent;
 };
 
-// quant_impl.hpp's group_scale, on the device: same operations, same order.
+// group_scale on the device: same operations, same order.
 __device__ __forceinline__ DeviceGroupScale device_group_scale(float amax, bool round_scale) {
   const float a = amax > kAmaxFloor ? amax : kAmaxFloor;
   if (!round_scale) return {a / kFp8E4m3Max, kFp8E4m3Max / a, 0};
@@ -117,3 +181,5 @@ __device__ __forceinline__ std::int32_t ue8m0_word(int exponent, bool valid) {
 }
 
 }  // namespace epmoe::quant_detail
+
+#endif  // __CUDACC__

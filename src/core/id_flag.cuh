@@ -1,4 +1,5 @@
-// The packed record of an out-of-range id (CUDA sources only).
+// The packed record of an out-of-range id (CUDA sources only), written by the kernels of the layout and moe
+// stages into the per-device words layout/ keeps (layout_detail::bad_id_flag) and read by cuda::check_invalid_ids.
 //
 // One 64-bit key per flag: t (31 bits) | k (9 bits) | value + 2^23 (24 bits, saturated). atomicMin keeps
 // the smallest (t, k), the first offender in row-major order, as the CPU reports it; all ones = clear.
@@ -7,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-namespace epmoe::layout_detail {
+namespace epmoe::cuda_util {
 
 inline constexpr std::int64_t kBadValueBias = std::int64_t{1} << 23;
 
@@ -41,4 +42,4 @@ inline BadId decode_bad_id(unsigned long long key) {
   return b;
 }
 
-}  // namespace epmoe::layout_detail
+}  // namespace epmoe::cuda_util

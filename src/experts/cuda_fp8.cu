@@ -1,20 +1,21 @@
-// Elementwise kernels of the fp8 block-scaled CUDA experts (see cuda_experts_fp8.hpp): SPEC 6 quantization
+// Elementwise kernels of the fp8 block-scaled CUDA experts (see cuda_fp8.hpp): SPEC 6 quantization
 // of the input rows and of the activation output, and the scale/row reordering cuBLASLt's block-scaled GEMMs
 // need. Quantization works one warp per (row, group of 128 channels): each lane holds 4 consecutive channels,
 // the group's absolute maximum is a warp reduction, and the arithmetic is SPEC 6's float32 rule
 // (a = max(amax, 1e-4); q = fp8(x * (448 / a)); scale = a / 448), the one quant.hpp implements.
-#include "experts/cuda_experts_fp8.hpp"
+#include "experts/cuda_fp8.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "core/cuda_check.hpp"
-
-#define EPMOE_FP8_CHECK_LAUNCH() EPMOE_CUDA_CHECK(cudaGetLastError())
+#include "experts/activation.cuh"
 
 namespace epmoe::experts_cuda_fp8 {
 
 namespace {
+
+using experts_cuda::act_value;
 
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
@@ -138,22 +139,6 @@ __global__ void transpose_scales_kernel(const float* __restrict__ src, std::int6
   dst[p.r0 * groups + g * p.n + (o - p.r0)] = v;
 }
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-template <Activation A>
-__device__ __forceinline__ float act_value(float g, float u) {
-  if constexpr (A == Activation::silu) return silu_f(g) * u;
-  else if constexpr (A == Activation::gelu) return gelu_f(g) * u;
-  else if constexpr (A == Activation::swigluoai) {
-    g = fminf(g, 7.0f);  // gpt-oss constants (vLLM's swigluoai_and_mul): alpha 1.702, limit 7
-    u = fminf(fmaxf(u, -7.0f), 7.0f);
-    return (u + 1.0f) * g / (1.0f + expf(-1.702f * g));
-  } else if constexpr (A == Activation::silu_no_mul) return silu_f(g);
-  else if constexpr (A == Activation::gelu_no_mul) return gelu_f(g);
-  else return g > 0.0f ? g * g : 0.0f;  // relu2_no_mul
-}
-
 template <Activation A>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     activation_quant_kernel(const float* __restrict__ gin, std::int64_t rows_total, std::int64_t n,
@@ -234,14 +219,14 @@ void quantize_rows(const void* x, bool x_fp32, std::int64_t rows, std::int64_t h
   else
     quantize_rows_kernel<false><<<grid, kWarpsPerBlock * 32, 0, stream>>>(
         x, rows, h, groups, weights, weight_stride, in_slab, out_slab, q, scales, transposed, seg);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void transpose_scales(const float* src, std::int64_t rows_total, std::int64_t groups, const Segments& seg, float* dst,
                       cudaStream_t stream) {
   if (rows_total * groups == 0) return;
   transpose_scales_kernel<<<blocks_for(rows_total * groups, 256), 256, 0, stream>>>(src, rows_total, groups, seg, dst);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void activation_quant(Activation act, const float* g, std::int64_t rows_total, std::int64_t n, const Segments& seg,
@@ -263,14 +248,14 @@ void activation_quant(Activation act, const float* g, std::int64_t rows_total, s
     EPMOE_FP8_ACT_CASE(Activation::relu2_no_mul)
   }
 #undef EPMOE_FP8_ACT_CASE
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void pad_weight_scales(const float* src, std::int64_t rows, std::int64_t kb, std::int64_t kb4, float* dst,
                        cudaStream_t stream) {
   if (rows * kb4 == 0) return;
   pad_weight_scales_kernel<<<blocks_for(rows * kb4, 256), 256, 0, stream>>>(src, rows, kb, kb4, dst);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void copy_slab_rows(const void* src, std::int64_t src_slab, void* dst, std::int64_t dst_slab, int e_local,
@@ -278,7 +263,7 @@ void copy_slab_rows(const void* src, std::int64_t src_slab, void* dst, std::int6
   if (e_local == 0 || rows == 0) return;
   copy_slab_rows_kernel<<<static_cast<unsigned>(e_local * rows), 128, 0, stream>>>(
       static_cast<const uint4*>(src), src_slab, static_cast<uint4*>(dst), dst_slab, rows, row_bytes / 16, counts);
-  EPMOE_FP8_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace epmoe::experts_cuda_fp8

@@ -1,30 +1,21 @@
-// Elementwise kernels of the CUDA experts (see cuda_experts.hpp): id mapping, input preparation, the
+// Elementwise kernels of the CUDA experts (see cuda.hpp): id mapping, input preparation, the
 // fused activation after gemm1, and the final row copies. The GEMMs are cuBLAS calls on the host side.
 //
 // Every kernel moves rows in 16-byte vectors (8 bf16), one block per row: rows here are long (H or N in
 // the thousands) and row-major, so a block's loads are contiguous and fully coalesced.
-#include "experts/cuda_experts.hpp"
+#include "experts/cuda.hpp"
 
 #include <cuda_bf16.h>
 
+#include "core/bf16_device.cuh"
 #include "core/cuda_check.hpp"
-
-#define EPMOE_EXPERTS_CHECK_LAUNCH() EPMOE_CUDA_CHECK(cudaGetLastError())
+#include "experts/activation.cuh"
 
 namespace epmoe::experts_cuda {
 
 namespace {
 
 constexpr int kRowThreads = 128;
-
-__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
-  const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
 
 __device__ __forceinline__ std::uint32_t bf16_bits(float f) {
   return static_cast<std::uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(f)));
@@ -87,7 +78,7 @@ __global__ void __launch_bounds__(kRowThreads)
       f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
       f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
     } else {
-      unpack8(__ldg(static_cast<const uint4*>(hidden) + r * vecs + v), f);
+      unpack_bf16x8(__ldg(static_cast<const uint4*>(hidden) + r * vecs + v), f);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], w);
@@ -96,23 +87,6 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // ---- activation ---------------------------------------------------------------------------------
-
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-template <Activation A>
-__device__ __forceinline__ float act_value(float g, float u) {
-  if constexpr (A == Activation::silu) return silu_f(g) * u;
-  else if constexpr (A == Activation::gelu) return gelu_f(g) * u;
-  else if constexpr (A == Activation::swigluoai) {
-    // gpt-oss constants (vLLM's swigluoai_and_mul): alpha 1.702, limit 7.
-    g = fminf(g, 7.0f);
-    u = fminf(fmaxf(u, -7.0f), 7.0f);
-    return (u + 1.0f) * g / (1.0f + expf(-1.702f * g));
-  } else if constexpr (A == Activation::silu_no_mul) return silu_f(g);
-  else if constexpr (A == Activation::gelu_no_mul) return gelu_f(g);
-  else return g > 0.0f ? g * g : 0.0f;  // relu2_no_mul
-}
 
 // One block per row; each thread makes 8 consecutive outputs from 16-byte loads: gate and up halves of
 // the row (silu, gelu), 16 interleaved values (swigluoai), or 8 values (non-gated).
@@ -131,18 +105,18 @@ __global__ void __launch_bounds__(kRowThreads)
     float gate[8], up[8], out[8];
     if constexpr (A == Activation::swigluoai) {
       float f[16];
-      unpack8(__ldg(gr + 2 * v), f);
-      unpack8(__ldg(gr + 2 * v + 1), f + 8);
+      unpack_bf16x8(__ldg(gr + 2 * v), f);
+      unpack_bf16x8(__ldg(gr + 2 * v + 1), f + 8);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         gate[i] = f[2 * i];
         up[i] = f[2 * i + 1];
       }
     } else if constexpr (kGated) {
-      unpack8(__ldg(gr + v), gate);
-      unpack8(__ldg(gr + nv + v), up);
+      unpack_bf16x8(__ldg(gr + v), gate);
+      unpack_bf16x8(__ldg(gr + nv + v), up);
     } else {
-      unpack8(__ldg(gr + v), gate);
+      unpack_bf16x8(__ldg(gr + v), gate);
 #pragma unroll
       for (int i = 0; i < 8; ++i) up[i] = 0.0f;
     }
@@ -193,7 +167,7 @@ void map_ids(const void* idx, bool idx64, std::int64_t n, const std::int32_t* ma
   else
     map_ids_kernel<std::int32_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         static_cast<const std::int32_t*>(idx), n, map, map_size, limit, e_local, local, flags);
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void prepare_hidden(const void* hidden, bool hidden_fp32, std::int64_t rows, std::int64_t h, const float* weights,
@@ -206,7 +180,7 @@ void prepare_hidden(const void* hidden, bool hidden_fp32, std::int64_t rows, std
   else
     prepare_hidden_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(hidden, vecs, weights, weight_stride,
                                                                              static_cast<uint4*>(out));
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void activation(Activation act, const void* g, std::int64_t rows, std::int64_t n, void* a, const std::int32_t* counts,
@@ -235,7 +209,7 @@ void activation(Activation act, const void* g, std::int64_t rows, std::int64_t n
       activation_kernel<Activation::relu2_no_mul><<<grid, kRowThreads, 0, stream>>>(gv, n, av, counts, max_tokens);
       break;
   }
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void gather_rows(const void* y, const std::int32_t* src2dst, std::int64_t rows, std::int64_t h, void* out,
@@ -243,7 +217,7 @@ void gather_rows(const void* y, const std::int32_t* src2dst, std::int64_t rows, 
   if (rows == 0) return;
   gather_rows_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(static_cast<const uint4*>(y), src2dst, h / 8,
                                                                    static_cast<uint4*>(out));
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::int64_t max_tokens, std::int64_t h,
@@ -252,7 +226,7 @@ void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::in
   if (rows == 0) return;
   masked_copy_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(static_cast<const uint4*>(y), counts, max_tokens,
                                                                    h / 8, static_cast<uint4*>(out));
-  EPMOE_EXPERTS_CHECK_LAUNCH();
+  EPMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace epmoe::experts_cuda
