@@ -1,5 +1,5 @@
 // The CUDA experts (make_cuda_experts) at DeepSeek-V3-like shapes next to their roofline, measured in
-// the same run (SPEC 12):
+// the same run (semantics §12):
 //   H = 7168, N = 2048, K = 8, E = 256 experts over 8 ranks -> E_local = 32 on this GPU (2.8 GB of bf16
 //   weights), T = 4096 (prefill) and T = 128 (decode) tokens, every token's K choices among the local experts;
 //   T = 1024, 512, 256 for the Standard GEMM modes only (where GemmMode::automatic switches).

@@ -1,5 +1,5 @@
 // Low-latency dispatch and combine over NVLink (cuda_ipc backend, GPU mode) on R GPUs, DeepEP's decode shapes
-// (SPEC 12: T=128 tokens per rank, H=7168, K=8, E=256), beside DeepEP's figures on the same machine (PERF.md:
+// (semantics §12: T=128 tokens per rank, H=7168, K=8, E=256), beside DeepEP's figures on the same machine (PERF.md:
 // dispatch 27.8 us, combine 41.4 us; hooks: dispatch send 19.7 + receive 8.1, combine send 31.0 + receive 9.9).
 //
 // One process, one thread per rank, rank r on cuda:r (threads group, peer access); R = every visible GPU (up to 8)

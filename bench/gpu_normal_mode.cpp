@@ -1,5 +1,5 @@
 // Normal-mode dispatch and combine over NVLink (cuda_ipc backend) on R GPUs, beside peer copies of the
-// same bytes measured in the same run (SPEC 12, PERF.md "Floors" and "Leads").
+// same bytes measured in the same run (semantics §12, PERF.md "Floors" and "Leads").
 //
 // One process, one thread per rank, rank r on cuda:r (threads group, peer access); R = every visible GPU (up to
 // 8) unless --ranks says otherwise (R = 1: no NVLink, the path's fixed cost; no floors). Each figure is the
@@ -84,7 +84,7 @@ Tensor random_routing(std::int64_t T, int K, int E, int device, std::uint64_t se
   return d;
 }
 
-/// SPEC 14: rank r replays tokens [r*T, (r+1)*T) of layer 0 of the recorded OLMoE routing, ids mapped to E experts.
+/// semantics §14: rank r replays tokens [r*T, (r+1)*T) of layer 0 of the recorded OLMoE routing, ids mapped to E experts.
 Tensor replayed_routing(const RoutingTrace& trace, std::int64_t T, int E, int rank, int device) {
   const ReplayedRouting rr = replay_routing(trace, 0, 0, rank, T, E);
   Tensor d = Tensor::empty(DType::int64, rr.topk_idx.shape(), Device::cuda(device));

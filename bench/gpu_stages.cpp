@@ -1,5 +1,5 @@
 // Bandwidth of the single-GPU memory-bound stages (layout, permute layout, permute, unpermute, fp8
-// quantize) next to a device-to-device copy measured in the same run (SPEC 12, PERF.md).
+// quantize) next to a device-to-device copy measured in the same run (semantics §12, PERF.md).
 //
 // A plain timing harness (not Google Benchmark): every figure is the median of >= 50 runs after warm-up,
 // each run timed with CUDA events around the stage's kernels alone (outputs preallocated, the internal

@@ -1,5 +1,5 @@
 // Low-latency dispatch (fp8, bf16) and combine on thread ranks, next to a memcpy of the same bytes by
-// the same threads in the same run (SPEC 12 shapes: T = 128 per rank, H = 7168, K = 8, E = 256).
+// the same threads in the same run (semantics §12 shapes: T = 128 per rank, H = 7168, K = 8, E = 256).
 //
 // Each benchmark runs R rank threads, each with its own Buffer. Per iteration every rank meets the
 // others at a barrier, then runs the operation; the iteration time is the latest end minus the

@@ -1,5 +1,5 @@
 // Normal-mode dispatch (bf16, fp8) and combine on thread ranks, next to a plain memcpy of the same
-// bytes measured in the same run (SPEC 12, PERF.md).
+// bytes measured in the same run (semantics §12, PERF.md).
 //
 //   build/<dir>/bench/bench_threads_normal [--benchmark_filter=...]
 //   EPMOE_BENCH_T=<tokens per rank> overrides T (default 4096; 2048 at R = 8 to bound memory).

@@ -1,4 +1,4 @@
-// Buffer: expert-parallel dispatch and combine, normal and low-latency modes (SPEC 4, 5).
+// Buffer: expert-parallel dispatch and combine, normal and low-latency modes (semantics §4, 5).
 //
 // A Buffer belongs to one rank of a Group and moves tokens to the ranks that own their experts
 // (dispatch) and the expert outputs back (combine). The API mirrors DeepEP's V1 Buffer; the ordering
@@ -39,7 +39,7 @@
 
 namespace epmoe {
 
-/// The most experts per token (topk_idx's K) each mode takes (SPEC 1).
+/// The most experts per token (topk_idx's K) each mode takes (semantics §1).
 inline constexpr int kNormalMaxTopk = 32;
 inline constexpr int kLowLatencyMaxTopk = 16;
 
@@ -326,17 +326,17 @@ class Buffer {
   /// get_dispatch_layout(topk_idx, num_experts, num_ranks()) of layout.hpp.
   DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts) const;
 
-  /// Normal-mode dispatch (SPEC 4). Collective. All arguments are validated before any exchange;
+  /// Normal-mode dispatch (semantics §4). Collective. All arguments are validated before any exchange;
   /// settings that must agree (H, dtype, K, E, alignment) are compared across ranks with the counts,
   /// and a mismatch throws rank_mismatch on every rank.
   DispatchResult dispatch(const DispatchArgs& args);
-  /// Normal-mode combine (SPEC 4). Collective. Errors: handle from another buffer, x rows != handle rows.
+  /// Normal-mode combine (semantics §4). Collective. Errors: handle from another buffer, x rows != handle rows.
   CombineResult combine(const CombineArgs& args);
 
-  /// Low-latency dispatch (SPEC 5). Collective. Errors: T > Tmax (names both), Tmax/H/E differing
+  /// Low-latency dispatch (semantics §5). Collective. Errors: T > Tmax (names both), Tmax/H/E differing
   /// from the buffer's first low-latency call or across ranks, K > 16, ids outside [-1, E).
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
-  /// Low-latency combine (SPEC 5). Errors: stale handle (two-buffer rule), shapes.
+  /// Low-latency combine (semantics §5). Errors: stale handle (two-buffer rule), shapes.
   LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
   /// Resets the low-latency receive buffers (after normal-mode use of a shared buffer).
   void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);

@@ -1,7 +1,7 @@
 // Element types and their scalar conversions.
 //
 // The conversions are the project's single definition of rounding: bf16 and fp8 e4m3 both round to
-// nearest, ties to even, and fp8 saturates to +-448 (SPEC 6). They are host/device inline so CUDA
+// nearest, ties to even, and fp8 saturates to +-448 (semantics §6). They are host/device inline so CUDA
 // kernels and CPU code produce the same bits.
 #pragma once
 

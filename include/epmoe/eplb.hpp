@@ -1,4 +1,4 @@
-// Expert load statistics and expert-parallel load balancing (SPEC 9).
+// Expert load statistics and expert-parallel load balancing (semantics §9).
 //
 // The planner follows DeepSeek's EPLB (github.com/deepseek-ai/EPLB, eplb.py): replicate the hottest
 // experts into spare physical slots, then pack physical experts onto GPUs with balanced greedy packing;
@@ -67,7 +67,7 @@ Tensor map_to_physical(const TensorView& topk_idx, std::span<const std::int64_t>
 /// map_to_physical with a plan's arrays.
 Tensor map_to_physical(const TensorView& topk_idx, const EplbPlan& plan, std::int64_t layer);
 
-/// Counts tokens per (layer, expert) over the last `window` records of each layer (SPEC 9).
+/// Counts tokens per (layer, expert) over the last `window` records of each layer (semantics §9).
 ///
 /// Feed it the num_tokens_per_expert of get_dispatch_layout (host tensors, so recording never waits on a
 /// device). Not thread-safe: one recorder per rank, or lock around it.

@@ -1,4 +1,4 @@
-// Experts: the [Permute-Experts-Unpermute] stage (SPEC 7), on CPU.
+// Experts: the [Permute-Experts-Unpermute] stage (semantics §7), on CPU.
 //
 // Each local expert e is a two-layer MLP:
 //   y = w2[e] @ act(w1[e] @ x)        x: [H], w1[e]: [2N, H] (gated) or [N, H] (non-gated), w2[e]: [H, N]
@@ -13,7 +13,7 @@
 //     per expert, scatter); bf16 inputs/weights are widened to float32 tiles, the GEMMs accumulate in
 //     float32, and -- like vLLM's fused kernels, whose intermediate caches are bf16 -- both the first
 //     GEMM's output and the activation output are rounded to bf16. That rounding is why the fast and
-//     GPU paths agree with the reference only to SPEC 13's relative L2 1e-2 (typically ~1e-3).
+//     GPU paths agree with the reference only to semantics §13's relative L2 1e-2 (typically ~1e-3).
 #pragma once
 
 #include <epmoe/tensor.hpp>
@@ -91,12 +91,12 @@ enum class ExpertsQuant : std::uint8_t {
   ///   w1 float8_e4m3fn [E_local, 2N or N, H] with float32 w1_scales [E_local, ceil(rows / 128), ceil(H / 128)],
   ///   w2 float8_e4m3fn [E_local, H, N] with float32 w2_scales [E_local, ceil(H / 128), ceil(N / 128)]:
   ///   weight value = fp8 value * the scale of its 128x128 block (edge blocks may be partial);
-  ///   activations float8_e4m3fn with one float32 scale per token and group of 128 hidden channels (SPEC 6,
+  ///   activations float8_e4m3fn with one float32 scale per token and group of 128 hidden channels (semantics §6,
   ///   quant.hpp): either given (hidden fp8 + hidden_scales, as a normal-mode fp8 dispatch delivers them) or
-  ///   quantized by the experts from bf16/float32 hidden (SPEC 6 in float32, after the router weight with
+  ///   quantized by the experts from bf16/float32 hidden (semantics §6 in float32, after the router weight with
   ///   apply_router_weight_on_input); the activation output is quantized the same way (1 x 128 groups of
   ///   the N channels) before the second GEMM, as vLLM and DeepGEMM do. Output bfloat16.
-  ///   H % 16 == 0 and N % 16 == 0 (SPEC 1's fp8 rows).
+  ///   H % 16 == 0 and N % 16 == 0 (semantics §1's fp8 rows).
   fp8_block,
 };
 /// "none" or "fp8_block".
@@ -206,7 +206,7 @@ class Experts {
 /// double (bf16/fp32 inputs convert exactly); the weighted sum over k in double; one round to bf16.
 /// With ExpertsQuant::fp8_block (src/experts/reference_fp8.cpp): weights dequantized exactly in double (fp8
 /// value * block scale), the input as the GEMMs see it (fp8 hidden dequantized per group; bf16/fp32 hidden
-/// quantized by SPEC 6 in float32 first), and act(g), rounded to float32, quantized by SPEC 6 before w2.
+/// quantized by semantics §6 in float32 first), and act(g), rounded to float32, quantized by semantics §6 before w2.
 std::unique_ptr<Experts> make_reference_experts(const ExpertsConfig& config = {});
 
 /// The fast CPU path on OpenBLAS: per local expert, gather its tokens (up to 512 rows at a time) into
@@ -253,14 +253,14 @@ std::vector<double> reference_experts_f64(const ExpertsInputs& in, const Experts
 ///   block-scaled fp8 GEMMs (cuBLAS >= 12.9 on Hopper; weights as A with 128x128 float32 block scales,
 ///   activations as B with 1x128 float32 group scales, float32 accumulation, no fast accumulation). Per layer
 ///   one GEMM per non-empty local expert; gemm1 writes float32, one kernel applies the activation and
-///   quantizes the result per 1x128 group (SPEC 6), gemm2 writes bf16. A bf16/fp32 hidden is quantized first
-///   (SPEC 6, with the router weight folded in for apply_router_weight_on_input). Standard: as above, with
+///   quantizes the result per 1x128 group (semantics §6), gemm2 writes bf16. A bf16/fp32 hidden is quantized first
+///   (semantics §6, with the router weight folded in for apply_router_weight_on_input). Standard: as above, with
 ///   one synchronisation (expert row counts; segments padded to 4 rows); BatchedExperts: no synchronisation,
 ///   every slab's rows (rounded up to 4) through the GEMMs, CUDA-graph capturable. H or N not a multiple of 128:
 ///   should cuBLASLt have no kernel for the partial last block, operands are copied zero-padded (slower). The
 ///   GEMMs of a layer go to 4 forked streams when experts average <= 256 rows (EPMOE_CUDA_EXPERTS_FP8_STREAMS=
 ///   auto|1..4 overrides). Measured against
-///   reference_experts_f64 with the same config (which models the same quantizations), SPEC 13's relative
+///   reference_experts_f64 with the same config (which models the same quantizations), semantics §13's relative
 ///   L2 <= 1e-2. Errors as above, plus the fp8 argument errors of ExpertsQuant::fp8_block (naming
 ///   w1_scales, w2_scales, hidden_scales, ...) and unsupported when cuBLASLt offers no such GEMM.
 /// Restrictions on CUDA: H % 8 == 0 and N % 8 == 0 (16-byte rows; fp8: % 16), 16-byte-aligned data pointers.

@@ -1,4 +1,4 @@
-// Dispatch layout (SPEC 3): which rank and expert each token goes to.
+// Dispatch layout (semantics §3): which rank and expert each token goes to.
 #pragma once
 
 #include <epmoe/stream.hpp>

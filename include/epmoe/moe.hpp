@@ -1,4 +1,4 @@
-// The modular MoE layer (SPEC 8): [Router] -> [Quantize-Dispatch] -> [Permute-Experts-Unpermute]
+// The modular MoE layer (semantics §8): [Router] -> [Quantize-Dispatch] -> [Permute-Experts-Unpermute]
 // -> [Combine], with any prepare/finalize (communication) paired with any experts of the same
 // activation format (vLLM's FusedMoEModularKernel; SGLang's two-phase token dispatcher).
 #pragma once
@@ -148,7 +148,7 @@ struct MoELayerOptions {
   /// Chunking changes the rows per expert GEMM, not the math: with make_reference_experts the output is
   /// bit-identical for every chunk_size; with make_blas_experts OpenBLAS picks its kernel (summation
   /// order) by shape, so some outputs may differ from one chunk in the last bf16 bit (both stay within
-  /// SPEC 13's tolerance of the float64 reference).
+  /// semantics §13's tolerance of the float64 reference).
   std::int64_t chunk_size = 0;
   int micro_batch = 0;  ///< which workspace set to use
   std::shared_ptr<WorkspaceCache> workspaces;  ///< shared across layers; made when null
@@ -246,7 +246,7 @@ std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinali
                                                               const NoEpOptions& no_ep);
 
 namespace cuda {
-/// SPEC 11 on one GPU: faults the MoE kernels (no-EP prepare/finalize) raise in host-mapped memory
+/// semantics §11 on one GPU: faults the MoE kernels (no-EP prepare/finalize) raise in host-mapped memory
 /// (cudaHostAlloc, mapped), one record per device, so the host reads them with no synchronisation and no
 /// copy, also after CUDA-graph replays. The first bad id itself ([t, k] and value) is kept in the device
 /// word that cuda::check_invalid_ids() reads.

@@ -1,4 +1,4 @@
-// The MPI backend: CPU ranks as processes of an MPI job (SPEC 10).
+// The MPI backend: CPU ranks as processes of an MPI job (semantics §10).
 //
 // make_mpi_group() wraps an MPI communicator in an epmoe::Group; a Buffer built on that group moves
 // its bytes with MPI (two-sided messages for normal mode, one-sided MPI_Put into MPI_Win_allocate

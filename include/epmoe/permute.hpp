@@ -1,4 +1,4 @@
-// Permute / unpermute around the experts (SPEC 4 and 8): group the rows a rank received by local
+// Permute / unpermute around the experts (semantics §4 and 8): group the rows a rank received by local
 // expert, and reduce the experts' outputs back to one row per received token.
 //
 // As in SGLang's DeepEP dispatcher (deepep_run_moe_deep_preprocess, deepep_permute_triton_kernel,
@@ -8,7 +8,7 @@
 // the expert outputs of a row weighted by its router weights.
 //
 // Determinism: within an expert, rows keep the (m, k) row-major order of topk_idx, so the CPU and CUDA
-// implementations produce the same bits. Segments are padded to `expert_alignment` rows (SPEC 4's
+// implementations produce the same bits. Segments are padded to `expert_alignment` rows (semantics §4's
 // num_recv_tokens_per_expert), padding rows of the permuted tensor are zero.
 //
 // Sizes never depend on the data: a permuted tensor has `capacity` rows (M*K plus the worst-case
@@ -49,7 +49,7 @@ constexpr std::int64_t permute_capacity(std::int64_t num_tokens, int num_topk, i
 
 /// Counting sort of the local ids topk_idx (int64 or int32 [M, K], any strides; -1 = not on this rank)
 /// into per-expert segments. The result lives on topk_idx's device.
-/// Errors: topk_idx not 2-d int32/int64; num_local_experts outside 1..1024 (SPEC 1); expert_alignment < 1;
+/// Errors: topk_idx not 2-d int32/int64; num_local_experts outside 1..1024 (semantics §1); expert_alignment < 1;
 /// on CPU, ids outside [-1, E_local) (the message names the first one and its [m, k]). On CUDA such ids
 /// are skipped (src2dst -1) and flagged: cuda::check_invalid_ids() raises the same error later.
 PermuteLayout make_permute_layout(const TensorView& topk_idx, int num_local_experts, int expert_alignment = 1);
@@ -91,7 +91,7 @@ void unpermute_into(const TensorView& y, const PermuteLayout& layout, const Tens
                     const TensorView& out, Stream stream);
 
 namespace cuda {
-/// SPEC 11 on GPUs: get_dispatch_layout and make_permute_layout skip out-of-range ids on CUDA tensors
+/// semantics §11 on GPUs: get_dispatch_layout and make_permute_layout skip out-of-range ids on CUDA tensors
 /// and record the first one (smallest [t, k]) in a per-device flag instead of synchronising. This call
 /// waits for `stream`, reads and clears the flags of the current device, and throws the error the CPU
 /// would have thrown (invalid_argument naming topk_idx, the bound, the value and its [t, k]). A no-op in

@@ -1,4 +1,4 @@
-// FP8 per-token-group quantization (SPEC 6).
+// FP8 per-token-group quantization (semantics §6).
 //
 // Format (as DeepEP and vLLM): one float32 scale per group of 128 consecutive hidden channels of a
 // token; the last group may be shorter (H = 2880: 22 groups of 128 and one of 64).
@@ -46,7 +46,7 @@ void quantize_fp8_into(const TensorView& x, const TensorView& q, const TensorVie
 /// (bfloat16 or float32). The scales' format is read from their dtype.
 Tensor dequantize_fp8(const TensorView& q, const TensorView& scales, DType out_dtype = DType::bf16);
 
-/// One group's scale as SPEC 6 computes it from the group's absolute maximum.
+/// One group's scale as semantics §6 computes it from the group's absolute maximum.
 float fp8_group_scale(float amax, bool round_scale);
 /// UE8M0 byte of a power-of-two scale, and back.
 std::uint8_t ue8m0_from_scale(float pow2_scale);

@@ -1,4 +1,4 @@
-// Replaying recorded routing (SPEC 14): real router decisions instead of random ones.
+// Replaying recorded routing (semantics §14): real router decisions instead of random ones.
 //
 // The recorded data set (the project's shared/data/olmoe-routing beside this repository; a slice of it is
 // in tests/data/olmoe-routing, made by scripts/make_routing_slice.py; see its README) holds, per domain,
@@ -30,7 +30,7 @@ struct RoutingTrace {
 /// empty or disagreeing shapes, and the first id out of [-1, 64) or non-finite weight at its [token, layer, k].
 RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::string& domain = "general");
 
-/// Routing of one rank, replayed from a trace (SPEC 14): rank r gets the consecutive tokens
+/// Routing of one rank, replayed from a trace (semantics §14): rank r gets the consecutive tokens
 /// [offset + r*T, offset + (r+1)*T) of `layer` (indices wrap around the trace's end). Weights are
 /// used as recorded. For num_experts a multiple of the trace's 64, id e of token t becomes
 /// e * (E/64) + (t mod (E/64)), which keeps the skew. Returns topk_idx int64 [T, K] and

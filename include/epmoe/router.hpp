@@ -1,4 +1,4 @@
-// Router: top-k expert selection (SPEC 2).
+// Router: top-k expert selection (semantics §2).
 //
 // All functions take router logits [T, E] (float32 or bfloat16, on CPU or CUDA) and return
 // topk_weights float32 [T, K] and topk_idx int64 [T, K] on the same device. Ties go to the lower
@@ -35,7 +35,7 @@ struct GroupedTopkOptions {
   TensorView e_score_correction_bias;  ///< optional float32 [E]: added to scores for selection only
 };
 
-/// DeepSeek-V2/V3 grouped top-k (SPEC 2): scores = softmax or sigmoid of logits; with a correction
+/// DeepSeek-V2/V3 grouped top-k (semantics §2): scores = softmax or sigmoid of logits; with a correction
 /// bias, selection uses score + bias and a group's score is the sum of its top-2 biased scores,
 /// otherwise the group max; keep `topk_group` groups (ties: lower group), then the top K experts in
 /// them (ties: lower id). Weights are the unbiased scores, renormalised if asked, times

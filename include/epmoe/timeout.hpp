@@ -1,4 +1,4 @@
-// Timeouts for every wait between ranks (SPEC 11: no hang).
+// Timeouts for every wait between ranks (semantics §11: no hang).
 #pragma once
 
 #include <chrono>

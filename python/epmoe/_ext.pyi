@@ -129,7 +129,7 @@ class Buffer:
                  allocate_on_comm_stream: bool = False, framework: str = "numpy", stream: Optional[int] = None
                  ) -> Tuple[Array, Optional[Array], Optional[Array], Optional[Array], List[int], NormalHandle, Event,
                             Tuple[Array, Array, Array, Array]]:
-        """Normal-mode dispatch (SPEC 4): (recv_x [rows, H], recv_x_scales or None, recv_topk_idx int64
+        """Normal-mode dispatch (semantics §4): (recv_x [rows, H], recv_x_scales or None, recv_topk_idx int64
         [rows, K] or None (cached), recv_topk_weights float32 [rows, K] or None, counts per local expert,
         handle, event, (rank_prefix_matrix int32 [R, R], recv_src_idx int32 [Nrecv], is_token_in_rank bool
         [T, R], send_pos int32 [T, R]))."""
@@ -137,7 +137,7 @@ class Buffer:
                 bias_1: ArrayArg, previous_event: Optional[Event] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False, framework: str = "numpy", stream: Optional[int] = None
                 ) -> Tuple[Array, Optional[Array], Event]:
-        """Normal-mode combine (SPEC 4): (combined_x bfloat16 [T, H], combined_topk_weights float32 [T, K]
+        """Normal-mode combine (semantics §4): (combined_x bfloat16 [T, H], combined_topk_weights float32 [T, K]
         or None, event)."""
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -149,7 +149,7 @@ class Buffer:
                              return_recv_hook: bool = False, framework: str = "numpy", stream: Optional[int] = None
                              ) -> Tuple[Array, Optional[Array], Array, Array, Array, LowLatencyHandle, Event,
                                         Optional[RecvHook]]:
-        """Low-latency dispatch (SPEC 5): (packed_recv_x [E_local, R*Tmax, H] fp8 or bf16, scales
+        """Low-latency dispatch (semantics §5): (packed_recv_x [E_local, R*Tmax, H] fp8 or bf16, scales
         float32 [E_local, R*Tmax, G] / int32 [..., ceil(G/4)] or None, packed_recv_count int32 [E_local],
         src_info int32 [E_local, R*Tmax], layout_range int64 [E_local, R], handle, event, hook or None).
         CPU: the arrays are copies of the valid rows, filled at return or when the hook is called. GPU (cuda_ipc,
@@ -159,19 +159,19 @@ class Buffer:
                             handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: ArrayArg = None, framework: str = "numpy",
                             stream: Optional[int] = None) -> Tuple[Optional[Array], Event, Optional[RecvHook]]:
-        """Low-latency combine (SPEC 5): (combined_x bfloat16 [T, H], or None when `out` was given and
+        """Low-latency combine (semantics §5): (combined_x bfloat16 [T, H], or None when `out` was given and
         written, event, hook or None)."""
 
 def topk_softmax(logits: ArrayArg, num_topk: int, renormalize: bool = False,
                  framework: str = "numpy") -> Tuple[Array, Array]:
-    """(topk_weights float32 [T, K], topk_idx int64 [T, K]) of softmax(logits) (SPEC 2)."""
+    """(topk_weights float32 [T, K], topk_idx int64 [T, K]) of softmax(logits) (semantics §2)."""
 def topk_sigmoid(logits: ArrayArg, num_topk: int, renormalize: bool = False,
                  framework: str = "numpy") -> Tuple[Array, Array]:
-    """(topk_weights float32 [T, K], topk_idx int64 [T, K]) of sigmoid(logits) (SPEC 2)."""
+    """(topk_weights float32 [T, K], topk_idx int64 [T, K]) of sigmoid(logits) (semantics §2)."""
 def grouped_topk(logits: ArrayArg, num_topk: int, num_expert_group: int, topk_group: int,
                  scoring_func: str = "softmax", renormalize: bool = True, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: ArrayArg = None, framework: str = "numpy") -> Tuple[Array, Array]:
-    """DeepSeek-V2/V3 grouped top-k (SPEC 2)."""
+    """DeepSeek-V2/V3 grouped top-k (semantics §2)."""
 def get_dispatch_layout(topk_idx: ArrayArg, num_experts: int, num_ranks: int,
                         framework: str = "numpy") -> Tuple[Array, Array, Array]:
     """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
@@ -248,7 +248,7 @@ def set_current_stream(stream: Optional[int]) -> Optional[int]:
     """Sets the calling thread's current CUDA stream for epmoe's functions (cudaStream_t as an int; None:
     the legacy default stream); returns the previous one (None for the default)."""
 
-# Expert load statistics and EPLB (SPEC 9), host only.
+# Expert load statistics and EPLB (semantics §9), host only.
 def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
                       num_gpus: int) -> Tuple[Any, Any, Any]:
     """DeepSeek's EPLB on a C-contiguous float64 [L, E] NumPy array: (phy2log int64 [L, P], log2phy int64

@@ -1,4 +1,4 @@
-"""A DeepEP-compatible ``Buffer``: expert-parallel dispatch and combine (SPEC 4, 5).
+"""A DeepEP-compatible ``Buffer``: expert-parallel dispatch and combine (semantics §4, 5).
 
 Argument names, order, defaults and return tuples follow DeepEP's V1 ``deep_ep.Buffer`` (as of
 DeepEP commit 567632d), so an engine switches by changing its import::
@@ -284,7 +284,7 @@ class Buffer:
     Normal mode (prefill, training): ``get_dispatch_layout`` -> ``dispatch`` -> experts -> ``combine``.
     Low-latency mode (decode): ``low_latency_dispatch`` -> experts -> ``low_latency_combine``.
 
-    Ordering is deterministic (SPEC 4, 5): received rows are grouped by source rank ascending, in source
+    Ordering is deterministic (semantics §4, 5): received rows are grouped by source rank ascending, in source
     token order within a source; combine sums in ascending rank order in float32 and rounds to bf16
     once. Limits are wider than DeepEP's: any hidden size with ``H % 8 == 0`` (bf16) / ``H % 16 == 0``
     (fp8), the last scale group may be partial; top-k up to 32 (normal) / 16 (low-latency); up to 1024
@@ -529,7 +529,7 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
                             ) -> Tuple[Any, None, Any, Any, EventOverlap]:
-        """Where each token goes (SPEC 3). Local: no communication.
+        """Where each token goes (semantics §3). Local: no communication.
 
         Arguments:
             topk_idx: int64 (or int32) [T, K], global expert ids in [-1, num_experts); -1 = no expert. On a
@@ -571,7 +571,7 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[Any, Optional[Any], Optional[Any], Optional[List[int]], Optional[Tuple], EventOverlap]:
-        """Normal-mode dispatch (SPEC 4). Collective.
+        """Normal-mode dispatch (semantics §4). Collective.
 
         Arguments:
             x: bfloat16 [T, H] (H % 8 == 0), or a tuple (fp8 x, scales): float8_e4m3fn [T, H] (H % 16 == 0)
@@ -643,7 +643,7 @@ class Buffer:
                 bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
-        """Normal-mode combine (SPEC 4): sends each received row back and sums per token. Collective.
+        """Normal-mode combine (semantics §4): sends each received row back and sums per token. Collective.
 
         Arguments:
             x: bfloat16 [rows, H], one row per row of the dispatch's recv_x (already reduced over the
@@ -698,7 +698,7 @@ class Buffer:
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False
                              ) -> Tuple[Any, Any, Tuple, EventOverlap, Optional[Callable[[], None]]]:
-        """Low-latency dispatch (SPEC 5). Collective.
+        """Low-latency dispatch (semantics §5). Collective.
 
         CPU tensors run on CPU ranks; CUDA tensors (torch or CuPy, on this rank's device) on a cuda_ipc buffer run
         on the GPUs (bit-identical to the CPU path), on the current stream (torch's, else CuPy's), without
@@ -767,7 +767,7 @@ class Buffer:
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out: Any = None, combine_wait_recv_cost_stats: Any = None
                             ) -> Tuple[Any, EventOverlap, Optional[Callable[[], None]]]:
-        """Low-latency combine (SPEC 5): weighted sum of each token's expert outputs. Collective.
+        """Low-latency combine (semantics §5): weighted sum of each token's expert outputs. Collective.
 
         Arguments:
             x: bfloat16 [E_local, R*Tmax, H], the experts' outputs in the rows of the dispatch.

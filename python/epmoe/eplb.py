@@ -1,4 +1,4 @@
-"""Expert load statistics and expert-parallel load balancing (SPEC 9), on the host.
+"""Expert load statistics and expert-parallel load balancing (semantics §9), on the host.
 
 ``rebalance_experts`` is DeepSeek's EPLB (github.com/deepseek-ai/EPLB, ``eplb.rebalance_experts``: same
 names, argument order and outputs), computed in float64 by epmoe's C++ core with every tie fixed (see

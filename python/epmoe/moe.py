@@ -1,4 +1,4 @@
-"""The modular MoE layer (SPEC 7, 8): prepare/finalize x experts, over the C++ MoELayer.
+"""The modular MoE layer (semantics §7, 8): prepare/finalize x experts, over the C++ MoELayer.
 
     pf = epmoe.make_normal_prepare_finalize(buffer, dispatch_dtype="float8_e4m3fn")
     layer = epmoe.MoELayer(pf, epmoe.make_blas_experts())
@@ -46,13 +46,13 @@ def make_reference_experts(activation_format: str = "standard", reduce: bool = T
 
 def make_blas_experts(activation_format: str = "standard", reduce: bool = True) -> Experts:
     """Fast CPU experts on OpenBLAS (float32 GEMMs, bf16 intermediates as vLLM's kernels); agree with the
-    reference to relative L2 1e-2 (SPEC 13). Arguments as make_reference_experts."""
+    reference to relative L2 1e-2 (semantics §13). Arguments as make_reference_experts."""
     return _ext.make_blas_experts(activation_format, reduce)
 
 
 def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) -> Experts:
     """The experts on one GPU (cuBLAS GEMMs, bf16 intermediates as vLLM's kernels); agree with the float64
-    reference to relative L2 1e-2 (SPEC 13; typically ~3e-3). Arguments as make_reference_experts.
+    reference to relative L2 1e-2 (semantics §13; typically ~3e-3). Arguments as make_reference_experts.
 
     In MoELayer.forward every tensor (hidden, w1, w2, topk_weights, topk_idx, output) is a torch or CuPy CUDA
     tensor on one device; the work is enqueued on the caller's current stream (torch's, else CuPy's) and the
@@ -88,7 +88,7 @@ def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: b
         to a slab [E, max_tokens, H] in token order; pair with experts of that format).
     max_tokens_per_expert: batched_experts only: slab rows; 0 = T (nothing can be dropped). A slab that
         overflows raises epmoe.Error 'out_of_memory' on the CPU; on CUDA the choices past it are dropped and
-        flagged (SPEC 11). Errors: < 0, or set with 'standard' (invalid_argument); use_ue8m0 without
+        flagged (semantics §11). Errors: < 0, or set with 'standard' (invalid_argument); use_ue8m0 without
         round_scale (invalid_argument)."""
     _check_scale_format(round_scale, use_ue8m0)
     max_tokens_per_expert = int_arg("max_tokens_per_expert", max_tokens_per_expert, -(2**63), 2**63 - 1)
@@ -121,7 +121,7 @@ def make_low_latency_prepare_finalize(buffer: Union[Buffer, Any], num_max_dispat
 
 
 class MoELayer:
-    """``MoELayer(prepare_finalize, experts, shared_experts=None)`` (SPEC 8).
+    """``MoELayer(prepare_finalize, experts, shared_experts=None)`` (semantics §8).
 
     Arguments:
         prepare_finalize: from make_*_prepare_finalize.
@@ -175,7 +175,7 @@ class MoELayer:
             w1: bfloat16 [E_local, 2N, H] (gated: silu, gelu, swigluoai) or [E_local, N, H] (*_no_mul).
             w2: bfloat16 [E_local, H, N].
             topk_weights: float32 [T, K]. topk_idx: int64/int32 [T, K], global ids or -1.
-            activation: one of ACTIVATIONS (vLLM's definitions, SPEC 7).
+            activation: one of ACTIVATIONS (vLLM's definitions, semantics §7).
             global_num_experts: E; -1 means E_local * ranks.
             expert_map: must be None with expert parallelism (the owner of an expert follows from the rank).
             apply_router_weight_on_input: K == 1 only: scale the input instead of the output.

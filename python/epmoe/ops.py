@@ -1,4 +1,4 @@
-"""Router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6).
+"""Router (semantics §2), dispatch layout (semantics §3) and fp8 quantization (semantics §6).
 
 Every function takes NumPy arrays (bf16 / fp8 as ml_dtypes), torch tensors or CuPy arrays and returns
 the same framework's arrays on the same device: CPU input runs on the CPU and is done on return; CUDA
@@ -54,7 +54,7 @@ def topk_sigmoid(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple
 def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: int,
                  scoring_func: str = "softmax", renormalize: bool = True, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: Optional[Any] = None) -> Tuple[Any, Any]:
-    """DeepSeek-V2/V3 grouped top-k (SPEC 2).
+    """DeepSeek-V2/V3 grouped top-k (semantics §2).
 
     scores = softmax or sigmoid of the logits; with ``e_score_correction_bias`` (float32 [E]) selection
     uses score + bias and a group's score is the sum of its top-2 biased scores, otherwise the group max;
@@ -76,7 +76,7 @@ def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: 
 
 
 def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tuple[Any, Any, Any]:
-    """The dispatch layout (SPEC 3) without a buffer.
+    """The dispatch layout (semantics §3) without a buffer.
 
     Returns: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R]);
     -1 ids are ignored, a token counts once per rank.
@@ -90,7 +90,7 @@ def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tupl
 
 
 def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False) -> Tuple[Any, Any]:
-    """Per-token-group fp8 e4m3 quantization (SPEC 6), one scale per 128 channels of a token.
+    """Per-token-group fp8 e4m3 quantization (semantics §6), one scale per 128 channels of a token.
 
     a = max(amax(group), 1e-4); q = fp8(x * (448 / a)); scale = a / 448, in float32; fp8 rounds to nearest
     even and saturates to +-448. round_scale: scale = 2^ceil(log2(a / 448)), q = fp8(x / scale).
@@ -122,7 +122,7 @@ def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
 
 
 def fp8_group_scale(amax: float, round_scale: bool = False) -> float:
-    """The scale SPEC 6 computes from a group's absolute maximum (float32 arithmetic)."""
+    """The scale semantics §6 computes from a group's absolute maximum (float32 arithmetic)."""
     return _ext.fp8_group_scale(amax, round_scale)
 
 

@@ -1,4 +1,4 @@
-// epmoe._ext: expert load statistics and EPLB (SPEC 9), host only.
+// epmoe._ext: expert load statistics and EPLB (semantics §9), host only.
 #include "ext.hpp"
 
 #include <epmoe/eplb.hpp>
@@ -102,7 +102,7 @@ void bind_eplb(nb::module_& m) {
       nb::arg("topk_idx"), nb::arg("logical_to_physical"), nb::arg("logical_replica_count"), nb::arg("layer"),
       nb::arg("framework") = "numpy");
 
-  nb::class_<ExpertLoadRecorder>(m, "ExpertLoadRecorder", "Tokens per (layer, expert) over a window (SPEC 9).")
+  nb::class_<ExpertLoadRecorder>(m, "ExpertLoadRecorder", "Tokens per (layer, expert) over a window (semantics §9).")
       .def(
           "__init__",
           [](ExpertLoadRecorder* self, std::int64_t num_layers, std::int64_t num_experts, std::int64_t num_ranks,

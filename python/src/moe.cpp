@@ -1,4 +1,4 @@
-// epmoe._ext: the modular MoE layer (SPEC 7, 8): experts, prepare/finalize, MoELayer.
+// epmoe._ext: the modular MoE layer (semantics §7, 8): experts, prepare/finalize, MoELayer.
 #include "ext.hpp"
 
 #include <epmoe/error.hpp>
@@ -92,7 +92,7 @@ std::shared_ptr<Experts> make_experts(ExpertsKind kind, std::string_view format,
 
 void bind_moe(nb::module_& m) {
   nb::class_<PyExperts>(m, "Experts",
-                        "Expert MLPs (SPEC 7): 'reference' (float64), 'blas' (OpenBLAS) on the CPU; 'cuda' on a GPU.")
+                        "Expert MLPs (semantics §7): 'reference' (float64), 'blas' (OpenBLAS) on the CPU; 'cuda' on a GPU.")
       .def_prop_ro("name", [](const PyExperts& e) { return std::string(e.experts->name()); })
       .def_prop_ro("activation_format",
                    [](const PyExperts& e) {
@@ -116,7 +116,7 @@ void bind_moe(nb::module_& m) {
       [](std::string_view format, bool reduce) { return PyExperts{make_experts(ExpertsKind::cuda, format, reduce)}; },
       nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
 
-  nb::class_<PyPrepareFinalize>(m, "PrepareFinalize", "Quantize + dispatch and combine behind one interface (SPEC 8).")
+  nb::class_<PyPrepareFinalize>(m, "PrepareFinalize", "Quantize + dispatch and combine behind one interface (semantics §8).")
       .def_prop_ro("name", [](const PyPrepareFinalize& p) { return std::string(p.pf->name()); })
       .def_prop_ro("activation_format",
                    [](const PyPrepareFinalize& p) {

@@ -1,4 +1,4 @@
-// epmoe._ext: router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6).
+// epmoe._ext: router (semantics §2), dispatch layout (semantics §3) and fp8 quantization (semantics §6).
 #include "ext.hpp"
 
 #include <epmoe/error.hpp>

@@ -1,7 +1,7 @@
 """Shared fixtures and NumPy references for the epmoe Python tests.
 
-The references are written from SPEC.md in NumPy (float64 where arithmetic is involved; float32 where
-the SPEC fixes float32 arithmetic, e.g. fp8 scales and the low-latency combine), and never call epmoe.
+The references are written from docs/semantics.md in NumPy (float64 where arithmetic is involved; float32 where
+the semantics fix float32 arithmetic, e.g. fp8 scales and the low-latency combine), and never call epmoe.
 Every test gets a seeded generator; the seed is printed (pytest shows it on failure) and can be forced
 with EPMOE_TEST_SEED.
 """
@@ -58,7 +58,7 @@ def random_topk_idx(rng: np.random.Generator, T: int, K: int, E: int, p_none: fl
 
 def ref_dispatch(idxs: List[np.ndarray], E: int, R: int,
                  d: int) -> Tuple[List[Tuple[int, int]], np.ndarray, np.ndarray]:
-    """What rank d receives in normal mode (SPEC 4): the (source rank, token) of each row, in order
+    """What rank d receives in normal mode (semantics §4): the (source rank, token) of each row, in order
     (source ascending, token order within), the local ids [-1 where elsewhere] and a mask of them."""
     el = E // R
     rows = []
@@ -83,7 +83,7 @@ def ref_expert_counts(local: np.ndarray, el: int, alignment: int = 1) -> List[in
 
 
 def ref_low_latency(idxs: List[np.ndarray], E: int, R: int, d: int):
-    """Rank d's low-latency receive (SPEC 5): per local expert the (source, token) rows (blocks by
+    """Rank d's low-latency receive (semantics §5): per local expert the (source, token) rows (blocks by
     source ascending, token order within), and layout_range[e][s] = begin << 32 | count."""
     el = E // R
     per_expert = []
@@ -104,7 +104,7 @@ def ref_low_latency(idxs: List[np.ndarray], E: int, R: int, d: int):
 # ------------------------------------------------------------------------------------------ fp8
 
 def fp8_quantize_ref(x: np.ndarray, round_scale: bool = False, use_ue8m0: bool = False):
-    """SPEC 6 in NumPy float32: a = max(amax, 1e-4); scale = a / 448 (or 2^ceil(log2(a / 448)));
+    """semantics §6 in NumPy float32: a = max(amax, 1e-4); scale = a / 448 (or 2^ceil(log2(a / 448)));
     q = fp8(x * (448 / a)) (or fp8(x / scale)); ml_dtypes' float32 -> e4m3fn rounds to nearest even.
     Returns (q float8_e4m3fn [T, H], scales float32 [T, G] or UE8M0 int32 [T, ceil(G/4)])."""
     x32 = x.astype(np.float32)
@@ -174,7 +174,7 @@ def topk_ref(scores: np.ndarray, K: int) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def grouped_topk_ref(logits, K, num_groups, topk_group, scoring, renormalize, factor, bias=None):
-    """DeepSeek-V2/V3 grouped top-k (SPEC 2) in float64."""
+    """DeepSeek-V2/V3 grouped top-k (semantics §2) in float64."""
     scores = softmax64(logits) if scoring == "softmax" else sigmoid64(logits)
     T, E = scores.shape
     sel = scores + bias.astype(np.float64)[None, :] if bias is not None else scores
@@ -201,7 +201,7 @@ _erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
 def act_ref(name: str, gate: np.ndarray, up: np.ndarray = None) -> np.ndarray:
-    """vLLM's activations (SPEC 7) in float64."""
+    """vLLM's activations (semantics §7) in float64."""
     silu = lambda v: v / (1.0 + np.exp(-v))  # noqa: E731
     gelu = lambda v: 0.5 * v * (1.0 + _erf(v / math.sqrt(2.0)))  # noqa: E731
     if name == "silu":

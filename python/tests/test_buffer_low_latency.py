@@ -1,4 +1,4 @@
-"""Low-latency Buffer (SPEC 5) on thread ranks, against the NumPy references of conftest.py."""
+"""Low-latency Buffer (semantics §5) on thread ranks, against the NumPy references of conftest.py."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def experts_on_packed(recv_x, counts, rank, el):
 
 
 def combine_ref(x, idx, w):
-    """SPEC 5's rule in float32: out[t] = sum over k ascending of w[t,k] * y(t,k) (product rounded, then
+    """semantics §5's rule in float32: out[t] = sum over k ascending of w[t,k] * y(t,k) (product rounded, then
     added, from +0), skipping -1, rounded to bf16 once; y(t,k) = bf16(x[t] * expert_scale(e))."""
     T = x.shape[0]
     out = np.zeros((T, x.shape[1]), dtype=np.float32)

@@ -1,4 +1,4 @@
-"""Normal-mode Buffer (SPEC 4) on thread ranks, against the NumPy references of conftest.py."""
+"""Normal-mode Buffer (semantics §4) on thread ranks, against the NumPy references of conftest.py."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_dispatch_combine_round_trip(rng, R):
     el = E // R
     for d in range(R):
         o = out[d]
-        # layout (SPEC 3)
+        # layout (semantics §3)
         ntpr, ntpe, in_rank = o["layout"]
         ids = idxs[d]
         exp_in_rank = np.stack([np.any((ids >= 0) & (ids // el == r), axis=1) for r in range(R)], axis=1)

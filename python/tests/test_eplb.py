@@ -1,4 +1,4 @@
-"""EPLB planner, routing step and load recorder (SPEC 9) from Python: a hand-made case, an independent
+"""EPLB planner, routing step and load recorder (semantics §9) from Python: a hand-made case, an independent
 NumPy (float64) reference of DeepSeek's EPLB compared exactly on random loads, torch in / torch out, errors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The modular MoE layer (SPEC 7, 8) against a NumPy float64 reference (SPEC 13: relative L2 <= 1e-2)."""
+"""The modular MoE layer (semantics §7, 8) against a NumPy float64 reference (semantics §13: relative L2 <= 1e-2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Router (SPEC 2), dispatch layout (SPEC 3) and fp8 quantization (SPEC 6) against NumPy references."""
+"""Router (semantics §2), dispatch layout (semantics §3) and fp8 quantization (semantics §6) against NumPy references."""
 
 from __future__ import annotations
 

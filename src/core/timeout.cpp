@@ -13,7 +13,7 @@ double default_timeout_s() {
       const double v = std::strtod(s, &end);
       if (end != s && v > 0) return v;
     }
-    return 100.0;  // SPEC 11
+    return 100.0;  // semantics §11
   }();
   return value;
 }

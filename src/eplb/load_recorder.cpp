@@ -1,4 +1,4 @@
-// ExpertLoadRecorder (SPEC 9): windowed tokens per (layer, expert), balancedness, JSON.
+// ExpertLoadRecorder (semantics §9): windowed tokens per (layer, expert), balancedness, JSON.
 #include <epmoe/eplb.hpp>
 
 #include "core/check.hpp"

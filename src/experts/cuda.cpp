@@ -1,4 +1,4 @@
-// The bf16 experts on one GPU (make_cuda_experts, SPEC 7): workspaces, cuBLAS GEMMs, and the order of the
+// The bf16 experts on one GPU (make_cuda_experts, semantics §7): workspaces, cuBLAS GEMMs, and the order of the
 // steps. The argument checks are experts.cpp's (check_bf16_weights, check_experts_routing), what both CUDA
 // experts share is in cuda_common.cpp, and the elementwise kernels live in cuda.cu.
 //

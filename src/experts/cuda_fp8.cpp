@@ -7,10 +7,10 @@
 //
 // Per expert (one GEMM per layer and non-empty expert, as vLLM's per-expert fallback and DeepGEMM's m-grouped
 // GEMMs compute it):
-//   x fp8 [n, H] (+ 1x128 scales) -> gemm1 -> g float32 [n, 2N or N] -> act, SPEC 6 quantization -> a fp8
+//   x fp8 [n, H] (+ 1x128 scales) -> gemm1 -> g float32 [n, 2N or N] -> act, semantics §6 quantization -> a fp8
 //   [n, N] (+ 1x128 scales) -> gemm2 -> y bf16 [n, H].
 // gemm1 writes float32, not bf16: the intermediate is re-quantized to fp8, and a bf16 rounding before that
-// would move ~1.5% of the fp8 codes by one step (vs. the float64 reference), about 1% relative L2 -- SPEC 13's
+// would move ~1.5% of the fp8 codes by one step (vs. the float64 reference), about 1% relative L2 -- semantics §13's
 // whole budget. Every GEMM's row count is a multiple of 4 (segments padded by make_permute_layout's
 // expert_alignment, batched slabs rounded up), which keeps each expert's block of token-major scales aligned.
 #include <epmoe/experts.hpp>
@@ -262,7 +262,7 @@ struct ExpertRows {
 };
 
 // The experts' two layers on `rows` GEMM rows, one GEMM per layer and expert: x fp8 [rows, H] with token-major
-// scales -> gemm1 -> g float32 [rows, 2N or N] -> act, SPEC 6 quantization -> a fp8 [rows, N] with token-major
+// scales -> gemm1 -> g float32 [rows, 2N or N] -> act, semantics §6 quantization -> a fp8 [rows, N] with token-major
 // scales -> gemm2 -> y bf16 [y_rows, H]. Inner sizes that cuBLASLt cannot take as a partial 128-block are
 // zero-padded (needs_k_padding): x and the weights are copied with the padded row stride.
 class Fp8Layers {

@@ -1,7 +1,7 @@
-// Elementwise kernels of the fp8 block-scaled CUDA experts (see cuda_fp8.hpp): SPEC 6 quantization
+// Elementwise kernels of the fp8 block-scaled CUDA experts (see cuda_fp8.hpp): semantics §6 quantization
 // of the input rows and of the activation output, and the scale/row reordering cuBLASLt's block-scaled GEMMs
 // need. Quantization works one warp per (row, group of 128 channels): each lane holds 4 consecutive channels,
-// the group's absolute maximum is a warp reduction, and the arithmetic is SPEC 6's float32 rule
+// the group's absolute maximum is a warp reduction, and the arithmetic is semantics §6's float32 rule
 // (a = max(amax, 1e-4); q = fp8(x * (448 / a)); scale = a / 448), the one quant.hpp implements.
 #include "experts/cuda_fp8.hpp"
 

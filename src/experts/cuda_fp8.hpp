@@ -30,7 +30,7 @@ struct Segments {
   const std::int32_t* counts = nullptr;   ///< batched
 };
 
-/// SPEC 6 quantization of `rows` rows of x (bf16, or fp32 when x_fp32; h channels, h % 16 == 0), each
+/// semantics §6 quantization of `rows` rows of x (bf16, or fp32 when x_fp32; h channels, h % 16 == 0), each
 /// multiplied first by weights[r * weight_stride] when weights != nullptr (float32 product). Input row r goes
 /// to output row o = (r / in_slab) * out_slab + r % in_slab; its fp8 values to q[o * h ...]. Scales: with
 /// seg.seg == nullptr and transposed, to the per-slab token-major layout of `seg` (slab seg.slab); otherwise

@@ -142,7 +142,7 @@ ExpertsSizes check_bf16_weights(const ExpertsInputs& in, const ExpertsConfig& co
   if (cuda) {
     EPMOE_CHECK_ARG(s.h % 8 == 0 && s.n % 8 == 0, "w2",
                     "H % 8 == 0 and N % 8 == 0 on CUDA (rows of a multiple of 16 bytes)", describe(in.w2));
-    EPMOE_CHECK_ARG(s.e_local <= 1024, "w2", "E_local <= 1024 (SPEC 1)", describe(in.w2));
+    EPMOE_CHECK_ARG(s.e_local <= 1024, "w2", "E_local <= 1024 (semantics §1)", describe(in.w2));
   }
   s.r1 = s.gated ? 2 * s.n : s.n;
   const Shape w1_shape{s.e_local, s.r1, s.h};

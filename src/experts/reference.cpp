@@ -1,7 +1,7 @@
-// The float64 reference experts (SPEC 7): every product and sum in double, one bf16 rounding at the end.
+// The float64 reference experts (semantics §7): every product and sum in double, one bf16 rounding at the end.
 //
 // Slow on purpose (one matrix-vector product per (token, k) slot): it defines the result the fast CPU
-// and GPU paths are measured against (SPEC 13), so it stays as close to the formula as possible.
+// and GPU paths are measured against (semantics §13), so it stays as close to the formula as possible.
 #include <epmoe/experts.hpp>
 
 #include "core/check.hpp"

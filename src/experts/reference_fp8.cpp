@@ -1,8 +1,8 @@
 // The float64 reference of the fp8 block-scaled experts (ExpertsQuant::fp8_block, DeepSeek-V3's format):
 // weights dequantized exactly in double (fp8 value * the float32 scale of its 128x128 block), activations as
 // the experts see them -- an fp8 hidden dequantized the same way per 1x128 group, a bf16/fp32 hidden first
-// quantized by SPEC 6's float32 rule --, both GEMMs and the activation in double, and the activation output
-// quantized by SPEC 6's rule (from its value rounded to float32) before the second GEMM, as vLLM's and
+// quantized by semantics §6's float32 rule --, both GEMMs and the activation in double, and the activation output
+// quantized by semantics §6's rule (from its value rounded to float32) before the second GEMM, as vLLM's and
 // DeepGEMM's fp8 MoE do. One bf16 rounding of the result. Also the fp8 argument checks shared with CUDA.
 #include <epmoe/dtype.hpp>
 #include <epmoe/experts.hpp>
@@ -51,7 +51,7 @@ Fp8Sizes check_fp8_inputs(const ExpertsInputs& in, const ExpertsConfig& config, 
   s.n = in.w2.size(2);
   EPMOE_CHECK_ARG(s.e_local >= 1 && s.h >= 1 && s.n >= 1, "w2", "[E_local, H, N] with all sizes >= 1",
                   describe(in.w2));
-  EPMOE_CHECK_ARG(s.h % 16 == 0 && s.n % 16 == 0, "w2", "H % 16 == 0 and N % 16 == 0 (fp8 rows, SPEC 1)",
+  EPMOE_CHECK_ARG(s.h % 16 == 0 && s.n % 16 == 0, "w2", "H % 16 == 0 and N % 16 == 0 (fp8 rows, semantics §1)",
                   describe(in.w2));
   s.r1 = s.gated ? 2 * s.n : s.n;
   const Shape w1_shape{s.e_local, s.r1, s.h};
@@ -145,7 +145,7 @@ const std::array<double, 256>& fp8_table() {
   return t;
 }
 
-// SPEC 6 on a float32 row of `len` values: each group of 128 becomes fp8 * float32 scale; returns the
+// semantics §6 on a float32 row of `len` values: each group of 128 becomes fp8 * float32 scale; returns the
 // dequantized values (exact in double).
 void quantize_row(const float* v, std::int64_t len, double* out) {
   const auto& tab = fp8_table();

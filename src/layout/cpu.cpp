@@ -1,4 +1,4 @@
-// The layout stage on the CPU (SPEC 3 and include/epmoe/permute.hpp): which ranks and experts each token goes
+// The layout stage on the CPU (semantics §3 and include/epmoe/permute.hpp): which ranks and experts each token goes
 // to, and the permute layout, permute and unpermute loops. Arguments are checked by layout.cpp.
 #include "core/check.hpp"
 

@@ -1,7 +1,7 @@
 // The layout stage on CUDA (include/epmoe/layout.hpp, permute.hpp; the CPU twins are in layout/cpu.cpp), and
-// the out-of-range id flags of SPEC 11.
+// the out-of-range id flags of semantics §11.
 //
-// Dispatch layout (SPEC 3), one warp per token: lanes read the token's K ids, count them into a per-block
+// Dispatch layout (semantics §3), one warp per token: lanes read the token's K ids, count them into a per-block
 // shared histogram of experts, and OR the token's ranks into a bit mask (one __reduce_or_sync per 32 ranks),
 // which gives is_token_in_rank and counts each token once per rank. Each block then adds its histograms to the
 // global counts, zeroed by one memset. Integer counts do not depend on the order of the atomics, so the

@@ -1,4 +1,4 @@
-// Layout entry points (include/epmoe/layout.hpp, SPEC 3; include/epmoe/permute.hpp): argument checks, then
+// Layout entry points (include/epmoe/layout.hpp, semantics §3; include/epmoe/permute.hpp): argument checks, then
 // the CPU loops (layout/cpu.cpp) or, for tensors on a GPU, the CUDA kernels (layout/cuda.cu).
 #include "core/check.hpp"
 #include <epmoe/layout.hpp>
@@ -13,7 +13,7 @@ namespace epmoe {
 
 namespace {
 
-/// SPEC 1 limit on experts per rank.
+/// semantics §1 limit on experts per rank.
 constexpr int kMaxLocalExperts = 1024;
 
 std::string strides_of(const TensorView& t) {
@@ -160,7 +160,7 @@ DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts, 
                   fmt::format("at most {} experts per rank ({} ranks)", kMaxLocalExperts, num_ranks), num_experts);
 
 #if defined(EPMOE_HAVE_CUDA)
-  // layout/cuda.cu: asynchronous on the current stream; bad ids are flagged, not thrown (SPEC 11).
+  // layout/cuda.cu: asynchronous on the current stream; bad ids are flagged, not thrown (semantics §11).
   if (topk_idx.device.is_cuda()) return layout_detail::get_dispatch_layout_cuda(topk_idx, num_experts, num_ranks);
 #endif
   const std::int64_t T = topk_idx.size(0);

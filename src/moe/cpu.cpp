@@ -1,5 +1,5 @@
 // The MoE stage's CPU steps, shared by the prepare/finalize implementations: the token side of a dispatch
-// (prepare_common.hpp) and TopKWeightAndReduce (SPEC 8, weight_and_reduce.hpp). The CUDA twins are in cuda.cpp
+// (prepare_common.hpp) and TopKWeightAndReduce (semantics §8, weight_and_reduce.hpp). The CUDA twins are in cuda.cpp
 // and cuda.cu.
 #include <epmoe/quant.hpp>
 

@@ -1,5 +1,5 @@
-// The MoE stage's CUDA kernels: the no-EP prepare (see cuda.hpp) with SPEC 11's host-mapped fault record, and
-// TopKWeightAndReduce (SPEC 8, weight_and_reduce.hpp), the twin of cpu.cpp's.
+// The MoE stage's CUDA kernels: the no-EP prepare (see cuda.hpp) with semantics §11's host-mapped fault record, and
+// TopKWeightAndReduce (semantics §8, weight_and_reduce.hpp), the twin of cpu.cpp's.
 //
 // The fault record lives in page-locked host memory mapped into the device's address space, so the host
 // reads it at any time without a synchronisation or a copy, and kernels replayed from a CUDA graph write

@@ -1,5 +1,5 @@
 // Entry points of the MoE stage's CUDA kernels (cuda.cu; CUDA builds only: EPMOE_HAVE_CUDA), private to
-// src/moe/: the no-EP prepare (id counts and checks, the BatchedExperts scatter) and SPEC 11's host-mapped fault
+// src/moe/: the no-EP prepare (id counts and checks, the BatchedExperts scatter) and semantics §11's host-mapped fault
 // record (TopKWeightAndReduce: weight_and_reduce.hpp). The host side (no_ep_cuda.cpp, cuda.cpp) checks every
 // argument first; everything here is asynchronous on `stream` and launches no zero-sized grid. No fmt here:
 // nvcc compiles cuda.cu.

@@ -1,4 +1,4 @@
-// The no-EP prepare/finalize on one GPU (no_ep_cuda.hpp) and SPEC 11's MoE fault checks (moe.hpp, cuda::).
+// The no-EP prepare/finalize on one GPU (no_ep_cuda.hpp) and semantics §11's MoE fault checks (moe.hpp, cuda::).
 //
 // Prepare, all on the current stream: optionally scale by the router weight (K == 1), optionally the fp8
 // round trip of the wire (quantize, dequantize: the values the experts would see after an fp8 dispatch),
@@ -66,7 +66,7 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
   check_on(in.topk_weights, "topk_weights", device_, "float32");
   const bool batched = no_ep_.format == ActivationFormat::batched_experts;
   EPMOE_CHECK_ARG(in.global_num_experts > 0 && (!batched || in.global_num_experts <= 1024), "global_num_experts",
-                  batched ? "1..1024 (SPEC 1) for the batched_experts format" : "> 0", in.global_num_experts);
+                  batched ? "1..1024 (semantics §1) for the batched_experts format" : "> 0", in.global_num_experts);
   E_ = in.global_num_experts;
   EPMOE_CHECK_ARG(!in.apply_router_weight_on_input || K_ == 1, "apply_router_weight_on_input", "only with K == 1",
                   fmt::format("K = {}", K_));

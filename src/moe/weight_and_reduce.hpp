@@ -1,4 +1,4 @@
-// TopKWeightAndReduce, the step between the experts and the combine (SPEC 8), on the CPU (cpu.cpp) and on CUDA
+// TopKWeightAndReduce, the step between the experts and the combine (semantics §8), on the CPU (cpu.cpp) and on CUDA
 // (cuda.cu). Private to src/moe/.
 #pragma once
 

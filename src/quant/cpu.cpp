@@ -1,4 +1,4 @@
-// CPU fp8 per-token-group quantization and dequantization (SPEC 6).
+// CPU fp8 per-token-group quantization and dequantization (semantics §6).
 //
 // One pass per group: the absolute maximum is taken on the bit patterns (for non-NaN floats the
 // order of |x| is the order of its bits, and integer max vectorises without -ffast-math; NaNs are

@@ -1,4 +1,4 @@
-// FP8 per-token-group quantization and dequantization on CUDA (SPEC 6); the CPU twin is quant/cpu.cpp
+// FP8 per-token-group quantization and dequantization on CUDA (semantics §6); the CPU twin is quant/cpu.cpp
 // and every step below mirrors its float32 arithmetic, so the two agree bit for bit.
 //
 // Quantize: 8 lanes per group of 128 channels, 16 channels per lane (two 16-byte loads for bf16, four

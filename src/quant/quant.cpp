@@ -1,4 +1,4 @@
-// FP8 quantization entry points (SPEC 6): argument checks, then dispatch on the tensors' device.
+// FP8 quantization entry points (semantics §6): argument checks, then dispatch on the tensors' device.
 #include "core/check.hpp"
 #include <epmoe/quant.hpp>
 

@@ -14,10 +14,10 @@
 
 namespace epmoe::quant_detail {
 
-/// Lower clamp of a group's absolute maximum (SPEC 6), so an all-zero group gets a finite scale.
+/// Lower clamp of a group's absolute maximum (semantics §6), so an all-zero group gets a finite scale.
 inline constexpr float kAmaxFloor = 1e-4f;
 
-/// A group's scale as SPEC 6 defines it, with the factor the values are multiplied by.
+/// A group's scale as semantics §6 defines it, with the factor the values are multiplied by.
 struct GroupScale {
   float scale;  ///< a / 448, or 2^exponent with round_scale
   float inv;  ///< 448 / a, or 2^-exponent (x * inv equals x / scale exactly for a power of two)

@@ -1,4 +1,4 @@
-// CPU router (SPEC 2): scores in float32, then a deterministic top-k with ties to the lower id.
+// CPU router (semantics §2): scores in float32, then a deterministic top-k with ties to the lower id.
 //
 // Softmax follows vLLM's topk_softmax: subtract the row max, expf, divide by the sum. grouped_topk
 // follows vLLM's grouped_topk (DeepSeek-V2/V3): the group score is the group max, or with an

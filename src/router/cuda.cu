@@ -1,4 +1,4 @@
-// CUDA router (SPEC 2): topk_softmax, topk_sigmoid and grouped_topk, bit-identical to router/cpu.cpp.
+// CUDA router (semantics §2): topk_softmax, topk_sigmoid and grouped_topk, bit-identical to router/cpu.cpp.
 //
 // One warp per token, its row of scores in shared memory. Every float32 operation of the CPU code is
 // done in the same order: the softmax sum runs in one lane over e ascending; exp is score_exp (the same

@@ -1,4 +1,4 @@
-// Replaying recorded routing (SPEC 14).
+// Replaying recorded routing (semantics §14).
 #include <epmoe/replay.hpp>
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// Router entry points (SPEC 2): argument checks, then dispatch on the logits' device.
+// Router entry points (semantics §2): argument checks, then dispatch on the logits' device.
 #include "core/check.hpp"
 #include <epmoe/router.hpp>
 

@@ -1,4 +1,4 @@
-// The low-latency mode's byte protocol (SPEC 5), one definition for the CPU implementation (cpu/low_latency_mode.cpp)
+// The low-latency mode's byte protocol (semantics §5), one definition for the CPU implementation (cpu/low_latency_mode.cpp)
 // and the cuda_ipc kernels (cuda_ipc/low_latency_kernels.cu): the records a source writes into a peer's window,
 // the flag bits, and the window's layout. Plain C++ without fmt or CUDA, so .cu files include it too. The layout
 // is described at the top of cpu/low_latency_mode.cpp.
@@ -9,7 +9,7 @@
 
 namespace epmoe::low_latency_protocol {
 
-inline constexpr int kMaxTopk = 16;                  // SPEC 1: K in 1..16 (kLowLatencyMaxTopk)
+inline constexpr int kMaxTopk = 16;                  // semantics §1: K in 1..16 (kLowLatencyMaxTopk)
 inline constexpr std::uint32_t kMagic = 0x4c4c4550;  // "PELL"
 inline constexpr std::size_t kHeaderBytes = 64;
 /// Header::kind.

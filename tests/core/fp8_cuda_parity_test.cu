@@ -1,5 +1,5 @@
 // epmoe's float -> fp8 e4m3 conversion is bit-exact with CUDA's own host-callable converter
-// __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3) (SPEC 6), and its decoder with CUDA's.
+// __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3) (semantics §6), and its decoder with CUDA's.
 // Runs on the host: no GPU needed. Built only when CUDA is enabled.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// EPLB planner, routing step and load recorder (SPEC 9): hand-made cases worked out in the comments,
+// EPLB planner, routing step and load recorder (semantics §9): hand-made cases worked out in the comments,
 // properties on fresh random loads, and argument errors.
 #include <epmoe/eplb.hpp>
 

@@ -12,7 +12,7 @@ namespace {
 using test::all_activations;
 
 // (gate, up) pairs and the exact results, computed independently with Python's math module (exp,
-// erf) from SPEC 7's formulas. The third pair makes swigluoai clamp both inputs, the fourth clamps up.
+// erf) from semantics §7's formulas. The third pair makes swigluoai clamp both inputs, the fourth clamps up.
 constexpr double kGate[4] = {1.0, -1.25, 8.0, 0.5};
 constexpr double kUp[4] = {2.0, 3.0, -9.0, 8.0};
 struct Expected {

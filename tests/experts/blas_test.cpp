@@ -1,4 +1,4 @@
-// The OpenBLAS experts against the independent naive float64 model: SPEC 13's relative L2 <= 1e-2.
+// The OpenBLAS experts against the independent naive float64 model: semantics §13's relative L2 <= 1e-2.
 // The BLAS path rounds its intermediates to bf16 (as vLLM does), so ~1e-3 is typical; a much larger
 // error than that would mean a real bug hiding under the tolerance, hence the tighter second bound.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@ namespace {
 
 using namespace epmoe::test;
 
-constexpr double kSpecTolerance = 1e-2;  // SPEC 13
+constexpr double kSpecTolerance = 1e-2;  // semantics §13
 constexpr double kExpected = 6e-3;       // what bf16 rounding gives (measured 2.7e-3 .. 4.3e-3)
 
 void expect_close(const std::vector<double>& want, const Tensor& out, const std::string& what) {

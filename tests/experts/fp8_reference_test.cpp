@@ -83,7 +83,7 @@ TEST(ExpertsFp8Reference, BatchedMatchesTheNaiveModelAndLeavesRowsPastTheCounts)
 }
 
 // x = 2 everywhere (fp8 code 1.0, scale 2); w1 = 0.25 (code 1.0, scale 0.25): g = 16 * 0.5 = 8;
-// relu2: 64 in every channel, which SPEC 6 stores as 448 * (64 / 448); w2 = 1/16: y = 16 * 64 / 16 = 64.
+// relu2: 64 in every channel, which semantics §6 stores as 448 * (64 / 448); w2 = 1/16: y = 16 * 64 / 16 = 64.
 TEST(ExpertsFp8Reference, HandMadeCaseHasTheExactAnswer) {
   const std::int64_t H = 16, N = 16;
   auto filled = [](DType t, Shape s, auto v) {

@@ -1,4 +1,4 @@
-// cuda_ipc low-latency mode against the threads backend, bit for bit (SPEC 5, 13): the same fresh random inputs go
+// cuda_ipc low-latency mode against the threads backend, bit for bit (semantics §5, 13): the same fresh random inputs go
 // through a threads Buffer on CPU ranks and a cuda_ipc Buffer on R = min(2, visible GPUs) GPUs (thread rank r on
 // cuda:r; R = 1 sends to itself). Compared: packed_recv_x and its scales (valid rows), packed_recv_count, the
 // handle's src_info (valid rows) and layout_range, cumulative stats, combined_x. Window outputs of a call are

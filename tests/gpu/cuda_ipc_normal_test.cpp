@@ -1,4 +1,4 @@
-// cuda_ipc normal mode against the threads backend, bit for bit (SPEC 13): the same random inputs go
+// cuda_ipc normal mode against the threads backend, bit for bit (semantics §13): the same random inputs go
 // through a threads Buffer on CPU ranks and through a cuda_ipc Buffer on every visible GPU, 2 to 8 (one
 // process, thread rank r on cuda:r, peer access; EPMOE_TEST_RANKS caps the count); recv_x, scales, local
 // ids, weights, the expert counts, every field of the handle, cached dispatch, combined_x and
@@ -106,7 +106,7 @@ struct Case {
   bool copy_engine = true;  ///< BufferOptions::use_copy_engine (false: SM stores only)
   int chunks = 0;           ///< BufferOptions::num_chunks (0: the default)
   std::int64_t ce_min_rows = 0;  ///< BufferOptions::copy_engine_min_rows (0: the copy-engine path at every size)
-  bool olmoe = false;       ///< replay recorded OLMoE routing (SPEC 14, layer 0, ids mapped to E) instead of random
+  bool olmoe = false;       ///< replay recorded OLMoE routing (semantics §14, layer 0, ids mapped to E) instead of random
   /// BufferOptions::num_recv_slots (> 0: dispatches without num_worst_tokens take the zero-copy path; 0: the
   /// copy-engine or SM-store path, as copy_engine and ce_min_rows say).
   int recv_slots = 2;
@@ -855,7 +855,7 @@ TEST(GpuCudaIpcNormal, CopyEngineStagesFromOneToSixteenIncludingEmptyOnes) {
 
 TEST(GpuCudaIpcNormal, RealOlmoeRoutingAndLargeBatchesMatch) {
   REQUIRE_TWO_GPUS();
-  // Recorded OLMoE routing (skewed, SPEC 14) on the three paths (zero-copy, copy engine, SM stores), then
+  // Recorded OLMoE routing (skewed, semantics §14) on the three paths (zero-copy, copy engine, SM stores), then
   // T = 16384 per rank (quick mode: 2048).
   for (int path = 0; path < 3; ++path) {
     Case c;

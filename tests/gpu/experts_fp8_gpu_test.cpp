@@ -1,5 +1,5 @@
 // fp8 block-scaled CUDA experts (ExpertsQuant::fp8_block on cuBLASLt) against the float64 CPU reference of the
-// same format (reference_experts_f64, itself checked against the naive model in tests/experts), SPEC 13's
+// same format (reference_experts_f64, itself checked against the naive model in tests/experts), semantics §13's
 // relative L2 <= 1e-2 with no NaN: every activation, bf16 / float32 / fp8 inputs (fp8 as quant.hpp delivers it),
 // reduced and unreduced Standard output, H in {2048, 2880 (partial 128-blocks), 7168}, N in {256, 2048}, K = 1,
 // one expert taking every token, an expert_map with int32 ids, the router weight on the input, no local token,
@@ -34,7 +34,7 @@ using gputest::to_device;
 using gputest::to_host;
 using test::Fp8Input;
 
-constexpr double kTolerance = 1e-2;  // SPEC 13
+constexpr double kTolerance = 1e-2;  // semantics §13
 
 struct DeviceCase {
   Tensor x, xs, w1, w1s, w2, w2s, idx, weights, map, counts;

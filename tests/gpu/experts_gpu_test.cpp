@@ -1,4 +1,4 @@
-// CUDA experts (make_cuda_experts) against the float64 CPU reference (reference_experts_f64), SPEC 13's
+// CUDA experts (make_cuda_experts) against the float64 CPU reference (reference_experts_f64), semantics §13's
 // relative L2 <= 1e-2: every activation in both formats, reduced and unreduced Standard output, an
 // expert_map with int32 ids, apply_router_weight_on_input with float32 hidden, H in {2048, 2880, 7168},
 // one expert taking every token, no local token, zero tokens (nothing enqueued: checked by capturing the
@@ -32,7 +32,7 @@ using experts_cuda::GemmMode;
 using gputest::to_device;
 using gputest::to_host;
 
-constexpr double kTolerance = 1e-2;  // SPEC 13
+constexpr double kTolerance = 1e-2;  // semantics §13
 
 // Device copies of a case's tensors and the ExpertsInputs that point at them.
 struct DeviceCase {

@@ -1,10 +1,10 @@
-// The whole MoE layer on one GPU (SPEC 8, issue 5): CUDA router -> no-EP prepare -> CUDA experts -> finalize,
+// The whole MoE layer on one GPU (semantics §8, issue 5): CUDA router -> no-EP prepare -> CUDA experts -> finalize,
 // against the independent float64 layer reference (tests/support/moe_reference) on fresh random inputs, with
-// SPEC 13's relative L2 <= 1e-2 and outputs poisoned (0xff) first. Covered: Standard and BatchedExperts
+// semantics §13's relative L2 <= 1e-2 and outputs poisoned (0xff) first. Covered: Standard and BatchedExperts
 // formats, bf16 and fp8 dispatch (the reference then reads the fp8 round trip of the tokens), H in {2048,
 // 2880, 7168}, zero tokens, one expert taking every token, K = 1 with the router weight on the input, int32
 // ids; the batched path captured once in a CUDA graph (router included) and replayed with new tokens and new
-// routing; SPEC 11's host-mapped fault record (a bad id in a graph replay, an overflowing slab, a bad id on
+// routing; semantics §11's host-mapped fault record (a bad id in a graph replay, an overflowing slab, a bad id on
 // the Standard path); the CUDA TopKWeightAndReduce against a float64 sum and bit for bit against the CPU twin.
 #include <gtest/gtest.h>
 
@@ -37,7 +37,7 @@ namespace {
 using gputest::to_device;
 using gputest::to_host;
 
-constexpr double kTolerance = 1e-2;  // SPEC 13
+constexpr double kTolerance = 1e-2;  // semantics §13
 
 void log_error(const std::string& what, double err) { std::printf("[ rel_l2   ] %-60s %.3e\n", what.c_str(), err); }
 
@@ -463,7 +463,7 @@ TEST(GpuMoELayer, CaptureWithoutAnOutputBufferIsRefused) {
   EXPECT_NE(error.find("output"), std::string::npos) << error;
 }
 
-// ---- SPEC 11: faults in host-mapped memory ----------------------------------------------------------
+// ---- semantics §11: faults in host-mapped memory ----------------------------------------------------------
 
 TEST(GpuMoELayer, BadIdInAGraphReplayIsFlaggedInHostMappedMemoryAndReported) {
   std::mt19937_64 rng(test::fresh_seed());

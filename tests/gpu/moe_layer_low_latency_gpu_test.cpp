@@ -1,8 +1,8 @@
-// The MoE layer's low-latency path on GPU ranks (SPEC 5, 8, 13): make_low_latency_prepare_finalize over a
+// The MoE layer's low-latency path on GPU ranks (semantics §5, 8, 13): make_low_latency_prepare_finalize over a
 // cuda_ipc Buffer (its GPU low-latency mode) with the CUDA experts in the batched_experts format, R = min(2,
 // visible GPUs) thread ranks (rank r on cuda:r; R = 1 sends to itself), against
 //   - the independent float64 layer reference (tests/support/moe_reference) of the values the experts saw (the
-//     fp8 round trip of the tokens with an fp8 wire): relative L2 <= 1e-2 (SPEC 13), and
+//     fp8 round trip of the tokens with an fp8 wire): relative L2 <= 1e-2 (semantics §13), and
 //   - the same layer on CPU ranks (threads backend, BLAS experts) on the same inputs: relative L2 <= 1e-2. Both
 //     paths carry the same wire bits (the transports are bit-identical, the CUDA and CPU fp8 quantizers too) and
 //     sum over k the same way; they differ only in the experts' GEMMs (cuBLAS vs OpenBLAS accumulation order, each
@@ -38,7 +38,7 @@
 namespace epmoe {
 namespace {
 
-constexpr double kTolerance = gputest::kLayerTolerance;  // SPEC 13
+constexpr double kTolerance = gputest::kLayerTolerance;  // semantics §13
 
 using gputest::gpu_count;
 using gputest::borrow;

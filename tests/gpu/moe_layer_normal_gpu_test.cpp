@@ -1,8 +1,8 @@
-// The MoE layer's normal mode on GPU ranks (SPEC 4, 6, 8, 13): make_normal_prepare_finalize over a cuda_ipc Buffer
+// The MoE layer's normal mode on GPU ranks (semantics §4, 6, 8, 13): make_normal_prepare_finalize over a cuda_ipc Buffer
 // with the CUDA experts in the standard format, R = gputest::thread_ranks() thread ranks (rank r on cuda:r; R = 1
 // sends to itself), each rank on a stream of its own (the layer must run on the current stream), against
 //   - the independent float64 layer reference (tests/support/moe_reference) of the values the experts saw (the fp8
-//     round trip of the tokens with an fp8 wire): relative L2 <= 1e-2 (SPEC 13), and
+//     round trip of the tokens with an fp8 wire): relative L2 <= 1e-2 (semantics §13), and
 //   - the same layer on CPU ranks (threads backend, BLAS experts) on the same inputs: relative L2 <= 1e-2 (the two
 //     differ only in the experts' GEMMs: cuBLAS vs OpenBLAS accumulation order);
 // and the prepare stage bit for bit against the CPU ranks' (the received rows after the fp8 round trip, their local
@@ -36,7 +36,7 @@
 namespace epmoe {
 namespace {
 
-constexpr double kTolerance = gputest::kLayerTolerance;  // SPEC 13
+constexpr double kTolerance = gputest::kLayerTolerance;  // semantics §13
 
 using gputest::borrow;
 using gputest::cuda_ok;

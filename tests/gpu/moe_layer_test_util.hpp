@@ -16,7 +16,7 @@
 
 namespace epmoe::gputest {
 
-inline constexpr double kLayerTolerance = 1e-2;  // SPEC 13: relative L2 of a layer's output
+inline constexpr double kLayerTolerance = 1e-2;  // semantics §13: relative L2 of a layer's output
 
 /// What the normal and the low-latency layer tests' cases share; each test's Case adds its own fields and name().
 struct LayerCase {

@@ -1,4 +1,4 @@
-// get_dispatch_layout (SPEC 3) against the independent reference and hand-made cases.
+// get_dispatch_layout (semantics §3) against the independent reference and hand-made cases.
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/layout.hpp>

@@ -52,7 +52,7 @@ MoEForwardArgs valid_args(const Inputs& in, int rank) {
   return a;
 }
 
-// The float64 layer reference of one rank's tokens (written from SPEC 7/8, not calling the layer).
+// The float64 layer reference of one rank's tokens (written from semantics §7/8, not calling the layer).
 double error_vs_reference(const Inputs& in, int rank, const Tensor& got) {
   const auto want = test::moe_layer_reference(in.x[static_cast<std::size_t>(rank)], in.w1, in.w2,
                                               in.topk_idx[static_cast<std::size_t>(rank)],

@@ -1,4 +1,4 @@
-// The modular MoE layer (SPEC 8) on CPU ranks, against the independent float64 layer reference.
+// The modular MoE layer (semantics §8) on CPU ranks, against the independent float64 layer reference.
 #include <epmoe/moe.hpp>
 #include <epmoe/quant.hpp>
 #include <epmoe/replay.hpp>
@@ -164,7 +164,7 @@ TEST(MoELayer, ChunkingWithReferenceExpertsGivesTheSameBitsAsOneChunk) {
 // its experts 1-row GEMMs), and OpenBLAS picks its kernel, so its float32 summation order, by shape:
 // a few outputs may differ in the last bf16 bit (EPMOE_TEST_SEED=11061133637682987857: one element by
 // one ulp). What holds: both agree with the float64 reference equally well, and with each other far
-// inside SPEC 13's 1e-2 (300 seeds: 8 differed, the worst by 1.4e-4; two whole rows one bf16 ulp
+// inside semantics §13's 1e-2 (300 seeds: 8 differed, the worst by 1.4e-4; two whole rows one bf16 ulp
 // apart would be ~5e-4).
 TEST(MoELayer, ChunkingWithBlasExpertsMatchesOneChunkToRoundingAndTheReference) {
   std::mt19937_64 rng(fresh_seed());
@@ -358,7 +358,7 @@ TEST(WeightAndReduce, ContiguousAndNaiveBatchedMatchHandSums) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(out2[i].bits, out[i].bits) << i;
 }
 
-// Real routing (SPEC 14) from the committed slice: skewed loads through both modes and dtypes.
+// Real routing (semantics §14) from the committed slice: skewed loads through both modes and dtypes.
 TEST(MoELayer, ReplaysRealOlmoeRoutingInBothModes) {
   std::mt19937_64 rng(fresh_seed());
   const std::string dir = std::string(EPMOE_TEST_DATA_DIR) + "/olmoe-routing";

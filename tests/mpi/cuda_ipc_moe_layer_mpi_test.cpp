@@ -2,7 +2,7 @@
 // tensors over a cuda_ipc Buffer mapped through CUDA IPC handles exchanged over MPI, with the CUDA experts (standard
 // format), against the same layer on CPU thread ranks in-process (threads backend, BLAS experts; every process
 // regenerates every rank's inputs): the rows the experts read, their local ids and weights and the per-expert
-// counts bit for bit, the output within SPEC 13's relative L2 1e-2 of the CPU ranks' and of the float64 reference.
+// counts bit for bit, the output within semantics §13's relative L2 1e-2 of the CPU ranks' and of the float64 reference.
 // Rank 1 has zero tokens. Skipped where the host has fewer GPUs than ranks (CI: no GPU) unless
 // EPMOE_TEST_SHARE_GPU=1, where processes share the GPUs there are (the protocol on a one-GPU machine).
 #include <epmoe/buffer.hpp>
@@ -32,7 +32,7 @@
 namespace epmoe::test {
 namespace {
 
-constexpr double kTolerance = 1e-2;  // SPEC 13
+constexpr double kTolerance = 1e-2;  // semantics §13
 constexpr std::int64_t kN = 128;
 
 struct LayerCase {

@@ -1,5 +1,5 @@
 // Low-latency dispatch and combine over MPI windows, bit for bit against the threads backend on the
-// same inputs (SPEC 13). Every process regenerates every rank's inputs from the shared seed, runs the
+// same inputs (semantics §13). Every process regenerates every rank's inputs from the shared seed, runs the
 // threads backend over all of them (inside the process), and compares its own rank's MPI results.
 // Several rounds on one buffer exercise the two alternating halves of the window.
 #include <epmoe/buffer.hpp>

@@ -1,5 +1,5 @@
 // Normal-mode dispatch and combine over MPI, bit for bit against the threads backend on the same
-// inputs (SPEC 13). Every process regenerates every rank's inputs from the shared seed, runs the
+// inputs (semantics §13). Every process regenerates every rank's inputs from the shared seed, runs the
 // threads backend over all of them (epmoe::run_thread_ranks, inside the process), and compares its
 // own rank's MPI results with the threads result of the same rank.
 #include <epmoe/buffer.hpp>

@@ -1,4 +1,4 @@
-// FP8 per-token-group quantization (SPEC 6) on CPU tensors: bit-exact against the independent
+// FP8 per-token-group quantization (semantics §6) on CPU tensors: bit-exact against the independent
 // reference for several H (partial last group included), round_scale and UE8M0 packing, strided
 // outputs, hand-checked scales and bytes, dequantization error bounds, and argument errors.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Replaying recorded OLMoE routing (SPEC 14) from the committed slice.
+// Replaying recorded OLMoE routing (semantics §14) from the committed slice.
 #include <epmoe/replay.hpp>
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Router (SPEC 2) on CPU tensors: random logits against the float64 reference, constructed ties,
+// Router (semantics §2) on CPU tensors: random logits against the float64 reference, constructed ties,
 // hand-made DeepSeek-style grouped cases, K = 1 and K = E, and argument errors.
 #include <gtest/gtest.h>
 

@@ -31,7 +31,7 @@ std::vector<double> mlp(const std::vector<double>& x, const double* w1d, const d
     }
     a[u(j)] = static_cast<float>(naive_activation(act, gate, up));
   }
-  // The intermediate goes through SPEC 6 (from its float32 value) before the second GEMM.
+  // The intermediate goes through semantics §6 (from its float32 value) before the second GEMM.
   const RefFp8 q = ref_quantize_fp8(a, 1, N, false, false);
   std::vector<double> y(u(H), 0.0);
   for (std::int64_t c = 0; c < H; ++c)

@@ -1,7 +1,7 @@
 // An independent, naive float64 model of the fp8 block-scaled experts (ExpertsQuant::fp8_block, DeepSeek-V3's
 // format), for tests. Written from the format's definition, separately from src/experts: fp8 codes decoded
 // arithmetically (ref_fp8_decode), every weight matrix dequantized element by element (value * the scale of
-// its 128x128 block) before use, inputs and the activation output quantized by support/quant_reference's SPEC 6
+// its 128x128 block) before use, inputs and the activation output quantized by support/quant_reference's semantics §6
 // model, activations from naive_activation. No rounding besides those quantizations.
 #pragma once
 
@@ -17,7 +17,7 @@ namespace epmoe::test {
 std::vector<double> naive_dequantize_blocks(const TensorView& w, const TensorView& scales);
 
 /// The fp8 activations the experts' GEMMs see for x [rows, H]: fp8 x dequantized with x_scales [rows,
-/// ceil(H/128)], or bf16/fp32 x (times row_weights[r] in float32 when given) quantized per SPEC 6 and
+/// ceil(H/128)], or bf16/fp32 x (times row_weights[r] in float32 when given) quantized per semantics §6 and
 /// dequantized. Returns doubles [rows, H].
 std::vector<double> naive_fp8_inputs(const TensorView& x, const TensorView& x_scales, const float* row_weights,
                                      std::int64_t row_weight_stride);

@@ -1,6 +1,6 @@
-// An independent, deliberately naive float64 model of the expert MLPs (SPEC 7), for tests.
+// An independent, deliberately naive float64 model of the expert MLPs (semantics §7), for tests.
 //
-// Written from the SPEC, separately from src/experts: it reads tensors element by element, computes the
+// Written from docs/semantics.md, separately from src/experts: it reads tensors element by element, computes the
 // whole first-layer vector h1 = w1[e] @ x before splitting it into gate/up, and spells the activations
 // differently (sigmoid through tanh, GELU through erfc), so a shared slip is unlikely. No rounding.
 #pragma once
@@ -12,7 +12,7 @@
 
 namespace epmoe::test {
 
-/// SPEC 7's activation of one intermediate channel: gated ones use gate and up, *_no_mul only gate.
+/// semantics §7's activation of one intermediate channel: gated ones use gate and up, *_no_mul only gate.
 double naive_activation(Activation act, double gate, double up);
 
 /// Standard format. x bf16/fp32 [M, H]; w1 bf16 [E_local, 2N or N, H]; w2 bf16 [E_local, H, N];
@@ -30,7 +30,7 @@ std::vector<double> naive_experts_standard(const TensorView& x, const TensorView
 std::vector<double> naive_experts_batched(const TensorView& x, const TensorView& w1, const TensorView& w2,
                                           const TensorView& counts, Activation act);
 
-/// ||out - ref||_2 / ||ref||_2, `out` a bf16 tensor holding ref.size() elements (SPEC 13's measure).
+/// ||out - ref||_2 / ||ref||_2, `out` a bf16 tensor holding ref.size() elements (semantics §13's measure).
 double relative_l2(const std::vector<double>& ref, const TensorView& out);
 /// The same between two double vectors.
 double relative_l2(const std::vector<double>& ref, const std::vector<double>& got);

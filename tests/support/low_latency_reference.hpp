@@ -1,4 +1,4 @@
-// Independent reference of low-latency dispatch and combine (SPEC 5), written from the SPEC with
+// Independent reference of low-latency dispatch and combine (semantics §5), written from docs/semantics.md with
 // plain loops over every rank's inputs; it never calls the code under test.
 #pragma once
 

@@ -1,4 +1,4 @@
-// An independent float64 reference of a whole MoE layer (SPEC 7/8), written from the SPEC:
+// An independent float64 reference of a whole MoE layer (semantics §7/8), written from docs/semantics.md:
 // out[t] = sum_k w[t,k] * w2[e] @ act(w1[e] @ x[t]), e = topk_idx[t,k] (global), -1 skipped.
 #pragma once
 

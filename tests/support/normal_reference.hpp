@@ -1,4 +1,4 @@
-// Independent reference for the dispatch layout and normal-mode dispatch/combine (SPEC 3, 4).
+// Independent reference for the dispatch layout and normal-mode dispatch/combine (semantics §3, 4).
 //
 // Computed for all ranks at once from every rank's full inputs with plain loops over ranks and tokens
 // (no Transport, no code of src/). The ordering rules are those of include/epmoe/buffer.hpp:

@@ -140,7 +140,7 @@ RefFp8 ref_quantize_fp8(const std::vector<float>& x, std::int64_t T, std::int64_
         const double v = std::fabs(static_cast<double>(x[static_cast<std::size_t>(t * H + i)]));
         if (v > amax) amax = v;
       }
-      // SPEC 6 computes a, 448 / a and a / 448 in float32.
+      // semantics §6 computes a, 448 / a and a / 448 in float32.
       const float a = std::max(static_cast<float>(amax), static_cast<float>(1e-4));
       double scale;
       if (!round_scale) {

@@ -1,5 +1,5 @@
 // Independent references for the fp8 / bf16 conversions and the fp8 per-token-group quantization
-// (SPEC 6). Written from the SPEC and the OCP 8-bit float format, never calling epmoe's
+// (semantics §6). Written from docs/semantics.md and the OCP 8-bit float format, never calling epmoe's
 // conversions: values are decoded arithmetically and encoded by a nearest-value search in double.
 #pragma once
 
@@ -29,7 +29,7 @@ double ref_fp16_round(double v);
 /// NaNs of both signs.
 std::vector<std::uint32_t> fp8_sweep_bits();
 
-/// Quantized tensor as SPEC 6 defines it, row-major: q [T, H], scales [T, G] or words [T, W].
+/// Quantized tensor as semantics §6 defines it, row-major: q [T, H], scales [T, G] or words [T, W].
 struct RefFp8 {
   std::int64_t T = 0, H = 0, G = 0, W = 0;
   std::vector<std::uint8_t> q;

@@ -1,4 +1,4 @@
-// Float64 reference of the router (SPEC 2), written from the SPEC and vLLM's documented semantics,
+// Float64 reference of the router (semantics §2), written from docs/semantics.md and vLLM's documented semantics,
 // never calling epmoe's router: softmax / sigmoid scores, optional DeepSeek grouped selection with a
 // correction bias, top-k with ties to the lower id (and the lower group), renormalisation, scaling.
 #pragma once

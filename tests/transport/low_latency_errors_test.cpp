@@ -1,4 +1,4 @@
-// Low-latency mode's errors (SPEC 5, 11): bad arguments before any communication, settings fixed
+// Low-latency mode's errors (semantics §5, 11): bad arguments before any communication, settings fixed
 // for the buffer's life and compared across ranks, stale handles, timeouts naming rank/peer/phase,
 // a buffer too small, ranks in different calls.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Low-latency receive hooks (SPEC 5): the call only sends, the hook receives; two calls in flight;
+// Low-latency receive hooks (semantics §5): the call only sends, the hook receives; two calls in flight;
 // hook twice, hook with async_finish, and a third call over an uncalled hook are errors.
 #include <gtest/gtest.h>
 

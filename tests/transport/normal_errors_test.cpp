@@ -140,7 +140,7 @@ TEST(NormalErrors, OutOfRangeIdNamesValueAndPosition) {
 }
 
 TEST(NormalErrors, BadIdOnOneRankFailsThereAndTimesOutElsewhere) {
-  // SPEC 11: values are checked before sending; the other rank does not hang forever.
+  // semantics §11: values are checked before sending; the other rank does not hang forever.
   std::mt19937_64 rng(fresh_seed());
   NormalCase c = small(2);
   Ready r0 = ready(rng, c, 0), r1 = ready(rng, c, 1);

@@ -1,6 +1,6 @@
 // `epmoe run`: the main job. A full expert-parallel MoE layer over R ranks:
 //   router (or replayed routing) -> dispatch -> experts -> combine
-// timed per phase and checked against the float64 reference (SPEC 13).
+// timed per phase and checked against the float64 reference (semantics §13).
 // On GPUs (--device auto finds them; cuda forces): one rank per GPU, the router on the rank's GPU, then the MoE
 // layer's prepare/finalize on CUDA tensors over a cuda_ipc buffer (normal mode: the layout, the fp8 quantization,
 // dispatch, dequantization, weight-and-reduce and combine on the GPU; low-latency mode: the backend's GPU
@@ -472,7 +472,7 @@ void check_job_flags(const RunConfig& c) {
       bad("--experts", fmt::format("a multiple of the {} ranks (--ranks)", c.ranks), c.experts);
     bad(c.backend == "mpi" ? "mpirun -np" : "--ranks", fmt::format("a divisor of --experts ({})", c.experts), c.ranks);
   }
-  if (c.experts / c.ranks > 1024)  // SPEC 1; the layout would say so only after the weights are made, as 'num_experts'
+  if (c.experts / c.ranks > 1024)  // semantics §1; the layout would say so only after the weights are made, as 'num_experts'
     bad("--experts", fmt::format("at most {} (1024 per rank on {} rank{})", 1024LL * c.ranks, c.ranks,
                                  c.ranks == 1 ? "" : "s"),
         c.experts);
@@ -752,7 +752,7 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
-  cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (SPEC 13)")->capture_default_str();
+  cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")->capture_default_str();
   cmd->add_option("--json", c.json, "also write the results as JSON to this file")->check(non_empty_path());
   return [config, cmd] {
     config->topk_given = cmd->count("--topk") > 0;

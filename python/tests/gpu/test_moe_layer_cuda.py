@@ -1,11 +1,11 @@
-"""The MoE layer on one GPU from Python (SPEC 7, 8, 13): epmoe.MoELayer with epmoe.make_cuda_experts on torch CUDA
+"""The MoE layer on one GPU from Python (semantics §7, 8, 13): epmoe.MoELayer with epmoe.make_cuda_experts on torch CUDA
 tensors, one process, one GPU.
 
 - No-EP prepare/finalize (make_no_ep_prepare_finalize) in the 'standard' and 'batched_experts' formats, bf16 and
   fp8 dispatch, K = 1 and K = 8, H = 2048 and 7168 at small T, on a torch side stream (the layer must run on
   torch's current stream), checked against the NumPy float64 reference of conftest.moe_ref (of the values the
   experts see: the fp8 round trip with an fp8 dispatch) and against the same layer on the CPU with the float64
-  reference experts (make_reference_experts), both within SPEC 13's relative L2 1e-2 (as
+  reference experts (make_reference_experts), both within semantics §13's relative L2 1e-2 (as
   tests/gpu/moe_layer_gpu_test.cpp). Outputs given to the layer are poisoned (0xff: NaN) first; a second call
   lets the layer allocate.
 - K = 1 with the router weight on the input and int32 ids.
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"needs a CUDA build of epmoe (built_with_cuda={epmoe.built_with_cuda()}) and a GPU "
     f"(torch.cuda.is_available()={torch.cuda.is_available()})")
 
-TOLERANCE = 1e-2  # SPEC 13, as tests/gpu/moe_layer_gpu_test.cpp
+TOLERANCE = 1e-2  # semantics §13, as tests/gpu/moe_layer_gpu_test.cpp
 N = 128
 
 
@@ -87,7 +87,7 @@ def make_tokens(rng, T: int, H: int, K: int, E: int):
 
 
 def seen_by_experts(x: np.ndarray, dispatch_dtype: str, round_scale: bool) -> np.ndarray:
-    """The activations the experts read: x, or its fp8 quantize-dequantize round trip (SPEC 6)."""
+    """The activations the experts read: x, or its fp8 quantize-dequantize round trip (semantics §6)."""
     if dispatch_dtype == "bfloat16":
         return x
     q, s = fp8_quantize_ref(x, round_scale=round_scale)

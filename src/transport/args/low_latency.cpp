@@ -7,8 +7,8 @@
 namespace epmoe::low_latency_args {
 
 namespace {
-constexpr int kMaxTopk = kLowLatencyMaxTopk;  // SPEC 1: K in 1..16 in low-latency mode
-constexpr int kMaxLocalExperts = 1024;        // SPEC 1
+constexpr int kMaxTopk = kLowLatencyMaxTopk;  // semantics §1: K in 1..16 in low-latency mode
+constexpr int kMaxLocalExperts = 1024;        // semantics §1
 }  // namespace
 
 std::string strides_of(const TensorView& t) {

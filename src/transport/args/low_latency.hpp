@@ -1,4 +1,4 @@
-// Checks of low-latency arguments (SPEC 5, 11), shared by the CPU implementation (cpu/low_latency_mode.cpp) and the
+// Checks of low-latency arguments (semantics §5, 11), shared by the CPU implementation (cpu/low_latency_mode.cpp) and the
 // cuda_ipc GPU implementation (cuda_ipc/low_latency.cpp), so each argument has one rule and one message.
 #pragma once
 

@@ -36,7 +36,7 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
   s.T = x.size(0);
   s.H = x.size(1);
   EPMOE_CHECK_ARG(s.T <= INT32_MAX, "x", "at most 2^31 - 1 tokens (int32 token indices)", s.T);
-  const int h_align = s.fp8 ? 16 : 8;  // rows of whole 16-byte vectors (SPEC 1)
+  const int h_align = s.fp8 ? 16 : 8;  // rows of whole 16-byte vectors (semantics §1)
   EPMOE_CHECK_ARG(s.H > 0 && s.H % h_align == 0, "x",
                   fmt::format("hidden size (dimension 1) a positive multiple of {} for {}", h_align, dtype_name(x.dtype)),
                   s.H);

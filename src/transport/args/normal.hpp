@@ -8,7 +8,7 @@
 
 namespace epmoe {
 
-inline constexpr std::int64_t kNormalMaxLocalExperts = 1024;  // SPEC 1: E_local <= 1024
+inline constexpr std::int64_t kNormalMaxLocalExperts = 1024;  // semantics §1: E_local <= 1024
 
 /// How fp8 scales travel: none (bf16 rows), float32 [T, G], or UE8M0 int32 [T, ceil(G/4)].
 enum class ScaleFormat : std::int64_t { none = 0, float32 = 1, ue8m0 = 2 };
@@ -31,7 +31,7 @@ void check_tensor_on(const TensorView& t, const char* name, Device device);
 /// As check_tensor_on, with an exact dtype and shape.
 void check_tensor(const TensorView& t, const char* name, DType dtype, const Shape& shape, Device device);
 
-/// Checks everything about a dispatch that needs no peer and no id values (SPEC 4, 11): x (bf16, or
+/// Checks everything about a dispatch that needs no peer and no id values (semantics §4, 11): x (bf16, or
 /// fp8 with float32 or UE8M0 scales), H alignment, topk_idx/topk_weights, the layout tensors' dtypes
 /// and shapes, E a multiple of `num_ranks` with E_local <= 1024, alignment and num_worst_tokens, and
 /// for a cached dispatch that the handle is one of buffer `buffer_id` for the same T and that the
@@ -50,7 +50,7 @@ struct CombineSpec {
   int K = 0;                  ///< columns of topk_weights (0 when not given)
 };
 
-/// Checks everything about a combine that needs no peer (SPEC 4, 11): the handle (check_normal_handle), x bfloat16
+/// Checks everything about a combine that needs no peer (semantics §4, 11): the handle (check_normal_handle), x bfloat16
 /// [handle.num_recv_rows, H] with H % 8 == 0, topk_weights float32 [rows, K] with K in 1..32, bias_0 / bias_1
 /// bfloat16 [T, H]. Every tensor must be on `device`.
 /// Errors: ErrorCode::invalid_argument naming the argument, the expected and the actual value.

@@ -1,4 +1,4 @@
-// Low-latency mode (SPEC 5) over Transport windows and signals. The protocol is summarised in
+// Low-latency mode (semantics §5) over Transport windows and signals. The protocol is summarised in
 // cpu/low_latency_mode.hpp; this file holds the byte layout, the argument checks and both halves of
 // dispatch and combine.
 //
@@ -32,7 +32,7 @@ namespace epmoe {
 
 namespace {
 
-constexpr int kMaxLocalExperts = 1024;  // SPEC 1
+constexpr int kMaxLocalExperts = 1024;  // semantics §1
 using namespace low_latency_protocol;
 static_assert(kMaxTopk == kLowLatencyMaxTopk);
 

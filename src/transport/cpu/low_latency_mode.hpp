@@ -1,4 +1,4 @@
-// Low-latency mode, written once over Transport windows and signals (SPEC 5).
+// Low-latency mode, written once over Transport windows and signals (semantics §5).
 //
 // Protocol (what every backend reproduces; see cpu/low_latency_mode.cpp for the byte layout):
 //  - low-latency call number g (dispatch or combine, counted from the last clean) uses half g % 2 of

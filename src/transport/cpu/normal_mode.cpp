@@ -103,7 +103,7 @@ std::int64_t first_difference(const TensorView& a, const Tensor& b) {
   return -1;
 }
 
-/// The layout tensors must be what get_dispatch_layout computes from topk_idx (SPEC 3).
+/// The layout tensors must be what get_dispatch_layout computes from topk_idx (semantics §3).
 void check_layout_matches(const DispatchArgs& a, const DispatchLayout& want, int R) {
   if (const auto i = first_difference<std::int32_t>(a.num_tokens_per_rank, want.num_tokens_per_rank); i >= 0)
     throw_invalid_argument("num_tokens_per_rank", fmt::format("the layout of topk_idx ({} at [{}])",

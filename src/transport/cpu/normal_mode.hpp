@@ -1,4 +1,4 @@
-// Normal (high-throughput) mode, written once over Transport::exchange (SPEC 4).
+// Normal (high-throughput) mode, written once over Transport::exchange (semantics §4).
 //
 // Every backend whose Transport implements exchange() gets the same semantics from this class; the
 // ordering rules are those of include/epmoe/buffer.hpp. The threads backend is the reference the

@@ -1,4 +1,4 @@
-// cuda_ipc backend, low-latency mode on GPUs (SPEC 5): decode-time dispatch and combine between the GPUs of one
+// cuda_ipc backend, low-latency mode on GPUs (semantics §5): decode-time dispatch and combine between the GPUs of one
 // host over NVLink, with no host synchronisation (CUDA-graph capturable) and receive hooks. CUDA-free header:
 // Buffer includes it in every build; the class is only constructed in CUDA builds.
 //

@@ -84,7 +84,7 @@ __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::s
 }
 
 /// Token t's ids as the protocol uses them: an id outside [-1, E) or one already seen in the token becomes -1
-/// (the host raises the recorded error at the next call, SPEC 11). `report_errors`: this thread may record them.
+/// (the host raises the recorded error at the next call, semantics §11). `report_errors`: this thread may record them.
 ///
 /// Compact on purpose: every kernel inlines it, some twice, and fetching cold instructions dominates a kernel at
 /// small T (the L2 is flushed between calls). A duplicate test unrolled over K x K pairs, with a report at each,

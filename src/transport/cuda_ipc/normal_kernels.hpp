@@ -13,7 +13,7 @@
 namespace epmoe::cuda_ipc {
 
 inline constexpr int kMaxRanks = 8;            // one NVLink host
-inline constexpr int kMaxLocalExperts = 1024;  // SPEC 1
+inline constexpr int kMaxLocalExperts = 1024;  // semantics §1
 inline constexpr int kMaxBlocks = 64;          // data-kernel blocks (BufferOptions::num_sms)
 inline constexpr int kDefaultBlocks = 24;  // measured best on 2x H200 at T=4096 (bench/results); DeepEP uses 24
 inline constexpr int kMaxSettings = 12;

@@ -1,5 +1,5 @@
 // The MPI Group: rank, size and small collectives over a duplicated communicator, every wait
-// non-blocking with the group's timeout (SPEC 10, 11).
+// non-blocking with the group's timeout (semantics §10, 11).
 #include "transport/group/mpi.hpp"
 
 #include "core/check.hpp"

@@ -52,7 +52,7 @@ void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeou
     raise(ErrorCode::unusable, "rank {}: thread group broke while waiting in phase '{}' ({})", rank, phase,
           broken_reason);
   // Timed out, or woken because another waiter of this barrier timed out first: either way the
-  // ranks still missing are the cause, so every waiter reports the timeout naming them (SPEC 11).
+  // ranks still missing are the cause, so every waiter reports the timeout naming them (semantics §11).
   std::string missing;
   int first = -1;
   for (int r = 0; r < num_ranks; ++r)

@@ -1,4 +1,4 @@
-// The MPI transport: CPU ranks as processes (SPEC 10).
+// The MPI transport: CPU ranks as processes (semantics §10).
 //
 // exchange(): a count exchange, then one message per (source, destination) pair carrying every field,
 // received into a private staging buffer (the views returned stay valid until end_exchange). Each
