@@ -15,7 +15,7 @@
 
 #include "core/check.hpp"
 #include "core/cuda_check.hpp"
-#include "layout/cuda_util.cuh"
+#include "core/cuda_util.hpp"
 #include "transport/cuda_ipc/normal_impl.hpp"
 #include "transport/cuda_ipc/stream.hpp"
 
