@@ -1,4 +1,4 @@
-// The whole no-EP MoE layer on one GPU (issue 5): CUDA router (top-k softmax) -> no-EP prepare -> CUDA experts
+// The whole no-EP MoE layer on one GPU: CUDA router (top-k softmax) -> no-EP prepare -> CUDA experts
 // -> finalize, at DeepSeek-V3 shapes H = 7168, N = 2048, K = 8, E = 256 experts, all on this GPU (22.5 GB of
 // bf16 weights), T = 128 (decode) and T = 4096 (prefill) tokens, per semantics §12: CUDA events around each call,
 // median (and minimum) of >= 50 runs after warm-up, the L2 flushed (256 MiB memset) before each run, random

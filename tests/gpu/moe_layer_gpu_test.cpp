@@ -1,4 +1,4 @@
-// The whole MoE layer on one GPU (semantics §8, issue 5): CUDA router -> no-EP prepare -> CUDA experts -> finalize,
+// The whole MoE layer on one GPU (semantics §8): CUDA router -> no-EP prepare -> CUDA experts -> finalize,
 // against the independent float64 layer reference (tests/support/moe_reference) on fresh random inputs, with
 // semantics §13's relative L2 <= 1e-2 and outputs poisoned (0xff) first. Covered: Standard and BatchedExperts
 // formats, bf16 and fp8 dispatch (the reference then reads the fp8 round trip of the tokens), H in {2048,

@@ -14,8 +14,8 @@ the other's run (as the C++ MPI tests with EPMOE_TEST_SHARE_GPU=1: tests/mpi/mpi
 which there takes rank % GPUs; here sharing always means cuda:0). It tests the protocol, not its speed. Two
 things cannot share a GPU and are skipped in share mode (``own_gpus``): a torch.distributed NCCL group (NCCL
 refuses two ranks on one device), and thread ranks of one process (one context: a rank's spinning kernels can
-hold the SMs the other rank's kernels need; docs/cuda_ipc_design.md, session 5). EPMOE_TEST_SHARE_GPU=0 turns
-share mode off (the tests then skip with fewer than WORLD GPUs).
+hold the SMs the other rank's kernels need; docs/cuda_ipc_design.md, section "Tests on one GPU").
+EPMOE_TEST_SHARE_GPU=0 turns share mode off (the tests then skip with fewer than WORLD GPUs).
 
 Importing this module puts the parent folder (ep_scenarios.py) and this one on sys.path (spawned processes
 inherit sys.path) and sets the environment defaults. No conftest.py in this folder: a second module named
@@ -105,7 +105,7 @@ def own_gpus(why: str) -> Any:
 
 NCCL_SHARED = "NCCL refuses two ranks on one GPU, so an nccl group needs one GPU per rank"
 THREADS_SHARED = ("thread ranks share one CUDA context, where a rank's spinning kernels can hold the SMs the other "
-                  "rank's kernels need (docs/cuda_ipc_design.md, session 5)")
+                  "rank's kernels need (docs/cuda_ipc_design.md, section 'Tests on one GPU')")
 
 
 # ------------------------------------------------------------------------------------------ process ranks

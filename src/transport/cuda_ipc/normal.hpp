@@ -1,10 +1,10 @@
-// cuda-ipc backend, normal mode (SPEC 4, 10): dispatch and combine between the GPUs of one host over
+// cuda-ipc backend, normal mode (semantics §4, 10): dispatch and combine between the GPUs of one host over
 // NVLink, through one worst-case-sized device buffer per rank that every peer maps (CUDA IPC handles
 // between processes, plain peer access within one process). CUDA-free header: Buffer includes it in
 // every build; the class is only constructed in CUDA builds (cuda_ipc/normal.cpp, cuda_ipc/normal_kernels.cu).
 //
 // Buffer of each rank: [control | data]. Addresses inside it are computed directly from the rank
-// prefix matrix (no ring queues), after DeepEP's maintainers' suggestion (deepseek-ai/DeepEP issue 39):
+// prefix matrix (no ring queues), after DeepEP's maintainers' suggestion (deepseek-ai/DeepEP#39):
 //  - control: count slots [parity][source] (tag = op sequence number, written last with release),
 //    done flags [source][sender block] (= sequence number once that block's rows are written);
 //  - data: one op at a time. Dispatch: rows of this rank's recv_x in final order (source rank
