@@ -1,5 +1,6 @@
 // Checks of low-latency arguments (semantics §5, 11), shared by the CPU implementation (cpu/low_latency_mode.cpp) and the
 // cuda_ipc GPU implementation (cuda_ipc/low_latency.cpp), so each argument has one rule and one message.
+// `tmax` is num_max_dispatch_tokens_per_rank, its one short name below the API (docs/semantics.md, "Letters").
 #pragma once
 
 #include <epmoe/buffer.hpp>
