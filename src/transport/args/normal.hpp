@@ -4,7 +4,9 @@
 
 #include <epmoe/buffer.hpp>
 
+#include <array>
 #include <cstdint>
+#include <string_view>
 
 namespace epmoe {
 
@@ -12,6 +14,15 @@ inline constexpr std::int64_t kNormalMaxLocalExperts = 1024;  // semantics §1: 
 
 /// How fp8 scales travel: none (bf16 rows), float32 [T, G], or UE8M0 int32 [T, ceil(G/4)].
 enum class ScaleFormat : std::int64_t { none = 0, float32 = 1, ue8m0 = 2 };
+
+/// The settings of a dispatch that every rank must pass alike, in the order every backend compares them (the CPU
+/// modes in their settings all-gather, cuda_ipc in-band in its notify kernel), named as errors name them. The last
+/// one, a hash of a cached dispatch's handle layout, is compared by the CPU modes only (cuda_ipc compares the
+/// handles' counts themselves).
+inline constexpr std::array<std::string_view, 10> kDispatchSettingNames = {
+    "hidden",           "x dtype",         "num_topk (0 = no topk_idx)",     "num_experts",
+    "x_scales format",  "expert_alignment", "num_worst_tokens",              "cached dispatch (handle given)",
+    "topk_weights given", "handle layout (rank_prefix_matrix hash)"};
 
 /// The shape of one dispatch, read off its checked arguments.
 struct DispatchSpec {

@@ -139,9 +139,8 @@ enum Slot : int {
   kNumTokens,
   kHeader
 };
-constexpr std::array<std::string_view, kNumAgreed> kSlotNames = {
-    "hidden", "x dtype", "num_topk (0 = no topk_idx)", "num_experts", "x_scales format", "expert_alignment",
-    "num_worst_tokens", "cached dispatch (handle given)", "topk_weights given", "handle layout (rank_prefix_matrix hash)"};
+constexpr const auto& kSlotNames = kDispatchSettingNames;
+static_assert(kDispatchSettingNames.size() == kNumAgreed);
 
 std::string setting_text(int slot, std::int64_t v) {
   if (slot == kDtype) return std::string(dtype_name(static_cast<DType>(v)));

@@ -240,11 +240,9 @@ void CudaIpcNormalImpl::raise_device_error() {
   raise(ErrorCode::invalid_argument, "rank {}: rank {} would receive more than 2^31 - 1 rows ({})", me_, peer, where);
 }
 
+// The notify kernel compares the first nine of args/normal.hpp's settings, in that order (NotifyArgs::settings).
 const std::vector<std::string>& CudaIpcNormalImpl::dispatch_setting_names() {
-  static const std::vector<std::string> names = {"hidden",          "x dtype",          "num_topk (0 = no topk_idx)",
-                                                 "num_experts",     "x_scales format",  "expert_alignment",
-                                                 "num_worst_tokens", "cached dispatch (handle given)",
-                                                 "topk_weights given"};
+  static const std::vector<std::string> names(kDispatchSettingNames.begin(), kDispatchSettingNames.end() - 1);
   return names;
 }
 const std::vector<std::string>& CudaIpcNormalImpl::combine_setting_names() {
