@@ -48,6 +48,19 @@ struct BackendModes {
   std::unique_ptr<LowLatencyBackend> low_latency;
 };
 
+/// Window bytes per rank that low-latency mode needs for these settings (both halves; the layout of
+/// low_latency_protocol.hpp, the same on every backend). Defined in cpu/backend.cpp. Errors: invalid_argument for
+/// non-positive sizes, num_experts % num_ranks != 0 or more than 1024 experts per rank.
+std::int64_t low_latency_window_bytes(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                      int num_experts);
+
+/// Data bytes (num_nvl_bytes) a cuda_ipc buffer needs so that any normal-mode dispatch/combine of up to
+/// `max_tokens_per_rank` tokens per rank fits: every rank may receive R * max_tokens rows, each as large as the larger
+/// of a bf16 dispatch row (x, local ids, weights, source index) and a combine row. Defined in cuda_ipc/normal.cpp
+/// (in every build). Errors: invalid_argument naming the argument out of range.
+std::int64_t cuda_ipc_normal_size_hint(std::int64_t max_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                       int num_topk);
+
 /// The threads or mpi backend (`backend`: Backend::threads or Backend::mpi) over `group`, which must be
 /// of that kind: both modes on CPU tensors (cpu/). Errors: unsupported when this build lacks MPI.
 BackendModes make_cpu_backend(std::shared_ptr<Group> group, Backend backend, const BufferOptions& options,

@@ -6,8 +6,6 @@
 #include <atomic>
 
 #include "transport/backend.hpp"
-#include "transport/cpu/low_latency_mode.hpp"
-#include "transport/cuda_ipc/normal.hpp"
 
 namespace epmoe {
 
@@ -48,7 +46,7 @@ Group& Buffer::group() const { return *impl_->group; }
 
 std::int64_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
                                                    int num_ranks, int num_experts) {
-  return LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+  return low_latency_window_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
 }
 
 DispatchArgs make_dispatch_args(const DispatchLayout& layout, const TensorView& x, const TensorView& topk_idx,

@@ -12,6 +12,11 @@
 
 namespace epmoe {
 
+std::int64_t low_latency_window_bytes(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_ranks,
+                                      int num_experts) {
+  return LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+}
+
 BackendModes make_cpu_backend(std::shared_ptr<Group> group, Backend backend, const BufferOptions& options,
                               std::uint64_t buffer_id) {
   std::shared_ptr<Transport> transport;

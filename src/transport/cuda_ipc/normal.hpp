@@ -45,11 +45,6 @@ class CudaIpcNormal : public NormalBackend {
   virtual int device() const = 0;
 };
 
-/// Data bytes (num_nvl_bytes) a cuda_ipc buffer needs so that any dispatch/combine of up to
-/// `max_tokens_per_rank` tokens per rank fits: every rank may receive R * max_tokens rows, each as
-/// large as the larger of a bf16 dispatch row (x, local ids, weights, source index) and a combine row.
-std::int64_t cuda_ipc_normal_size_hint(std::int64_t max_tokens_per_rank, std::int64_t hidden, int num_ranks,
-                                       int num_topk);
 
 /// Constructs the backend (CUDA builds; elsewhere throws unsupported). Collective over `group`.
 std::unique_ptr<CudaIpcNormal> make_cuda_ipc_normal(std::shared_ptr<Group> group, const BufferOptions& options,
