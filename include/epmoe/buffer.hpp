@@ -117,8 +117,8 @@ struct BufferOptions {
   /// are views of the slot (no staging, no receive pass), and the slot is free again once all four are dropped
   /// (the rule of Tensor::empty: after the work that reads them is enqueued on the stream the next dispatch is
   /// called from). Otherwise (no slot free on some rank, num_worst_tokens) the op takes the copy-engine or
-  /// SM-store path. 0 (the default until it is measured against the copy-engine path on 2 GPUs): never
-  /// zero-copy. Per rank.
+  /// SM-store path. 0 (the default): never zero-copy; the copy-engine path stays the default because it is the
+  /// path measured on 2 GPUs (bench/results/README.md). Per rank.
   int num_recv_slots = 0;
   /// cuda_ipc copy-engine combine (use_copy_engine): push each peer's rows into it with one SM-store kernel
   /// (num_sms blocks; each pipeline stage published as its rows land) instead of cudaMemcpyAsync calls per stage:

@@ -56,8 +56,8 @@ using experts_fp8::blocks;
 constexpr std::size_t kLtWorkspace = std::size_t{32} << 20;
 constexpr std::int64_t kRowAlign = 4;  // rows per GEMM: a multiple of 4 (16-byte columns of float32 scales)
 constexpr int kMaxStreams = experts_cuda::kSideStreams;
-// Mean rows per expert up to which the GEMMs go to kMaxStreams forked streams by default. A guess from the bf16
-// experts' measurements (4 streams won at 32 rows, lost at 1024; bench/gpu_experts.md), to be re-measured.
+// Mean rows per expert up to which the GEMMs go to kMaxStreams forked streams by default: between the bf16 experts'
+// measured points (4 streams won at 32 rows, lost at 1024; bench/results/2026-11-30-gpu-experts.md).
 constexpr double kStreamsMaxMeanRows = 256;
 
 constexpr CudaIndexLimits kIndexLimits{kRowAlign, std::numeric_limits<int>::max() / 2,
