@@ -530,7 +530,7 @@ int main(int argc, char** argv) {
   for (const std::int64_t T : {std::int64_t{4096}, std::int64_t{1024}, std::int64_t{512}, std::int64_t{256},
                                std::int64_t{128}}) {
     if (fp8_only) break;
-    // The brief's two sizes in full; the ones between only for the GEMM modes' crossover.
+    // The two decode/prefill sizes (T = 128, 4096) in full; the ones between only for the GEMM modes' crossover.
     const bool full = T == 4096 || T == 128;
     // Routing: K distinct local experts per token, uniform.
     std::mt19937_64 rng(seed + static_cast<std::uint64_t>(T));

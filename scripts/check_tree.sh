@@ -19,7 +19,7 @@ CHECKS=("$@")
 STATUS=0
 
 # The pattern is written so that this file does not match it ([ ] is a plain space).
-WORDS='session ?[0-9]|this[ ]session|issue ?[0-9]|carried[ ]build|device[ ]kind'
+WORDS='session ?[0-9]|this[ ]session|issue ?[0-9]|carried[ ]build|device[ ]kind|the[ ]brief'
 
 check_words() {
   local hits n

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU entry point: tests, command line, Python package, benchmarks, sanitizer runs and the anchors
-# (DeepEP) on a GPU machine, in parts picked by arguments; each part fits one 10-minute call on a 1-GPU machine
-# (a budget of 570 s: a step that would outlast it is cut short or skipped, and the summary says so).
+# (DeepEP) on a GPU machine, in parts picked by arguments; each part is bounded to 570 s on a 1-GPU machine, so
+# a job with a 10-minute limit can run any one part (a step that would outlast the bound is cut short or skipped,
+# and the summary says so).
 #
 #   scripts/gpu_check.sh [PART...] [--build DIR] [--out DIR] [--anchors DEEPEP_SRC] [--deps DIR] [--no-build]
 #   scripts/gpu_check.sh pack [PART...] [--build DIR] [--to DIR]   # on a build machine: binaries + libraries
@@ -29,7 +30,7 @@
 # then --build build/release-pack), and `scripts/gpu_check.sh deps` the C++ libraries the Python build needs into
 # build/deps (carry it for the python part).
 #
-# Results: logs, JSON and summary.md to --out DIR (default $OUT when set, else ./gpu-results); the summary table
+# Results: logs, JSON and summary.md to --out DIR (default ./gpu-results); the summary table
 # (part, step, result, time) is printed last. Exit status: 0 when every step passed or skipped.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,7 +39,7 @@ cd "$ROOT"
 usage() { sed -n '2,/^set -u/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 
 BUILD=build/release
-RESULTS="${OUT:-$ROOT/gpu-results}"
+RESULTS="$ROOT/gpu-results"
 ANCHORS_DIR=""
 DEPS_PREFIX=""
 NO_BUILD=0

@@ -3,7 +3,7 @@
 #
 # Variables the caller sets before sourcing: ROOT (the checkout), BUILD (the build folder, relative to ROOT or
 # absolute), RESULTS (where logs and JSON go). Each part calls part_begin NAME BUDGET_S first; step cuts every
-# limit to what is left of the part's budget, so one part fits one 10-minute call.
+# limit to what is left of the part's budget, so one part stays within its bound.
 
 # NVLink multicast stays off on shared machines: epmoe never uses it; this guards NCCL, torch and NVSHMEM.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -9,9 +9,9 @@
 # network. The C++ libraries come from the system, or from the prefix `scripts/gpu_check.sh deps` makes on a
 # machine that has them (build/deps; --deps DIR or EPMOE_DEPS_PREFIX), carried along. The package goes to a private
 # folder (EPMOE_PY_TARGET, default /tmp/epmoe-py) put first on PYTHONPATH, so the machine's site-packages stay
-# untouched; its CMake build folder is build/python-gpu (reused by a later call on the same machine).
-# EPMOE_PYTEST_ARGS adds pytest arguments (e.g. "-k thread_ranks"); EPMOE_SKIP_BUILD=1 reuses the package a
-# previous call installed (a warm machine). Writes python_env.txt and junit.xml; the pip build's and pytest's
+# untouched; its CMake build folder is build/python-gpu (reused by a later run on the same machine).
+# EPMOE_PYTEST_ARGS adds pytest arguments (e.g. "-k thread_ranks"); EPMOE_SKIP_BUILD=1 reuses the package an
+# earlier run on the same machine installed. Writes python_env.txt and junit.xml; the pip build's and pytest's
 # output go to gpu_check.log.
 part_python() {
   part_begin python 570

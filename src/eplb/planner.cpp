@@ -119,7 +119,13 @@ EplbPlan rebalance_experts(std::span<const double> weight, i64 num_layers, i64 n
   EPMOE_CHECK_ARG(num_nodes >= 1, "num_nodes", ">= 1", num_nodes);
   EPMOE_CHECK_ARG(num_gpus >= 1 && num_gpus % num_nodes == 0, "num_gpus",
                   fmt::format(">= 1 and a multiple of num_nodes ({})", num_nodes), num_gpus);
-  EPMOE_CHECK_ARG(P >= E, "num_replicas", fmt::format(">= num_logical_experts ({})", E), P);
+  // Bounds far above any model's (DeepSeek-V3: 256 logical, 288 physical experts) keep the plan's [L, P] tables
+  // allocatable, so a huge count is named rather than failing as bad_alloc.
+  constexpr i64 kMaxExperts = i64{1} << 20;
+  EPMOE_CHECK_ARG(E <= kMaxExperts, "num_logical_experts", "<= 2^20", E);
+  EPMOE_CHECK_ARG(num_gpus <= kMaxExperts, "num_gpus", "<= 2^20", num_gpus);
+  EPMOE_CHECK_ARG(P >= E && P <= kMaxExperts, "num_replicas",
+                  fmt::format(">= num_logical_experts ({}) and <= 2^20", E), P);
   EPMOE_CHECK_ARG(P % num_gpus == 0, "num_replicas", fmt::format("a multiple of num_gpus ({})", num_gpus), P);
   EPMOE_CHECK_ARG(static_cast<i64>(weight.size()) == L * E, "weight",
                   fmt::format("{} loads ([num_layers={}, num_logical_experts={}])", L * E, L, E), weight.size());

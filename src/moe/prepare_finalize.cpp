@@ -1,4 +1,5 @@
 // The stage machine of PrepareFinalize and the no-EP implementations.
+#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -126,6 +127,13 @@ class NoEpPrepareFinalize final : public PrepareFinalize {
         raise(ErrorCode::out_of_memory, "no_ep batched_experts prepare: expert {} received {} choices but "
               "max_tokens_per_expert is {}: make it >= {}", e, c, max_tokens, c);
     }
+    // E * max_tokens * H bf16 values: checked, so a huge max_tokens_per_expert is named rather than wrapping.
+    std::int64_t elems = 0;
+    if (__builtin_mul_overflow(E, max_tokens, &elems) || __builtin_mul_overflow(elems, H, &elems) ||
+        elems > INT64_MAX / 2)
+      throw_invalid_argument("max_tokens_per_expert",
+                             fmt::format("slabs [E = {}, max_tokens_per_expert, H = {}] of bfloat16 that fit in 2^63 "
+                                         "bytes", E, H), std::to_string(max_tokens));
     Tensor slabs = Tensor::zeros(DType::bf16, {E, max_tokens, H});
     std::vector<std::int64_t> next(static_cast<std::size_t>(E), 0);
     for (std::int64_t i = 0; i < T * K; ++i) {
@@ -156,7 +164,9 @@ std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinali
 
 std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options,
                                                               const NoEpOptions& no_ep) {
-  EPMOE_CHECK_ARG(no_ep.max_tokens_per_expert >= 0, "max_tokens_per_expert", ">= 0", no_ep.max_tokens_per_expert);
+  // Slots are int32-counted (expert_num_tokens), as on GPUs.
+  EPMOE_CHECK_ARG(no_ep.max_tokens_per_expert >= 0 && no_ep.max_tokens_per_expert <= INT32_MAX, "max_tokens_per_expert",
+                  "0..2^31 - 1", no_ep.max_tokens_per_expert);
   EPMOE_CHECK_ARG(no_ep.format == ActivationFormat::batched_experts || no_ep.max_tokens_per_expert == 0,
                   "max_tokens_per_expert", "0 (unused) with the standard format", no_ep.max_tokens_per_expert);
   return std::make_shared<NoEpPrepareFinalize>(options, no_ep);

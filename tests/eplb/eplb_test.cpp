@@ -198,6 +198,8 @@ TEST(EplbPlanner, BadArgumentsNameThemselves) {
   const std::vector<double> w(8, 1.0);  // L=2, E=4
   expect_names([&] { rebalance_experts(w, 2, 4, 8, 1, 1, 3); }, "num_replicas");   // 8 % 3
   expect_names([&] { rebalance_experts(w, 2, 4, 3, 1, 1, 1); }, "num_replicas");   // P < E
+  for (long long huge : {1ll << 31, 1ll << 40})  // not a bad_alloc: named before any table is made
+    expect_names([&] { rebalance_experts(w, 2, 4, huge, 1, 1, 2); }, "num_replicas");
   expect_names([&] { rebalance_experts(w, 2, 4, 8, 3, 1, 2); }, "num_groups");     // 4 % 3
   expect_names([&] { rebalance_experts(w, 2, 4, 8, 0, 1, 2); }, "num_groups");
   expect_names([&] { rebalance_experts(w, 2, 4, 8, 2, 2, 3); }, "num_gpus");       // 3 % 2

@@ -363,7 +363,7 @@ Failure failure(const std::function<void()>& fn) {
   return f;
 }
 
-// Every error of the brief, raised on every rank before any communication (T > Tmax, K > 16, bad ids with
+// Every low-latency argument error (semantics §11), raised on every rank before any communication (T > Tmax, K > 16, bad ids with
 // debug_validate; the two-buffer rule; a hook called twice), or on the device and raised by the next call (bad ids
 // without debug_validate); the buffer stays usable after each.
 TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {

@@ -1,5 +1,5 @@
 // Helpers of the GPU suites (tests/gpu): device copies, poisoning, bit-for-bit comparison, fast random
-// fills for large buffers, and the problem sizes the brief asks for.
+// fills for large buffers, and the problem sizes the GPU tests cover (hidden sizes the field uses, decode and prefill T).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -61,7 +61,7 @@ int gpu_count();
 /// 0 without a GPU.
 int thread_ranks();
 
-/// Problem sizes of the brief; EPMOE_GPU_TEST_QUICK=1 (used under compute-sanitizer) keeps the small ones.
+/// Problem sizes of the GPU tests; EPMOE_GPU_TEST_QUICK=1 (used under compute-sanitizer) keeps the small ones.
 bool quick();
 std::vector<std::int64_t> token_counts();  ///< {0, 1, 7, 128, 4096}
 std::vector<std::int64_t> hidden_sizes();  ///< {2048, 2880, 7168}

@@ -280,5 +280,23 @@ TEST(MoELayerArgs, AFailureAfterTheDispatchMakesLaterCallsUnusableNamingIt) {
   EXPECT_NE(later[1].find("AFTER_DISPATCH_B"), std::string::npos) << later[1];
 }
 
+// A batched no-EP prepare's slots are int32-counted: a max_tokens_per_expert past 2^31 - 1 is named when the
+// prepare is made (it had reached the slabs' allocation, whose byte count wrapped).
+TEST(NoEpPrepareArgs, MaxTokensPerExpertPast31BitsIsNamed) {
+  for (std::int64_t huge : {std::int64_t{1} << 31, std::int64_t{1} << 40, std::int64_t{1} << 62}) {
+    NoEpOptions no_ep;
+    no_ep.format = ActivationFormat::batched_experts;
+    no_ep.max_tokens_per_expert = huge;
+    try {
+      make_no_ep_prepare_finalize({}, no_ep);
+      ADD_FAILURE() << "no error for max_tokens_per_expert = " << huge;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("'max_tokens_per_expert'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(huge)), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace epmoe

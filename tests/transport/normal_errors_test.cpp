@@ -443,5 +443,20 @@ TEST(NormalErrors, CachedTopkMustFollowTheHandlesRouting) {
   expect_all(errs, ErrorCode::invalid_argument, {"'topk_idx'", "routing the handle was made with"});
 }
 
+// The normal-mode buffer size: a size past 2^63 bytes is named, not wrapped to a small hint.
+TEST(NormalErrors, NvlSizeHintPast63BitsNamesMaxTokensPerRank) {
+  EXPECT_EQ(Buffer::get_normal_nvl_size_hint(1, 128, 2, 8) > 0, true);
+  for (std::int64_t huge : {std::int64_t{1} << 50, std::int64_t{1} << 62}) {
+    try {
+      Buffer::get_normal_nvl_size_hint(huge, 7168, 8, 8);
+      ADD_FAILURE() << "no error for max_tokens_per_rank = " << huge;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("'max_tokens_per_rank'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(huge)), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace epmoe::test

@@ -8,6 +8,8 @@
 #include <epmoe/error.hpp>
 
 #include <algorithm>
+#include <climits>
+#include <string>
 
 #include "transport/cuda_ipc/normal_impl.hpp"
 
@@ -25,8 +27,16 @@ std::int64_t cuda_ipc_normal_size_hint(std::int64_t max_tokens_per_rank, std::in
   // (it alternates between the region's halves; see half_layout).
   const std::int64_t row =
       std::max(cuda_ipc::dispatch_row_bytes(2 * hidden, 0, num_topk), cuda_ipc::combine_row_bytes(hidden, num_topk));
-  const std::int64_t rows = max_tokens_per_rank * std::max<std::int64_t>(num_ranks, 2 * (num_ranks - 1));
-  return rows * row + 2 * (5 * cuda_ipc::kFieldSlack + 16);  // each half's field slack, and its 16-byte alignment
+  // Checked products: a size past 2^63 would wrap to a small, wrong hint.
+  std::int64_t rows = 0, bytes = 0;
+  if (__builtin_mul_overflow(max_tokens_per_rank, std::max<std::int64_t>(num_ranks, 2 * (num_ranks - 1)), &rows) ||
+      __builtin_mul_overflow(rows, row, &bytes) || bytes > INT64_MAX - 2 * (5 * cuda_ipc::kFieldSlack + 16))
+    throw_invalid_argument("max_tokens_per_rank",
+                           fmt::format("a size whose buffer fits in 2^63 bytes (hidden = {}, num_ranks = {}, "
+                                       "num_topk = {})",
+                                       hidden, num_ranks, num_topk),
+                           std::to_string(max_tokens_per_rank));
+  return bytes + 2 * (5 * cuda_ipc::kFieldSlack + 16);  // each half's field slack, and its 16-byte alignment
 }
 
 }  // namespace epmoe
