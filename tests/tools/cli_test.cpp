@@ -369,6 +369,26 @@ TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
   EXPECT_NE(run_cli("run --help", "OMPI_COMM_WORLD_RANK=0").out.find("--tokens"), std::string::npos);
 }
 
+// Under mpirun each process parses its own flags: an MPMD launch whose processes differ in a job flag (--seed) is a
+// rank_mismatch naming the flag on every rank, before any work, not a run whose check then fails.
+TEST(Cli, MpirunProcessesWithDifferentSeedsAreRefusedNamingTheFlag) {
+#if defined(EPMOE_HAVE_MPI)
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  const std::string o = temp_path("mpmd.txt");
+  const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
+  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpirun "
+                          "--oversubscribe -np 1 " + job + " --seed 1 : -np 1 " + job + " --seed 2 >'" + o + "' 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string out = slurp(o);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
+  EXPECT_NE(out.find("setting '--seed' must be equal on all ranks"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 0 has 1, rank 1 has 2"), std::string::npos) << out;
+  EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
 TEST(Cli, TuneRefusesWithoutGpus) {
   CliResult r = run_cli("tune --device cpu");
   EXPECT_EQ(r.code, 2);

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -570,6 +571,29 @@ void print_run_header(const RunConfig& c) {
              c.experts_impl);
 }
 
+#if defined(EPMOE_HAVE_MPI)
+// FNV-1a of a flag's text: a value to compare across processes (the message then names the flag).
+std::int64_t text_code(std::string_view s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  return static_cast<std::int64_t>(h >> 1);
+}
+
+// Under mpirun every process parses its own command line: the flags that define the job must be equal on all of
+// them (an MPMD launch with another --seed would otherwise run and report a false FAIL). rank_mismatch names the
+// flag on every rank, before any weight is made.
+void check_flags_agree(Group& g, const RunConfig& c) {
+  const std::array<Setting, 13> settings = {
+      Setting{"--seed", static_cast<std::int64_t>(c.seed)}, Setting{"--tokens", c.tokens},
+      Setting{"--hidden", c.hidden}, Setting{"--intermediate", c.intermediate}, Setting{"--experts", c.experts},
+      Setting{"--topk", c.topk}, Setting{"--iters", c.iters}, Setting{"--mode", text_code(c.mode)},
+      Setting{"--dispatch-dtype", text_code(c.dispatch_dtype)}, Setting{"--activation", text_code(c.activation)},
+      Setting{"--experts-impl", text_code(c.experts_impl)}, Setting{"--routing", text_code(c.routing)},
+      Setting{"--domain", text_code(c.domain)}};
+  g.check_agreement(settings, "epmoe run flags");
+}
+#endif
+
 int run(RunConfig c) {
   if (c.backend != "threads" && c.backend != "mpi")
     throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
@@ -591,6 +615,7 @@ int run(RunConfig c) {
           c.ranks);
     c.ranks = mpi_group->size();
     root = mpi_group->rank() == 0;
+    check_flags_agree(*mpi_group, c);
   }
 #endif
   const Activation act = parse_activation_flag(c.activation);
