@@ -271,7 +271,9 @@ class MoELayer {
   /// How many times forward cleaned the low-latency buffer on a switch from normal.
   std::int64_t num_low_latency_cleans() const { return num_cleans_; }
 
+  /// The prepare/finalize of the last forward (of the forward running, inside a dispatch hook).
   PrepareFinalize& prepare_finalize() { return *prepare_finalize_; }
+  const std::shared_ptr<PrepareFinalize>& shared_prepare_finalize() const { return prepare_finalize_; }
   const Experts& experts() const { return *experts_; }
   /// Chunk sizes of the last forward (one entry per chunk) and the per-chunk expert counts.
   const std::vector<std::int64_t>& last_chunk_rows() const { return last_chunk_rows_; }
