@@ -8,6 +8,7 @@
 #include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
+#include <exception>
 #include <functional>
 #include <map>
 #include <optional>
@@ -300,6 +301,11 @@ class MoELayer {
   std::int64_t num_cleans_ = 0;
 
   void check_forward_args(const MoEForwardArgs& args) const;
+  DispatchMode select_mode(const MoEForwardArgs& args);
+  /// Refuses a low-latency batch over Tmax, and cleans the low-latency buffer on a switch from normal.
+  void enter_mode(DispatchMode resolved, const MoEForwardArgs& args);
+  /// Runs the hooks in order; the first one's exception, if any (the later ones are skipped).
+  std::exception_ptr run_dispatch_hooks();
 };
 
 /// Settings of the no-EP prepare/finalize beyond PrepareFinalizeOptions.

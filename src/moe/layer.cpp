@@ -301,23 +301,19 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   }
 }
 
-MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
-  if (!failed_.empty())
-    raise(ErrorCode::unusable, "MoELayer: an earlier forward failed after its dispatch had started ({}); this rank is "
-          "out of step with the other ranks, so the layer cannot run again (make a new Buffer and layer)", failed_);
-  // DeepEP mode layers pick this forward's half first, so the checks below are the chosen half's.
-  DispatchMode resolved = last_mode_;
-  if (buffer_) {
-    EPMOE_CHECK_ARG(mode_ != DispatchMode::automatic || args.is_extend_in_batch.has_value(), "is_extend_in_batch",
-                    "true (prefill) or false (decode) for a layer in mode auto", "unset");
-    resolved = resolve_dispatch_mode(mode_, args.is_extend_in_batch.value_or(mode_ == DispatchMode::normal));
-    const bool ll = resolved == DispatchMode::low_latency;
-    prepare_finalize_ = ll ? pf_low_latency_ : pf_normal_;
-    experts_ = ll ? experts_low_latency_ : experts_normal_;
-  }
-  // Every argument is checked before any communication, so a bad one fails only this call: the other ranks
-  // would otherwise wait in the combine for this rank, and this layer would be left mid-way.
-  check_forward_args(args);
+DispatchMode MoELayer::select_mode(const MoEForwardArgs& args) {
+  if (!buffer_) return last_mode_;
+  EPMOE_CHECK_ARG(mode_ != DispatchMode::automatic || args.is_extend_in_batch.has_value(), "is_extend_in_batch",
+                  "true (prefill) or false (decode) for a layer in mode auto", "unset");
+  const DispatchMode resolved =
+      resolve_dispatch_mode(mode_, args.is_extend_in_batch.value_or(mode_ == DispatchMode::normal));
+  const bool ll = resolved == DispatchMode::low_latency;
+  prepare_finalize_ = ll ? pf_low_latency_ : pf_normal_;
+  experts_ = ll ? experts_low_latency_ : experts_normal_;
+  return resolved;
+}
+
+void MoELayer::enter_mode(DispatchMode resolved, const MoEForwardArgs& args) {
   if (buffer_ && resolved == DispatchMode::low_latency) {
     EPMOE_CHECK_ARG(args.hidden.size(0) <= tmax_, "hidden",
                     fmt::format("at most num_max_dispatch_tokens_per_rank = {} rows for a low_latency batch", tmax_),
@@ -330,6 +326,33 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
   }
   ran_ = true;
   last_mode_ = resolved;
+}
+
+std::exception_ptr MoELayer::run_dispatch_hooks() {
+  // A copy: a hook may remove itself (or another) while they run.
+  std::vector<std::pair<std::uint64_t, DispatchHook>> hooks;
+  {
+    const std::lock_guard lock(hooks_->mutex);
+    hooks = hooks_->hooks;
+  }
+  try {
+    for (auto& [id, hook] : hooks) hook(*prepare_finalize_);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
+  if (!failed_.empty())
+    raise(ErrorCode::unusable, "MoELayer: an earlier forward failed after its dispatch had started ({}); this rank is "
+          "out of step with the other ranks, so the layer cannot run again (make a new Buffer and layer)", failed_);
+  // DeepEP mode layers pick this forward's half first, so the checks below are the chosen half's.
+  const DispatchMode resolved = select_mode(args);
+  // Every argument is checked before any communication, so a bad one fails only this call: the other ranks
+  // would otherwise wait in the combine for this rank, and this layer would be left mid-way.
+  check_forward_args(args);
+  enter_mode(resolved, args);
   MoEForwardResult result;
   // Shared experts overlap dispatch, experts and combine on a side thread (the CPU's side stream).
   std::future<Tensor> shared;
@@ -340,20 +363,8 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
   std::exception_ptr hook_error;
   try {
     prepare_finalize_->dispatch_a(in);
-    {
-      // A copy: a hook may remove itself (or another) while they run.
-      std::vector<std::pair<std::uint64_t, DispatchHook>> hooks;
-      {
-        const std::lock_guard lock(hooks_->mutex);
-        hooks = hooks_->hooks;
-      }
-      // A hook's error waits until the collective round is complete, so no rank is left mid-way.
-      try {
-        for (auto& [id, hook] : hooks) hook(*prepare_finalize_);
-      } catch (...) {
-        hook_error = std::current_exception();
-      }
-    }
+    // A hook's error waits until the collective round is complete, so no rank is left mid-way.
+    hook_error = run_dispatch_hooks();
     const PrepareOutput prepared = prepare_finalize_->dispatch_b();
     const Tensor fused = run_experts(prepared, args);
     prepare_finalize_->combine_a(fused, experts_->weight_and_reduce());
