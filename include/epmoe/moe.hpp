@@ -8,8 +8,10 @@
 #include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
+#include <exception>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -168,11 +170,48 @@ struct MoEForwardArgs {
   /// Optional bfloat16 [T, H] on hidden's device: the result is written there and MoEForwardResult::output
   /// views it (needed to capture forward in a CUDA graph: nothing is allocated then).
   TensorView output;
+  /// Whether the batch holds prefill (extend) tokens (SGLang's is_extend_in_batch): required by a layer in
+  /// DispatchMode::automatic, ignored otherwise. Every rank must pass the same value (engines all-reduce it).
+  std::optional<bool> is_extend_in_batch;
 };
 
 struct MoEForwardResult {
   Tensor output;         ///< bfloat16 [T, H]
   Tensor shared_output;  ///< bfloat16 [T, H], when the layer has shared experts
+};
+
+/// DeepEP's modes (SGLang's DeepEPMode): normal, low_latency, or automatic ("auto"), which picks per forward.
+enum class DispatchMode : std::uint8_t { normal, low_latency, automatic };
+std::string_view dispatch_mode_name(DispatchMode mode);
+/// DeepEPMode.resolve: automatic -> normal when the batch holds prefill (extend) tokens, else low_latency;
+/// normal and low_latency resolve to themselves.
+DispatchMode resolve_dispatch_mode(DispatchMode mode, bool is_extend_in_batch);
+
+/// A callable run between dispatch_a and dispatch_b of every forward (SGLang's deepep dispatch hooks), on the
+/// calling thread, with the prepare/finalize of that forward in stage AFTER_DISPATCH_A: e.g. to launch work
+/// that overlaps the receive half, or to record that the send half was issued.
+using DispatchHook = std::function<void(PrepareFinalize& dispatcher)>;
+
+/// Owns one registration of MoELayer::register_dispatch_hook: destroying it or calling remove() unregisters
+/// the hook (a no-op once removed, or when the layer is gone). Movable, not copyable.
+class DispatchHookHandle {
+ public:
+  DispatchHookHandle() = default;
+  DispatchHookHandle(DispatchHookHandle&& other) noexcept;
+  DispatchHookHandle& operator=(DispatchHookHandle&& other) noexcept;
+  DispatchHookHandle(const DispatchHookHandle&) = delete;
+  DispatchHookHandle& operator=(const DispatchHookHandle&) = delete;
+  ~DispatchHookHandle() { remove(); }
+  void remove();
+  bool active() const;
+
+  struct Registry;
+
+ private:
+  friend class MoELayer;
+  DispatchHookHandle(std::weak_ptr<Registry> registry, std::uint64_t id) : registry_(std::move(registry)), id_(id) {}
+  std::weak_ptr<Registry> registry_;
+  std::uint64_t id_ = 0;
 };
 
 /// Shared experts: a dense MLP every token goes through, run beside the routed experts.
@@ -202,7 +241,40 @@ class MoELayer {
   /// receive counts and where the CUDA experts read their row counts.
   MoEForwardResult forward(const MoEForwardArgs& args);
 
+  /// DeepEP's two modes on ONE Buffer (semantics §8): `mode` normal uses make_normal_prepare_finalize(buffer)
+  /// with `normal_experts` (standard format); low_latency uses make_low_latency_prepare_finalize(buffer,
+  /// num_max_dispatch_tokens_per_rank) with `low_latency_experts` (batched_experts format); automatic holds
+  /// both and picks per forward with resolve_dispatch_mode(automatic, args.is_extend_in_batch). On each
+  /// switch from normal to low_latency, forward calls buffer->clean_low_latency_buffer(
+  /// num_max_dispatch_tokens_per_rank, H, global_num_experts) first (collective; DeepEP's rule for a buffer
+  /// shared by both modes). Errors (invalid_argument): buffer null; num_max_dispatch_tokens_per_rank < 1 when
+  /// low_latency can be used; the experts a mode needs null or of the other format. forward then also
+  /// refuses, before any communication: is_extend_in_batch unset in automatic mode; a low_latency batch of
+  /// more than num_max_dispatch_tokens_per_rank tokens (named hidden).
+  MoELayer(std::shared_ptr<Buffer> buffer, DispatchMode mode, int num_max_dispatch_tokens_per_rank,
+           std::shared_ptr<Experts> normal_experts, std::shared_ptr<Experts> low_latency_experts,
+           const PrepareFinalizeOptions& prepare_options = {}, SharedExperts shared_experts = {},
+           MoELayerOptions options = {});
+
+  /// Registers `hook` to run between dispatch_a and dispatch_b of every forward, after the hooks
+  /// registered before it; once per forward (chunking splits only the experts, after dispatch_b). A hook
+  /// that throws: the later hooks are skipped, the forward still completes its dispatch, experts and
+  /// combine (so the other ranks, and this layer's next forward, are not left waiting), and then the hook's
+  /// exception propagates unchanged; this rank's output of that forward is lost. Errors: hook empty
+  /// (invalid_argument naming hook).
+  [[nodiscard]] DispatchHookHandle register_dispatch_hook(DispatchHook hook);
+  std::size_t num_dispatch_hooks() const;
+
+  DispatchMode dispatch_mode() const { return mode_; }
+  /// The mode the last forward that got past its argument checks ran in (normal or low_latency); `mode`
+  /// itself before the first.
+  DispatchMode last_resolved_mode() const { return last_mode_; }
+  /// How many times forward cleaned the low-latency buffer on a switch from normal.
+  std::int64_t num_low_latency_cleans() const { return num_cleans_; }
+
+  /// The prepare/finalize of the last forward (of the forward running, inside a dispatch hook).
   PrepareFinalize& prepare_finalize() { return *prepare_finalize_; }
+  const std::shared_ptr<PrepareFinalize>& shared_prepare_finalize() const { return prepare_finalize_; }
   const Experts& experts() const { return *experts_; }
   /// Chunk sizes of the last forward (one entry per chunk) and the per-chunk expert counts.
   const std::vector<std::int64_t>& last_chunk_rows() const { return last_chunk_rows_; }
@@ -217,8 +289,23 @@ class MoELayer {
   MoELayerOptions options_;
   std::vector<std::int64_t> last_chunk_rows_;
   std::string failed_;  ///< why a forward failed after its dispatch started; empty while usable
+  std::shared_ptr<DispatchHookHandle::Registry> hooks_;
+  // DeepEP mode layers: the two halves, the buffer they share, and the mode the last forward ran in.
+  DispatchMode mode_ = DispatchMode::normal;
+  std::shared_ptr<Buffer> buffer_;
+  int tmax_ = 0;
+  std::shared_ptr<PrepareFinalize> pf_normal_, pf_low_latency_;
+  std::shared_ptr<Experts> experts_normal_, experts_low_latency_;
+  DispatchMode last_mode_ = DispatchMode::normal;
+  bool ran_ = false;
+  std::int64_t num_cleans_ = 0;
 
   void check_forward_args(const MoEForwardArgs& args) const;
+  DispatchMode select_mode(const MoEForwardArgs& args);
+  /// Refuses a low-latency batch over Tmax, and cleans the low-latency buffer on a switch from normal.
+  void enter_mode(DispatchMode resolved, const MoEForwardArgs& args);
+  /// Runs the hooks in order; the first one's exception, if any (the later ones are skipped).
+  std::exception_ptr run_dispatch_hooks();
 };
 
 /// Settings of the no-EP prepare/finalize beyond PrepareFinalizeOptions.
@@ -265,9 +352,5 @@ MoEFaults peek_moe_faults();
 /// once, without synchronising, when nothing is flagged. A no-op in builds without CUDA.
 void check_moe_faults(Stream stream = {});
 }  // namespace cuda
-
-/// SGLang-style mode resolution: `auto` picks normal when the batch holds prefill tokens and
-/// low-latency otherwise; a switch from normal to low-latency cleans the low-latency buffer.
-enum class DispatchMode : std::uint8_t { normal, low_latency, automatic };
 
 }  // namespace epmoe

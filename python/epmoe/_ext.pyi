@@ -12,7 +12,7 @@ arguments the message names the argument, what was expected and what came, and n
 communicated yet.
 """
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, overload
 
 ArrayArg = Any  # None | array | (array, dtype name)
 Array = Any     # numpy.ndarray, torch.Tensor (framework="torch") or cupy.ndarray (framework="cupy")
@@ -225,20 +225,47 @@ class WorkspaceCache:
     def __init__(self) -> None: ...
     def bytes(self) -> int: ...
 
+class DispatchHookHandle:
+    """One registration of MoELayer.register_dispatch_hook."""
+    def remove(self) -> None:
+        """Unregisters the hook (a no-op once removed)."""
+    @property
+    def active(self) -> bool: ...
+
 class MoELayer:
     """The C++ MoELayer (use epmoe.MoELayer)."""
     num_ranks: int
     has_shared_experts: bool
+    @overload
     def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts,
                  shared_experts: Optional[Callable[[Array], ArrayArg]] = None, chunk_size: int = 0,
                  micro_batch: int = 0, workspaces: Optional[WorkspaceCache] = None,
                  framework: str = "numpy") -> None:
         """Errors: a prepare/finalize whose activation format differs from the experts' (names both)."""
+    @overload
+    def __init__(self, buffer: Buffer, mode: str, num_max_dispatch_tokens_per_rank: int,
+                 normal_experts: Optional[Experts], low_latency_experts: Optional[Experts],
+                 dispatch_dtype: str = "bfloat16", round_scale: bool = False, use_ue8m0: bool = False,
+                 chunk_size: int = 0, micro_batch: int = 0, workspaces: Optional[WorkspaceCache] = None) -> None:
+        """DeepEP's modes ('normal', 'low_latency', 'auto') on one Buffer. Errors: an unknown mode, a mode's
+        experts missing or of the other format, num_max_dispatch_tokens_per_rank < 1 (invalid_argument)."""
     def forward(self, hidden: ArrayArg, w1: ArrayArg, w2: ArrayArg, topk_weights: ArrayArg, topk_idx: ArrayArg,
                 activation: str = "silu", global_num_experts: int = 0, expert_map: ArrayArg = None,
                 apply_router_weight_on_input: bool = False, output: ArrayArg = None,
-                framework: str = "numpy") -> Tuple[Array, Optional[Array]]:
+                framework: str = "numpy", is_extend_in_batch: Optional[bool] = None) -> Tuple[Array, Optional[Array]]:
         """(output bfloat16 [T, H], shared_output bfloat16 [T, H] or None). Collective."""
+    def register_dispatch_hook(self, hook: Callable[[PrepareFinalize], Any]) -> DispatchHookHandle:
+        """Runs hook(prepare_finalize) between dispatch_a and dispatch_b of every forward."""
+    @property
+    def num_dispatch_hooks(self) -> int: ...
+    @property
+    def dispatch_mode(self) -> str: ...
+    @property
+    def last_resolved_mode(self) -> str: ...
+    @property
+    def num_low_latency_cleans(self) -> int: ...
+    @property
+    def prepare_finalize(self) -> PrepareFinalize: ...
     @property
     def last_chunk_rows(self) -> List[int]: ...
     @property

@@ -24,9 +24,21 @@ from .buffer import Buffer
 
 Experts = _ext.Experts
 PrepareFinalize = _ext.PrepareFinalize
+DispatchHookHandle = _ext.DispatchHookHandle
 WorkspaceCache = _ext.WorkspaceCache
 
 ACTIVATIONS = ("silu", "gelu", "swigluoai", "silu_no_mul", "gelu_no_mul", "relu2_no_mul")
+DISPATCH_MODES = ("normal", "low_latency", "auto")  # SGLang's DeepEPMode
+
+
+def resolve_dispatch_mode(mode: str, is_extend_in_batch: bool) -> str:
+    """DeepEPMode.resolve: 'auto' -> 'normal' when the batch holds prefill (extend) tokens, else 'low_latency';
+    'normal' and 'low_latency' resolve to themselves. Errors: an unknown mode (invalid_argument)."""
+    if mode not in DISPATCH_MODES:
+        raise invalid_argument("mode", "'normal', 'low_latency' or 'auto'", repr(mode))
+    if mode != "auto":
+        return mode
+    return "normal" if is_extend_in_batch else "low_latency"
 
 
 def _runtime(buffer: Any) -> Any:
@@ -154,6 +166,73 @@ class MoELayer:
                 return arg(out)
         self._layer = _ext.MoELayer(prepare_finalize, experts, wrapped, chunk_size, micro_batch, workspaces)
 
+    @classmethod
+    def from_buffer(cls, buffer: Union[Buffer, Any], num_max_dispatch_tokens_per_rank: int,
+                    normal_experts: Optional[Experts] = None, low_latency_experts: Optional[Experts] = None,
+                    mode: str = "auto", dispatch_dtype: str = "bfloat16", round_scale: bool = False,
+                    use_ue8m0: bool = False, chunk_size: int = 0, micro_batch: int = 0,
+                    workspaces: Optional[WorkspaceCache] = None) -> "MoELayer":
+        """DeepEP's modes on ONE Buffer (SGLang's DeepEPMode; semantics §8).
+
+        mode 'normal': normal-mode prepare/finalize with normal_experts ('standard' format); 'low_latency':
+        low-latency prepare/finalize (at most num_max_dispatch_tokens_per_rank tokens per rank) with
+        low_latency_experts ('batched_experts' format); 'auto': both, picked per forward by its
+        is_extend_in_batch (True, prefill: normal; False, decode: low_latency; every rank must pass the same).
+        On each switch from normal to low_latency the layer first calls the buffer's clean_low_latency_buffer
+        (collective), DeepEP's rule for a buffer both modes use. No shared experts.
+
+        Errors (epmoe.Error 'invalid_argument', naming the argument): an unknown mode; a mode's experts None or
+        of the other format; num_max_dispatch_tokens_per_rank < 1 where low_latency can be used; experts on
+        different devices (one CUDA, one CPU); use_ue8m0 without round_scale."""
+        if mode not in DISPATCH_MODES:
+            raise invalid_argument("mode", "'normal', 'low_latency' or 'auto'", repr(mode))
+        _check_scale_format(round_scale, use_ue8m0)
+        tmax = int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, -(2**31), 2**31 - 1)
+        chunk_size = int_arg("chunk_size", chunk_size, -(2**63), 2**63 - 1)
+        micro_batch = int_arg("micro_batch", micro_batch, -(2**31), 2**31 - 1)
+        used = [e for e, m in ((normal_experts, "normal"), (low_latency_experts, "low_latency"))
+                if e is not None and mode in (m, "auto")]
+        if len(used) == 2 and (used[0].name == "cuda") != (used[1].name == "cuda"):
+            raise invalid_argument("low_latency_experts", f"experts on the device of normal_experts "
+                                   f"('{used[0].name}')", f"'{used[1].name}' experts")
+        self = cls.__new__(cls)
+        self._layer = _ext.MoELayer(_runtime(buffer), mode, tmax, normal_experts, low_latency_experts,
+                                    dispatch_dtype, round_scale, use_ue8m0, chunk_size, micro_batch, workspaces)
+        self.prepare_finalize = None  # the layer's own two; see dispatch_mode and last_resolved_mode
+        self.experts = used[0]
+        self.shared_experts = None
+        return self
+
+    def register_dispatch_hook(self, hook: Callable[[PrepareFinalize], Any]) -> DispatchHookHandle:
+        """Runs hook(prepare_finalize) between dispatch_a and dispatch_b of every forward (stage
+        'AFTER_DISPATCH_A'), once per forward whatever chunk_size, after the hooks registered before it, on the
+        calling thread. Stays registered until handle.remove(). A hook that raises: the later hooks are skipped,
+        the forward still completes its dispatch, experts and combine (so the other ranks and the next forward
+        are not left waiting), then the hook's exception propagates unchanged.
+        Errors: hook not callable (invalid_argument)."""
+        return self._layer.register_dispatch_hook(hook)
+
+    @property
+    def num_dispatch_hooks(self) -> int:
+        """Hooks registered and not removed."""
+        return int(self._layer.num_dispatch_hooks)
+
+    @property
+    def dispatch_mode(self) -> str:
+        """'normal', 'low_latency' or 'auto' (layers made from a prepare/finalize: 'low_latency' for a
+        low-latency one, else 'normal')."""
+        return self._layer.dispatch_mode
+
+    @property
+    def last_resolved_mode(self) -> str:
+        """'normal' or 'low_latency': the mode the last forward ran in."""
+        return self._layer.last_resolved_mode
+
+    @property
+    def num_low_latency_cleans(self) -> int:
+        """How many times a forward cleaned the low-latency buffer on a switch from normal."""
+        return int(self._layer.num_low_latency_cleans)
+
     @property
     def last_chunk_rows(self) -> list:
         """Rows of each expert chunk of the last forward."""
@@ -166,7 +245,8 @@ class MoELayer:
 
     def forward(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, activation: str = "silu",
                 global_num_experts: int = -1, expert_map: Optional[Any] = None,
-                apply_router_weight_on_input: bool = False, output: Optional[Any] = None) -> Any:
+                apply_router_weight_on_input: bool = False, output: Optional[Any] = None,
+                is_extend_in_batch: Optional[bool] = None) -> Any:
         """Router output in, MoE output out (vLLM's FusedMoEModularKernel.forward). Collective over the
         buffer's ranks.
 
@@ -182,6 +262,8 @@ class MoELayer:
             output: optional contiguous bfloat16 [T, H] on hidden's device to write the result into (returned
                 as the result). On CUDA with a batched no-EP prepare/finalize it makes the call capturable in a CUDA
                 graph once the same shapes ran eagerly.
+            is_extend_in_batch: whether the batch holds prefill tokens (True) or is decode only (False); required by
+                a MoELayer.from_buffer layer in mode 'auto' (same value on every rank), ignored otherwise.
 
         Devices: every tensor on the experts' device: the CPU for the reference and BLAS experts (NumPy with
         ml_dtypes, or torch CPU tensors), one GPU for make_cuda_experts (torch or CuPy CUDA tensors; the work is
@@ -204,16 +286,20 @@ class MoELayer:
                                       ("topk_idx", topk_idx, ("int64", "int32"))):
             if dtype_name(value) not in expected:
                 raise invalid_argument(name, f"a {' or '.join(expected)} tensor", describe(value))
+        if is_extend_in_batch is not None and not isinstance(is_extend_in_batch, bool):
+            raise invalid_argument("is_extend_in_batch", "True, False or None",
+                                   f"an object of type {type(is_extend_in_batch).__name__}")
         if global_num_experts is not None:
             global_num_experts = int_arg("global_num_experts", global_num_experts, -(2**31), 2**31 - 1)
         self._check_devices(hidden, w1, w2, topk_weights, topk_idx, output)
         if global_num_experts is None or global_num_experts < 0:
             e_local = getattr(w1, "shape", (0,))[0]
-            global_num_experts = int(e_local) * int(self.prepare_finalize.num_ranks)
+            global_num_experts = int(e_local) * int(self._layer.num_ranks)
         with on_stream(hidden):
             result, shared = self._layer.forward(arg(hidden), arg(w1), arg(w2), arg(topk_weights), arg(topk_idx),
                                                  activation, global_num_experts, arg(expert_map),
-                                                 apply_router_weight_on_input, arg(output), framework_of(hidden))
+                                                 apply_router_weight_on_input, arg(output), framework_of(hidden),
+                                                 is_extend_in_batch)
         if output is not None:
             result = output  # written in place: hand back the caller's own object
         return (result, shared) if self.shared_experts is not None else result

@@ -5,6 +5,7 @@
 #include <epmoe/experts.hpp>
 #include <epmoe/moe.hpp>
 
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -31,7 +32,19 @@ struct PyMoELayer {
   std::unique_ptr<MoELayer> layer;
   int num_ranks = 1;
   bool has_shared = false;
+  /// Python hooks stay registered until handle.remove() (as torch's), not until the handle is collected.
+  std::vector<std::shared_ptr<DispatchHookHandle>> hooks;
 };
+struct PyDispatchHookHandle {
+  std::shared_ptr<DispatchHookHandle> handle;
+};
+
+DispatchMode parse_dispatch_mode(std::string_view s) {
+  if (s == "normal") return DispatchMode::normal;
+  if (s == "low_latency") return DispatchMode::low_latency;
+  if (s == "auto") return DispatchMode::automatic;
+  throw_invalid_argument("mode", "'normal', 'low_latency' or 'auto'", fmt::format("'{}'", s));
+}
 
 ActivationFormat parse_format(std::string_view s) {
   if (s == "standard") return ActivationFormat::standard;
@@ -161,6 +174,11 @@ void bind_moe(nb::module_& m) {
       .def("__init__", [](PyWorkspaces* self) { new (self) PyWorkspaces{std::make_shared<WorkspaceCache>()}; })
       .def("bytes", [](const PyWorkspaces& w) { return w.cache->bytes(); });
 
+  nb::class_<PyDispatchHookHandle>(m, "DispatchHookHandle",
+                                   "One registration of MoELayer.register_dispatch_hook; remove() unregisters it.")
+      .def("remove", [](PyDispatchHookHandle& h) { h.handle->remove(); })
+      .def_prop_ro("active", [](const PyDispatchHookHandle& h) { return h.handle->active(); });
+
   nb::class_<PyMoELayer>(m, "MoELayer", "The modular MoE layer (use epmoe.MoELayer).")
       .def(
           "__init__",
@@ -191,10 +209,62 @@ void bind_moe(nb::module_& m) {
           nb::arg("chunk_size") = 0, nb::arg("micro_batch") = 0, nb::arg("workspaces").none() = nb::none(),
           nb::arg("framework") = "numpy")
       .def(
+          "__init__",
+          [](PyMoELayer* self, PyBuffer& b, std::string_view mode, int tmax, PyExperts* normal_experts,
+             PyExperts* low_latency_experts, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0,
+             std::int64_t chunk_size, int micro_batch, PyWorkspaces* workspaces) {
+            if (!b.buffer) throw Error(ErrorCode::unusable, "epmoe: this Buffer was destroyed (Buffer.destroy())");
+            MoELayerOptions o;
+            o.chunk_size = chunk_size;
+            o.micro_batch = micro_batch;
+            if (workspaces) o.workspaces = workspaces->cache;
+            new (self) PyMoELayer{
+                std::make_unique<MoELayer>(b.buffer, parse_dispatch_mode(mode), tmax,
+                                           normal_experts ? normal_experts->experts : nullptr,
+                                           low_latency_experts ? low_latency_experts->experts : nullptr,
+                                           pf_options(dispatch_dtype, round_scale, use_ue8m0), SharedExperts{},
+                                           std::move(o)),
+                b.buffer->num_ranks(), false};
+          },
+          nb::arg("buffer"), nb::arg("mode"), nb::arg("num_max_dispatch_tokens_per_rank"),
+          nb::arg("normal_experts").none(), nb::arg("low_latency_experts").none(),
+          nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false,
+          nb::arg("chunk_size") = 0, nb::arg("micro_batch") = 0, nb::arg("workspaces").none() = nb::none())
+      .def(
+          "register_dispatch_hook",
+          [](PyMoELayer& l, nb::handle hook) {
+            if (!PyCallable_Check(hook.ptr()))
+              throw_invalid_argument("hook", "a callable taking the PrepareFinalize",
+                                     fmt::format("an object of type {}", nb::inst_name(hook).c_str()));
+            MoELayer* layer = l.layer.get();
+            const int num_ranks = l.num_ranks;
+            // forward runs without the GIL: the hook takes it, and the reference is copied without touching it.
+            auto handle = std::make_shared<DispatchHookHandle>(
+                layer->register_dispatch_hook([fn = make_ref(hook), layer, num_ranks](PrepareFinalize&) {
+                  nb::gil_scoped_acquire gil;
+                  (*fn)(PyPrepareFinalize{layer->shared_prepare_finalize(), num_ranks});
+                }));
+            std::erase_if(l.hooks, [](const auto& h) { return !h->active(); });
+            l.hooks.push_back(handle);
+            return PyDispatchHookHandle{std::move(handle)};
+          },
+          nb::arg("hook"))
+      .def_prop_ro("num_dispatch_hooks", [](const PyMoELayer& l) { return l.layer->num_dispatch_hooks(); })
+      .def_prop_ro("dispatch_mode",
+                   [](const PyMoELayer& l) { return std::string(dispatch_mode_name(l.layer->dispatch_mode())); })
+      .def_prop_ro("last_resolved_mode",
+                   [](const PyMoELayer& l) { return std::string(dispatch_mode_name(l.layer->last_resolved_mode())); })
+      .def_prop_ro("num_low_latency_cleans", [](const PyMoELayer& l) { return l.layer->num_low_latency_cleans(); })
+      .def_prop_ro("prepare_finalize",
+                   [](const PyMoELayer& l) {
+                     return PyPrepareFinalize{l.layer->shared_prepare_finalize(), l.num_ranks};
+                   })
+      .def(
           "forward",
           [](PyMoELayer& l, nb::handle hidden, nb::handle w1, nb::handle w2, nb::handle topk_weights,
              nb::handle topk_idx, std::string_view activation, int global_num_experts, nb::handle expert_map,
-             bool apply_router_weight_on_input, nb::handle output, std::string_view framework) {
+             bool apply_router_weight_on_input, nb::handle output, std::string_view framework,
+             std::optional<bool> is_extend_in_batch) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             MoEForwardArgs a;
@@ -208,6 +278,7 @@ void bind_moe(nb::module_& m) {
             a.expert_map = arg(expert_map, "expert_map", in);
             a.apply_router_weight_on_input = apply_router_weight_on_input;
             a.output = arg(output, "output", in);
+            a.is_extend_in_batch = is_extend_in_batch;
             MoEForwardResult r;
             {
               nb::gil_scoped_release release;
@@ -218,7 +289,8 @@ void bind_moe(nb::module_& m) {
           nb::arg("hidden"), nb::arg("w1"), nb::arg("w2"), nb::arg("topk_weights"), nb::arg("topk_idx"),
           nb::arg("activation") = "silu", nb::arg("global_num_experts") = 0,
           nb::arg("expert_map").none() = nb::none(), nb::arg("apply_router_weight_on_input") = false,
-          nb::arg("output").none() = nb::none(), nb::arg("framework") = "numpy")
+          nb::arg("output").none() = nb::none(), nb::arg("framework") = "numpy",
+          nb::arg("is_extend_in_batch").none() = nb::none())
       .def_ro("num_ranks", &PyMoELayer::num_ranks)
       .def_ro("has_shared_experts", &PyMoELayer::has_shared)
       .def_prop_ro("last_chunk_rows", [](const PyMoELayer& l) { return l.layer->last_chunk_rows(); })

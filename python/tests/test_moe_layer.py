@@ -402,3 +402,164 @@ def test_tensor_on_another_device_than_the_experts_is_named_before_any_work(rng,
         assert "a tensor on cpu" in msg, msg
     assert layer.stage == "INITIAL"
     assert rel_l2(layer.forward(x, w1, w2, w, idx, global_num_experts=E), moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
+# Dispatch hooks and DeepEP modes on one Buffer (semantics §8).
+
+def _deepep_layer(group, mode, tmax, chunk_size=0):
+    buf = epmoe.Buffer(group, low_latency_mode=True)
+    return epmoe.MoELayer.from_buffer(buf, tmax, epmoe.make_reference_experts(),
+                                      epmoe.make_reference_experts("batched_experts"), mode=mode,
+                                      chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_dispatch_hooks_run_once_per_forward_between_the_halves_in_order(rng, mode):
+    R, E, T = 2, 4, 10
+    w1, w2 = make_weights(rng, E)
+    tokens = [[make_tokens(rng, T, E) for _ in range(3)] for _ in range(R)]
+    el = E // R
+
+    def rank_main(group):
+        r = group.rank()
+        layer = _deepep_layer(group, mode, T, chunk_size=3)  # chunks: still one hook call per forward
+        log, errors = [], []
+
+        def run(i):
+            log.append("forward")
+            x, idx, w = tokens[r][i]
+            out = layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx)
+            errors.append(rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")))
+
+        first = layer.register_dispatch_hook(lambda pf: log.append(("first", pf.name, pf.stage)))
+        second = layer.register_dispatch_hook(lambda pf: log.append(("second", pf.name, pf.stage)))
+        assert layer.num_dispatch_hooks == 2
+        run(0)
+        second.remove()
+        assert not second.active and first.active
+        run(1)
+        first.remove()
+        first.remove()  # a no-op
+        run(2)
+        return log, errors, layer.num_dispatch_hooks
+
+    for log, errors, remaining in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
+        assert log == ["forward", ("first", mode, "AFTER_DISPATCH_A"), ("second", mode, "AFTER_DISPATCH_A"),
+                       "forward", ("first", mode, "AFTER_DISPATCH_A"), "forward"]
+        assert max(errors) <= 1e-2 and remaining == 0
+
+
+def test_a_dropped_hook_handle_keeps_the_hook_registered(rng):
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    calls = []
+    layer.register_dispatch_hook(lambda pf: calls.append(pf.stage))  # handle dropped at once
+    E = 4
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, 5, E)
+    layer.forward(x, w1, w2, w, idx)
+    assert calls == ["AFTER_DISPATCH_A"] and layer.num_dispatch_hooks == 1
+    with pytest.raises(epmoe.Error, match="hook"):
+        layer.register_dispatch_hook(42)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_a_raising_hook_propagates_and_the_layer_stays_usable(rng, mode):
+    R, E, T = 2, 4, 8
+    w1, w2 = make_weights(rng, E)
+    tokens = [[make_tokens(rng, T, E) for _ in range(2)] for _ in range(R)]
+    el = E // R
+
+    class HookFailed(Exception):
+        pass
+
+    def rank_main(group):
+        r = group.rank()
+        layer = _deepep_layer(group, mode, T)
+
+        def hook(pf):
+            if r == 0:
+                raise HookFailed(f"hook failed on rank {r}")
+
+        handle = layer.register_dispatch_hook(hook)
+        got = []
+        for i in range(2):
+            x, idx, w = tokens[r][i]
+            try:
+                out = layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx)
+                got.append(rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")))
+            except HookFailed as e:
+                got.append(str(e))
+            handle.remove()
+        return got, layer.stage
+
+    results = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    assert results[0][0][0] == "hook failed on rank 0" and results[0][0][1] <= 1e-2
+    assert results[1][0][0] <= 1e-2 and results[1][0][1] <= 1e-2
+    assert results[0][1] == results[1][1] == "INITIAL"
+
+
+def test_auto_mode_alternates_prefill_and_decode_on_one_buffer(rng):
+    R, E, tmax = 2, 4, 6
+    w1, w2 = make_weights(rng, E)
+    # prefill, decode (clean), decode, prefill, decode (clean), prefill, decode (clean); decode T up to Tmax
+    steps = [(True, 20), (False, tmax), (False, 3), (True, 15), (False, tmax), (True, 4), (False, tmax)]
+    tokens = [[make_tokens(rng, T, E) for _, T in steps] for _ in range(R)]
+    el = E // R
+
+    def rank_main(group):
+        r = group.rank()
+        layer = _deepep_layer(group, "auto", tmax)
+        seen = []
+        layer.register_dispatch_hook(lambda pf: seen.append(pf.name))
+        errors, modes = [], []
+        for (extend, _), (x, idx, w) in zip(steps, tokens[r]):
+            out = layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx,
+                                is_extend_in_batch=extend)
+            errors.append(rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu")))
+            modes.append(layer.last_resolved_mode)
+        return errors, modes, seen, layer.num_low_latency_cleans, layer.dispatch_mode
+
+    want = [epmoe.resolve_dispatch_mode("auto", extend) for extend, _ in steps]
+    assert want == ["normal", "low_latency", "low_latency", "normal", "low_latency", "normal", "low_latency"]
+    for errors, modes, seen, cleans, mode in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
+        assert max(errors) <= 1e-2 and modes == want and seen == want and cleans == 3 and mode == "auto"
+
+
+def test_auto_mode_errors_name_the_argument(rng):
+    E, tmax = 4, 4
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, tmax + 1, E)
+
+    def rank_main(group):
+        layer = _deepep_layer(group, "auto", tmax)
+        with pytest.raises(epmoe.Error, match="is_extend_in_batch"):
+            layer.forward(x, w1, w2, w, idx)
+        with pytest.raises(epmoe.Error, match="is_extend_in_batch"):
+            layer.forward(x, w1, w2, w, idx, is_extend_in_batch=1)
+        with pytest.raises(epmoe.Error, match=r"hidden.*num_max_dispatch_tokens_per_rank = 4"):
+            layer.forward(x, w1, w2, w, idx, is_extend_in_batch=False)
+        out = layer.forward(x, w1, w2, w, idx, is_extend_in_batch=True)  # prefill: normal mode takes T > Tmax
+        return rel_l2(out, moe_ref(x, w1, w2, w, idx, "silu"))
+
+    assert epmoe.run_thread_ranks(1, rank_main, timeout_s=TIMEOUT_S)[0] <= 1e-2
+    with pytest.raises(epmoe.Error, match="mode"):
+        epmoe.resolve_dispatch_mode("fast", True)
+
+    def construct(group):
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        messages = []
+        for kwargs in ({"mode": "fast"}, {"mode": "auto", "low_latency_experts": None},
+                       {"mode": "low_latency", "low_latency_experts": epmoe.make_reference_experts()}):
+            args = {"normal_experts": epmoe.make_reference_experts(),
+                    "low_latency_experts": epmoe.make_reference_experts("batched_experts"), **kwargs}
+            try:
+                epmoe.MoELayer.from_buffer(buf, 4, **args)
+                messages.append("accepted")
+            except epmoe.Error as e:
+                messages.append(str(e))
+        return messages
+
+    fast, missing, wrong_format = epmoe.run_thread_ranks(1, construct, timeout_s=TIMEOUT_S)[0]
+    assert "mode" in fast and "fast" in fast
+    assert "low_latency_experts" in missing and "null" in missing
+    assert "low_latency_experts" in wrong_format and "batched_experts" in wrong_format

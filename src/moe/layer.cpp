@@ -1,7 +1,12 @@
 // MoELayer: the composition of a prepare/finalize with experts, chunking and workspaces.
 #include <epmoe/moe.hpp>
 
+#include <algorithm>
+#include <exception>
 #include <future>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "core/check.hpp"
 
@@ -39,6 +44,110 @@ std::size_t WorkspaceCache::bytes() const {
   return n;
 }
 
+std::string_view dispatch_mode_name(DispatchMode mode) {
+  switch (mode) {
+    case DispatchMode::normal: return "normal";
+    case DispatchMode::low_latency: return "low_latency";
+    case DispatchMode::automatic: return "auto";
+  }
+  return "?";
+}
+
+DispatchMode resolve_dispatch_mode(DispatchMode mode, bool is_extend_in_batch) {
+  if (mode != DispatchMode::automatic) return mode;
+  return is_extend_in_batch ? DispatchMode::normal : DispatchMode::low_latency;
+}
+
+/// The hooks of one layer, in registration order. Handles point at it weakly, so a handle may outlive the layer.
+struct DispatchHookHandle::Registry {
+  std::mutex mutex;
+  std::uint64_t next_id = 1;
+  std::vector<std::pair<std::uint64_t, DispatchHook>> hooks;
+};
+
+DispatchHookHandle::DispatchHookHandle(DispatchHookHandle&& other) noexcept
+    : registry_(std::move(other.registry_)), id_(std::exchange(other.id_, 0)) {}
+
+DispatchHookHandle& DispatchHookHandle::operator=(DispatchHookHandle&& other) noexcept {
+  if (this != &other) {
+    remove();
+    registry_ = std::move(other.registry_);
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
+
+void DispatchHookHandle::remove() {
+  if (id_ == 0) return;
+  if (const auto r = registry_.lock()) {
+    const std::lock_guard lock(r->mutex);
+    std::erase_if(r->hooks, [&](const auto& h) { return h.first == id_; });
+  }
+  registry_.reset();
+  id_ = 0;
+}
+
+bool DispatchHookHandle::active() const {
+  if (id_ == 0) return false;
+  const auto r = registry_.lock();
+  if (!r) return false;
+  const std::lock_guard lock(r->mutex);
+  return std::any_of(r->hooks.begin(), r->hooks.end(), [&](const auto& h) { return h.first == id_; });
+}
+
+DispatchHookHandle MoELayer::register_dispatch_hook(DispatchHook hook) {
+  EPMOE_CHECK_ARG(static_cast<bool>(hook), "hook", "a callable", "an empty function");
+  const std::lock_guard lock(hooks_->mutex);
+  const std::uint64_t id = hooks_->next_id++;
+  hooks_->hooks.emplace_back(id, std::move(hook));
+  return DispatchHookHandle(hooks_, id);
+}
+
+std::size_t MoELayer::num_dispatch_hooks() const {
+  const std::lock_guard lock(hooks_->mutex);
+  return hooks_->hooks.size();
+}
+
+MoELayer::MoELayer(std::shared_ptr<Buffer> buffer, DispatchMode mode, int num_max_dispatch_tokens_per_rank,
+                   std::shared_ptr<Experts> normal_experts, std::shared_ptr<Experts> low_latency_experts,
+                   const PrepareFinalizeOptions& prepare_options, SharedExperts shared_experts,
+                   MoELayerOptions options)
+    : shared_experts_(std::move(shared_experts)), options_(std::move(options)),
+      hooks_(std::make_shared<DispatchHookHandle::Registry>()), mode_(mode), buffer_(std::move(buffer)),
+      tmax_(num_max_dispatch_tokens_per_rank) {
+  EPMOE_CHECK_ARG(buffer_ != nullptr, "buffer", "a Buffer", "null");
+  EPMOE_CHECK_ARG(mode == DispatchMode::normal || mode == DispatchMode::low_latency ||
+                      mode == DispatchMode::automatic,
+                  "mode", "normal, low_latency or auto", static_cast<int>(mode));
+  EPMOE_CHECK_ARG(options_.chunk_size >= 0, "chunk_size", ">= 0", options_.chunk_size);
+  const bool uses_normal = mode != DispatchMode::low_latency, uses_ll = mode != DispatchMode::normal;
+  const auto check_experts = [&](const std::shared_ptr<Experts>& e, std::string_view name, ActivationFormat f) {
+    EPMOE_CHECK_ARG(e != nullptr, name, fmt::format("an Experts reading the '{}' format (mode {})",
+                                                    activation_format_name(f), dispatch_mode_name(mode)), "null");
+    EPMOE_CHECK_ARG(e->activation_format() == f, name,
+                    fmt::format("experts reading the '{}' format", activation_format_name(f)),
+                    fmt::format("experts '{}' reading the '{}' format", e->name(),
+                                activation_format_name(e->activation_format())));
+  };
+  if (uses_normal) check_experts(normal_experts, "normal_experts", ActivationFormat::standard);
+  if (uses_ll) {
+    check_experts(low_latency_experts, "low_latency_experts", ActivationFormat::batched_experts);
+    EPMOE_CHECK_ARG(tmax_ >= 1, "num_max_dispatch_tokens_per_rank", ">= 1", tmax_);
+  }
+  if (uses_normal) {
+    pf_normal_ = make_normal_prepare_finalize(buffer_, prepare_options);
+    experts_normal_ = std::move(normal_experts);
+  }
+  if (uses_ll) {
+    pf_low_latency_ = make_low_latency_prepare_finalize(buffer_, tmax_, prepare_options);
+    experts_low_latency_ = std::move(low_latency_experts);
+  }
+  last_mode_ = uses_normal ? DispatchMode::normal : DispatchMode::low_latency;
+  prepare_finalize_ = uses_normal ? pf_normal_ : pf_low_latency_;
+  experts_ = uses_normal ? experts_normal_ : experts_low_latency_;
+  if (!options_.workspaces) options_.workspaces = std::make_shared<WorkspaceCache>();
+}
+
 MoELayer::MoELayer(std::shared_ptr<PrepareFinalize> prepare_finalize, std::shared_ptr<Experts> experts,
                    SharedExperts shared_experts, MoELayerOptions options)
     : prepare_finalize_(std::move(prepare_finalize)), experts_(std::move(experts)),
@@ -52,6 +161,8 @@ MoELayer::MoELayer(std::shared_ptr<PrepareFinalize> prepare_finalize, std::share
                               activation_format_name(experts_->activation_format())));
   EPMOE_CHECK_ARG(options_.chunk_size >= 0, "chunk_size", ">= 0", options_.chunk_size);
   if (!options_.workspaces) options_.workspaces = std::make_shared<WorkspaceCache>();
+  hooks_ = std::make_shared<DispatchHookHandle::Registry>();
+  mode_ = last_mode_ = prepare_finalize_->name() == "low_latency" ? DispatchMode::low_latency : DispatchMode::normal;
 }
 
 Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args) {
@@ -190,13 +301,58 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   }
 }
 
+DispatchMode MoELayer::select_mode(const MoEForwardArgs& args) {
+  if (!buffer_) return last_mode_;
+  EPMOE_CHECK_ARG(mode_ != DispatchMode::automatic || args.is_extend_in_batch.has_value(), "is_extend_in_batch",
+                  "true (prefill) or false (decode) for a layer in mode auto", "unset");
+  const DispatchMode resolved =
+      resolve_dispatch_mode(mode_, args.is_extend_in_batch.value_or(mode_ == DispatchMode::normal));
+  const bool ll = resolved == DispatchMode::low_latency;
+  prepare_finalize_ = ll ? pf_low_latency_ : pf_normal_;
+  experts_ = ll ? experts_low_latency_ : experts_normal_;
+  return resolved;
+}
+
+void MoELayer::enter_mode(DispatchMode resolved, const MoEForwardArgs& args) {
+  if (buffer_ && resolved == DispatchMode::low_latency) {
+    EPMOE_CHECK_ARG(args.hidden.size(0) <= tmax_, "hidden",
+                    fmt::format("at most num_max_dispatch_tokens_per_rank = {} rows for a low_latency batch", tmax_),
+                    describe(args.hidden));
+    // DeepEP's rule for a buffer both modes use: clean the low-latency buffer on each switch from normal.
+    if (ran_ && last_mode_ == DispatchMode::normal) {
+      buffer_->clean_low_latency_buffer(tmax_, args.hidden.size(1), args.global_num_experts);
+      ++num_cleans_;
+    }
+  }
+  ran_ = true;
+  last_mode_ = resolved;
+}
+
+std::exception_ptr MoELayer::run_dispatch_hooks() {
+  // A copy: a hook may remove itself (or another) while they run.
+  std::vector<std::pair<std::uint64_t, DispatchHook>> hooks;
+  {
+    const std::lock_guard lock(hooks_->mutex);
+    hooks = hooks_->hooks;
+  }
+  try {
+    for (auto& [id, hook] : hooks) hook(*prepare_finalize_);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
 MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
   if (!failed_.empty())
     raise(ErrorCode::unusable, "MoELayer: an earlier forward failed after its dispatch had started ({}); this rank is "
           "out of step with the other ranks, so the layer cannot run again (make a new Buffer and layer)", failed_);
+  // DeepEP mode layers pick this forward's half first, so the checks below are the chosen half's.
+  const DispatchMode resolved = select_mode(args);
   // Every argument is checked before any communication, so a bad one fails only this call: the other ranks
   // would otherwise wait in the combine for this rank, and this layer would be left mid-way.
   check_forward_args(args);
+  enter_mode(resolved, args);
   MoEForwardResult result;
   // Shared experts overlap dispatch, experts and combine on a side thread (the CPU's side stream).
   std::future<Tensor> shared;
@@ -204,8 +360,11 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
 
   PrepareInputs in{args.hidden, args.topk_idx, args.topk_weights, args.global_num_experts,
                    args.apply_router_weight_on_input, args.output};
+  std::exception_ptr hook_error;
   try {
     prepare_finalize_->dispatch_a(in);
+    // A hook's error waits until the collective round is complete, so no rank is left mid-way.
+    hook_error = run_dispatch_hooks();
     const PrepareOutput prepared = prepare_finalize_->dispatch_b();
     const Tensor fused = run_experts(prepared, args);
     prepare_finalize_->combine_a(fused, experts_->weight_and_reduce());
@@ -226,6 +385,10 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
     if (prepare_finalize_->stage() != Stage::initial)
       failed_ = fmt::format("in stage {}: {}", stage_name(prepare_finalize_->stage()), e.what());
     throw;
+  }
+  if (hook_error) {
+    if (shared.valid()) shared.wait();
+    std::rethrow_exception(hook_error);
   }
   if (shared.valid()) result.shared_output = shared.get();
   return result;
