@@ -1,6 +1,7 @@
 #include "core/check.hpp"
 #include <epmoe/tensor.hpp>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -14,6 +15,8 @@ Shape::Shape(std::initializer_list<std::int64_t> dims) {
 }
 
 std::int64_t Shape::numel() const {
+  for (int i = 0; i < ndim_; ++i)
+    if (d_[static_cast<std::size_t>(i)] == 0) return 0;  // before multiplying: [huge, huge, 0] is empty, not UB
   std::int64_t n = 1;
   for (int i = 0; i < ndim_; ++i) n *= d_[static_cast<std::size_t>(i)];
   return n;
@@ -87,8 +90,19 @@ void* device_alloc(std::size_t bytes, Device d, void** alloc_stream);
 void device_free(void* p, Device d, void* alloc_stream) noexcept;
 
 Tensor Tensor::empty(DType dtype, Shape shape, Device device) {
-  for (int i = 0; i < shape.ndim(); ++i) EPMOE_ASSERT(shape[i] >= 0);
-  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  // The byte count is checked as it is built: a shape whose size does not fit in size_t (a caller's arithmetic
+  // gone wrong, or a user's huge setting) is an allocation that cannot succeed, reported with the shape.
+  std::size_t bytes = dtype_size(dtype);
+  bool overflow = false, has_zero = false;
+  for (int i = 0; i < shape.ndim(); ++i) {
+    EPMOE_ASSERT(shape[i] >= 0);
+    has_zero = has_zero || shape[i] == 0;
+    overflow = __builtin_mul_overflow(bytes, static_cast<std::size_t>(shape[i]), &bytes) || overflow;
+  }
+  if (has_zero) bytes = 0;  // an empty tensor never overflows
+  else if (overflow || bytes > SIZE_MAX - 63)  // 63: the host allocation rounds up to 64 bytes
+    raise(ErrorCode::out_of_memory, "a {} tensor of shape {} needs more than 2^64 bytes", dtype_name(dtype),
+          to_string(shape));
   Tensor t;
   if (device.is_cpu()) {
     const std::size_t rounded = ((bytes + 63) / 64) * 64;

@@ -164,6 +164,22 @@ TEST(Tensor, WrapKeepsStorageAlive) {
   EXPECT_TRUE(weak.expired());
 }
 
+TEST(Tensor, ASizeBeyondSizeTIsOutOfMemoryNamingTheShape) {
+  // 2^40 * 2^40 elements of 2 bytes: the product wraps around 2^64, which must not become a small allocation.
+  const std::int64_t big = std::int64_t{1} << 40;
+  for (Device d : {Device::cpu(), Device::cuda(0)}) {
+    try {
+      Tensor::empty(DType::bf16, {big, big}, d);
+      FAIL() << "allocated a tensor of 2^81 bytes on " << to_string(d);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
+      EXPECT_NE(std::string(e.what()).find("[1099511627776, 1099511627776]"), std::string::npos) << e.what();
+    }
+  }
+  // A zero dimension makes any other size empty, never an overflow.
+  EXPECT_EQ(Tensor::empty(DType::bf16, {big, big, 0}).nbytes(), 0u);
+}
+
 #if !defined(EPMOE_HAVE_CUDA)
 TEST(Tensor, DeviceAllocationWithoutCudaIsUnsupported) {
   try {
