@@ -1,9 +1,9 @@
 // Low-latency dispatch and combine over NVLink (cuda_ipc backend, GPU mode) on R GPUs, DeepEP's decode shapes
-// (semantics §12: T=128 tokens per rank, H=7168, K=8, E=256), beside DeepEP's figures on the same machine (PERF.md:
-// dispatch 27.8 us, combine 41.4 us; hooks: dispatch send 19.7 + receive 8.1, combine send 31.0 + receive 9.9).
+// (semantics §12: T=128 tokens per rank, H=7168, K=8, E=256). DeepEP is compared in the same call by
+// `scripts/gpu_check.sh anchors` (DeepEP's own test on the same GPU), never against figures typed in here.
 //
 // One process, one thread per rank, rank r on cuda:r (threads group, peer access); R = every visible GPU (up to 8)
-// unless --ranks says otherwise. R = 1 measures the path's fixed cost (no NVLink); DeepEP's figures are for R = 2. Each figure is the median over
+// unless --ranks says otherwise. R = 1 measures the path's fixed cost (no NVLink). Each figure is the median over
 // >= 50 runs after 5 warm-up runs; one run = both devices idle and the L2 flushed (256 MiB memset), a host barrier,
 // then CUDA events on each rank's caller stream around one Buffer call; the run's time is the slower rank's.
 // Routing is fresh uniform random top-K of E for every run set (seed printed); debug_validate is off (it would
@@ -14,7 +14,7 @@
 //    barrier), the hook alone (as DeepEP measures its hooks);
 //  - dispatch_fp8+combine_graph: one replay of a CUDA graph holding an fp8 dispatch and its combine (captured once;
 //    the routing tensor is refilled in place): what a decode step under CUDA graphs pays, without the host's enqueue
-//    time that every eager figure above includes (DeepEP's figures are kernel times).
+//    time that every eager figure above includes (DeepEP's test reports kernel times).
 // Remote bytes (all ranks together): what crosses NVLink: dispatch, per (token, other rank it goes to) its 80-byte
 // TokenMeta and its record (bf16 row, or fp8 row + scales, 16-byte aligned), plus a 64-byte header per rank pair;
 // combine, one bf16 row per (token, k) routed to another rank, plus the headers. GB/s = remote bytes / R / time (what
@@ -116,7 +116,6 @@ int main(int argc, char** argv) {
   const char* ops[] = {"dispatch_fp8",      "dispatch_bf16",     "combine_bf16",     "dispatch_fp8_send",
                        "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv", "dispatch_fp8+combine_graph"};
   constexpr int kOps = 8;
-  const double deepep[kOps] = {27.8, 0, 41.4, 19.7, 8.1, 31.0, 9.9, 27.8 + 41.4};
   std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(num_ranks));
   // Per rank: (token, other rank) pairs it sends and (token, k) pairs it routes to other ranks, averaged over the
   // routing sets.
@@ -255,17 +254,15 @@ int main(int argc, char** argv) {
   const double remote[kOps] = {dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes, dispatch_fp8_bytes, 0,
                                combine_bytes,      0,                   dispatch_fp8_bytes + combine_bytes};
   std::printf(
-      "\n| op | median us | min us | remote MB | remote GB/s/rank | DeepEP us (R = 2) |\n| --- | --- | --- | --- | --- | "
-      "--- |\n");
+      "\n| op | median us | min us | remote MB | remote GB/s/rank |\n| --- | --- | --- | --- | --- |\n");
   std::vector<double> med(kOps), mins(kOps);
   for (int op = 0; op < kOps; ++op) {
     const std::vector<double> slow = bench::slowest_of(times[static_cast<std::size_t>(op)]);
     med[static_cast<std::size_t>(op)] = median(slow);
     mins[static_cast<std::size_t>(op)] = slow.empty() ? 0 : *std::min_element(slow.begin(), slow.end());
     const double gbps = remote[op] > 0 ? remote[op] / num_ranks / med[static_cast<std::size_t>(op)] / 1e3 : 0;
-    std::printf("| %s | %.1f | %.1f | %.2f | %.0f | %s |\n", ops[op], med[static_cast<std::size_t>(op)],
-                mins[static_cast<std::size_t>(op)], remote[op] / 1e6, gbps,
-                deepep[op] > 0 ? std::to_string(deepep[op]).substr(0, 4).c_str() : "-");
+    std::printf("| %s | %.1f | %.1f | %.2f | %.0f |\n", ops[op], med[static_cast<std::size_t>(op)],
+                mins[static_cast<std::size_t>(op)], remote[op] / 1e6, gbps);
   }
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
@@ -282,9 +279,9 @@ int main(int argc, char** argv) {
       const auto u = static_cast<std::size_t>(op);
       std::fprintf(f,
                    "    {\"op\": \"%s\", \"median_us\": %.3f, \"min_us\": %.3f, \"remote_bytes\": %.0f, "
-                   "\"remote_gbps_per_rank\": %.1f, \"deepep_us\": %.1f}%s\n",
+                   "\"remote_gbps_per_rank\": %.1f}%s\n",
                    ops[op], med[u], mins[u], remote[op], remote[op] > 0 ? remote[op] / num_ranks / med[u] / 1e3 : 0.0,
-                   deepep[op], op + 1 < kOps ? "," : "");
+                   op + 1 < kOps ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);
