@@ -63,4 +63,28 @@ part_anchors() {
     "$py" test_low_latency.py --num-processes 1 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256
   ANCHOR_LINES="$(grep -E '\[rank [0-9]+\] (Dispatch|Combine)' "$RESULTS/deepep_low_latency.log" 2>/dev/null)"
   [ -n "$ANCHOR_LINES" ] && note "$ANCHOR_LINES"
+  anchors_low_latency_side_by_side "$work"
+}
+
+# Both libraries through bench/low_latency_vs_deepep.py, one after the other in this call (the same GPU, the same
+# inputs and method): DeepEP from its build folder, epmoe from the package the `python` part installed earlier in
+# the same call (EPMOE_PY_TARGET, default /tmp/epmoe-py: run `scripts/gpu_check.sh python anchors`).
+anchors_low_latency_side_by_side() {
+  local work="$1" py="${EPMOE_PYTHON:-python3}" target="${EPMOE_PY_TARGET:-/tmp/epmoe-py}"
+  local tokens="${EPMOE_ANCHOR_TOKENS:-1,128}" bench="$ROOT/bench/low_latency_vs_deepep.py"
+  step "side by side: DeepEP through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
+    PYTHONPATH="$work" "$py" "$bench" --lib deepep --tokens "$tokens" --json "$RESULTS/ll_deepep.json"
+  if [ ! -f "$target/epmoe/__init__.py" ]; then
+    skip "side by side: epmoe through bench/low_latency_vs_deepep.py" \
+      "no epmoe package in $target (run the python part first in the same call)"
+    return
+  fi
+  step "side by side: epmoe through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
+    PYTHONPATH="$target" "$py" "$bench" --lib epmoe --tokens "$tokens" --json "$RESULTS/ll_epmoe.json"
+  if [ -f "$RESULTS/ll_deepep.json" ] && [ -f "$RESULTS/ll_epmoe.json" ]; then
+    "$py" "$bench" --compare "$RESULTS/ll_epmoe.json" "$RESULTS/ll_deepep.json" >"$RESULTS/ll_compare.md" 2>&1
+    ANCHOR_LINES="${ANCHOR_LINES:+$ANCHOR_LINES
+}$(cat "$RESULTS/ll_compare.md")"
+    note "$(cat "$RESULTS/ll_compare.md")"
+  fi
 }
