@@ -69,12 +69,29 @@ def main():
     out = {"lib": args.lib, "device": torch.cuda.get_device_name(0), "hidden": H, "topk": K, "experts": E,
            "num_max_dispatch_tokens_per_rank": tmax, "runs": args.runs, "seed": args.seed, "results": []}
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for T in tokens:
-        out["results"].append(measure(torch, lib, buf, T, tmax, H, K, E, args, flush))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    graphs = []
+    try:
+        run_all(torch, lib, buf, tokens, tmax, H, K, E, args, flush, graphs, out)
+    finally:  # what was measured is kept when a later step fails
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
     dist.destroy_process_group()
+
+
+def run_all(torch, lib, buf, tokens, tmax, H, K, E, args, flush, graphs, out):
+    for T in tokens:
+        out["results"].append(measure(torch, lib, buf, T, tmax, H, K, E, args, flush, graphs))
+    # CUDA graphs last: a library whose calls cannot be captured may leave the context unusable.
+    for res, dispatch, combine in graphs:
+        if out.get("graph_failed"):
+            res["graph_error"] = "not tried: an earlier capture failed"
+            continue
+        res["graph_pair_us"], res["graph_error"] = graph_time(torch, dispatch, combine)
+        out["graph_failed"] = res["graph_error"] is not None
+        print(f"T={res['T']}: CUDA graph fp8 dispatch + combine "
+              + (f"{res['graph_pair_us']:.2f} us" if res["graph_error"] is None else f"failed: {res['graph_error']}"),
+              flush=True)
 
 
 def make_inputs(torch, T, H, K, E, seed):
@@ -93,7 +110,7 @@ def make_inputs(torch, T, H, K, E, seed):
     return x, topk_idx, topk_weights
 
 
-def measure(torch, lib, buf, T, tmax, H, K, E, args, flush):
+def measure(torch, lib, buf, T, tmax, H, K, E, args, flush, graphs):
     x, topk_idx, topk_weights = make_inputs(torch, T, H, K, E, args.seed + T)
 
     def dispatch():
@@ -117,15 +134,13 @@ def measure(torch, lib, buf, T, tmax, H, K, E, args, flush):
     # Combine: each timed call gets a fresh dispatch's handle, made before the flush, outside the timed region.
     flushed = {"dispatch": call_time(torch, flush, lambda _: dispatch()),
                "combine": call_time(torch, flush, combine, prepare=lambda: dispatch()[1])}
-    graph_us, graph_error = graph_time(torch, dispatch, combine)
-    res = {"T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed, "graph_pair_us": graph_us,
-           "graph_error": graph_error}
+    res = {"T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed, "graph_pair_us": None, "graph_error": None}
+    graphs.append((res, dispatch, combine))
     d, c = kernels["dispatch"], kernels["combine"]
     print(f"T={T}: kernel time dispatch {d['per_call_us']:.2f} us ({d['num_kernels_per_call']:.0f} kernels; "
           f"by name {d['by_name_us']:.2f}), combine {c['per_call_us']:.2f} us ({c['num_kernels_per_call']:.0f}; "
           f"by name {c['by_name_us']:.2f}); call time L2 flushed {flushed['dispatch']:.2f} / {flushed['combine']:.2f}"
-          f" us; graph pair {graph_us if graph_us is None else round(graph_us, 2)} us"
-          + (f" ({graph_error})" if graph_error else ""), flush=True)
+          f" us; unattributed device time {kernels['unattributed_us_per_call']:.2f} us/call", flush=True)
     for op in ("dispatch", "combine"):
         for name, us in kernels[op]["kernels"].items():
             print(f"    {op:8s} {us:8.2f} us/call  {name[:100]}")
@@ -133,7 +148,9 @@ def measure(torch, lib, buf, T, tmax, H, K, E, args, flush):
 
 
 def kernel_times(torch, dispatch, combine, runs):
-    """Per-call device time of each op: every device event charged to the op range that launched it."""
+    """Per-call device time of each op: every device event (kernel, memcpy, memset) charged to the op whose range
+    launched it. A device event names its launch by correlation id (the runtime call's, or the innermost
+    RecordFunction's as `linked_correlation_id`); that CPU event's start lies inside one of the op ranges."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -144,36 +161,49 @@ def kernel_times(torch, dispatch, combine, runs):
             with record_function("lvd::combine"):
                 combine(handle)
         torch.cuda.synchronize()
+    events = list(prof.profiler.kineto_results.events())
+    cpu = torch.autograd.DeviceType.CPU
+    ranges, cpu_start = [], {}
+    for e in events:
+        if e.device_type() != cpu:
+            continue
+        cpu_start.setdefault(e.correlation_id(), e.start_ns())
+        if e.name() in ("lvd::dispatch", "lvd::combine"):
+            ranges.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name().split("::")[1]))
+    ranges.sort()
+
+    def op_of(t):
+        for start, end, op in ranges:
+            if start <= t <= end:
+                return op
+        return None
+
+    per_op = {"dispatch": {}, "combine": {}}
+    count = {"dispatch": 0, "combine": 0}
+    unattributed = 0.0
+    for e in events:
+        if e.device_type() == cpu:
+            continue
+        op = None
+        for corr in (getattr(e, "linked_correlation_id", lambda: 0)(), e.correlation_id()):
+            if corr and corr in cpu_start:
+                op = op_of(cpu_start[corr])
+                if op:
+                    break
+        us = e.duration_ns() / 1e3
+        if op is None:
+            unattributed += us
+            continue
+        per_op[op][e.name()] = per_op[op].get(e.name(), 0.0) + us
+        count[op] += 1
     result = {}
-    events = prof.events()
-    for op in ("dispatch", "combine"):
-        per_kernel = {}
-        for e in events:
-            launches = getattr(e, "kernels", None) or []
-            if not launches:
-                continue
-            p = e
-            while p is not None and p.name not in ("lvd::dispatch", "lvd::combine"):
-                p = p.cpu_parent
-            if p is None or p.name != f"lvd::{op}":
-                continue
-            for k in launches:
-                per_kernel[k.name] = per_kernel.get(k.name, 0.0) + k.duration
-        by_name = sum(us for name, us in per_kernel.items() if op in name)
-        count = sum(1 for e in events for k in (getattr(e, "kernels", None) or []) if _under(e, f"lvd::{op}"))
-        result[op] = {"per_call_us": sum(per_kernel.values()) / runs, "by_name_us": by_name / runs,
-                      "num_kernels_per_call": count / runs,
+    for op, per_kernel in per_op.items():
+        result[op] = {"per_call_us": sum(per_kernel.values()) / runs,
+                      "by_name_us": sum(us for name, us in per_kernel.items() if op in name) / runs,
+                      "num_kernels_per_call": count[op] / runs,
                       "kernels": {n: us / runs for n, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])}}
+    result["unattributed_us_per_call"] = unattributed / runs
     return result
-
-
-def _under(e, name):
-    p = e
-    while p is not None:
-        if p.name == name:
-            return True
-        p = p.cpu_parent
-    return False
 
 
 def call_time(torch, flush, fn, prepare=lambda: None, warmup=5, runs=50):
