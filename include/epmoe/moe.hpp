@@ -345,7 +345,8 @@ class MoELayer {
     Tensor l2p, count;  ///< int64 [E, X] and [E] of `layer` on `device`
   };
   std::shared_ptr<Eplb> eplb_;
-  /// Maps args.topk_idx (EPLB plan, then a no-EP expert_map) into `mapped` and returns the args to dispatch.
+  /// Checks every argument, then maps args.topk_idx (EPLB plan, then a no-EP expert_map; host results kept in
+  /// `keep`) and returns the args to dispatch.
   MoEForwardArgs route_ids(const MoEForwardArgs& args, std::vector<Tensor>& keep);
   DispatchMode select_mode(const MoEForwardArgs& args);
   /// Refuses a low-latency batch over Tmax, and cleans the low-latency buffer on a switch from normal.

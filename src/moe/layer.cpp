@@ -336,6 +336,52 @@ void MoELayer::set_eplb_plan(EplbPlan plan, std::int64_t layer) {
 
 void MoELayer::clear_eplb_plan() { eplb_.reset(); }
 
+namespace {
+
+// expert_map read to the host and checked (semantics §8); `rank` < 0 without expert parallelism, else the map must
+// be the rank's implied one and nothing is returned (there is nothing to apply).
+std::vector<std::int32_t> checked_expert_map(const TensorView& map, std::int64_t E, std::int64_t e_local, std::int64_t rank,
+                                             bool eplb, Device device) {
+  using i64 = std::int64_t;
+  EPMOE_CHECK_ARG(map.dtype == DType::int32 && map.ndim() == 1 && map.size(0) == E && map.is_contiguous(), "expert_map",
+                  fmt::format("contiguous int32 [{}] ({})", E, eplb ? "P, the EPLB plan's physical experts"
+                                                                     : "global_num_experts"),
+                  describe(map));
+  EPMOE_CHECK_ARG(map.device.is_cpu() || map.device == device, "expert_map",
+                  fmt::format("a tensor on the CPU or on hidden's device ({})", to_string(device)), describe(map));
+  std::vector<std::int32_t> host_map(static_cast<std::size_t>(E));
+  if (map.device.is_cpu()) {
+    std::memcpy(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
+  } else {
+#if defined(EPMOE_HAVE_CUDA)
+    cuda_util::DeviceGuard guard(device);
+    eplb_cuda::copy_to_host(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
+#endif
+  }
+  std::vector<i64> first_at(static_cast<std::size_t>(std::max<i64>(e_local, 0)), -1);
+  for (i64 g = 0; g < E; ++g) {
+    const i64 v = host_map[static_cast<std::size_t>(g)];
+    EPMOE_CHECK_ARG(v >= -1 && v < e_local, "expert_map", fmt::format("entries in [-1, {}) (E_local)", e_local),
+                    fmt::format("{} at [{}]", v, g));
+    if (v < 0) continue;
+    EPMOE_CHECK_ARG(first_at[static_cast<std::size_t>(v)] < 0, "expert_map", "each local id at most once",
+                    fmt::format("local id {} at [{}] and at [{}]", v, first_at[static_cast<std::size_t>(v)], g));
+    first_at[static_cast<std::size_t>(v)] = g;
+  }
+  if (rank < 0) return host_map;
+  // With expert parallelism the dispatch sends expert g to rank g / E_local: a map can only restate that.
+  for (i64 g = 0; g < E; ++g) {
+    const i64 want = g / e_local == rank ? g % e_local : -1, v = host_map[static_cast<std::size_t>(g)];
+    EPMOE_CHECK_ARG(v == want, "expert_map",
+                    fmt::format("the map rank {} implies with expert parallelism (experts [{}, {}) local): {} at [{}]",
+                                rank, rank * e_local, (rank + 1) * e_local, want, g),
+                    fmt::format("{} at [{}]", v, g));
+  }
+  return {};
+}
+
+}  // namespace
+
 MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tensor>& keep) {
   using i64 = std::int64_t;
   MoEForwardArgs a = args;
@@ -361,47 +407,10 @@ MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tenso
   const Device device = a.hidden.device;
   const i64 e_local = no_ep ? a.global_num_experts : prepare_finalize_->num_local_experts(static_cast<int>(E));
 
+  // Read and checked on the host; with expert parallelism only checked (the dispatch routes by rank): empty then.
   std::vector<std::int32_t> host_map;
-  if (map.defined()) {
-    EPMOE_CHECK_ARG(map.dtype == DType::int32 && map.ndim() == 1 && map.size(0) == E && map.is_contiguous(),
-                    "expert_map",
-                    fmt::format("contiguous int32 [{}] ({})", E,
-                                eplb_ ? "P, the EPLB plan's physical experts" : "global_num_experts"),
-                    describe(map));
-    EPMOE_CHECK_ARG(map.device.is_cpu() || map.device == device, "expert_map",
-                    fmt::format("a tensor on the CPU or on hidden's device ({})", to_string(device)), describe(map));
-    host_map.resize(static_cast<std::size_t>(E));
-    if (map.device.is_cpu()) {
-      std::memcpy(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
-    } else {
-#if defined(EPMOE_HAVE_CUDA)
-      cuda_util::DeviceGuard guard(device);
-      eplb_cuda::copy_to_host(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
-#endif
-    }
-    std::vector<i64> first_at(static_cast<std::size_t>(std::max<i64>(e_local, 0)), -1);
-    for (i64 g = 0; g < E; ++g) {
-      const i64 v = host_map[static_cast<std::size_t>(g)];
-      EPMOE_CHECK_ARG(v >= -1 && v < e_local, "expert_map", fmt::format("entries in [-1, {}) (E_local)", e_local),
-                      fmt::format("{} at [{}]", v, g));
-      if (v < 0) continue;
-      EPMOE_CHECK_ARG(first_at[static_cast<std::size_t>(v)] < 0, "expert_map", "each local id at most once",
-                      fmt::format("local id {} at [{}] and at [{}]", v, first_at[static_cast<std::size_t>(v)], g));
-      first_at[static_cast<std::size_t>(v)] = g;
-    }
-    if (!no_ep) {
-      // With expert parallelism the dispatch sends expert g to rank g / E_local: a map can only restate that.
-      const i64 r = prepare_finalize_->ep_rank();
-      for (i64 g = 0; g < E; ++g) {
-        const i64 want = g / e_local == r ? g % e_local : -1, v = host_map[static_cast<std::size_t>(g)];
-        EPMOE_CHECK_ARG(v == want, "expert_map",
-                        fmt::format("the map rank {} implies with expert parallelism (experts [{}, {}) local): {} at "
-                                    "[{}]", r, r * e_local, (r + 1) * e_local, want, g),
-                        fmt::format("{} at [{}]", v, g));
-      }
-      host_map.clear();  // nothing to apply: the dispatch routes by rank
-    }
-  }
+  if (map.defined())
+    host_map = checked_expert_map(map, E, e_local, no_ep ? -1 : prepare_finalize_->ep_rank(), eplb_ != nullptr, device);
   if (!eplb_ && host_map.empty()) return a;
 
   const TensorView& ids = a.topk_idx;
