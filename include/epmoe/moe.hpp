@@ -4,6 +4,7 @@
 #pragma once
 
 #include <epmoe/buffer.hpp>
+#include <epmoe/eplb.hpp>
 #include <epmoe/experts.hpp>
 #include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
@@ -65,6 +66,9 @@ class PrepareFinalize {
   virtual WeightAndReduce delegate_weight_and_reduce() const = 0;
   /// Local experts of this rank (E / R).
   virtual int num_local_experts(int global_num_experts) const = 0;
+  /// This rank's index among the ranks that hold experts (0 without expert parallelism); fixes the expert_map a
+  /// forward with expert parallelism implies.
+  virtual int ep_rank() const { return 0; }
 
   /// Sends (quantize + the send half of the dispatch). Stage INITIAL -> AFTER_DISPATCH_A.
   void dispatch_a(const PrepareInputs& in);
@@ -165,7 +169,13 @@ struct MoEForwardArgs {
   TensorView topk_idx;      ///< int64/int32 [T, K], global ids or -1
   Activation activation = Activation::silu;
   int global_num_experts = 0;
-  TensorView expert_map;    ///< reserved: with expert parallelism the map is implied by the rank
+  // ---- expert_map (semantics §8) ----
+  /// Optional int32 [E] (E = global_num_experts, or P with an EPLB plan) on the CPU or on hidden's device: global
+  /// -> local expert id, or -1 when not local (vLLM's FusedMoE expert_map). No-EP prepare/finalize: it says which
+  /// global experts this rank holds and their slot in w1/w2 (E_local = w1.size(0) <= E); a choice that maps to -1
+  /// contributes nothing from this rank. Normal / low-latency: the map is implied by the rank (rank r owns experts
+  /// [r*E_local, (r+1)*E_local)); a given map must equal it. See MoELayer::forward for the checks.
+  TensorView expert_map;
   bool apply_router_weight_on_input = false;
   /// Optional bfloat16 [T, H] on hidden's device: the result is written there and MoEForwardResult::output
   /// views it (needed to capture forward in a CUDA graph: nothing is allocated then).
@@ -239,7 +249,33 @@ class MoELayer {
   /// args.output given a call can be captured in a CUDA graph once the same shapes ran eagerly (workspaces,
   /// cuBLAS handle). The standard format waits for the device where the normal dispatch reads its
   /// receive counts and where the CUDA experts read their row counts.
+  /// expert_map (args.expert_map, semantics §8): checked before any communication (invalid_argument naming
+  /// 'expert_map': dtype int32, shape [E], device (CPU or hidden's), entries in [-1, E_local), each local id at most
+  /// once; with expert parallelism, the entry that differs from the rank's implied map, expected and actual; no-EP:
+  /// w1.size(0) > E). No-EP: topk_idx is mapped to local ids before prepare (CPU: ids outside [-1, E) named as
+  /// topk_idx). A map with CUDA tensors is read (GPU map) or uploaded (CPU map) by a synchronous copy of E int32,
+  /// so a forward with expert_map on CUDA cannot be captured in a CUDA graph.
+  /// With an EPLB plan (set_eplb_plan), forward first maps topk_idx (logical ids) to physical slots (semantics §9,
+  /// map_to_physical; on CUDA a kernel on the current stream, no host synchronisation) and dispatches over P.
   MoEForwardResult forward(const MoEForwardArgs& args);
+
+  // ---- EPLB mapping (semantics §9) ----
+  /// Makes every later forward map topk_idx from logical ids to physical slots of layer `layer` of `plan`
+  /// (map_to_physical: token t's choice e goes to replica t mod count[layer, e]) before dispatch. forward then
+  /// takes global_num_experts = plan.num_logical_experts (E) and dispatches over P = plan.num_physical_experts:
+  /// w1/w2 hold this rank's P / R physical experts (slots [r*P/R, (r+1)*P/R), each a copy of logical expert
+  /// physical_to_logical[layer, p]), and the layer's output equals the unbalanced layer's up to the summation
+  /// order of the combine (semantics §9). On CUDA the plan's rows of `layer` are copied to the GPU by the first
+  /// forward there (a synchronous copy: run once eagerly before capturing a CUDA graph).
+  /// Errors (invalid_argument): 'layer' outside [0, L); 'plan' with inconsistent array sizes, a replica count
+  /// outside [1, X], a slot outside [0, P) for a counted replica, or P not a multiple of what the prepare/finalize
+  /// needs (checked by forward, naming global_num_experts).
+  void set_eplb_plan(EplbPlan plan, std::int64_t layer);
+  /// Back to logical ids dispatched as they are.
+  void clear_eplb_plan();
+  /// The plan set (nullptr when none) and its layer.
+  const EplbPlan* eplb_plan() const { return eplb_ ? &eplb_->plan : nullptr; }
+  std::int64_t eplb_layer() const { return eplb_ ? eplb_->layer : -1; }
 
   /// DeepEP's two modes on ONE Buffer (semantics §8): `mode` normal uses make_normal_prepare_finalize(buffer)
   /// with `normal_experts` (standard format); low_latency uses make_low_latency_prepare_finalize(buffer,
@@ -301,6 +337,17 @@ class MoELayer {
   std::int64_t num_cleans_ = 0;
 
   void check_forward_args(const MoEForwardArgs& args) const;
+  // ---- expert_map and EPLB mapping (semantics §8, §9) ----
+  struct Eplb {
+    EplbPlan plan;
+    std::int64_t layer = 0;
+    Device device;   ///< where l2p/count were copied (CPU: not yet)
+    Tensor l2p, count;  ///< int64 [E, X] and [E] of `layer` on `device`
+  };
+  std::shared_ptr<Eplb> eplb_;
+  /// Checks every argument, then maps args.topk_idx (EPLB plan, then a no-EP expert_map; host results kept in
+  /// `keep`) and returns the args to dispatch.
+  MoEForwardArgs route_ids(const MoEForwardArgs& args, std::vector<Tensor>& keep);
   DispatchMode select_mode(const MoEForwardArgs& args);
   /// Refuses a low-latency batch over Tmax, and cleans the low-latency buffer on a switch from normal.
   void enter_mode(DispatchMode resolved, const MoEForwardArgs& args);

@@ -12,7 +12,7 @@ arguments the message names the argument, what was expected and what came, and n
 communicated yet.
 """
 
-from typing import Any, Callable, List, Optional, Tuple, overload
+from typing import Any, Callable, List, Optional, Sequence, Tuple, overload
 
 ArrayArg = Any  # None | array | (array, dtype name)
 Array = Any     # numpy.ndarray, torch.Tensor (framework="torch") or cupy.ndarray (framework="cupy")
@@ -254,6 +254,15 @@ class MoELayer:
                 apply_router_weight_on_input: bool = False, output: ArrayArg = None,
                 framework: str = "numpy", is_extend_in_batch: Optional[bool] = None) -> Tuple[Array, Optional[Array]]:
         """(output bfloat16 [T, H], shared_output bfloat16 [T, H] or None). Collective."""
+    def set_eplb_plan(self, physical_to_logical: Sequence[int], logical_to_physical: Sequence[int],
+                      logical_replica_count: Sequence[int], num_layers: int, num_logical_experts: int,
+                      num_physical_experts: int, max_replicas: int, layer: int) -> None:
+        """Later forwards map topk_idx (logical ids) to physical slots of `layer` of the plan (flattened
+        row-major [L, P], [L, E, X], [L, E]) before dispatch (semantics §9). Errors name 'plan' or 'layer'."""
+    def clear_eplb_plan(self) -> None: ...
+    @property
+    def eplb_layer(self) -> int:
+        """The layer of the plan set, -1 when none."""
     def register_dispatch_hook(self, hook: Callable[[PrepareFinalize], Any]) -> DispatchHookHandle:
         """Runs hook(prepare_finalize) between dispatch_a and dispatch_b of every forward."""
     @property

@@ -15,7 +15,9 @@ optional and the rest of the package never imports it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Tuple, Union
+
+import numpy as np
 
 from . import _ext
 from ._tensor import (arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream,
@@ -246,7 +248,8 @@ class MoELayer:
     def forward(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, activation: str = "silu",
                 global_num_experts: int = -1, expert_map: Optional[Any] = None,
                 apply_router_weight_on_input: bool = False, output: Optional[Any] = None,
-                is_extend_in_batch: Optional[bool] = None) -> Any:
+                is_extend_in_batch: Optional[bool] = None, eplb_plan: Optional[Tuple[Any, Any, Any]] = None,
+                eplb_layer: int = 0) -> Any:
         """Router output in, MoE output out (vLLM's FusedMoEModularKernel.forward). Collective over the
         buffer's ranks.
 
@@ -257,7 +260,17 @@ class MoELayer:
             topk_weights: float32 [T, K]. topk_idx: int64/int32 [T, K], global ids or -1.
             activation: one of ACTIVATIONS (vLLM's definitions, semantics §7).
             global_num_experts: E; -1 means E_local * ranks.
-            expert_map: must be None with expert parallelism (the owner of an expert follows from the rank).
+            expert_map: optional int32 [E] (E = global_num_experts, P with eplb_plan), on the CPU or hidden's
+                device: global -> local expert id, or -1 (vLLM's FusedMoE expert_map, semantics §8). No-EP
+                prepare/finalize: which experts this rank holds and their slot in w1/w2 (E_local = w1.shape[0] <= E);
+                choices that map to -1 contribute nothing. With expert parallelism it must equal the map the rank
+                implies (rank r owns experts [r*E_local, (r+1)*E_local)), else invalid_argument naming expert_map,
+                the expected and the actual entry. On CUDA it costs one synchronous copy of E int32.
+            eplb_plan: optional (phy2log [L, P], log2phy [L, E, X], logcnt [L, E]) as rebalance_experts returns:
+                topk_idx holds logical ids and is mapped to physical slots of layer `eplb_layer` before dispatch
+                (map_to_physical's rule; on CUDA a kernel, no synchronisation); w1/w2 then hold this rank's P / R
+                physical experts, copies of the logical ones (phy2log), and global_num_experts is E (-1: from the
+                plan). The plan stays set on the layer until a forward passes another one or None.
             apply_router_weight_on_input: K == 1 only: scale the input instead of the output.
             output: optional contiguous bfloat16 [T, H] on hidden's device to write the result into (returned
                 as the result). On CUDA with a batched no-EP prepare/finalize it makes the call capturable in a CUDA
@@ -292,6 +305,30 @@ class MoELayer:
         if global_num_experts is not None:
             global_num_experts = int_arg("global_num_experts", global_num_experts, -(2**31), 2**31 - 1)
         self._check_devices(hidden, w1, w2, topk_weights, topk_idx, output)
+        # ---- EPLB mapping (semantics §9): set on the C++ layer when the plan or layer changes ----
+        eplb_layer = int_arg("eplb_layer", eplb_layer, 0, 2**63 - 1)
+        if eplb_plan is None:
+            if getattr(self, "_eplb_key", None) is not None:
+                self._layer.clear_eplb_plan()
+                self._eplb_key = None
+        else:
+            if not isinstance(eplb_plan, (tuple, list)) or len(eplb_plan) != 3:
+                raise invalid_argument("eplb_plan", "(phy2log, log2phy, logcnt) as rebalance_experts returns",
+                                       f"an object of type {type(eplb_plan).__name__}")
+            phy2log, log2phy, logcnt = (np.asarray(a.cpu() if hasattr(a, "cpu") else a) for a in eplb_plan)
+            if phy2log.ndim != 2 or log2phy.ndim != 3 or logcnt.ndim != 2:
+                raise invalid_argument("eplb_plan", "phy2log [L, P], log2phy [L, E, X], logcnt [L, E]",
+                                       f"shapes {phy2log.shape}, {log2phy.shape}, {logcnt.shape}")
+            key = (id(eplb_plan), eplb_layer)
+            if getattr(self, "_eplb_key", None) != key:
+                self._layer.set_eplb_plan(phy2log.astype(np.int64).ravel().tolist(),
+                                          log2phy.astype(np.int64).ravel().tolist(),
+                                          logcnt.astype(np.int64).ravel().tolist(), phy2log.shape[0],
+                                          log2phy.shape[1], phy2log.shape[1], log2phy.shape[2], eplb_layer)
+                self._eplb_key = key
+                self._eplb_plan_ref = eplb_plan  # keeps id() unique while the key is held
+            if global_num_experts is None or global_num_experts < 0:
+                global_num_experts = int(log2phy.shape[1])
         if global_num_experts is None or global_num_experts < 0:
             e_local = getattr(w1, "shape", (0,))[0]
             global_num_experts = int(e_local) * int(self._layer.num_ranks)

@@ -291,6 +291,27 @@ void bind_moe(nb::module_& m) {
           nb::arg("expert_map").none() = nb::none(), nb::arg("apply_router_weight_on_input") = false,
           nb::arg("output").none() = nb::none(), nb::arg("framework") = "numpy",
           nb::arg("is_extend_in_batch").none() = nb::none())
+      // ---- EPLB mapping (semantics §9): the plan's arrays flattened row-major ----
+      .def(
+          "set_eplb_plan",
+          [](PyMoELayer& l, std::vector<std::int64_t> physical_to_logical, std::vector<std::int64_t> logical_to_physical,
+             std::vector<std::int64_t> logical_replica_count, std::int64_t num_layers, std::int64_t num_logical_experts,
+             std::int64_t num_physical_experts, std::int64_t max_replicas, std::int64_t layer) {
+            EplbPlan plan;
+            plan.num_layers = num_layers;
+            plan.num_logical_experts = num_logical_experts;
+            plan.num_physical_experts = num_physical_experts;
+            plan.max_replicas = max_replicas;
+            plan.physical_to_logical = std::move(physical_to_logical);
+            plan.logical_to_physical = std::move(logical_to_physical);
+            plan.logical_replica_count = std::move(logical_replica_count);
+            l.layer->set_eplb_plan(std::move(plan), layer);
+          },
+          nb::arg("physical_to_logical"), nb::arg("logical_to_physical"), nb::arg("logical_replica_count"),
+          nb::arg("num_layers"), nb::arg("num_logical_experts"), nb::arg("num_physical_experts"),
+          nb::arg("max_replicas"), nb::arg("layer"))
+      .def("clear_eplb_plan", [](PyMoELayer& l) { l.layer->clear_eplb_plan(); })
+      .def_prop_ro("eplb_layer", [](const PyMoELayer& l) { return l.layer->eplb_layer(); })
       .def_ro("num_ranks", &PyMoELayer::num_ranks)
       .def_ro("has_shared_experts", &PyMoELayer::has_shared)
       .def_prop_ro("last_chunk_rows", [](const PyMoELayer& l) { return l.layer->last_chunk_rows(); })

@@ -563,3 +563,59 @@ def test_auto_mode_errors_name_the_argument(rng):
     assert "mode" in fast and "fast" in fast
     assert "low_latency_experts" in missing and "null" in missing
     assert "low_latency_experts" in wrong_format and "batched_experts" in wrong_format
+
+
+# ---- expert_map and the EPLB mapping (semantics §8, §9) ----
+
+def test_no_ep_expert_map_selects_local_experts_and_bad_maps_are_named(rng):
+    E, T = 8, 13
+    w1, w2 = make_weights(rng, E)
+    x, idx, w = make_tokens(rng, T, E)
+    held = [6, 1, 3]  # local slots 0, 1, 2
+    emap = np.full(E, -1, np.int32)
+    emap[held] = np.arange(len(held), dtype=np.int32)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    out = layer.forward(x, w1[held], w2[held], w, idx, global_num_experts=E, expert_map=emap)
+    local = np.where(np.isin(idx, held), idx, -1)  # choices of experts this rank does not hold contribute nothing
+    assert rel_l2(out, moe_ref(x, w1, w2, w, local, "silu")) <= 1e-2
+    bad = emap.copy()
+    bad[0] = 1  # local id 1 twice
+    with pytest.raises(epmoe.Error, match=r"'expert_map'.*at most once"):
+        layer.forward(x, w1[held], w2[held], w, idx, global_num_experts=E, expert_map=bad)
+    with pytest.raises(epmoe.Error, match=r"'expert_map'.*int32 \[8\]"):
+        layer.forward(x, w1[held], w2[held], w, idx, global_num_experts=E, expert_map=emap.astype(np.int64))
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_eplb_plan_in_forward_matches_the_unbalanced_layer(rng, R):
+    E, T = 8, 24
+    w1, w2 = make_weights(rng, E)
+    hot = np.array([8.0, 4.0] + [1.0] * (E - 2))
+    tokens = []
+    for _ in range(R):
+        x = rng.standard_normal((T, H)).astype(BF16)
+        idx = np.stack([rng.choice(E, size=K, replace=False, p=hot / hot.sum()) for _ in range(T)]).astype(np.int64)
+        tokens.append((x, idx, rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)))
+    counts = np.bincount(np.concatenate([t[1].ravel() for t in tokens]), minlength=E).astype(np.float64)
+    P = E + R
+    plan = epmoe.rebalance_experts(counts[None, :], P, 1, 1, R)
+    phy2log = np.asarray(plan[0])[0]
+    w1p, w2p, pl = w1[phy2log], w2[phy2log], P // R
+
+    def rank_main(group):
+        r = group.rank()
+        layer = epmoe.MoELayer(epmoe.make_normal_prepare_finalize(epmoe.Buffer(group)), epmoe.make_reference_experts())
+        x, idx, w = tokens[r]
+        out = layer.forward(x, w1p[r * pl:(r + 1) * pl], w2p[r * pl:(r + 1) * pl], w, idx, eplb_plan=plan,
+                            eplb_layer=0)
+        assert layer._layer.eplb_layer == 0
+        return out
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    before = np.bincount(np.concatenate([t[1].ravel() for t in tokens]) // (E // R), minlength=R)
+    phys = np.concatenate([epmoe.map_to_physical(t[1], plan[1], plan[2], 0).ravel() for t in tokens])
+    after = np.bincount(phys // pl, minlength=R)
+    assert after.max() / after.mean() < before.max() / before.mean()
+    for r in range(R):
+        x, idx, w = tokens[r]
+        assert rel_l2(out[r], moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2

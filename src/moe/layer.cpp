@@ -2,6 +2,8 @@
 #include <epmoe/moe.hpp>
 
 #include <algorithm>
+#include <climits>
+#include <cstring>
 #include <exception>
 #include <future>
 #include <mutex>
@@ -11,6 +13,7 @@
 #include "core/check.hpp"
 
 #include "core/cuda_util.hpp"
+#include "eplb/eplb.hpp"
 
 namespace epmoe {
 
@@ -219,8 +222,6 @@ Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args)
 }
 
 void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
-  EPMOE_CHECK_ARG(!args.expert_map.defined(), "expert_map",
-                  "none (with expert parallelism the owner of each expert follows from the rank)", "a tensor");
   const auto known = [](Activation a) {
     switch (a) {
       case Activation::silu: case Activation::gelu: case Activation::swigluoai: case Activation::silu_no_mul:
@@ -301,6 +302,192 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   }
 }
 
+// ---- expert_map and EPLB mapping (semantics §8, §9) ----
+
+void MoELayer::set_eplb_plan(EplbPlan plan, std::int64_t layer) {
+  using i64 = std::int64_t;
+  const i64 L = plan.num_layers, E = plan.num_logical_experts, P = plan.num_physical_experts, X = plan.max_replicas;
+  EPMOE_CHECK_ARG(L >= 1 && E >= 1 && P >= E && P <= INT32_MAX && X >= 1, "plan",
+                  "num_layers >= 1, num_logical_experts >= 1, num_physical_experts in [num_logical_experts, 2^31), "
+                  "max_replicas >= 1", fmt::format("L = {}, E = {}, P = {}, X = {}", L, E, P, X));
+  EPMOE_CHECK_ARG(layer >= 0 && layer < L, "layer", fmt::format("in [0, {}) (the plan's num_layers)", L), layer);
+  EPMOE_CHECK_ARG(static_cast<i64>(plan.physical_to_logical.size()) == L * P &&
+                      static_cast<i64>(plan.logical_to_physical.size()) == L * E * X &&
+                      static_cast<i64>(plan.logical_replica_count.size()) == L * E,
+                  "plan", fmt::format("physical_to_logical [{0}, {1}], logical_to_physical [{0}, {2}, {3}], "
+                                      "logical_replica_count [{0}, {2}] entries", L, P, E, X),
+                  fmt::format("{}, {} and {} entries", plan.physical_to_logical.size(),
+                              plan.logical_to_physical.size(), plan.logical_replica_count.size()));
+  for (i64 e = 0; e < E; ++e) {
+    const i64 c = plan.logical_replica_count[static_cast<std::size_t>(layer * E + e)];
+    EPMOE_CHECK_ARG(c >= 1 && c <= X, "plan", fmt::format("logical_replica_count in [1, {}]", X),
+                    fmt::format("{} at [{}, {}]", c, layer, e));
+    for (i64 r = 0; r < c; ++r) {
+      const i64 slot = plan.logical_to_physical[static_cast<std::size_t>((layer * E + e) * X + r)];
+      EPMOE_CHECK_ARG(slot >= 0 && slot < P, "plan", fmt::format("logical_to_physical slots in [0, {})", P),
+                      fmt::format("{} at [{}, {}, {}]", slot, layer, e, r));
+    }
+  }
+  auto eplb = std::make_shared<Eplb>();
+  eplb->plan = std::move(plan);
+  eplb->layer = layer;
+  eplb_ = std::move(eplb);
+}
+
+void MoELayer::clear_eplb_plan() { eplb_.reset(); }
+
+namespace {
+
+// expert_map read to the host and checked (semantics §8); `rank` < 0 without expert parallelism, else the map must
+// be the rank's implied one and nothing is returned (there is nothing to apply).
+std::vector<std::int32_t> checked_expert_map(const TensorView& map, std::int64_t E, std::int64_t e_local, std::int64_t rank,
+                                             bool eplb, Device device) {
+  using i64 = std::int64_t;
+  EPMOE_CHECK_ARG(map.dtype == DType::int32 && map.ndim() == 1 && map.size(0) == E && map.is_contiguous(), "expert_map",
+                  fmt::format("contiguous int32 [{}] ({})", E, eplb ? "P, the EPLB plan's physical experts"
+                                                                     : "global_num_experts"),
+                  describe(map));
+  EPMOE_CHECK_ARG(map.device.is_cpu() || map.device == device, "expert_map",
+                  fmt::format("a tensor on the CPU or on hidden's device ({})", to_string(device)), describe(map));
+  std::vector<std::int32_t> host_map(static_cast<std::size_t>(E));
+  if (map.device.is_cpu()) {
+    std::memcpy(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
+  } else {
+#if defined(EPMOE_HAVE_CUDA)
+    cuda_util::DeviceGuard guard(device);
+    eplb_cuda::copy_to_host(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
+#endif
+  }
+  std::vector<i64> first_at(static_cast<std::size_t>(std::max<i64>(e_local, 0)), -1);
+  for (i64 g = 0; g < E; ++g) {
+    const i64 v = host_map[static_cast<std::size_t>(g)];
+    EPMOE_CHECK_ARG(v >= -1 && v < e_local, "expert_map", fmt::format("entries in [-1, {}) (E_local)", e_local),
+                    fmt::format("{} at [{}]", v, g));
+    if (v < 0) continue;
+    EPMOE_CHECK_ARG(first_at[static_cast<std::size_t>(v)] < 0, "expert_map", "each local id at most once",
+                    fmt::format("local id {} at [{}] and at [{}]", v, first_at[static_cast<std::size_t>(v)], g));
+    first_at[static_cast<std::size_t>(v)] = g;
+  }
+  if (rank < 0) return host_map;
+  // With expert parallelism the dispatch sends expert g to rank g / E_local: a map can only restate that.
+  for (i64 g = 0; g < E; ++g) {
+    const i64 want = g / e_local == rank ? g % e_local : -1, v = host_map[static_cast<std::size_t>(g)];
+    EPMOE_CHECK_ARG(v == want, "expert_map",
+                    fmt::format("the map rank {} implies with expert parallelism (experts [{}, {}) local): {} at [{}]",
+                                rank, rank * e_local, (rank + 1) * e_local, want, g),
+                    fmt::format("{} at [{}]", v, g));
+  }
+  return {};
+}
+
+}  // namespace
+
+MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tensor>& keep) {
+  using i64 = std::int64_t;
+  MoEForwardArgs a = args;
+  a.expert_map = {};
+  const bool no_ep = prepare_finalize_->name() == "no_ep";
+  if (eplb_) {
+    const EplbPlan& plan = eplb_->plan;
+    EPMOE_CHECK_ARG(args.global_num_experts == plan.num_logical_experts, "global_num_experts",
+                    fmt::format("{} (num_logical_experts of the EPLB plan set on the layer)", plan.num_logical_experts),
+                    args.global_num_experts);
+    a.global_num_experts = static_cast<int>(plan.num_physical_experts);
+  }
+  const i64 E = a.global_num_experts;  // the ids the map (if any) is indexed by: global, or physical with EPLB
+  const TensorView& map = args.expert_map;
+  if (map.defined() && no_ep && a.w1.defined() && a.w1.ndim() == 3) {
+    // No-EP with a map: w1/w2 hold E_local experts; the prepare then sees local ids of E_local experts.
+    EPMOE_CHECK_ARG(a.w1.size(0) >= 1 && a.w1.size(0) <= E, "w1",
+                    fmt::format("[E_local, 2N or N, H] with 1 <= E_local <= {} (the size of expert_map)", E),
+                    describe(a.w1));
+    a.global_num_experts = static_cast<int>(a.w1.size(0));
+  }
+  check_forward_args(a);
+  const Device device = a.hidden.device;
+  const i64 e_local = no_ep ? a.global_num_experts : prepare_finalize_->num_local_experts(static_cast<int>(E));
+
+  // Read and checked on the host; with expert parallelism only checked (the dispatch routes by rank): empty then.
+  std::vector<std::int32_t> host_map;
+  if (map.defined())
+    host_map = checked_expert_map(map, E, e_local, no_ep ? -1 : prepare_finalize_->ep_rank(), eplb_ != nullptr, device);
+  if (!eplb_ && host_map.empty()) return a;
+
+  const TensorView& ids = a.topk_idx;
+  if (device.is_cpu()) {
+    if (eplb_) {
+      keep.push_back(map_to_physical(ids, eplb_->plan, eplb_->layer));  // checks topk_idx (names it)
+      a.topk_idx = keep.back();
+    }
+    if (!host_map.empty()) {
+      const TensorView& in = a.topk_idx;
+      EPMOE_CHECK_ARG(in.ndim() == 2 && (in.dtype == DType::int64 || in.dtype == DType::int32) && in.device.is_cpu(),
+                      "topk_idx", "int32 or int64 [T, K] on the CPU (hidden's device)", describe(in));
+      const i64 T = in.size(0), K = in.size(1);
+      Tensor out = Tensor::empty(in.dtype, {T, K});
+      for (i64 t = 0; t < T; ++t)
+        for (i64 k = 0; k < K; ++k) {
+          const i64 off = t * in.stride(0) + k * in.stride(1);
+          const i64 g = in.dtype == DType::int64 ? in.ptr<std::int64_t>()[off] : in.ptr<std::int32_t>()[off];
+          EPMOE_CHECK_ARG(g >= -1 && g < E, "topk_idx", fmt::format("ids in [-1, {})", E),
+                          fmt::format("{} at [{}, {}]", g, t, k));
+          const i64 v = g < 0 ? -1 : host_map[static_cast<std::size_t>(g)];
+          if (in.dtype == DType::int64)
+            out.ptr<std::int64_t>()[t * K + k] = v;
+          else
+            out.ptr<std::int32_t>()[t * K + k] = static_cast<std::int32_t>(v);
+        }
+      keep.push_back(out);
+      a.topk_idx = keep.back();
+    }
+    return a;
+  }
+#if defined(EPMOE_HAVE_CUDA)
+  EPMOE_CHECK_ARG((ids.dtype == DType::int64 || ids.dtype == DType::int32) && ids.ndim() == 2 &&
+                      ids.size(0) == a.hidden.size(0) && ids.is_contiguous() && ids.device == device,
+                  "topk_idx",
+                  fmt::format("contiguous int64/int32 [{}, K] on {} (hidden's device)", a.hidden.size(0),
+                              to_string(device)),
+                  describe(ids));
+  cuda_util::DeviceGuard guard(device);
+  const Stream stream = current_stream();
+  if (eplb_) {
+    Eplb& p = *eplb_;
+    const i64 El = p.plan.num_logical_experts, X = p.plan.max_replicas;
+    if (!p.l2p.defined() || p.device != device) {  // one synchronous copy per device
+      p.l2p = Tensor::empty(DType::int64, {El, X}, device);
+      p.count = Tensor::empty(DType::int64, {El}, device);
+      eplb_cuda::copy_to_device(p.l2p.data(), p.plan.logical_to_physical.data() + p.layer * El * X,
+                                static_cast<std::size_t>(El * X) * sizeof(i64));
+      eplb_cuda::copy_to_device(p.count.data(), p.plan.logical_replica_count.data() + p.layer * El,
+                                static_cast<std::size_t>(El) * sizeof(i64));
+      p.device = device;
+    }
+    const TensorView out = options_.workspaces->get(options_.micro_batch, "eplb.topk_idx", ids.dtype, ids.shape, device);
+    eplb_cuda::map_to_physical(ids, p.l2p.ptr<i64>(), p.count.ptr<i64>(), El, X, p.plan.num_physical_experts, out,
+                               stream);
+    a.topk_idx = out;
+  }
+  if (!host_map.empty()) {
+    const std::int32_t* dev_map = static_cast<const std::int32_t*>(map.data);
+    if (map.device.is_cpu()) {
+      const TensorView m = options_.workspaces->get(options_.micro_batch, "expert_map", DType::int32, {E}, device);
+      eplb_cuda::copy_to_device(m.data, host_map.data(), host_map.size() * sizeof(std::int32_t));
+      dev_map = static_cast<const std::int32_t*>(m.data);
+    }
+    const TensorView in = a.topk_idx;
+    const TensorView out =
+        options_.workspaces->get(options_.micro_batch, "expert_map.topk_idx", in.dtype, in.shape, device);
+    eplb_cuda::apply_expert_map(in, dev_map, E, e_local, out, stream);
+    a.topk_idx = out;
+  }
+  return a;
+#else
+  raise(ErrorCode::unsupported, "argument 'hidden' is on {} but epmoe was built without CUDA", to_string(device));
+#endif
+}
+// ---- end expert_map and EPLB mapping ----
+
 DispatchMode MoELayer::select_mode(const MoEForwardArgs& args) {
   if (!buffer_) return last_mode_;
   EPMOE_CHECK_ARG(mode_ != DispatchMode::automatic || args.is_extend_in_batch.has_value(), "is_extend_in_batch",
@@ -351,22 +538,23 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
   const DispatchMode resolved = select_mode(args);
   // Every argument is checked before any communication, so a bad one fails only this call: the other ranks
   // would otherwise wait in the combine for this rank, and this layer would be left mid-way.
-  check_forward_args(args);
-  enter_mode(resolved, args);
+  std::vector<Tensor> keep;  // host-mapped ids live until the combine
+  const MoEForwardArgs routed = route_ids(args, keep);  // check_forward_args first, then expert_map and EPLB
+  enter_mode(resolved, routed);
   MoEForwardResult result;
   // Shared experts overlap dispatch, experts and combine on a side thread (the CPU's side stream).
   std::future<Tensor> shared;
   if (shared_experts_) shared = std::async(std::launch::async, shared_experts_, args.hidden);
 
-  PrepareInputs in{args.hidden, args.topk_idx, args.topk_weights, args.global_num_experts,
-                   args.apply_router_weight_on_input, args.output};
+  PrepareInputs in{routed.hidden, routed.topk_idx, routed.topk_weights, routed.global_num_experts,
+                   routed.apply_router_weight_on_input, routed.output};
   std::exception_ptr hook_error;
   try {
     prepare_finalize_->dispatch_a(in);
     // A hook's error waits until the collective round is complete, so no rank is left mid-way.
     hook_error = run_dispatch_hooks();
     const PrepareOutput prepared = prepare_finalize_->dispatch_b();
-    const Tensor fused = run_experts(prepared, args);
+    const Tensor fused = run_experts(prepared, routed);
     prepare_finalize_->combine_a(fused, experts_->weight_and_reduce());
     result.output = prepare_finalize_->combine_b();
     if (args.output.defined() && result.output.data() != args.output.data) {

@@ -42,3 +42,20 @@ std::function<int()> add_bench_command(CLI::App& app);
 std::function<int()> add_tune_command(CLI::App& app);
 
 }  // namespace epmoe::cli
+
+namespace epmoe {
+struct RoutingTrace;
+}
+
+namespace epmoe::cli {
+
+/// `epmoe run --eplb` (eplb_report.cpp): replays every layer of `trace` onto `num_experts` experts over
+/// `num_ranks` ranks; plans each layer on the first half of the tokens (rebalance_experts with num_experts +
+/// redundant_experts slots, one group and one node) and reports max / mean choices per rank of both halves before
+/// (expert e on rank e / (E / R)) and after the plan (topk_idx mapped by map_to_physical, counted by the dispatch's
+/// own get_dispatch_layout). Rank r's share of a half is its tokens [r*T, (r+1)*T) (T = half / R), as a run would
+/// give them. Table on stdout; JSON to `json` when not empty. Returns 0.
+int run_eplb_report(const RoutingTrace& trace, int num_experts, int num_ranks, int redundant_experts,
+                    const std::string& json, const std::string& routing_flag);
+
+}  // namespace epmoe::cli

@@ -70,6 +70,10 @@ struct RunConfig {
   std::string replay_flags_given;  // --domain / --layer / --offset given (they apply only with --routing)
   bool domain_given = false;       // --domain given (it applies only when --routing is a directory)
   bool ranks_given = false;
+  // --eplb (eplb_report.cpp): the EPLB report of a replayed trace instead of a layer run.
+  bool eplb = false;
+  int redundant_experts = -1;  // -1: E / 4 rounded up to a multiple of --ranks
+  bool redundant_given = false;
   // Resolved by run():
   DeviceKind kind = DeviceKind::cpu;
   BufferOptions buffer_options;
@@ -618,6 +622,29 @@ int run(RunConfig c) {
     check_flags_agree(*mpi_group, c);
   }
 #endif
+  // ---- --eplb: plan and measure on a replayed trace (host only, no layer run) ----
+  if (c.redundant_given && !c.eplb)
+    bad("--redundant-experts", "--eplb beside it (it sets the spare slots of the EPLB plan)", c.redundant_experts);
+  if (c.eplb) {
+    if (c.routing.empty()) bad("--eplb", "--routing DIR or FILE (the trace to plan from)", "no --routing");
+    if (c.mode != "normal")
+      bad("--mode", "normal with --eplb (the report counts the normal dispatch's layout; low-latency is not supported)",
+          c.mode);
+    if (c.backend != "threads") bad("--backend", "threads with --eplb (the report runs in one process)", c.backend);
+    if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
+    if (c.redundant_experts < 0) {
+      if (c.redundant_given) bad("--redundant-experts", fmt::format(">= 0 and a multiple of --ranks ({})", c.ranks),
+                                 c.redundant_experts);
+      c.redundant_experts = (c.experts / 4 + c.ranks - 1) / c.ranks * c.ranks;
+    }
+    if (c.redundant_experts % c.ranks != 0)
+      bad("--redundant-experts", fmt::format(">= 0 and a multiple of --ranks ({})", c.ranks), c.redundant_experts);
+    check_job_flags(c);
+    if (!c.replay_flags_given.empty() && c.replay_flags_given != "--domain")
+      fmt::print(stderr, "note: --layer and --offset are ignored with --eplb (every layer, both halves of the trace)\n");
+    const RoutingTrace trace = load_replayed_trace(c, /*root=*/false);  // its replay lines are a layer run's
+    return run_eplb_report(trace, c.experts, c.ranks, c.redundant_experts, c.json, c.routing);
+  }
   const Activation act = parse_activation_flag(c.activation);
   const int gpus = resolve_devices(c);
   apply_config_flag(c.config, c.buffer_options);
@@ -779,7 +806,14 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")->capture_default_str();
   cmd->add_option("--json", c.json, "also write the results as JSON to this file")->check(non_empty_path());
+  cmd->add_flag("--eplb", c.eplb,
+                "EPLB report of --routing instead of a layer run: every layer planned on the first half of the tokens "
+                "(rebalance_experts), max/mean choices per rank of both halves before and after (semantics §9)");
+  cmd->add_option("--redundant-experts", c.redundant_experts,
+                  "spare physical expert slots of the --eplb plan, a multiple of --ranks (default: experts / 4 rounded "
+                  "up to a multiple of --ranks)");
   return [config, cmd] {
+    config->redundant_given = cmd->count("--redundant-experts") > 0;
     config->topk_given = cmd->count("--topk") > 0;
     for (const char* flag : {"--domain", "--layer", "--offset"})
       if (cmd->count(flag) > 0) config->replay_flags_given += (config->replay_flags_given.empty() ? "" : ", ") + std::string(flag);
