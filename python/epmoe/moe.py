@@ -332,9 +332,11 @@ class MoELayer:
 
         Returns: bfloat16 [T, H]; with shared experts a tuple (output, shared_output).
         Errors: epmoe.Error — invalid_argument for bad shapes/dtypes/ids/activation, and for a tensor on another
-        device than the experts' (naming the argument, the expected and the actual value). Every argument (w1, w2 included) is checked before any communication,
-        so such an error leaves the layer usable. A call that fails after the dispatch started (a timeout, a
-        broken group) leaves the ranks out of step: later calls raise 'unusable' naming that failure.
+        device than the experts' (naming the argument, the expected and the actual value). Every argument (w1, w2,
+        w1_scale, w2_scale included) is checked before any communication, so such an error leaves the layer usable.
+        A call that fails after the dispatch started (a timeout, a broken group) leaves the ranks out of step: later
+        calls raise 'unusable' naming that failure. An exception of the shared experts propagates after the routed
+        forward completed.
         """
         for name, value in (("hidden", hidden), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights),
                             ("topk_idx", topk_idx)):

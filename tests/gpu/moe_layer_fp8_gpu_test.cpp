@@ -186,7 +186,8 @@ TEST(GpuMoELayerFp8, BadScalesAreNamedBeforeAnyCommunication) {
       const MoEForwardResult r = layer->forward(args_of(dw, x, idx, tw, p.E));
       cuda_ok(cudaDeviceSynchronize(), "sync");
       const double err = error_of(p, 0, to_host(r.output));
-      std::printf("[ rel_l2   ] %-72s %.3e\n", (std::string(mode_name(mode)) + " after the refused calls").c_str(), err);
+      const std::string what = std::string(mode_name(mode)) + " after the refused calls";
+      std::printf("[ rel_l2   ] %-72s %.3e\n", what.c_str(), err);
       EXPECT_LE(err, kTolerance) << mode_name(mode) << " seed " << seed;
     });
 }

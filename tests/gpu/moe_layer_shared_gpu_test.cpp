@@ -165,8 +165,9 @@ void check_overlap(Mode mode) {
     };
     std::shared_ptr<PrepareFinalize> pf;
     auto layer = make_layer(mode, p, g, stamped, pf);
-    pf->before_dispatch = [&] { gputest::stamp_globaltimer(st + 2, static_cast<cudaStream_t>(current_stream().handle)); };
-    pf->after_dispatch = [&] { gputest::stamp_globaltimer(st + 3, static_cast<cudaStream_t>(current_stream().handle)); };
+    const auto here = [] { return static_cast<cudaStream_t>(current_stream().handle); };
+    pf->before_dispatch = [&] { gputest::stamp_globaltimer(st + 2, here()); };
+    pf->after_dispatch = [&] { gputest::stamp_globaltimer(st + 3, here()); };
     const Tensor d_w1 = to_device(p.w1), d_w2 = to_device(p.w2);
     const Tensor d_x = to_device(p.x), d_idx = to_device(p.idx), d_tw = to_device(p.tw);
     for (int f = 0; f < 2; ++f) {  // the second forward reuses the side stream
