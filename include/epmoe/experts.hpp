@@ -96,7 +96,7 @@ enum class ExpertsQuant : std::uint8_t {
   ///   quantized by the experts from bf16/float32 hidden (semantics §6 in float32, after the router weight with
   ///   apply_router_weight_on_input); the activation output is quantized the same way (1 x 128 groups of
   ///   the N channels) before the second GEMM, as vLLM and DeepGEMM do. Output bfloat16.
-  ///   H % 16 == 0 and N % 16 == 0 (semantics §1's fp8 rows).
+  ///   H % 16 == 0 and N % 16 == 0 (semantics §1's fp8 rows). Through MoELayer: MoEForwardArgs::w1_scale, w2_scale.
   fp8_block,
 };
 /// "none" or "fp8_block".

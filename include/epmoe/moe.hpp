@@ -183,6 +183,17 @@ struct MoEForwardArgs {
   /// Whether the batch holds prefill (extend) tokens (SGLang's is_extend_in_batch): required by a layer in
   /// DispatchMode::automatic, ignored otherwise. Every rank must pass the same value (engines all-reduce it).
   std::optional<bool> is_extend_in_batch;
+  // ---- fp8 block-scaled weights (semantics §8; ExpertsQuant::fp8_block) ----
+  /// With experts made for ExpertsQuant::fp8_block (make_cuda_experts / make_reference_experts with config.quant =
+  /// fp8_block) w1 and w2 are float8_e4m3fn (same shapes as above) and these are their float32 block scales, one per
+  /// 128x128 block of each expert's matrix (DeepSeek-V3's "weight_block_size": [128, 128], as DeepGEMM and vLLM's
+  /// block-quantized MoE read them; edge blocks may be partial): w1_scale [E_local, ceil(2N (or N) / 128),
+  /// ceil(H / 128)], w2_scale [E_local, ceil(H / 128), ceil(N / 128)], contiguous, on the weights' device; weight =
+  /// fp8 value * its block's scale. Both None with bf16 weights. Handed to Experts::apply as ExpertsInputs::w1_scales
+  /// and w2_scales.
+  TensorView w1_scale;
+  TensorView w2_scale;
+  // ---- end fp8 block-scaled weights ----
 };
 
 struct MoEForwardResult {
@@ -224,8 +235,29 @@ class DispatchHookHandle {
   std::uint64_t id_ = 0;
 };
 
-/// Shared experts: a dense MLP every token goes through, run beside the routed experts.
+/// Shared experts: a dense MLP every token goes through, run beside the routed experts. Takes hidden (bfloat16
+/// [T, H], as MoEForwardArgs::hidden) and returns bfloat16 [T, H] (MoEForwardResult::shared_output).
+/// CPU tensors: called on a side thread of MoELayer::forward. CUDA tensors: called on the calling thread with the
+/// layer's side stream as the current stream (stream.hpp): it must enqueue its work there, on hidden's device, and
+/// not wait for the host (MoELayer::forward says how the side stream is ordered with the caller's).
 using SharedExperts = std::function<Tensor(const TensorView& hidden)>;
+
+// ---- shared experts on a GPU (src/moe/shared_experts.cpp) ----
+/// A built-in GPU SharedExperts: the dense MLP y = w2_shared @ act(w1_shared @ x) of every token, with the CUDA
+/// experts (make_cuda_experts, batched_experts format, as one expert holding all T tokens: cuBLAS GEMMs, bf16
+/// in and out, float32 accumulation, the CUDA experts' roundings; no host synchronisation, CUDA-graph capturable
+/// once the same T ran eagerly). w1_shared bfloat16 [2N_s, H] (gated activation) or [N_s, H] (*_no_mul),
+/// w2_shared bfloat16 [H, N_s], contiguous, on one GPU, H % 8 == 0 and N_s % 8 == 0; the callable holds them
+/// (a Tensor wrapping a view does not own it: keep the memory alive). Each call checks hidden (bfloat16
+/// [T, H], contiguous, on the weights' GPU; invalid_argument naming 'hidden') and writes into a buffer of its own,
+/// grown on demand (on the current stream; growing while that stream is captured raises unsupported): the
+/// returned tensor views it and is overwritten by the next call of the same callable (copy it to keep it).
+/// Errors (invalid_argument naming w1_shared, w2_shared or activation): a tensor not bfloat16, not 2-D, not
+/// contiguous, not on CUDA or on another GPU than w1_shared; shapes that disagree; unsupported without CUDA.
+SharedExperts make_cuda_shared_experts(Tensor w1_shared, Tensor w2_shared, Activation activation = Activation::silu);
+/// The side stream and events of one layer's GPU shared experts (shared_experts.cpp).
+struct SharedExpertsStream;
+// ---- end shared experts on a GPU ----
 
 /// The composition. Construction refuses a prepare/finalize whose activation format differs from
 /// the experts' (invalid_argument naming both).
@@ -235,7 +267,17 @@ class MoELayer {
            SharedExperts shared_experts = {}, MoELayerOptions options = {});
 
   /// Runs dispatch_a, dispatch_b, the experts (chunked), combine_a, combine_b. Shared experts run on
-  /// a side thread overlapped with dispatch and combine. Collective over the ranks of the buffer.
+  /// a side thread overlapped with dispatch and combine (CPU tensors), or, on CUDA tensors, on the layer's side
+  /// stream (one per layer, non-blocking, made on hidden's device by the first such forward): forward records an
+  /// event on the current stream, makes the side stream wait on it, calls the shared experts with the side stream
+  /// current (their work overlaps the dispatch, experts and combine enqueued after it on the current stream), records
+  /// an event on the side stream, and makes the current stream wait on it before returning: no host
+  /// synchronisation, capturable in a CUDA graph (the side stream joins the capture) once a forward ran eagerly.
+  /// shared_output is then ready where the current stream is. An exception of the shared experts propagates after
+  /// the routed forward completed (so the other ranks are not left waiting), as on the CPU.
+  /// fp8 block-scaled experts (ExpertsQuant::fp8_block): w1, w2 float8_e4m3fn with w1_scale, w2_scale (see
+  /// MoEForwardArgs), checked here too (each named; fp8 weights without scales, scales with bf16 weights, wrong
+  /// shapes, dtypes or devices, H or N not a multiple of 16). Collective over the ranks of the buffer.
   /// Every argument is checked before any communication (invalid_argument naming it, the expected and the
   /// actual value: hidden [T, H] on the experts' device (a GPU for make_cuda_experts, else the CPU);
   /// global_num_experts > 0; activation; w1 [E_local, 2N or N, H] and w2 [E_local, H, N] in bfloat16,
@@ -322,6 +364,7 @@ class MoELayer {
   std::shared_ptr<PrepareFinalize> prepare_finalize_;
   std::shared_ptr<Experts> experts_;
   SharedExperts shared_experts_;
+  std::shared_ptr<SharedExpertsStream> shared_stream_;  ///< GPU shared experts' side stream, made on first use
   MoELayerOptions options_;
   std::vector<std::int64_t> last_chunk_rows_;
   std::string failed_;  ///< why a forward failed after its dispatch started; empty while usable

@@ -12,7 +12,7 @@ arguments the message names the argument, what was expected and what came, and n
 communicated yet.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, overload
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union, overload
 
 ArrayArg = Any  # None | array | (array, dtype name)
 Array = Any     # numpy.ndarray, torch.Tensor (framework="torch") or cupy.ndarray (framework="cupy")
@@ -197,8 +197,15 @@ class Experts:
 
 def make_reference_experts(activation_format: str = "standard", reduce: bool = True) -> Experts: ...
 def make_blas_experts(activation_format: str = "standard", reduce: bool = True) -> Experts: ...
-def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) -> Experts:
-    """Errors: unsupported in a build without CUDA."""
+def make_cuda_experts(activation_format: str = "standard", reduce: bool = True, quant: str = "none") -> Experts:
+    """quant 'none' (bf16 weights) or 'fp8_block'. Errors: unsupported in a build without CUDA."""
+
+class SharedExperts:
+    """Built-in GPU shared experts (make_cuda_shared_experts)."""
+
+def make_cuda_shared_experts(w1_shared: ArrayArg, w2_shared: ArrayArg, activation: str = "silu") -> SharedExperts:
+    """A dense MLP on the CUDA experts. Errors: invalid_argument naming w1_shared / w2_shared / activation;
+    unsupported in a build without CUDA."""
 
 class PrepareFinalize:
     """Quantize + dispatch and combine (no_ep, normal or low_latency)."""
@@ -238,7 +245,7 @@ class MoELayer:
     has_shared_experts: bool
     @overload
     def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts,
-                 shared_experts: Optional[Callable[[Array], ArrayArg]] = None, chunk_size: int = 0,
+                 shared_experts: Union[None, SharedExperts, Callable[..., ArrayArg]] = None, chunk_size: int = 0,
                  micro_batch: int = 0, workspaces: Optional[WorkspaceCache] = None,
                  framework: str = "numpy") -> None:
         """Errors: a prepare/finalize whose activation format differs from the experts' (names both)."""
@@ -252,7 +259,8 @@ class MoELayer:
     def forward(self, hidden: ArrayArg, w1: ArrayArg, w2: ArrayArg, topk_weights: ArrayArg, topk_idx: ArrayArg,
                 activation: str = "silu", global_num_experts: int = 0, expert_map: ArrayArg = None,
                 apply_router_weight_on_input: bool = False, output: ArrayArg = None,
-                framework: str = "numpy", is_extend_in_batch: Optional[bool] = None) -> Tuple[Array, Optional[Array]]:
+                framework: str = "numpy", is_extend_in_batch: Optional[bool] = None, w1_scale: ArrayArg = None,
+                w2_scale: ArrayArg = None) -> Tuple[Array, Optional[Array]]:
         """(output bfloat16 [T, H], shared_output bfloat16 [T, H] or None). Collective."""
     def set_eplb_plan(self, physical_to_logical: Sequence[int], logical_to_physical: Sequence[int],
                       logical_replica_count: Sequence[int], num_layers: int, num_logical_experts: int,

@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import numpy as np
 
 from . import _ext
-from ._tensor import (arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream,
-                      unsupported)
+from ._tensor import arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream
 from .buffer import Buffer
 
 Experts = _ext.Experts
@@ -64,7 +63,7 @@ def make_blas_experts(activation_format: str = "standard", reduce: bool = True) 
     return _ext.make_blas_experts(activation_format, reduce)
 
 
-def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) -> Experts:
+def make_cuda_experts(activation_format: str = "standard", reduce: bool = True, quant: str = "none") -> Experts:
     """The experts on one GPU (cuBLAS GEMMs, bf16 intermediates as vLLM's kernels); agree with the float64
     reference to relative L2 1e-2 (semantics §13; typically ~3e-3). Arguments as make_reference_experts.
 
@@ -78,9 +77,53 @@ def make_cuda_experts(activation_format: str = "standard", reduce: bool = True) 
     ('standard') and make_low_latency_prepare_finalize over a cuda_ipc Buffer ('batched_experts').
 
     Errors: epmoe.Error 'invalid_argument' for an unknown activation_format; 'unsupported' in a build without
-    CUDA ("epmoe was built without CUDA"; see epmoe.built_with_cuda()). The C++ experts also take fp8 block-scaled
-    weights (ExpertsQuant::fp8_block), which MoELayer.forward cannot pass (it has no weight scales): not bound."""
-    return _ext.make_cuda_experts(activation_format, reduce)
+    CUDA ("epmoe was built without CUDA"; see epmoe.built_with_cuda()); an unknown quant (invalid_argument).
+
+    quant 'fp8_block': DeepSeek-V3's block-scaled fp8 experts (cuBLASLt's block-scaled fp8 GEMMs, Hopper, cuBLAS
+    >= 12.9): MoELayer.forward then takes float8_e4m3fn w1 / w2 with float32 w1_scale / w2_scale (one scale per
+    128x128 block; see MoELayer.forward), quantizes the activations per 1x128 group (semantics §6) and agrees with
+    the float64 model of those quantizations to relative L2 1e-2; H % 16 == 0 and N % 16 == 0."""
+    return _ext.make_cuda_experts(activation_format, reduce, quant)
+
+
+# ---- shared experts on a GPU ----
+SharedExperts = _ext.SharedExperts
+
+
+def make_cuda_shared_experts(w1_shared: Any, w2_shared: Any, activation: str = "silu") -> SharedExperts:
+    """Built-in GPU shared experts for MoELayer(shared_experts=...): the dense MLP w2_shared @ act(w1_shared @ x)
+    of every token on the CUDA experts (cuBLAS, bf16 in and out, float32 accumulation; no host synchronisation,
+    CUDA-graph capturable once the same T ran eagerly), run on the layer's side stream.
+
+    w1_shared: bfloat16 [2N_s, H] (gated activation) or [N_s, H] (*_no_mul); w2_shared: bfloat16 [H, N_s];
+    contiguous torch or CuPy CUDA tensors on one GPU (held by the callable), H % 8 == 0 and N_s % 8 == 0.
+    The layer's shared_output then views a buffer of the callable's own, overwritten by its next forward (clone it
+    to keep it past that). Errors: epmoe.Error 'invalid_argument' naming w1_shared, w2_shared or activation;
+    'unsupported' in a build without CUDA."""
+    if activation not in ACTIVATIONS:
+        raise invalid_argument("activation", f"one of {ACTIVATIONS}", repr(activation))
+    return _ext.make_cuda_shared_experts(arg(w1_shared), arg(w2_shared), activation)
+
+
+def _run_on_side_stream(fn: Callable[[Any], Any], hidden: Any, stream: int) -> Any:
+    """fn(hidden) with the layer's side stream (a cudaStream_t handle) as torch's or CuPy's current stream, so the
+    work fn enqueues overlaps the dispatch and combine on the caller's stream (the layer orders the two with
+    events)."""
+    from ._tensor import is_cupy, is_torch
+    if is_torch(hidden):
+        import torch
+        main = torch.cuda.current_stream(hidden.device)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=hidden.device)):
+            out = fn(hidden)
+        if is_torch(out) and out.device.type == "cuda":
+            out.record_stream(main)  # read on the caller's stream: the caching allocator must not reuse it earlier
+        return out
+    if is_cupy(hidden):
+        import cupy
+        with cupy.cuda.ExternalStream(stream):
+            return fn(hidden)
+    return fn(hidden)
+# ---- end shared experts on a GPU ----
 
 
 def _check_scale_format(round_scale: bool, use_ue8m0: bool) -> None:
@@ -142,25 +185,35 @@ class MoELayer:
         experts: from make_reference_experts / make_blas_experts (CPU tensors) or make_cuda_experts (CUDA
             tensors); its activation format must match the prepare/finalize's (else epmoe.Error
             'invalid_argument' naming both).
-        shared_experts: optional callable hidden -> bfloat16 [T, H], run on a side thread overlapped with
-            dispatch and combine (it receives a copy of the hidden states). CPU tensors only (a forward on
-            CUDA tensors raises epmoe.Error 'unsupported': run them on your stream beside the layer).
+        shared_experts: optional callable hidden -> bfloat16 [T, H] beside the routed experts. CPU tensors: run on
+            a side thread overlapped with dispatch and combine (it receives a copy of the hidden states). CUDA tensors:
+            run on the calling thread under torch.cuda.stream(side_stream) (CuPy: its ExternalStream), the layer's
+            side stream, which waits for the caller's stream first; the caller's stream waits for it before forward
+            returns (events, no host synchronisation, CUDA-graph capturable), so what the callable enqueues overlaps
+            the dispatch, experts and combine. It receives hidden itself (no copy) and must not synchronise with the
+            host. Or make_cuda_shared_experts(w1_shared, w2_shared) (CUDA experts only).
         chunk_size: standard format: run the experts over chunks of this many rows (0 = one chunk).
         micro_batch: which workspace set to use; workspaces: a WorkspaceCache shared by layers.
     """
 
     def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts,
-                 shared_experts: Optional[Callable[[Any], Any]] = None, chunk_size: int = 0, micro_batch: int = 0,
-                 workspaces: Optional[WorkspaceCache] = None) -> None:
+                 shared_experts: Union[None, SharedExperts, Callable[[Any], Any]] = None, chunk_size: int = 0,
+                 micro_batch: int = 0, workspaces: Optional[WorkspaceCache] = None) -> None:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.shared_experts = shared_experts
         chunk_size = int_arg("chunk_size", chunk_size, -(2**63), 2**63 - 1)
         micro_batch = int_arg("micro_batch", micro_batch, -(2**31), 2**31 - 1)
-        wrapped = None
-        if shared_experts is not None:
-            def wrapped(hidden: Any, fn: Callable[[Any], Any] = shared_experts) -> Any:
-                out = fn(hidden)
+        wrapped: Any = None
+        if isinstance(shared_experts, SharedExperts):
+            if getattr(experts, "name", None) != "cuda":
+                raise invalid_argument("shared_experts", "a callable (make_cuda_shared_experts runs with "
+                                       "make_cuda_experts on CUDA tensors)", f"built-in GPU shared experts with "
+                                       f"the '{getattr(experts, 'name', '?')}' experts")
+            wrapped = shared_experts
+        elif shared_experts is not None:
+            def wrapped(hidden: Any, stream: Optional[int] = None, fn: Callable[[Any], Any] = shared_experts) -> Any:
+                out = fn(hidden) if stream is None else _run_on_side_stream(fn, hidden, stream)
                 # What the layer returns as shared_output: the same dtype and shape as its input, else named here.
                 if dtype_name(out) != dtype_name(hidden) or tuple(getattr(out, "shape", ())) != tuple(hidden.shape):
                     raise invalid_argument("shared_experts", f"a callable returning {describe(hidden)} (bfloat16 "
@@ -248,7 +301,8 @@ class MoELayer:
     def forward(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, activation: str = "silu",
                 global_num_experts: int = -1, expert_map: Optional[Any] = None,
                 apply_router_weight_on_input: bool = False, output: Optional[Any] = None,
-                is_extend_in_batch: Optional[bool] = None, eplb_plan: Optional[Tuple[Any, Any, Any]] = None,
+                is_extend_in_batch: Optional[bool] = None, w1_scale: Optional[Any] = None,
+                w2_scale: Optional[Any] = None, eplb_plan: Optional[Tuple[Any, Any, Any]] = None,
                 eplb_layer: int = 0) -> Any:
         """Router output in, MoE output out (vLLM's FusedMoEModularKernel.forward). Collective over the
         buffer's ranks.
@@ -277,6 +331,12 @@ class MoELayer:
                 graph once the same shapes ran eagerly.
             is_extend_in_batch: whether the batch holds prefill tokens (True) or is decode only (False); required by
                 a MoELayer.from_buffer layer in mode 'auto' (same value on every rank), ignored otherwise.
+            w1_scale, w2_scale: with make_cuda_experts(quant='fp8_block') only (w1, w2 then float8_e4m3fn): float32
+                block scales, one per 128x128 block of each expert's matrix (DeepSeek-V3 / DeepGEMM layout; edge
+                blocks partial): w1_scale [E_local, ceil(2N (or N) / 128), ceil(H / 128)], w2_scale [E_local,
+                ceil(H / 128), ceil(N / 128)], contiguous, on the weights' device; weight = fp8 * its block's scale.
+                None with bf16 weights. A mismatch (fp8 weights without scales, scales with bf16 weights, a wrong
+                shape, dtype or device) is invalid_argument naming the argument, before any communication.
 
         Devices: every tensor on the experts' device: the CPU for the reference and BLAS experts (NumPy with
         ml_dtypes, or torch CPU tensors), one GPU for make_cuda_experts (torch or CuPy CUDA tensors; the work is
@@ -285,10 +345,11 @@ class MoELayer:
 
         Returns: bfloat16 [T, H]; with shared experts a tuple (output, shared_output).
         Errors: epmoe.Error — invalid_argument for bad shapes/dtypes/ids/activation, and for a tensor on another
-        device than the experts' (naming the argument, the expected and the actual value); unsupported for
-        shared experts with CUDA tensors. Every argument (w1, w2 included) is checked before any communication,
-        so such an error leaves the layer usable. A call that fails after the dispatch started (a timeout, a
-        broken group) leaves the ranks out of step: later calls raise 'unusable' naming that failure.
+        device than the experts' (naming the argument, the expected and the actual value). Every argument (w1, w2,
+        w1_scale, w2_scale included) is checked before any communication, so such an error leaves the layer usable.
+        A call that fails after the dispatch started (a timeout, a broken group) leaves the ranks out of step: later
+        calls raise 'unusable' naming that failure. An exception of the shared experts propagates after the routed
+        forward completed.
         """
         for name, value in (("hidden", hidden), ("w1", w1), ("w2", w2), ("topk_weights", topk_weights),
                             ("topk_idx", topk_idx)):
@@ -304,7 +365,7 @@ class MoELayer:
                                    f"an object of type {type(is_extend_in_batch).__name__}")
         if global_num_experts is not None:
             global_num_experts = int_arg("global_num_experts", global_num_experts, -(2**31), 2**31 - 1)
-        self._check_devices(hidden, w1, w2, topk_weights, topk_idx, output)
+        self._check_devices(hidden, w1, w2, topk_weights, topk_idx, output, w1_scale, w2_scale)
         # ---- EPLB mapping (semantics §9): set on the C++ layer when the plan or layer changes ----
         eplb_layer = int_arg("eplb_layer", eplb_layer, 0, 2**63 - 1)
         if eplb_plan is None:
@@ -336,14 +397,15 @@ class MoELayer:
             result, shared = self._layer.forward(arg(hidden), arg(w1), arg(w2), arg(topk_weights), arg(topk_idx),
                                                  activation, global_num_experts, arg(expert_map),
                                                  apply_router_weight_on_input, arg(output), framework_of(hidden),
-                                                 is_extend_in_batch)
+                                                 is_extend_in_batch, arg(w1_scale), arg(w2_scale))
         if output is not None:
             result = output  # written in place: hand back the caller's own object
         return (result, shared) if self.shared_experts is not None else result
 
     __call__ = forward
 
-    def _check_devices(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, output: Any) -> None:
+    def _check_devices(self, hidden: Any, w1: Any, w2: Any, topk_weights: Any, topk_idx: Any, output: Any,
+                       w1_scale: Any = None, w2_scale: Any = None) -> None:
         """Every tensor on the experts' device, checked before any work: the C++ layer would otherwise find some
         mismatches only after its prepare step ran (leaving the layer unusable) or read device memory on the
         host."""
@@ -358,11 +420,8 @@ class MoELayer:
         if not on_gpu and where != "cpu":
             raise invalid_argument("hidden", f"a CPU tensor (the '{name}' experts run on the CPU; "
                                    "epmoe.make_cuda_experts runs on a GPU)", f"{describe(hidden)} on {where}")
-        if on_gpu and self.shared_experts is not None:
-            raise unsupported("MoELayer: shared_experts run on CPU tensors only (on a GPU, run them on your stream "
-                              "beside the layer)")
         for arg_name, t in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_idx", topk_idx),
-                            ("output", output)):
+                            ("output", output), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
             if t is not None and device_of(t) != where:
                 raise invalid_argument(arg_name, f"a tensor on {where} (hidden's device, where the '{name}' experts "
                                        "run)", f"{describe(t)} on {device_of(t)}")

@@ -38,6 +38,10 @@ struct PyMoELayer {
 struct PyDispatchHookHandle {
   std::shared_ptr<DispatchHookHandle> handle;
 };
+/// make_cuda_shared_experts' callable (shared experts on a GPU).
+struct PySharedExperts {
+  SharedExperts fn;
+};
 
 DispatchMode parse_dispatch_mode(std::string_view s) {
   if (s == "normal") return DispatchMode::normal;
@@ -88,10 +92,18 @@ Tensor clone(const TensorView& v) {
 
 enum class ExpertsKind { reference, blas, cuda };
 
-std::shared_ptr<Experts> make_experts(ExpertsKind kind, std::string_view format, bool reduce) {
+ExpertsQuant parse_quant(std::string_view s) {
+  if (s == "none") return ExpertsQuant::none;
+  if (s == "fp8_block") return ExpertsQuant::fp8_block;
+  throw_invalid_argument("quant", "'none' or 'fp8_block'", fmt::format("'{}'", s));
+}
+
+std::shared_ptr<Experts> make_experts(ExpertsKind kind, std::string_view format, bool reduce,
+                                      std::string_view quant = "none") {
   ExpertsConfig c;
   c.format = parse_format(format);
   c.reduce = reduce;
+  c.quant = parse_quant(quant);
   switch (kind) {
     case ExpertsKind::reference: return std::shared_ptr<Experts>(make_reference_experts(c));
     case ExpertsKind::blas: return std::shared_ptr<Experts>(make_blas_experts(c));
@@ -126,8 +138,20 @@ void bind_moe(nb::module_& m) {
       nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
   m.def(
       "make_cuda_experts",
-      [](std::string_view format, bool reduce) { return PyExperts{make_experts(ExpertsKind::cuda, format, reduce)}; },
-      nb::arg("activation_format") = "standard", nb::arg("reduce") = true);
+      [](std::string_view format, bool reduce, std::string_view quant) {
+        return PyExperts{make_experts(ExpertsKind::cuda, format, reduce, quant)};
+      },
+      nb::arg("activation_format") = "standard", nb::arg("reduce") = true, nb::arg("quant") = "none");
+  // ---- shared experts on a GPU ----
+  nb::class_<PySharedExperts>(m, "SharedExperts", "Built-in GPU shared experts (make_cuda_shared_experts).");
+  m.def(
+      "make_cuda_shared_experts",
+      [](nb::handle w1, nb::handle w2, std::string_view activation) {
+        Tensor a = tensor_from_py(w1, "w1_shared"), b = tensor_from_py(w2, "w2_shared");
+        return PySharedExperts{make_cuda_shared_experts(std::move(a), std::move(b), parse_activation(activation))};
+      },
+      nb::arg("w1_shared"), nb::arg("w2_shared"), nb::arg("activation") = "silu");
+  // ---- end shared experts on a GPU ----
 
   nb::class_<PyPrepareFinalize>(m, "PrepareFinalize", "Quantize + dispatch and combine behind one interface (semantics §8).")
       .def_prop_ro("name", [](const PyPrepareFinalize& p) { return std::string(p.pf->name()); })
@@ -186,12 +210,19 @@ void bind_moe(nb::module_& m) {
              std::int64_t chunk_size, int micro_batch, PyWorkspaces* workspaces, std::string_view framework) {
             const Framework fw = parse_framework(framework);
             SharedExperts shared;
-            if (!shared_experts.is_none()) {
-              // Runs on the layer's side thread: takes the GIL, hands Python a copy of the hidden states.
+            if (nb::isinstance<PySharedExperts>(shared_experts)) {
+              shared = nb::cast<PySharedExperts&>(shared_experts).fn;  // runs without the GIL
+            } else if (!shared_experts.is_none()) {
+              // CPU: runs on the layer's side thread: takes the GIL, hands Python a copy of the hidden states.
+              // CUDA: runs on the calling thread with the layer's side stream current, whose handle Python gets
+              // (epmoe/moe.py makes it torch's or CuPy's current stream), over hidden itself (no copy).
               shared = [fn = make_ref(shared_experts), fw](const TensorView& hidden) -> Tensor {
-                // clone() copies on the host; epmoe/moe.py refuses CUDA tensors with shared experts first.
-                if (!hidden.device.is_cpu())
-                  throw Error(ErrorCode::unsupported, "epmoe: shared_experts run on CPU tensors only");
+                if (hidden.device.is_cuda()) {
+                  const auto stream = reinterpret_cast<std::uintptr_t>(current_stream().handle);
+                  nb::gil_scoped_acquire gil;
+                  nb::object result = (*fn)(view_to_py(hidden, nb::none(), fw), stream);
+                  return tensor_from_py(result, "shared_experts(hidden)");
+                }
                 Tensor copy = clone(hidden);
                 nb::gil_scoped_acquire gil;
                 nb::object result = (*fn)(to_py(copy, fw));
@@ -264,7 +295,7 @@ void bind_moe(nb::module_& m) {
           [](PyMoELayer& l, nb::handle hidden, nb::handle w1, nb::handle w2, nb::handle topk_weights,
              nb::handle topk_idx, std::string_view activation, int global_num_experts, nb::handle expert_map,
              bool apply_router_weight_on_input, nb::handle output, std::string_view framework,
-             std::optional<bool> is_extend_in_batch) {
+             std::optional<bool> is_extend_in_batch, nb::handle w1_scale, nb::handle w2_scale) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             MoEForwardArgs a;
@@ -279,6 +310,8 @@ void bind_moe(nb::module_& m) {
             a.apply_router_weight_on_input = apply_router_weight_on_input;
             a.output = arg(output, "output", in);
             a.is_extend_in_batch = is_extend_in_batch;
+            a.w1_scale = arg(w1_scale, "w1_scale", in);
+            a.w2_scale = arg(w2_scale, "w2_scale", in);
             MoEForwardResult r;
             {
               nb::gil_scoped_release release;
@@ -290,7 +323,8 @@ void bind_moe(nb::module_& m) {
           nb::arg("activation") = "silu", nb::arg("global_num_experts") = 0,
           nb::arg("expert_map").none() = nb::none(), nb::arg("apply_router_weight_on_input") = false,
           nb::arg("output").none() = nb::none(), nb::arg("framework") = "numpy",
-          nb::arg("is_extend_in_batch").none() = nb::none())
+          nb::arg("is_extend_in_batch").none() = nb::none(), nb::arg("w1_scale").none() = nb::none(),
+          nb::arg("w2_scale").none() = nb::none())
       // ---- EPLB mapping (semantics §9): the plan's arrays flattened row-major ----
       .def(
           "set_eplb_plan",

@@ -122,6 +122,12 @@ __global__ void fill_kernel(float* __restrict__ p, std::int64_t n, float value) 
     p[i] = value;
 }
 
+__global__ void fill_int32_kernel(std::int32_t* __restrict__ p, std::int64_t n, std::int32_t value) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
 }  // namespace
 
 FaultRecord* fault_record_for_kernels() {
@@ -207,6 +213,14 @@ void fill(float* p, std::int64_t n, float value, Stream stream) {
   constexpr int kThreads = 256;
   const int blocks = static_cast<int>(std::min<std::int64_t>(cuda_util::ceil_div(n, kThreads), 1024));
   fill_kernel<<<blocks, kThreads, 0, cuda_util::to_cuda(stream)>>>(p, n, value);
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void fill_int32(std::int32_t* p, std::int64_t n, std::int32_t value, Stream stream) {
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  const int blocks = static_cast<int>(std::min<std::int64_t>(cuda_util::ceil_div(n, kThreads), 1024));
+  fill_int32_kernel<<<blocks, kThreads, 0, cuda_util::to_cuda(stream)>>>(p, n, value);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -48,6 +48,9 @@ void scatter_to_slabs(const TensorView& x, const TensorView& topk_idx, const std
 /// p[i] = value for i < n.
 void fill(float* p, std::int64_t n, float value, Stream stream);
 
+/// p[i] = value for i < n.
+void fill_int32(std::int32_t* p, std::int64_t n, std::int32_t value, Stream stream);
+
 /// cudaMemcpyAsync device to device (nothing for 0 bytes).
 void copy(void* dst, const void* src, std::size_t bytes, Stream stream);
 

@@ -14,6 +14,7 @@
 
 #include "core/cuda_util.hpp"
 #include "eplb/eplb.hpp"
+#include "moe/layer_extensions.hpp"
 
 namespace epmoe {
 
@@ -172,6 +173,8 @@ Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args)
   ExpertsInputs in;
   in.w1 = args.w1;
   in.w2 = args.w2;
+  in.w1_scales = args.w1_scale;  // fp8 block-scaled weights only (check_weight_scales)
+  in.w2_scales = args.w2_scale;
   in.activation = args.activation;
   last_chunk_rows_.clear();
   const Device device = p.hidden.device();
@@ -292,6 +295,7 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
                   fmt::format("shape {} (N = {} from w1 {} with {}, H = {} from hidden, {})", to_string(w2_shape), N,
                               to_string(args.w1.shape), act(), H, e_local_from()),
                   describe(args.w2));
+  layer_detail::check_weight_scales(args, *experts_, e_local, H, N);  // layer_fp8.cpp
   if (args.output.defined()) {
     const Shape out_shape{T, H};
     EPMOE_CHECK_ARG(args.output.dtype == DType::bf16 && args.output.shape == out_shape && args.output.is_contiguous() &&
@@ -544,7 +548,12 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
   MoEForwardResult result;
   // Shared experts overlap dispatch, experts and combine on a side thread (the CPU's side stream).
   std::future<Tensor> shared;
-  if (shared_experts_) shared = std::async(std::launch::async, shared_experts_, args.hidden);
+  // ---- shared experts on a GPU: on the layer's side stream instead (shared_experts.cpp) ----
+  layer_detail::GpuSharedRun gpu_shared;
+  if (shared_experts_ && args.hidden.device.is_cuda())
+    gpu_shared = layer_detail::start_gpu_shared_experts(shared_stream_, shared_experts_, args.hidden);
+  // ---- end shared experts on a GPU ----
+  else if (shared_experts_) shared = std::async(std::launch::async, shared_experts_, args.hidden);
 
   PrepareInputs in{routed.hidden, routed.topk_idx, routed.topk_weights, routed.global_num_experts,
                    routed.apply_router_weight_on_input, routed.output};
@@ -568,17 +577,21 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
     }
   } catch (const std::exception& e) {
     if (shared.valid()) shared.wait();
+    layer_detail::join_gpu_shared_experts(gpu_shared);
     // Failed after dispatch_a had sent (its own argument errors leave the stage at INITIAL): the ranks are out
     // of step, and the next call says so instead of reporting a stage error.
     if (prepare_finalize_->stage() != Stage::initial)
       failed_ = fmt::format("in stage {}: {}", stage_name(prepare_finalize_->stage()), e.what());
     throw;
   }
+  layer_detail::join_gpu_shared_experts(gpu_shared);
   if (hook_error) {
     if (shared.valid()) shared.wait();
     std::rethrow_exception(hook_error);
   }
   if (shared.valid()) result.shared_output = shared.get();
+  if (gpu_shared.error) std::rethrow_exception(gpu_shared.error);
+  if (gpu_shared.state) result.shared_output = std::move(gpu_shared.output);
   return result;
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "experts/experts_fp8_test_util.hpp"
 #include "support/moe_reference.hpp"
 #include "support/random.hpp"
 
@@ -297,6 +298,161 @@ TEST(NoEpPrepareArgs, MaxTokensPerExpertPast31BitsIsNamed) {
     }
   }
 }
+
+// ---- fp8 block-scaled weights and GPU shared experts: the layer's argument checks ----
+
+// fp8 weights of all kF8E experts (H = 144, N = 48: partial 128-blocks) and rank-local inputs.
+constexpr int kF8E = 4;
+constexpr std::int64_t kF8H = 144, kF8N = 48, kF8T = 10;
+
+struct Fp8Layer {
+  test::Fp8Weights w;  // [E, 2N, H] / [E, H, N] with their block scales
+  std::vector<Tensor> x, topk_idx, topk_weights;
+};
+
+Fp8Layer make_fp8_layer(std::mt19937_64& rng) {
+  Fp8Layer l;
+  l.w = test::random_fp8_weights(rng, kF8E, kF8N, kF8H, Activation::silu);
+  for (int r = 0; r < kR; ++r) {
+    l.x.push_back(test::random_bf16(rng, kF8T, kF8H));
+    l.topk_idx.push_back(test::random_topk_idx(rng, kF8T, kK, kF8E));
+    l.topk_weights.push_back(test::random_topk_weights(rng, l.topk_idx.back()));
+  }
+  return l;
+}
+
+// Rank r's arguments with its e_local of the kF8E experts.
+MoEForwardArgs fp8_args(const Fp8Layer& l, int r, int e_local) {
+  MoEForwardArgs a;
+  const auto ru = static_cast<std::size_t>(r);
+  a.hidden = l.x[ru];
+  a.w1 = l.w.w1.view().slice_rows(r * e_local, (r + 1) * e_local);
+  a.w2 = l.w.w2.view().slice_rows(r * e_local, (r + 1) * e_local);
+  a.w1_scale = l.w.w1_scales.view().slice_rows(r * e_local, (r + 1) * e_local);
+  a.w2_scale = l.w.w2_scales.view().slice_rows(r * e_local, (r + 1) * e_local);
+  a.topk_idx = l.topk_idx[ru];
+  a.topk_weights = l.topk_weights[ru];
+  a.global_num_experts = kF8E;
+  return a;
+}
+
+// The naive float64 model of the fp8 experts (weights dequantized per block, activations quantized per 1x128
+// group, tests/support/experts_fp8_reference) over all experts for rank r's tokens.
+double fp8_error(const Fp8Layer& l, int r, const Tensor& got) {
+  const auto ru = static_cast<std::size_t>(r);
+  const std::vector<double> want =
+      test::naive_fp8_experts_standard(l.x[ru], {}, l.w.w1, l.w.w1_scales, l.w.w2, l.w.w2_scales, l.topk_weights[ru],
+                                       l.topk_idx[ru], Activation::silu, {}, false, true);
+  return test::relative_l2(want, got.view());
+}
+
+std::vector<BadCase> fp8_bad_cases(int e_local) {
+  const auto make = [](DType t, Shape s, std::vector<Tensor>& keep) {
+    keep.push_back(Tensor::zeros(t, s));
+    return keep.back().view();
+  };
+  const std::string s1 = "[" + std::to_string(e_local) + ", 1, 2]", s2 = "[" + std::to_string(e_local) + ", 2, 1]";
+  return {
+      {"fp8 weights without w1_scale", [](MoEForwardArgs& a, auto&) { a.w1_scale = TensorView(); },
+       {"'w1_scale'", "None (fp8 weights need their block scales)", s1}},
+      {"fp8 weights without w2_scale", [](MoEForwardArgs& a, auto&) { a.w2_scale = TensorView(); },
+       {"'w2_scale'", "None", s2}},
+      {"w1_scale of w2's shape",
+       [=](MoEForwardArgs& a, auto& k) { a.w1_scale = make(DType::fp32, {e_local, 2, 1}, k); },
+       {"'w1_scale'", "float32 " + s1, "one scale per 128x128 block", "float32" + s2}},
+      {"w2_scale with a block too many",
+       [=](MoEForwardArgs& a, auto& k) { a.w2_scale = make(DType::fp32, {e_local, 2, 2}, k); },
+       {"'w2_scale'", "[E_local, ceil(H/128), ceil(N/128)]"}},
+      {"w1_scale bfloat16", [=](MoEForwardArgs& a, auto& k) { a.w1_scale = make(DType::bf16, {e_local, 1, 2}, k); },
+       {"'w1_scale'", "contiguous float32", "bfloat16" + s1}},
+      {"bf16 w1 for fp8 experts",
+       [=](MoEForwardArgs& a, auto& k) { a.w1 = make(DType::bf16, {e_local, 2 * kF8N, kF8H}, k); },
+       {"'w1'", "float8_e4m3fn weights for the 'reference' experts with fp8_block weights"}},
+      {"bf16 w2 for fp8 experts", [=](MoEForwardArgs& a, auto& k) { a.w2 = make(DType::bf16, {e_local, kF8H, kF8N}, k); },
+       {"'w2'", "float8_e4m3fn"}},
+  };
+}
+
+// fp8 weights with their scales through the layer: rank 1 alone makes every bad call (a call that communicated would
+// wait for rank 0 and time out), then both ranks run good ones over the normal-mode buffer against the float64 model.
+TEST(MoELayerArgs, Fp8WeightScalesAreCheckedBeforeCommunicatingAndTheLayerMatchesFloat64) {
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const Fp8Layer l = make_fp8_layer(rng);
+  std::vector<Tensor> out(kR);
+  ExpertsConfig ec;
+  ec.quant = ExpertsQuant::fp8_block;
+  run_thread_ranks(
+      kR,
+      [&](Group& g) {
+        const int r = g.rank();
+        MoELayer layer(make_normal_prepare_finalize(std::make_shared<Buffer>(borrow(g))),
+                       std::shared_ptr<Experts>(make_reference_experts(ec)));
+        if (r == 1)
+          for (const BadCase& c : fp8_bad_cases(kF8E / kR)) {
+            SCOPED_TRACE(c.name);
+            std::vector<Tensor> keep;
+            MoEForwardArgs a = fp8_args(l, r, kF8E / kR);
+            c.spoil(a, keep);
+            expect_invalid([&] { layer.forward(a); }, c.parts);
+            EXPECT_EQ(layer.prepare_finalize().stage(), Stage::initial);
+          }
+        out[static_cast<std::size_t>(r)] = layer.forward(fp8_args(l, r, kF8E / kR)).output;
+      },
+      10.0);
+  for (int r = 0; r < kR; ++r)
+    EXPECT_LE(fp8_error(l, r, out[static_cast<std::size_t>(r)]), 1e-2) << "rank " << r << " seed " << seed;
+  // No EP: one rank holds every expert.
+  MoELayer no_ep(make_no_ep_prepare_finalize(), std::shared_ptr<Experts>(make_reference_experts(ec)));
+  for (const BadCase& c : fp8_bad_cases(kF8E)) {
+    SCOPED_TRACE(c.name);
+    std::vector<Tensor> keep;
+    MoEForwardArgs a = fp8_args(l, 0, kF8E);
+    c.spoil(a, keep);
+    expect_invalid([&] { no_ep.forward(a); }, c.parts);
+  }
+  EXPECT_LE(fp8_error(l, 0, no_ep.forward(fp8_args(l, 0, kF8E)).output), 1e-2) << "seed " << seed;
+}
+
+// bf16 experts refuse block scales and fp8 weights, naming them.
+TEST(MoELayerArgs, Bf16ExpertsRefuseWeightScalesAndFp8Weights) {
+  std::mt19937_64 rng(fresh_seed());
+  const Inputs in = make_inputs(rng);
+  const Fp8Layer l = make_fp8_layer(rng);
+  MoELayer layer(make_no_ep_prepare_finalize(), std::shared_ptr<Experts>(make_reference_experts()));
+  MoEForwardArgs good = valid_args(in, 0);
+  good.w1 = in.w1;
+  good.w2 = in.w2;
+  const Tensor s1 = Tensor::zeros(DType::fp32, {kE, 1, 1}), s2 = Tensor::zeros(DType::fp32, {kE, 1, 1});
+  MoEForwardArgs bad = good;
+  bad.w1_scale = s1;
+  expect_invalid([&] { layer.forward(bad); },
+                 {"'w1_scale'", "None for the 'reference' experts with bfloat16 weights", "ExpertsQuant::fp8_block",
+                  "float32[4, 1, 1]"});
+  bad = good;
+  bad.w2_scale = s2;
+  expect_invalid([&] { layer.forward(bad); }, {"'w2_scale'", "None"});
+  MoEForwardArgs fp8 = fp8_args(l, 0, kF8E);  // fp8 weights and scales for bf16 experts
+  expect_invalid([&] { layer.forward(fp8); }, {"'w1'", "bfloat16", "float8_e4m3fn"});
+  EXPECT_LE(error_vs_reference(in, 0, layer.forward(good).output), 1e-2);
+}
+
+// make_cuda_shared_experts checks its weights before anything else (also in builds without CUDA).
+TEST(MoELayerArgs, CudaSharedExpertsRefuseCpuOrMisshapenWeights) {
+  std::mt19937_64 rng(fresh_seed());
+  const Tensor w1 = test::random_bf16(rng, 2 * kN, kH), w2 = test::random_bf16(rng, kH, kN);
+  expect_invalid([&] { make_cuda_shared_experts(w1, w2); }, {"'w1_shared'", "CUDA tensor", "cpu"});
+  // Views that say they live on a GPU (nothing reads them: the shapes are refused first).
+  const auto gpu = [](const Tensor& t, Shape s) {
+    return Tensor::wrap(TensorView(t.data(), t.dtype(), s, Device::cuda(0)), nullptr);
+  };
+  expect_invalid([&] { make_cuda_shared_experts(gpu(w1, {2 * kN, kH}), gpu(w2, {kN, kH})); },
+                 {"'w2_shared'", "[32, 16]", "bfloat16[16, 32] cuda:0"});
+  expect_invalid([&] { make_cuda_shared_experts(gpu(w1, {2 * kN - 1, kH}), gpu(w2, {kH, kN})); },
+                 {"'w1_shared'", "gated activation 'silu'"});
+  expect_invalid([&] { make_cuda_shared_experts(gpu(w1, {2 * kN, kH}), Tensor()); }, {"'w2_shared'", "None"});
+}
+// ---- end fp8 block-scaled weights and GPU shared experts ----
 
 }  // namespace
 }  // namespace epmoe

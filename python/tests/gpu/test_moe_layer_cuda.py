@@ -9,7 +9,14 @@ tensors, one process, one GPU.
   tests/gpu/moe_layer_gpu_test.cpp). Outputs given to the layer are poisoned (0xff: NaN) first; a second call
   lets the layer allocate.
 - K = 1 with the router weight on the input and int32 ids.
-- Tensors on the wrong device (and shared experts on a GPU) named before any work; the layer stays usable.
+- Tensors on the wrong device named before any work; the layer stays usable.
+- Shared experts on CUDA tensors: a torch callable runs under torch.cuda.stream(the layer's side stream), overlapped
+  with the dispatch (CUDA events: the side stream's start before the dispatch hook's point on the caller's stream,
+  its end after it, and the caller's stream after forward after its end; only the caller's stream is synchronised),
+  and the built-in make_cuda_shared_experts, no-EP and low-latency, against the float64 dense MLP.
+- fp8 block-scaled experts (make_cuda_experts(quant='fp8_block'), w1_scale / w2_scale) through the no-EP, normal and
+  low-latency layers against a NumPy float64 model (weights dequantized per 128x128 block, activations quantized per
+  1x128 group as the GEMMs see them); mismatched scales named before any work.
 - MoEModule moved with .cuda() / .to('cuda').
 - Low-latency and normal-mode prepare/finalize over a world-size-1 cuda_ipc Buffer (a thread rank on cuda:0
   sending to itself), bf16 and fp8, K = 1 and 8, three forwards through one layer (an output given, then allocated
@@ -34,7 +41,8 @@ import epmoe
 # The parent folder's helpers (conftest.py) are importable here. No conftest.py in this folder: a second module
 # named conftest would shadow the parent's.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import BF16, fp8_dequantize_ref, fp8_quantize_ref, moe_ref, random_topk_idx, rel_l2  # noqa: E402
+from conftest import (BF16, FP8, act_ref, fp8_dequantize_ref, fp8_quantize_ref, moe_ref, random_topk_idx,  # noqa: E402
+                      rel_l2)
 
 # A protocol bug in the low-latency case costs seconds, not the 100 s default wait.
 os.environ.setdefault("EPMOE_TIMEOUT_S", "20")
@@ -184,9 +192,8 @@ def test_tensors_on_the_wrong_device_are_named_before_any_work():
     assert code == "invalid_argument" and "'hidden'" in msg and "a CUDA tensor" in msg and "'cuda' experts" in msg, msg
     code, msg = error(epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts()))
     assert code == "invalid_argument" and "'hidden'" in msg and "a CPU tensor" in msg and "cuda:0" in msg, msg
-    code, msg = error(epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_cuda_experts(),
-                                     shared_experts=lambda h: h))
-    assert code == "unsupported" and "shared_experts" in msg, msg
+    code, msg = error(layer, w1_scale=torch.ones((E, 2, 16), dtype=torch.float32))  # scales with bf16 experts (CPU)
+    assert code == "invalid_argument" and "'w1_scale'" in msg, msg
     if torch.cuda.device_count() >= 2:
         code, msg = error(layer, w2=to_cuda(w2, "cuda:1"))
         assert code == "invalid_argument" and "'w2'" in msg and "cuda:0" in msg and "cuda:1" in msg, msg
@@ -300,3 +307,193 @@ def test_normal_layer_over_a_one_rank_cuda_ipc_buffer(dispatch_dtype, H, K, redu
         return [layer.forward(x, w1, w2, w, idx) for x, idx, w in calls]
 
     check_one_rank_forwards(name, calls, w1, w2, H, dispatch_dtype, gpu_rank, cpu_rank)
+
+
+# ------------------------------------------------------------------------------------------ shared experts on a GPU
+
+def make_shared_weights(rng, H: int, Ns: int):
+    w1s = (rng.standard_normal((2 * Ns, H)) / np.sqrt(H)).astype(BF16)
+    w2s = (rng.standard_normal((H, Ns)) / np.sqrt(Ns)).astype(BF16)
+    return w1s, w2s
+
+
+def dense_ref(x: np.ndarray, w1s: np.ndarray, w2s: np.ndarray) -> np.ndarray:
+    """float64 w2s @ silu-gated(w1s @ x) per token: moe_ref with one expert taking every token at weight 1."""
+    T = x.shape[0]
+    return moe_ref(x, w1s[None], w2s[None], np.ones((T, 1), np.float32), np.zeros((T, 1), np.int64), "silu")
+
+
+@pytest.mark.parametrize("fmt", ["standard", "batched_experts"])
+def test_torch_shared_experts_run_on_the_side_stream_overlapping_the_dispatch(fmt):
+    name = f"torch shared experts on the side stream, no-EP {fmt}"
+    rng = np.random.default_rng(fresh_seed(name))
+    E, T, H, K, Ns = 8, 32, 2048, 4, 1024
+    w1, w2 = make_weights(rng, E, H)
+    w1s, w2s = make_shared_weights(rng, H, Ns)
+    d_w1s, d_w2s = to_cuda(w1s), to_cuda(w2s)
+    ev = {k: torch.cuda.Event(enable_timing=True) for k in ("side_start", "side_end", "dispatch", "after")}
+    seen = {}
+
+    def shared(h):
+        seen["stream"] = torch.cuda.current_stream().cuda_stream
+        ev["side_start"].record()
+        torch.cuda._sleep(5_000_000)  # ~3 ms: a serial schedule would put the dispatch after it
+        g = h @ d_w1s.t()
+        out = (torch.nn.functional.silu(g[:, :Ns].float()) * g[:, Ns:].float()).to(torch.bfloat16) @ d_w2s.t()
+        ev["side_end"].record()
+        return out
+
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(activation_format=fmt), epmoe.make_cuda_experts(fmt),
+                           shared_experts=shared)
+    handle = layer.register_dispatch_hook(lambda pf: ev["dispatch"].record())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for f in range(2):
+            x, idx, w = make_tokens(rng, T, H, K, E)
+            out, shared_out = layer.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx))
+            ev["after"].record()
+            stream.synchronize()  # only the caller's stream
+            assert seen["stream"] != stream.cuda_stream, "the shared experts ran on the caller's stream"
+            start_to_dispatch = ev["side_start"].elapsed_time(ev["dispatch"])
+            dispatch_to_end = ev["dispatch"].elapsed_time(ev["side_end"])
+            end_to_after = ev["side_end"].elapsed_time(ev["after"])
+            print(f"[events] {name} forward {f}: side start -> dispatch {start_to_dispatch:.3f} ms, dispatch -> side "
+                  f"end {dispatch_to_end:.3f} ms, side end -> after forward {end_to_after:.3f} ms")
+            assert start_to_dispatch > 0, "the shared experts started after the dispatch"
+            assert dispatch_to_end > 0, "the dispatch waited for the shared experts"
+            assert end_to_after >= 0, "the caller's stream did not wait for the side stream"
+            check(to_numpy(out), moe_ref(x, w1, w2, w, idx, "silu"), f"{name} forward {f} routed")
+            check(to_numpy(shared_out), dense_ref(x, w1s, w2s), f"{name} forward {f} shared")
+    handle.remove()
+
+
+def test_builtin_shared_experts_no_ep_and_low_latency():
+    name = "built-in GPU shared experts"
+    rng = np.random.default_rng(fresh_seed(name))
+    E, T, H, K, Ns, tmax = 8, 12, 2048, 4, 512, 16
+    w1, w2 = make_weights(rng, E, H)
+    w1s, w2s = make_shared_weights(rng, H, Ns)
+    builtin = epmoe.make_cuda_shared_experts(to_cuda(w1s), to_cuda(w2s))
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_cuda_experts(), shared_experts=builtin)
+    x, idx, w = make_tokens(rng, T, H, K, E)
+    out, shared_out = layer.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx))
+    torch.cuda.current_stream().synchronize()
+    check(to_numpy(out), moe_ref(x, w1, w2, w, idx, "silu"), f"{name} no-EP routed")
+    check(to_numpy(shared_out), dense_ref(x, w1s, w2s), f"{name} no-EP shared")
+    with pytest.raises(epmoe.Error) as e:  # the built-in runs beside the CUDA experts only
+        epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_blas_experts(), shared_experts=builtin)
+    assert e.value.code == "invalid_argument" and "'shared_experts'" in str(e.value)
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.make_cuda_shared_experts(to_cuda(w1s), to_cuda(w2s[:, :Ns // 2]))
+    assert e.value.code == "invalid_argument" and "'w2_shared'" in str(e.value)
+
+    def gpu_rank(group):
+        torch.cuda.set_device(0)
+        buf = epmoe.Buffer(group, low_latency_mode=True, backend="cuda_ipc", device=0)
+        lay = epmoe.MoELayer(epmoe.make_low_latency_prepare_finalize(buf, tmax),
+                             epmoe.make_cuda_experts("batched_experts"),
+                             shared_experts=epmoe.make_cuda_shared_experts(to_cuda(w1s), to_cuda(w2s)))
+        got, sh = lay.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx))
+        torch.cuda.current_stream().synchronize()
+        return to_numpy(got), to_numpy(sh)
+
+    got, sh = epmoe.run_thread_ranks(1, gpu_rank, timeout_s=60)[0]
+    check(got, moe_ref(x, w1, w2, w, idx, "silu"), f"{name} low-latency routed")
+    check(sh, dense_ref(x, w1s, w2s), f"{name} low-latency shared")
+
+
+# ------------------------------------------------------------------------------------------ fp8 block-scaled experts
+
+BLOCK = 128
+
+
+def quantize_blocks(rng, E: int, rows: int, cols: int, base: float):
+    """fp8 [E, rows, cols] with float32 scales [E, ceil(rows/128), ceil(cols/128)]: each 128x128 block's values
+    uniform in a range of its own, scale = amax / 448, q = fp8(w / scale)."""
+    rb, cb = -(-rows // BLOCK), -(-cols // BLOCK)
+    w = rng.uniform(-1, 1, size=(E, rows, cols)).astype(np.float32)
+    w *= np.repeat(np.repeat(base * 2.0 ** rng.uniform(-2, 2, size=(E, rb, cb)), BLOCK, 1), BLOCK, 2)[:, :rows, :cols]
+    scales = np.zeros((E, rb, cb), np.float32)
+    for bi in range(rb):
+        for bj in range(cb):
+            blk = w[:, bi * BLOCK:(bi + 1) * BLOCK, bj * BLOCK:(bj + 1) * BLOCK]
+            scales[:, bi, bj] = np.maximum(np.abs(blk).reshape(E, -1).max(axis=1), 1e-12) / 448.0
+    full = np.repeat(np.repeat(scales, BLOCK, 1), BLOCK, 2)[:, :rows, :cols]
+    return (w / full).astype(FP8), scales
+
+
+def dequantize_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    E, rows, cols = q.shape
+    return q.astype(np.float64) * np.repeat(np.repeat(scales.astype(np.float64), BLOCK, 1), BLOCK, 2)[:, :rows, :cols]
+
+
+def fp8_round_trip(a: np.ndarray) -> np.ndarray:
+    q, s = fp8_quantize_ref(a.astype(np.float32))
+    return fp8_dequantize_ref(q, s)
+
+
+def fp8_experts_ref(x, w1q, w1s, w2q, w2s, topk_w, topk_idx) -> np.ndarray:
+    """float64 model of the fp8 block-scaled experts (silu): weights dequantized per block; x and act(g) (rounded to
+    float32) quantized per 1x128 group (semantics §6) as the GEMMs see them."""
+    w1d, w2d = dequantize_blocks(w1q, w1s), dequantize_blocks(w2q, w2s)
+    N = w2q.shape[2]
+    xq = fp8_round_trip(x)
+    out = np.zeros((x.shape[0], w2q.shape[1]))
+    for t in range(x.shape[0]):
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            if e < 0:
+                continue
+            g = w1d[e] @ xq[t]
+            a = fp8_round_trip(act_ref("silu", g[:N], g[N:]).astype(np.float32)[None])[0]
+            out[t] += float(topk_w[t, k]) * (w2d[e] @ a)
+    return out
+
+
+def fp8_to_cuda(q: np.ndarray) -> "torch.Tensor":
+    return torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn).to("cuda:0")
+
+
+@pytest.mark.parametrize("mode", ["no_ep_standard", "no_ep_batched", "normal", "low_latency"])
+def test_fp8_block_scaled_experts_through_the_layer(mode):
+    name = f"fp8 block-scaled experts {mode}"
+    rng = np.random.default_rng(fresh_seed(name))
+    E, T, H, Nf, K, tmax = 8, 10, 2880, 256, 4, 16  # H = 2880: a partial last 128-block
+    w1q, w1s = quantize_blocks(rng, E, 2 * Nf, H, 6.0 / np.sqrt(H))
+    w2q, w2s = quantize_blocks(rng, E, H, Nf, 3.0 / np.sqrt(Nf))
+    calls = [make_tokens(rng, T - f, H, K, E) for f in range(2)]
+    fmt = "batched_experts" if mode in ("no_ep_batched", "low_latency") else "standard"
+
+    def gpu_rank(group):
+        torch.cuda.set_device(0)
+        if mode == "normal":
+            buf = epmoe.Buffer(group, num_nvl_bytes=epmoe.Buffer.get_normal_nvl_size_hint(T, H, 1, K),
+                               backend="cuda_ipc", device=0)
+            pf = epmoe.make_normal_prepare_finalize(buf)
+        elif mode == "low_latency":
+            pf = epmoe.make_low_latency_prepare_finalize(
+                epmoe.Buffer(group, low_latency_mode=True, backend="cuda_ipc", device=0), tmax)
+        else:
+            pf = epmoe.make_no_ep_prepare_finalize(activation_format=fmt)
+        layer = epmoe.MoELayer(pf, epmoe.make_cuda_experts(fmt, quant="fp8_block"))
+        d = dict(w1=fp8_to_cuda(w1q), w2=fp8_to_cuda(w2q), w1_scale=torch.from_numpy(w1s).cuda(),
+                 w2_scale=torch.from_numpy(w2s).cuda())
+        x, idx, w = calls[0]
+        errors = {}
+        for arg_name, change in (("w1_scale", dict(w1_scale=None)), ("w2_scale", dict(w2_scale=d["w1_scale"])),
+                                 ("w1", dict(w1=to_cuda(np.zeros((E, 2 * Nf, H), BF16))))):
+            with pytest.raises(epmoe.Error) as e:
+                layer.forward(to_cuda(x), **{**d, **change}, topk_weights=to_cuda(w), topk_idx=to_cuda(idx))
+            errors[arg_name] = (e.value.code, str(e.value), layer.stage)
+        outs = []
+        for f, (x, idx, w) in enumerate(calls):
+            output = poisoned(x.shape[0], H) if f == 0 else None
+            outs.append(layer.forward(to_cuda(x), topk_weights=to_cuda(w), topk_idx=to_cuda(idx), output=output, **d))
+        torch.cuda.synchronize()
+        return [to_numpy(o) for o in outs], errors
+
+    outs, errors = epmoe.run_thread_ranks(1, gpu_rank, timeout_s=60)[0]
+    for arg_name, (code, msg, stage) in errors.items():
+        assert code == "invalid_argument" and f"'{arg_name}'" in msg and stage == "INITIAL", msg
+    for f, ((x, idx, w), got) in enumerate(zip(calls, outs)):
+        check(got, fp8_experts_ref(x, w1q, w1s, w2q, w2s, w, idx), f"{name} forward {f} vs NumPy float64")
