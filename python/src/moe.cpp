@@ -172,6 +172,16 @@ void bind_moe(nb::module_& m) {
       },
       nb::arg("buffer"), nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false,
       nb::arg("use_ue8m0") = false);
+  // The same over a Group itself (any Group, e.g. one over a Python all-gather, which a CPU Buffer cannot take).
+  m.def(
+      "make_all_gather_prepare_finalize",
+      [](PyGroup& g, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+        return PyPrepareFinalize{
+            make_all_gather_prepare_finalize(g.group, pf_options(dispatch_dtype, round_scale, use_ue8m0)),
+            g.group->size()};
+      },
+      nb::arg("group"), nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false,
+      nb::arg("use_ue8m0") = false);
   m.def(
       "make_low_latency_prepare_finalize",
       [](PyBuffer& b, int tmax, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {

@@ -579,14 +579,16 @@ def test_all_gather_layer_matches_numpy_and_normal_mode_bit_for_bit(rng, R, disp
 
     def rank_main(group):
         r = group.rank()
+        inner = group
         if group_kind == "from_all_gather":  # a Group implemented in Python: Group's default reduce-scatter
-            inner = group
             group = epmoe.Group.from_all_gather(r, R, "python-test",
                                                 lambda data, phase: b"".join(inner.all_gather_bytes(data, phase)))
-        buf = epmoe.Buffer(group)
+        # normal mode over the thread group's Buffer (a CPU Buffer needs a threads or MPI group)
+        buf = epmoe.Buffer(inner if group_kind == "from_all_gather" else group)
+        ag_on = group if group_kind == "from_all_gather" else buf
         x, idx, w = tokens[r]
         outs = []
-        for pf in (epmoe.make_all_gather_prepare_finalize(buf, dispatch_dtype=dispatch_dtype),
+        for pf in (epmoe.make_all_gather_prepare_finalize(ag_on, dispatch_dtype=dispatch_dtype),
                    epmoe.make_normal_prepare_finalize(buf, dispatch_dtype=dispatch_dtype)):
             layer = epmoe.MoELayer(pf, epmoe.make_reference_experts())
             outs.append(layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx))

@@ -118,8 +118,14 @@ class AllGatherPrepareFinalize final : public PrepareFinalize {
       result_ = gpu_combine(fused, w);
       return;
     }
-    const Tensor reduced = reduce_standard(fused, w, out_.topk_weights, out_.topk_idx);
-    result_ = group_->size() == 1 ? reduced : reduce_scatter_rows(reduced);
+    if (group_->size() == 1) {
+      result_ = reduce_standard(fused, w, out_.topk_weights, out_.topk_idx);
+      return;
+    }
+    // Reduced rows are widened straight from the experts' output: no bf16 copy of it first.
+    Tensor reduced;
+    if (w == WeightAndReduce::contiguous) reduced = reduce_standard(fused, w, out_.topk_weights, out_.topk_idx);
+    result_ = reduce_scatter_rows(reduced.defined() ? reduced.view() : fused);
   }
 
   Tensor do_combine_b() override {
