@@ -10,6 +10,8 @@
 //   batched eager   -- BatchedExperts: scatter into [E, max_tokens, H] slabs, strided-batched GEMMs over every
 //                      slab row, NaiveBatched finalize; no host synchronisation
 //   batched graph   -- the same sequence, router included, captured once in a CUDA graph and replayed
+//   all_gather R=1  -- the all-gather + reduce-scatter prepare/finalize over a one-rank group with the standard
+//                      experts (the baseline's R = 1 path: no gather, no copy; should equal standard eager)
 // max_tokens (the slab height) is the largest per-expert count of this run's routing rounded up to 16, so
 // the batched GEMMs do E * max_tokens rows of work for T * K useful ones; the ratio is printed ("waste").
 // TFLOP/s counts useful work only: T * K * 6 * H * N (gated gemm1 2N x H, gemm2 H x N).
@@ -23,6 +25,7 @@ int main() {
 }
 #else
 #include <epmoe/experts.hpp>
+#include <epmoe/group.hpp>
 #include <epmoe/moe.hpp>
 #include <epmoe/stream.hpp>
 
@@ -234,7 +237,22 @@ int main(int argc, char** argv) {
         if (reference.empty()) reference = got;
         std::printf("  %-24s %9.3f ms (min %.3f)  %6.1f TFLOP/s  rel. diff to standard bf16 %.2e\n",
                     rows.back().name.c_str(), med, mn, rows.back().tflops, rel_diff(reference, got));
-        if (!batched) continue;
+        if (!batched) {
+          // The all-gather + reduce-scatter baseline at R = 1 (make_all_gather_prepare_finalize over a one-rank
+          // group): nothing to gather, nothing copied, so it should time as the no-EP standard row above.
+          ThreadWorld one(1);
+          MoELayer ag(make_all_gather_prepare_finalize(one.group(0), po), make_cuda_experts(ec), SharedExperts{}, lo);
+          std::tie(med, mn) = timer.time([&] {
+            route();
+            ag.forward(a);
+          });
+          rows.push_back({std::string("all_gather R=1 ") + dn + " eager", T, 0, med, mn, useful / (med * 1e-3) / 1e12});
+          check(cudaStreamSynchronize(timer.stream), "all_gather");
+          const std::vector<bf16_t> got_ag = download(out.data(), static_cast<std::size_t>(T * H));
+          std::printf("  %-24s %9.3f ms (min %.3f)  %6.1f TFLOP/s  rel. diff to standard bf16 %.2e\n",
+                      rows.back().name.c_str(), med, mn, rows.back().tflops, rel_diff(reference, got_ag));
+          continue;
+        }
         cudaGraph_t graph = nullptr;
         check(cudaStreamBeginCapture(timer.stream, cudaStreamCaptureModeGlobal), "begin capture");
         step();

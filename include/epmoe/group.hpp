@@ -38,6 +38,17 @@ class Group {
   virtual void all_gather(const void* send, void* recv, std::size_t bytes, std::string_view phase) = 0;
   /// Copies `bytes` bytes from `root`'s `data` to every rank's `data`.
   virtual void broadcast(void* data, std::size_t bytes, int root, std::string_view phase) = 0;
+  /// Reduce-scatter of float32 sums. Every rank contributes `send`, float32 [size() * count] (block q of
+  /// `count` values meant for rank q); rank r receives `recv`, float32 [count] = the sum over the ranks
+  /// q = 0, 1, ..., size() - 1 of their block r, added in that order starting from rank 0's block:
+  /// ((s_0 + s_1) + s_2) + ... in float32. Every backend sums in this one order, so the result is deterministic
+  /// and bit-identical across backends (threads, mpi, the Python groups). `send` and `recv` must not overlap.
+  /// The default (what a Group that does not override it gets, e.g. one implemented in Python) all-gathers the
+  /// whole of every rank's `send` (size() times the bytes a reduce-scatter needs) and sums the own block; the
+  /// threads group reads its peers' blocks in place, the MPI group exchanges blocks with one MPI_Ialltoall (not
+  /// MPI_Reduce_scatter_block: MPI does not fix the order of its sums). Errors: as all_gather (timeout, unusable);
+  /// invalid_argument naming send/recv when count > 0 and one is null.
+  virtual void reduce_scatter_sum(const float* send, float* recv, std::size_t count, std::string_view phase);
 
   /// Compares the settings across ranks in one all-gather. On a mismatch every rank throws
   /// ErrorCode::rank_mismatch naming the setting, this rank's value and a differing rank's value.

@@ -131,6 +131,33 @@ std::shared_ptr<PrepareFinalize> make_low_latency_prepare_finalize(std::shared_p
                                                                    int num_max_dispatch_tokens_per_rank,
                                                                    const PrepareFinalizeOptions& options = {});
 
+// ---- all-gather + reduce-scatter baseline (vLLM's naive / allgather_reducescatter all2all backend) ----
+/// Expert parallelism over `group` with no Buffer (semantics §8, "the all-gather + reduce-scatter baseline"):
+/// dispatch_a all-gathers every rank's tokens (bfloat16, or fp8 data + scales quantized before the gather and
+/// dequantized after), topk_idx and topk_weights; the experts of this rank (E_local = E / R, global ids
+/// [rank * E_local, (rank + 1) * E_local)) run in the standard format over all M = R * T_max rows, T_max the
+/// largest token count of any rank (rows r * T_max + t, t < T_r, are rank r's tokens; rows past T_r are padding:
+/// zeros with every id -1); topk_idx holds local ids, -1 for other ranks' experts; topk_weights the gathered
+/// weights (all ones with apply_router_weight_on_input, K == 1); expert_num_tokens int32 [E_local]. combine_a
+/// weight-and-reduces each row (contiguous) to bfloat16 [M, H], widens it to float32 and reduce-scatters it
+/// (Group::reduce_scatter_sum: summed over ranks in rank order 0..R-1 in float32, one bfloat16 rounding), so each
+/// rank gets its T rows back. The result equals normal mode's bit for bit on the same inputs and experts (both
+/// add the same bfloat16 partials in rank order; the zero partial of a rank without an expert of the token adds
+/// exactly). Tokens per rank may differ (T = 0 works); the ranks first all-gather their T and settings (H, K, E,
+/// dispatch dtype), a differing one raises rank_mismatch on every rank. R == 1 does no communication and no copy.
+/// CUDA tensors (hidden, topk_idx, topk_weights, the optional output on one GPU; CUDA experts): the host-staged
+/// baseline -- for R > 1 the token side is copied to the host on the current stream (which is synchronised), the
+/// host steps above run there and the experts' input is copied back; the combine copies its reduced rows to the
+/// host, reduce-scatters them and copies the result to the device (into PrepareInputs::output when given). At
+/// R == 1 everything stays on the device, asynchronous on the current stream (fp8 round trip, counts and invalid
+/// ids as the no-EP prepare/finalize: cuda::check_moe_faults). Errors, before any communication (invalid_argument
+/// naming the argument, the expected and the actual value): group null; the token side as
+/// make_normal_prepare_finalize's (CPU or CUDA); global_num_experts not a multiple of R; an id outside [-1, E)
+/// (CPU, and CUDA with R > 1); fp8 with H % 16 != 0; fused_expert_output of the wrong shape or weight_and_reduce
+/// other than none/contiguous.
+std::shared_ptr<PrepareFinalize> make_all_gather_prepare_finalize(std::shared_ptr<Group> group,
+                                                                  const PrepareFinalizeOptions& options = {});
+
 /// Workspaces shared by every layer of a model: one set per micro-batch, grown on demand, so layers
 /// run one after another reuse the same memory (vLLM's shared workspace).
 class WorkspaceCache {

@@ -41,9 +41,8 @@ from ._tensor import BFLOAT16, FLOAT8_E4M3FN
 from .buffer import Buffer, Config, DispatchHandle, Event, EventOverlap, LowLatencyHandle
 from .eplb import ExpertLoadRecorder, map_to_physical, rebalance_experts
 from .moe import (ACTIVATIONS, DISPATCH_MODES, DispatchHookHandle, Experts, MoELayer, PrepareFinalize,
-                  SharedExperts, WorkspaceCache, make_blas_experts, make_cuda_experts, make_cuda_shared_experts,
-                  make_low_latency_prepare_finalize,
-                  make_no_ep_prepare_finalize, make_normal_prepare_finalize, make_reference_experts,
+                  SharedExperts, WorkspaceCache, make_all_gather_prepare_finalize, make_blas_experts, make_cuda_experts,
+                  make_cuda_shared_experts, make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize, make_reference_experts,
                   resolve_dispatch_mode)
 from .ops import (FP8_GROUP_SIZE, dequantize_fp8, fp8_group_scale, get_dispatch_layout, grouped_topk,
                   num_scale_groups, num_ue8m0_words, quantize_fp8, topk_sigmoid, topk_softmax, ue8m0_from_scale,
@@ -79,8 +78,8 @@ __all__ = [
     "ExpertLoadRecorder", "map_to_physical", "rebalance_experts",
     "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
     "as_group", "built_with_cuda", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
-    "grouped_topk", "make_blas_experts", "make_cuda_experts", "make_cuda_shared_experts", "SharedExperts",
-    "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
+    "grouped_topk", "make_all_gather_prepare_finalize", "make_blas_experts", "make_cuda_experts",
+    "make_cuda_shared_experts", "SharedExperts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
     "make_normal_prepare_finalize", "make_reference_experts", "num_scale_groups", "num_ue8m0_words", "quantize_fp8",
     "run_thread_ranks", "topk_idx_t", "topk_sigmoid", "topk_softmax", "ue8m0_from_scale", "ue8m0_to_scale",
 ]

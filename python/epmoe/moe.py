@@ -166,6 +166,23 @@ def make_normal_prepare_finalize(buffer: Union[Buffer, Any], dispatch_dtype: str
     return _ext.make_normal_prepare_finalize(_runtime(buffer), dispatch_dtype, round_scale, use_ue8m0)
 
 
+def make_all_gather_prepare_finalize(buffer: Union[Buffer, Any], dispatch_dtype: str = "bfloat16",
+                                     round_scale: bool = False, use_ue8m0: bool = False) -> PrepareFinalize:
+    """The all-gather + reduce-scatter baseline over `buffer`'s group, or over `buffer` itself when it is an
+    epmoe.Group (any group: threads, MPI, Group.from_all_gather) (vLLM's naive EP backend; 'standard' format).
+
+    Every rank all-gathers every rank's tokens (bfloat16, or fp8 quantized before the gather and dequantized after),
+    top-k ids and weights; its experts run over all R * T_max rows (other ranks' experts' ids -1, padding rows of
+    ranks with fewer tokens all -1); the weighted partials [R * T_max, H] are reduce-scattered in float32 in rank order
+    (one bfloat16 rounding), so each rank gets its own [T, H] back, bit for bit what normal mode gives on the same
+    inputs and experts. Only the group is used (a Buffer's moves nothing here). CUDA tensors (make_cuda_experts): R == 1 stays
+    on the GPU; R > 1 is staged through the host on the current stream. Errors (invalid_argument, before any
+    communication): use_ue8m0 without round_scale; global_num_experts not a multiple of R; ids outside [-1, E)."""
+    _check_scale_format(round_scale, use_ue8m0)
+    target = buffer if isinstance(buffer, _ext.Group) else _runtime(buffer)
+    return _ext.make_all_gather_prepare_finalize(target, dispatch_dtype, round_scale, use_ue8m0)
+
+
 def make_low_latency_prepare_finalize(buffer: Union[Buffer, Any], num_max_dispatch_tokens_per_rank: int,
                                       dispatch_dtype: str = "bfloat16", round_scale: bool = False,
                                       use_ue8m0: bool = False) -> PrepareFinalize:

@@ -183,6 +183,29 @@ void bind_moe(nb::module_& m) {
       },
       nb::arg("buffer"), nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false,
       nb::arg("use_ue8m0") = false);
+  // All-gather + reduce-scatter baseline over the buffer's group (the buffer itself moves nothing; the prepare/finalize
+  // keeps it, and so its group, alive through an aliasing shared_ptr).
+  m.def(
+      "make_all_gather_prepare_finalize",
+      [](PyBuffer& b, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+        if (!b.buffer) throw Error(ErrorCode::unusable, "epmoe: this Buffer was destroyed (Buffer.destroy())");
+        std::shared_ptr<Group> group(b.buffer, &b.buffer->group());
+        return PyPrepareFinalize{
+            make_all_gather_prepare_finalize(group, pf_options(dispatch_dtype, round_scale, use_ue8m0)),
+            b.buffer->num_ranks()};
+      },
+      nb::arg("buffer"), nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false,
+      nb::arg("use_ue8m0") = false);
+  // The same over a Group itself (any Group, e.g. one over a Python all-gather, which a CPU Buffer cannot take).
+  m.def(
+      "make_all_gather_prepare_finalize",
+      [](PyGroup& g, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {
+        return PyPrepareFinalize{
+            make_all_gather_prepare_finalize(g.group, pf_options(dispatch_dtype, round_scale, use_ue8m0)),
+            g.group->size()};
+      },
+      nb::arg("group"), nb::arg("dispatch_dtype") = "bfloat16", nb::arg("round_scale") = false,
+      nb::arg("use_ue8m0") = false);
   m.def(
       "make_low_latency_prepare_finalize",
       [](PyBuffer& b, int tmax, std::string_view dispatch_dtype, bool round_scale, bool use_ue8m0) {

@@ -619,3 +619,61 @@ def test_eplb_plan_in_forward_matches_the_unbalanced_layer(rng, R):
     for r in range(R):
         x, idx, w = tokens[r]
         assert rel_l2(out[r], moe_ref(x, w1, w2, w, idx, "silu")) <= 1e-2
+
+
+# ---- the all-gather + reduce-scatter baseline (make_all_gather_prepare_finalize) ----
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("dispatch_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("group_kind", ["threads", "from_all_gather"])
+def test_all_gather_layer_matches_numpy_and_normal_mode_bit_for_bit(rng, R, dispatch_dtype, group_kind):
+    E = 2 * R
+    w1, w2 = make_weights(rng, E)
+    Ts = [5 + 2 * r if r != 1 else 0 for r in range(R)]  # rank 1 has no tokens
+    tokens = [make_tokens(rng, T, E) for T in Ts]
+    el = E // R
+
+    def rank_main(group):
+        r = group.rank()
+        inner = group
+        if group_kind == "from_all_gather":  # a Group implemented in Python: Group's default reduce-scatter
+            group = epmoe.Group.from_all_gather(r, R, "python-test",
+                                                lambda data, phase: b"".join(inner.all_gather_bytes(data, phase)))
+        # normal mode over the thread group's Buffer (a CPU Buffer needs a threads or MPI group)
+        buf = epmoe.Buffer(inner if group_kind == "from_all_gather" else group)
+        ag_on = group if group_kind == "from_all_gather" else buf
+        x, idx, w = tokens[r]
+        outs = []
+        for pf in (epmoe.make_all_gather_prepare_finalize(ag_on, dispatch_dtype=dispatch_dtype),
+                   epmoe.make_normal_prepare_finalize(buf, dispatch_dtype=dispatch_dtype)):
+            layer = epmoe.MoELayer(pf, epmoe.make_reference_experts())
+            outs.append(layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx))
+        return outs
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    for r in range(R):
+        x, idx, w = tokens[r]
+        ag, normal = out[r]
+        assert ag.shape == (Ts[r], H)
+        if Ts[r]:
+            ref = moe_ref(seen_by_experts(x, dispatch_dtype), w1, w2, w, idx, "silu")
+            assert rel_l2(ag, ref) <= 1e-2, (r, rel_l2(ag, ref))
+        assert ag.view(np.uint16).tobytes() == normal.view(np.uint16).tobytes(), r
+
+
+def test_all_gather_layer_errors_name_the_argument(rng):
+    with pytest.raises(epmoe.Error, match="use_ue8m0"):
+        epmoe.make_all_gather_prepare_finalize(None, dispatch_dtype="float8_e4m3fn", use_ue8m0=True)
+    with pytest.raises(epmoe.Error, match="buffer"):
+        epmoe.make_all_gather_prepare_finalize(object())
+    w1, w2 = make_weights(rng, 3)
+    x, idx, w = make_tokens(rng, 4, 3)
+
+    def rank_main(group):
+        layer = epmoe.MoELayer(epmoe.make_all_gather_prepare_finalize(epmoe.Buffer(group)),
+                               epmoe.make_reference_experts())
+        with pytest.raises(epmoe.Error, match="global_num_experts"):
+            layer.forward(x, w1[:1], w2[:1], w, idx, global_num_experts=3)
+        return True
+
+    assert epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S) == [True, True]

@@ -1,4 +1,4 @@
-// Group::check_agreement, shared by every Group backend.
+// Group::check_agreement and the default Group::reduce_scatter_sum, shared by every Group backend.
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
@@ -44,6 +44,19 @@ void Group::check_agreement(std::span<const Setting> settings, std::string_view 
               "rank {}: setting '{}' must be equal on all ranks (phase '{}'): rank 0 has {}, rank {} has {}", rank(),
               settings[i].name, phase, all[0].value[i], r, p.value[i]);
     }
+  }
+}
+
+void Group::reduce_scatter_sum(const float* send, float* recv, std::size_t count, std::string_view phase) {
+  EPMOE_CHECK_ARG(count == 0 || (send != nullptr && recv != nullptr), "send/recv", "non-null pointers", "null");
+  const std::size_t R = static_cast<std::size_t>(size()), me = static_cast<std::size_t>(rank());
+  // Everything to everyone: simple and correct for any backend that only has all_gather.
+  std::vector<float> all(R * R * count);
+  all_gather(send, all.data(), R * count * sizeof(float), phase);
+  for (std::size_t i = 0; i < count; ++i) {
+    float acc = all[me * count + i];
+    for (std::size_t q = 1; q < R; ++q) acc += all[(q * R + me) * count + i];
+    recv[i] = acc;
   }
 }
 

@@ -213,6 +213,35 @@ void MpiGroup::broadcast(void* data, std::size_t bytes, int root, std::string_vi
   if (rank_ != root && bytes) std::memcpy(data, staging.get(), bytes);
 }
 
+void MpiGroup::reduce_scatter_sum(const float* send, float* recv, std::size_t count, std::string_view phase) {
+  check_usable(phase);
+  EPMOE_CHECK_ARG(count == 0 || (send != nullptr && recv != nullptr), "send/recv", "non-null pointers", "null");
+  // Block q to rank q with one all-to-all, then the sum here in rank order: MPI_Reduce_scatter_block leaves the
+  // order of its additions to the implementation, which would make the bits depend on the MPI library.
+  const std::size_t R = static_cast<std::size_t>(size_), bytes = count * sizeof(float);
+  // Private copies, as all_gather: after a timeout MPI may still touch them.
+  auto staging = std::shared_ptr<float[]>(new float[2 * R * count]);
+  float* my_copy = staging.get() + R * count;
+  if (bytes) std::memcpy(my_copy, send, R * bytes);
+  const ByteBlock block(bytes);
+  MPI_Request request;
+  check_mpi(MPI_Ialltoall(my_copy, block.count(), block.type(), staging.get(), block.count(), block.type(), comm_,
+                          &request),
+            "MPI_Ialltoall");
+  try {
+    wait_collective(request, phase, fmt::format("reduce_scatter_sum of {} float32 per rank", count));
+  } catch (const Error&) {
+    keep_after_fault(staging);
+    throw;
+  }
+  const float* blocks = staging.get();
+  for (std::size_t i = 0; i < count; ++i) {
+    float acc = blocks[i];
+    for (std::size_t q = 1; q < R; ++q) acc += blocks[q * count + i];
+    recv[i] = acc;
+  }
+}
+
 std::shared_ptr<Group> make_mpi_group(MPI_Comm comm) { return std::make_shared<MpiGroup>(comm); }
 
 MpiSession::MpiSession(int* argc, char*** argv, int required) {

@@ -31,6 +31,7 @@ class MpiGroup final : public Group {
   void barrier(std::string_view phase) override;
   void all_gather(const void* send, void* recv, std::size_t bytes, std::string_view phase) override;
   void broadcast(void* data, std::size_t bytes, int root, std::string_view phase) override;
+  void reduce_scatter_sum(const float* send, float* recv, std::size_t count, std::string_view phase) override;
 
   /// The duplicated communicator all of this group's and its transports' traffic uses.
   MPI_Comm comm() const { return comm_; }

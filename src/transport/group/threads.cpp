@@ -3,6 +3,7 @@
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -94,6 +95,27 @@ class ThreadGroup final : public Group {
     s_->pointers[static_cast<std::size_t>(rank_)] = data;
     barrier(phase);
     if (rank_ != root && bytes) std::memcpy(data, s_->pointers[static_cast<std::size_t>(root)], bytes);
+    barrier(phase);
+  }
+
+  void reduce_scatter_sum(const float* send, float* recv, std::size_t count, std::string_view phase) override {
+    EPMOE_CHECK_ARG(count == 0 || (send != nullptr && recv != nullptr), "send/recv", "non-null pointers", "null");
+    // Publish the send buffer, meet, sum this rank's block straight out of every peer's buffer (rank order),
+    // meet again so no buffer is released while a peer reads it.
+    s_->pointers[static_cast<std::size_t>(rank_)] = send;
+    barrier(phase);
+    const std::size_t R = static_cast<std::size_t>(size()), off = static_cast<std::size_t>(rank_) * count;
+    // Over chunks of the block so the accumulator stays in L1 while R source rows stream through.
+    constexpr std::size_t kChunk = 4096;
+    for (std::size_t i0 = 0; i0 < count; i0 += kChunk) {
+      const std::size_t len = std::min(kChunk, count - i0);
+      float* acc = recv + i0;
+      std::memcpy(acc, static_cast<const float*>(s_->pointers[0]) + off + i0, len * sizeof(float));
+      for (std::size_t q = 1; q < R; ++q) {
+        const float* src = static_cast<const float*>(s_->pointers[q]) + off + i0;
+        for (std::size_t j = 0; j < len; ++j) acc[j] += src[j];
+      }
+    }
     barrier(phase);
   }
 
