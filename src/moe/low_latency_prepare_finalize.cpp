@@ -29,6 +29,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
   // The low-latency combine applies the router weights itself.
   WeightAndReduce delegate_weight_and_reduce() const override { return WeightAndReduce::delegate; }
   int num_local_experts(int global_num_experts) const override { return global_num_experts / buffer_->num_ranks(); }
+  int rank() const override { return buffer_->rank(); }
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {

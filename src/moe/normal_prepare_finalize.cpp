@@ -30,6 +30,7 @@ class NormalPrepareFinalize final : public PrepareFinalize {
   ActivationFormat activation_format() const override { return ActivationFormat::standard; }
   WeightAndReduce delegate_weight_and_reduce() const override { return WeightAndReduce::contiguous; }
   int num_local_experts(int global_num_experts) const override { return global_num_experts / buffer_->num_ranks(); }
+  int rank() const override { return buffer_->rank(); }
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {
