@@ -20,6 +20,8 @@
 
 namespace epmoe {
 
+class ExpertLoadRecorder;  // eplb.hpp (MoELayer::set_load_recorder)
+
 /// Element type of the dispatched activations.
 enum class DispatchDtype : std::uint8_t { bf16, fp8 };
 
@@ -66,8 +68,9 @@ class PrepareFinalize {
   virtual WeightAndReduce delegate_weight_and_reduce() const = 0;
   /// Local experts of this rank (E / R).
   virtual int num_local_experts(int global_num_experts) const = 0;
-  /// This rank's index among the ranks that hold experts (0 without expert parallelism); fixes the expert_map a
-  /// forward with expert parallelism implies.
+  /// This rank's index among the ranks that hold experts (0 without expert parallelism): its local experts are
+  /// [ep_rank * E_local, (ep_rank + 1) * E_local). Fixes the expert_map a forward with expert parallelism implies,
+  /// and places the received counts in an ExpertLoadRecorder's [E] record.
   virtual int ep_rank() const { return 0; }
 
   /// Sends (quantize + the send half of the dispatch). Stage INITIAL -> AFTER_DISPATCH_A.
@@ -384,6 +387,23 @@ class MoELayer {
   /// Chunk sizes of the last forward (one entry per chunk) and the per-chunk expert counts.
   const std::vector<std::int64_t>& last_chunk_rows() const { return last_chunk_rows_; }
 
+  // ---- Expert load recorder (semantics §9) ----
+  /// Attaches `recorder` as layer `layer` of it (a model's layers on one rank share one recorder, each with its
+  /// own index); null detaches. Every later forward then records the counts of the experts this rank received
+  /// tokens for -- the dispatch's PrepareOutput::expert_num_tokens (normal: num_recv_tokens_per_expert;
+  /// low-latency: masked_m; no-EP: tokens per expert) -- with recorder->record_local(layer, counts,
+  /// rank * E_local), right after dispatch_b, once per forward (in automatic mode from whichever half ran). On
+  /// CUDA that is one kernel on the current stream reading the counts where the dispatch left them: no host
+  /// synchronisation, and a CUDA-graph replay of the forward records too. forward refuses, before any
+  /// communication (invalid_argument naming load_recorder), a recorder whose num_experts differs from
+  /// global_num_experts or whose device is not hidden's. Sum every rank's record with
+  /// ExpertLoadRecorder::global_loads(group) for the loads of all experts. Errors: invalid_argument naming
+  /// 'layer' (outside [0, recorder->num_layers())).
+  void set_load_recorder(std::shared_ptr<ExpertLoadRecorder> recorder, std::int64_t layer);
+  const std::shared_ptr<ExpertLoadRecorder>& load_recorder() const { return load_recorder_; }
+  std::int64_t load_recorder_layer() const { return load_recorder_layer_; }
+  // ---- end expert load recorder ----
+
   /// Runs the experts on prepared activations, chunked (exposed for the two-phase users).
   Tensor run_experts(const PrepareOutput& prepared, const MoEForwardArgs& args);
 
@@ -405,6 +425,8 @@ class MoELayer {
   DispatchMode last_mode_ = DispatchMode::normal;
   bool ran_ = false;
   std::int64_t num_cleans_ = 0;
+  std::shared_ptr<ExpertLoadRecorder> load_recorder_;  // semantics §9; null: nothing recorded
+  std::int64_t load_recorder_layer_ = 0;
 
   void check_forward_args(const MoEForwardArgs& args) const;
   // ---- expert_map and EPLB mapping (semantics §8, §9) ----

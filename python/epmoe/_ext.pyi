@@ -293,12 +293,18 @@ class MoELayer:
     def last_chunk_rows(self) -> List[int]: ...
     @property
     def stage(self) -> str: ...
+    # ---- expert load recorder (semantics §9) ----
+    def set_load_recorder(self, recorder: Optional[ExpertLoadRecorder], layer: int) -> None:
+        """Records every forward's received counts per expert into `recorder` as layer `layer`; None detaches."""
+    @property
+    def load_recorder_layer(self) -> int: ...
+    # ---- end expert load recorder ----
 
 def set_current_stream(stream: Optional[int]) -> Optional[int]:
     """Sets the calling thread's current CUDA stream for epmoe's functions (cudaStream_t as an int; None:
     the legacy default stream); returns the previous one (None for the default)."""
 
-# Expert load statistics and EPLB (semantics §9), host only.
+# Expert load statistics and EPLB (semantics §9): the planner on the host, the recorder on the host or a GPU.
 def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
                       num_gpus: int) -> Tuple[Any, Any, Any]:
     """DeepSeek's EPLB on a C-contiguous float64 [L, E] NumPy array: (phy2log int64 [L, P], log2phy int64
@@ -308,22 +314,31 @@ def map_to_physical(topk_idx: ArrayArg, logical_to_physical: Any, logical_replic
     """Physical slot ids [T, K] (topk_idx's dtype) of logical ids; replica t mod count; -1 kept. The maps are
     C-contiguous int64 NumPy arrays [L, E, X] and [L, E]."""
 
+def load_balancedness(loads: Any, num_ranks: int) -> Any:
+    """float64 [L] NumPy array: mean / max load per rank of C-contiguous int64 [L, E] loads."""
+
 class ExpertLoadRecorder:
     """Tokens per (layer, expert) over a window (use epmoe.ExpertLoadRecorder)."""
     num_layers: int
     num_experts: int
     num_ranks: int
     window: int
-    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int) -> None: ...
+    device: str
+    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int, device: int = -1) -> None:
+        """device: -1 for the CPU, else the CUDA device index."""
     def record(self, layer: int, num_tokens_per_expert: ArrayArg) -> None:
-        """Adds int32/int64 [E] host counts for `layer`."""
+        """Adds int32/int64 [E] counts on the recorder's device for `layer`."""
+    def record_local(self, layer: int, num_recv_tokens_per_expert: ArrayArg, expert_offset: int) -> None:
+        """Adds int32/int64 [n] counts for experts [expert_offset, expert_offset + n), zeros elsewhere."""
+    def global_loads(self, group: Group) -> Any:
+        """int64 [L, E] NumPy array: the sum of every rank's loads (collective)."""
     def loads(self) -> Any:
         """int64 [L, E] NumPy array."""
     def balancedness(self) -> Any:
         """float64 [L] NumPy array: mean / max load per rank."""
     def num_records(self) -> Any:
         """int64 [L] NumPy array."""
-    def to_json(self) -> str: ...
+    def to_json(self, group: Optional[Group] = None) -> str: ...
     def reset(self) -> None: ...
 
 # Builds with MPI only (has_mpi):

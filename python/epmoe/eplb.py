@@ -1,10 +1,12 @@
-"""Expert load statistics and expert-parallel load balancing (semantics §9), on the host.
+"""Expert load statistics and expert-parallel load balancing (semantics §9).
 
 ``rebalance_experts`` is DeepSeek's EPLB (github.com/deepseek-ai/EPLB, ``eplb.rebalance_experts``: same
 names, argument order and outputs), computed in float64 by epmoe's C++ core with every tie fixed (see
 ``rebalance_experts``). ``map_to_physical`` routes logical expert ids to the replicas of a plan, and
-``ExpertLoadRecorder`` collects the loads to plan from (the ``num_tokens_per_expert`` of
-``get_dispatch_layout``). Errors are ``epmoe.Error`` naming the argument, what was expected and what came.
+``ExpertLoadRecorder`` collects the loads to plan from: attached to a layer (``MoELayer.set_load_recorder``) it
+records every forward's received counts per expert, on the host or on the layer's GPU (no synchronisation), and
+``global_loads(group)`` sums every rank's. The planner runs on the host. Errors are ``epmoe.Error`` naming the
+argument, what was expected and what came.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from . import _ext
-from ._tensor import arg, framework_of, int64_arg, is_torch
+from ._tensor import arg, framework_of, int64_arg, invalid_argument, is_torch, on_stream
 
 
 def _host_numpy(x: Any, dtype: Any) -> np.ndarray:
@@ -84,54 +86,116 @@ def map_to_physical(topk_idx: Any, logical_to_physical: Any, logical_replica_cou
                                 framework_of(topk_idx))
 
 
-class ExpertLoadRecorder:
-    """Tokens per (layer, expert) over each layer's last `window` records; balancedness; JSON.
+def _device_index(device: Any) -> int:
+    """-1 for 'cpu', N for 'cuda:N' (or an int N >= 0, or a torch.device); else invalid_argument naming device."""
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    text = str(device)
+    if text == "cpu":
+        return -1
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    if text == "cuda":
+        return 0
+    raise invalid_argument("device", "'cpu', 'cuda:N' or a CUDA device index >= 0", repr(device))
 
-    Expert e belongs to rank e // (num_experts // num_ranks). Record the ``num_tokens_per_expert`` that
-    ``get_dispatch_layout`` returns (int32 [E], host arrays: recording never waits on a device). Not
-    thread-safe. Errors: epmoe.Error('invalid_argument') naming 'num_layers', 'num_experts', 'num_ranks' (must
-    divide num_experts) or 'window' (each >= 1; an int that is not one, or one outside int64, named as well);
-    epmoe.Error('out_of_memory') naming 'window' when the num_layers x window x num_experts int64 counts kept
-    exceed this machine's memory (checked before allocating).
+
+def load_balancedness(loads: Any, num_ranks: int) -> np.ndarray:
+    """float64 [L]: for int64 [L, E] loads (e.g. ExpertLoadRecorder.global_loads), the mean over num_ranks ranks
+    of a rank's load (expert e on rank e // (E // num_ranks)) divided by the most loaded rank's; 1 for a layer with
+    no tokens. Errors: epmoe.Error('invalid_argument') naming 'loads' (not 2-d) or 'num_ranks' (< 1 or not dividing
+    E)."""
+    return _ext.load_balancedness(_host_numpy(loads, np.int64), int64_arg("num_ranks", num_ranks))
+
+
+class ExpertLoadRecorder:
+    """Tokens per (layer, expert) over each layer's last `window` records; balancedness; JSON (semantics §9).
+
+    Expert e belongs to rank e // (num_experts // num_ranks). Feed it either by hand (``record``: int32/int64 [E]
+    counts, e.g. ``get_dispatch_layout``'s num_tokens_per_expert) or by attaching it to layers
+    (``MoELayer.set_load_recorder(recorder, layer)``): every forward then records the counts of the experts this
+    rank received tokens for (normal: num_recv_tokens_per_expert; low-latency: masked_m; no-EP: all E), at this
+    rank's experts [rank * E_local, (rank + 1) * E_local), zeros elsewhere. Each rank records its own experts;
+    ``global_loads(group)`` sums every rank's record into the [L, E] loads rebalance_experts plans from.
+
+    device: 'cpu' (default) or 'cuda:N' (an int N too): where the state and the recorded counts live. On a GPU
+    each record is one kernel on the current stream (the ring slot is kept and advanced on the device, so a
+    forward captured in a CUDA graph records into the next slot on every replay); reading (loads, num_records,
+    balancedness, to_json, global_loads) copies to the host and waits for the current stream. Record, reset and
+    read on one stream. Not thread-safe: one recorder per rank.
+
+    Errors: epmoe.Error('invalid_argument') naming 'num_layers', 'num_experts', 'num_ranks' (must divide
+    num_experts), 'window' (each >= 1; an int that is not one, or one outside int64, named as well) or 'device';
+    epmoe.Error('out_of_memory') naming 'window' when a host recorder's num_layers x window x num_experts int64
+    counts exceed this machine's memory (checked before allocating); 'unsupported' for a GPU in a build without
+    CUDA.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int) -> None:
+    def __init__(self, num_layers: int, num_experts: int, num_ranks: int, window: int, device: Any = "cpu") -> None:
         self._impl = _ext.ExpertLoadRecorder(int64_arg("num_layers", num_layers), int64_arg("num_experts", num_experts),
-                                             int64_arg("num_ranks", num_ranks), int64_arg("window", window))
+                                             int64_arg("num_ranks", num_ranks), int64_arg("window", window),
+                                             _device_index(device))
 
     num_layers = property(lambda self: self._impl.num_layers)
     num_experts = property(lambda self: self._impl.num_experts)
     num_ranks = property(lambda self: self._impl.num_ranks)
     window = property(lambda self: self._impl.window)
+    device = property(lambda self: self._impl.device, doc="'cpu' or 'cuda:N': where the state lives.")
 
     def record(self, layer: int, num_tokens_per_expert: Any) -> None:
-        """Adds one step's counts (int32 or int64 [E], >= 0, on the CPU) for `layer`; the oldest record of the
-        layer drops out once it holds `window`. Errors name 'layer' or 'num_tokens_per_expert'."""
-        self._impl.record(int64_arg("layer", layer), arg(num_tokens_per_expert))
+        """Adds one step's counts (int32 or int64 [E], >= 0, on the recorder's device: NumPy or torch/CuPy) for
+        `layer`; the oldest record of the layer drops out once it holds `window`. A GPU record is enqueued on the
+        tensor's current stream and its values are not checked on the host. Errors name 'layer' or
+        'num_tokens_per_expert'; a rejected record changes nothing."""
+        with on_stream(num_tokens_per_expert):
+            self._impl.record(int64_arg("layer", layer), arg(num_tokens_per_expert))
+
+    def record_local(self, layer: int, num_recv_tokens_per_expert: Any, expert_offset: int) -> None:
+        """As record, for counts known for experts [expert_offset, expert_offset + n) only (int32 or int64 [n]: one
+        rank's received counts, what a layer records); the record's other experts get 0. Errors name 'layer',
+        'num_recv_tokens_per_expert' or 'expert_offset' (< 0, or expert_offset + n > E)."""
+        with on_stream(num_recv_tokens_per_expert):
+            self._impl.record_local(int64_arg("layer", layer), arg(num_recv_tokens_per_expert),
+                                    int64_arg("expert_offset", expert_offset))
 
     def loads(self) -> np.ndarray:
-        """int64 [L, E]: tokens per expert summed over each layer's window (the weight for rebalance_experts)."""
+        """int64 [L, E]: tokens per expert summed over each layer's window, this rank's records (the weight for
+        rebalance_experts with one rank; with several use global_loads). A GPU recorder copies them to the host
+        and waits for the current stream."""
         return self._impl.loads()
 
+    def global_loads(self, group: Any) -> np.ndarray:
+        """int64 [L, E]: the sum over every rank of `group` of its recorder's loads() (collective: every rank
+        calls it with its own recorder of the same num_layers and num_experts; one all-gather). With recorders
+        fed by MoELayer, the loads of all experts over all ranks. group: an epmoe Group (run_thread_ranks), or
+        whatever epmoe.as_group accepts. Errors: epmoe.Error('rank_mismatch') when the ranks' shapes differ."""
+        from ._group import as_group
+        return self._impl.global_loads(as_group(group))
+
     def balancedness(self) -> np.ndarray:
-        """float64 [L]: mean load per rank / max load per rank (1 is balanced; 1 for a layer with no tokens)."""
+        """float64 [L]: mean load per rank / max load per rank of loads() (1 is balanced; 1 for a layer with no
+        tokens). For recorders fed by MoELayer use load_balancedness(global_loads(group), num_ranks)."""
         return self._impl.balancedness()
 
     def num_records(self) -> np.ndarray:
         """int64 [L]: records in each layer's window."""
         return self._impl.num_records()
 
-    def to_json(self) -> str:
-        """{"num_layers", "num_experts", "num_ranks", "window", "num_records", "loads", "balancedness"}."""
-        return self._impl.to_json()
+    def to_json(self, group: Any = None) -> str:
+        """{"num_layers", "num_experts", "num_ranks", "window", "num_records", "loads", "balancedness"}: of this
+        rank's records, or with `group` of the global loads (collective, as global_loads)."""
+        if group is None:
+            return self._impl.to_json()
+        from ._group import as_group
+        return self._impl.to_json(as_group(group))
 
     def reset(self) -> None:
-        """Forgets every record."""
+        """Forgets every record (on a GPU: a memset on the current stream)."""
         self._impl.reset()
 
     def __repr__(self) -> str:
         return (f"epmoe.ExpertLoadRecorder(num_layers={self.num_layers}, num_experts={self.num_experts}, "
-                f"num_ranks={self.num_ranks}, window={self.window})")
+                f"num_ranks={self.num_ranks}, window={self.window}, device='{self.device}')")
 
 
-__all__ = ["ExpertLoadRecorder", "map_to_physical", "rebalance_experts"]
+__all__ = ["ExpertLoadRecorder", "load_balancedness", "map_to_physical", "rebalance_experts"]

@@ -284,6 +284,36 @@ class MoELayer:
         Errors: hook not callable (invalid_argument)."""
         return self._layer.register_dispatch_hook(hook)
 
+    # ---- expert load recorder (semantics §9) ----
+    def set_load_recorder(self, recorder: Optional[Any], layer: int = 0) -> None:
+        """Attaches an epmoe.ExpertLoadRecorder as layer `layer` of it (a model's layers on one rank share one
+        recorder, each with its own index); None detaches. Every later forward records, right after its dispatch,
+        the counts of the experts this rank received tokens for (normal: num_recv_tokens_per_expert; low-latency:
+        masked_m; no-EP: all E) at this rank's experts [rank * E_local, (rank + 1) * E_local), once per forward
+        (in mode 'auto' from whichever half ran). On CUDA that is one kernel on the current stream reading the
+        counts on the device: nothing waits, and a CUDA-graph replay of the forward records too. A forward refuses
+        a recorder whose num_experts differs from global_num_experts or whose device is not hidden's (epmoe.Error
+        'invalid_argument' naming load_recorder, before any communication). Sum the ranks' records with
+        recorder.global_loads(group). Errors: layer outside [0, recorder.num_layers) (invalid_argument naming
+        layer); recorder not an ExpertLoadRecorder."""
+        if recorder is not None and not hasattr(recorder, "_impl"):
+            raise invalid_argument("recorder", "an epmoe.ExpertLoadRecorder or None",
+                                   f"an object of type {type(recorder).__name__}")
+        layer = int_arg("layer", layer, -(2**63), 2**63 - 1)
+        self._layer.set_load_recorder(None if recorder is None else recorder._impl, layer)
+        self._load_recorder = recorder
+
+    @property
+    def load_recorder(self) -> Optional[Any]:
+        """The attached ExpertLoadRecorder, or None."""
+        return getattr(self, "_load_recorder", None)
+
+    @property
+    def load_recorder_layer(self) -> int:
+        """The layer index the attached recorder records this layer's forwards under (0 when none)."""
+        return int(self._layer.load_recorder_layer)
+    # ---- end expert load recorder ----
+
     @property
     def num_dispatch_hooks(self) -> int:
         """Hooks registered and not removed."""

@@ -1,8 +1,9 @@
-// epmoe._ext: expert load statistics and EPLB (semantics §9), host only.
+// epmoe._ext: expert load statistics and EPLB (semantics §9): the planner on the host, the recorder on the host or a GPU.
 #include "ext.hpp"
 
 #include <epmoe/eplb.hpp>
 #include <epmoe/error.hpp>
+#include <epmoe/group.hpp>
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
@@ -102,15 +103,30 @@ void bind_eplb(nb::module_& m) {
       nb::arg("topk_idx"), nb::arg("logical_to_physical"), nb::arg("logical_replica_count"), nb::arg("layer"),
       nb::arg("framework") = "numpy");
 
+  m.def(
+      "load_balancedness",
+      [](nb::ndarray<nb::ro> loads, std::int64_t num_ranks) {
+        const auto l = host_array<std::int64_t>(loads, 2, "loads", "int64");
+        std::vector<double> b = load_balancedness(l, static_cast<std::int64_t>(loads.shape(0)),
+                                                  static_cast<std::int64_t>(loads.shape(1)), num_ranks);
+        const auto L = static_cast<size_t>(loads.shape(0));
+        return numpy_array(std::move(b), {L});
+      },
+      nb::arg("loads"), nb::arg("num_ranks"));
+
+  // device: -1 = the CPU, else the CUDA device index.
   nb::class_<ExpertLoadRecorder>(m, "ExpertLoadRecorder", "Tokens per (layer, expert) over a window (semantics §9).")
       .def(
           "__init__",
           [](ExpertLoadRecorder* self, std::int64_t num_layers, std::int64_t num_experts, std::int64_t num_ranks,
-             std::int64_t window) {
-            check_recorder_fits(num_layers, num_experts, num_ranks, window);
-            new (self) ExpertLoadRecorder(num_layers, num_experts, num_ranks, window);
+             std::int64_t window, int device) {
+            if (device < 0) check_recorder_fits(num_layers, num_experts, num_ranks, window);
+            nb::gil_scoped_release release;  // a GPU recorder waits once for its zeroed state
+            new (self) ExpertLoadRecorder(num_layers, num_experts, num_ranks, window,
+                                          device < 0 ? Device::cpu() : Device::cuda(device));
           },
-          nb::arg("num_layers"), nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("window"))
+          nb::arg("num_layers"), nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("window"),
+          nb::arg("device") = -1)
       .def(
           "record",
           [](ExpertLoadRecorder& r, std::int64_t layer, nb::handle counts) {
@@ -118,6 +134,33 @@ void bind_eplb(nb::module_& m) {
             r.record(layer, arg(counts, "num_tokens_per_expert", in));
           },
           nb::arg("layer"), nb::arg("num_tokens_per_expert"))
+      .def(
+          "record_local",
+          [](ExpertLoadRecorder& r, std::int64_t layer, nb::handle counts, std::int64_t expert_offset) {
+            Inputs in;
+            r.record_local(layer, arg(counts, "num_recv_tokens_per_expert", in), expert_offset);
+          },
+          nb::arg("layer"), nb::arg("num_recv_tokens_per_expert"), nb::arg("expert_offset"))
+      .def(
+          "global_loads",
+          [](const ExpertLoadRecorder& r, PyGroup& g) {
+            std::vector<std::int64_t> loads;
+            {
+              nb::gil_scoped_release release;  // a collective: the other (thread) ranks must run
+              loads = r.global_loads(*g.group);
+            }
+            return numpy_array(std::move(loads),
+                               {static_cast<size_t>(r.num_layers()), static_cast<size_t>(r.num_experts())});
+          },
+          nb::arg("group"))
+      .def(
+          "to_json",
+          [](const ExpertLoadRecorder& r, PyGroup* g) {
+            nb::gil_scoped_release release;
+            return g ? r.to_json(*g->group) : r.to_json();
+          },
+          nb::arg("group").none() = nb::none())
+      .def_prop_ro("device", [](const ExpertLoadRecorder& r) { return to_string(r.device()); })
       .def("loads",
            [](const ExpertLoadRecorder& r) {
              return numpy_array(r.loads(), {static_cast<size_t>(r.num_layers()), static_cast<size_t>(r.num_experts())});
@@ -130,7 +173,6 @@ void bind_eplb(nb::module_& m) {
            [](const ExpertLoadRecorder& r) {
              return numpy_array(r.num_records(), {static_cast<size_t>(r.num_layers())});
            })
-      .def("to_json", &ExpertLoadRecorder::to_json)
       .def("reset", &ExpertLoadRecorder::reset)
       .def_prop_ro("num_layers", &ExpertLoadRecorder::num_layers)
       .def_prop_ro("num_experts", &ExpertLoadRecorder::num_experts)

@@ -1,11 +1,13 @@
 // epmoe._ext: the modular MoE layer (semantics §7, 8): experts, prepare/finalize, MoELayer.
 #include "ext.hpp"
 
+#include <epmoe/eplb.hpp>  // MoELayer.set_load_recorder
 #include <epmoe/error.hpp>
 #include <epmoe/experts.hpp>
 #include <epmoe/moe.hpp>
 
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>  // MoELayer.set_load_recorder
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -369,6 +371,15 @@ void bind_moe(nb::module_& m) {
           nb::arg("max_replicas"), nb::arg("layer"))
       .def("clear_eplb_plan", [](PyMoELayer& l) { l.layer->clear_eplb_plan(); })
       .def_prop_ro("eplb_layer", [](const PyMoELayer& l) { return l.layer->eplb_layer(); })
+      // ---- expert load recorder (semantics §9) ----
+      .def(
+          "set_load_recorder",
+          [](PyMoELayer& l, std::shared_ptr<ExpertLoadRecorder> recorder, std::int64_t layer) {
+            l.layer->set_load_recorder(std::move(recorder), layer);
+          },
+          nb::arg("recorder").none(), nb::arg("layer"))
+      .def_prop_ro("load_recorder_layer", [](const PyMoELayer& l) { return l.layer->load_recorder_layer(); })
+      // ---- end expert load recorder ----
       .def_ro("num_ranks", &PyMoELayer::num_ranks)
       .def_ro("has_shared_experts", &PyMoELayer::has_shared)
       .def_prop_ro("last_chunk_rows", [](const PyMoELayer& l) { return l.layer->last_chunk_rows(); })

@@ -198,3 +198,117 @@ def test_routing_and_recorder_errors_name_the_argument():
         rec.record(0, np.ones(3, np.int32))
     with pytest.raises(epmoe.Error, match="'layer'"):
         rec.record(1, np.ones(4, np.int32))
+
+
+# ------------------------------------------------------------------ the recorder fed by MoELayer forwards
+
+def _hand_count(idx: np.ndarray, E: int) -> np.ndarray:
+    """Tokens choosing each expert, -1 skipped (written here, independent of epmoe)."""
+    ids = idx[idx >= 0]
+    return np.bincount(ids, minlength=E).astype(np.int64)
+
+
+def test_recorder_local_records_global_loads_and_balancedness(rng):
+    # Each thread rank records its own 2 experts' counts at offset 2 * rank; global_loads sums them.
+    R, el, W = 3, 2, 2
+    E = R * el
+    steps = [[rng.integers(0, 100, size=el, dtype=np.int32) for _ in range(R)] for _ in range(4)]
+    want = np.zeros(E, np.int64)
+    for s in steps[-W:]:
+        for r in range(R):
+            want[r * el:(r + 1) * el] += s[r]
+
+    def rank_main(group):
+        r = group.rank()
+        rec = epmoe.ExpertLoadRecorder(1, E, R, W)
+        for s in steps:
+            rec.record_local(0, s[r], r * el)
+        own = rec.loads()
+        return own, rec.global_loads(group), json.loads(rec.to_json(group))
+
+    for r, (own, glob, j) in enumerate(epmoe.run_thread_ranks(R, rank_main, timeout_s=30.0)):
+        mine = np.zeros(E, np.int64)
+        mine[r * el:(r + 1) * el] = want[r * el:(r + 1) * el]
+        np.testing.assert_array_equal(own[0], mine)
+        np.testing.assert_array_equal(glob[0], want)
+        assert j["loads"] == [want.tolist()]
+        per_rank = want.reshape(R, el).sum(axis=1)
+        assert abs(j["balancedness"][0] - per_rank.mean() / per_rank.max()) < 1e-12
+    np.testing.assert_allclose(epmoe.eplb.load_balancedness(want[None, :], R),
+                               [want.reshape(R, el).sum(1).mean() / want.reshape(R, el).sum(1).max()], atol=1e-15)
+    rec = epmoe.ExpertLoadRecorder(1, 4, 2, 1)
+    with pytest.raises(epmoe.Error, match="'expert_offset'"):
+        rec.record_local(0, np.ones(2, np.int32), 3)
+    with pytest.raises(epmoe.Error, match="'device'"):
+        epmoe.ExpertLoadRecorder(1, 4, 2, 1, device="tpu")
+    assert rec.device == "cpu" and "device='cpu'" in repr(rec)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["normal", "low_latency", "auto"])
+def test_moe_layer_records_every_forward(rng, R, mode):
+    H, N, K, tmax, W, steps = 128, 32, 2, 12, 3, 5
+    E = 2 * R
+    el = E // R
+    w1 = (rng.standard_normal((E, 2 * N, H)) / np.sqrt(H)).astype(epmoe.BFLOAT16)
+    w2 = (rng.standard_normal((E, H, N)) / np.sqrt(N)).astype(epmoe.BFLOAT16)
+    tokens = []  # [step][rank]; the last rank sends nothing on step 1
+    for s in range(steps):
+        row = []
+        for r in range(R):
+            T = 0 if (R > 1 and r == R - 1 and s == 1) else int(rng.integers(1, tmax + 1))
+            idx = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int64) if T \
+                else np.zeros((0, K), np.int64)
+            idx[rng.random(size=idx.shape) < 0.2] = -1
+            row.append((rng.standard_normal((T, H)).astype(epmoe.BFLOAT16), idx,
+                        rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)))
+        tokens.append(row)
+    want = sum(_hand_count(tokens[s][r][1], E) for s in range(steps - W, steps) for r in range(R))
+
+    def rank_main(group):
+        r = group.rank()
+        buf = epmoe.Buffer(group)
+        layer = epmoe.MoELayer.from_buffer(buf, tmax, epmoe.make_reference_experts(),
+                                           epmoe.make_reference_experts("batched_experts"), mode=mode)
+        rec = epmoe.ExpertLoadRecorder(2, E, R, W)
+        layer.set_load_recorder(rec, 1)
+        assert layer.load_recorder is rec and layer.load_recorder_layer == 1
+        for s in range(steps):
+            x, idx, w = tokens[s][r]
+            layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx,
+                          is_extend_in_batch=(s % 2 == 0))
+        return rec.loads(), rec.global_loads(group), rec.num_records()
+
+    for r, (own, glob, n) in enumerate(epmoe.run_thread_ranks(R, rank_main, timeout_s=30.0)):
+        mine = np.zeros(E, np.int64)
+        mine[r * el:(r + 1) * el] = want[r * el:(r + 1) * el]
+        np.testing.assert_array_equal(own, np.stack([np.zeros(E, np.int64), mine]))
+        np.testing.assert_array_equal(glob[1], want)
+        np.testing.assert_array_equal(n, [0, W])
+    # The planner on the recorded loads: every slot filled, two spare slots per rank.
+    phy2log, _, logcnt = epmoe.rebalance_experts(glob[1:].astype(np.float64), E + 2 * R, 1, 1, R)
+    assert phy2log.shape == (1, E + 2 * R) and int(logcnt.sum()) == E + 2 * R
+
+
+def test_moe_layer_recorder_errors(rng):
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    with pytest.raises(epmoe.Error, match="'layer'"):
+        layer.set_load_recorder(epmoe.ExpertLoadRecorder(2, 4, 1, 1), 2)
+    with pytest.raises(epmoe.Error, match="'recorder'"):
+        layer.set_load_recorder(object(), 0)
+    layer.set_load_recorder(epmoe.ExpertLoadRecorder(1, 8, 1, 1), 0)  # 8 experts, the layer runs 4
+    x = rng.standard_normal((5, 128)).astype(epmoe.BFLOAT16)
+    w1 = (rng.standard_normal((4, 64, 128)) / 12).astype(epmoe.BFLOAT16)
+    w2 = (rng.standard_normal((4, 128, 32)) / 6).astype(epmoe.BFLOAT16)
+    idx = np.stack([rng.choice(4, size=2, replace=False) for _ in range(5)]).astype(np.int64)
+    w = np.full((5, 2), 0.5, np.float32)
+    with pytest.raises(epmoe.Error, match="'load_recorder'"):
+        layer.forward(x, w1, w2, w, idx, global_num_experts=4)
+    rec = epmoe.ExpertLoadRecorder(1, 4, 1, 2)
+    layer.set_load_recorder(rec, 0)
+    layer.forward(x, w1, w2, w, idx, global_num_experts=4)  # the layer stayed usable
+    np.testing.assert_array_equal(rec.loads()[0], _hand_count(idx, 4))
+    layer.set_load_recorder(None)
+    assert layer.load_recorder is None
+    layer.forward(x, w1, w2, w, idx, global_num_experts=4)
+    np.testing.assert_array_equal(rec.loads()[0], _hand_count(idx, 4))

@@ -1,11 +1,13 @@
-// The EPLB stage's interface to other folders (src/moe): the CUDA twins of the id mappings (cuda.cu; CUDA builds
-// only: EPMOE_HAVE_CUDA). Asynchronous on `stream`, no host synchronisation, nothing launched for an empty
-// topk_idx. No fmt here: nvcc compiles cuda.cu.
+// The EPLB stage's interface to other folders (src/moe): its CUDA entry points (cuda.cu; CUDA builds only:
+// EPMOE_HAVE_CUDA), the id mappings and the load recorder. Arguments are checked by the host files (planner.cpp,
+// load_recorder.cpp); everything here is asynchronous on `stream` unless it says otherwise. No fmt here: nvcc
+// compiles cuda.cu.
 #pragma once
 
 #include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace epmoe::eplb_cuda {
@@ -30,5 +32,24 @@ void apply_expert_map(const TensorView& topk_idx, const std::int32_t* expert_map
 /// Synchronous copies between host and the current device (small tables, at setup).
 void copy_to_device(void* dst, const void* src, std::size_t bytes);
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
+
+/// One record of one layer, one block, no host read: the kernel reads the ring slot from `next`, sets
+/// history[slot] to the record (counts [n] (int32 or int64, stride counts.stride(0)) at experts
+/// [expert_offset, expert_offset + n), zeros elsewhere), updates sums [E] by the difference to the dropped record,
+/// then advances *next modulo `window` and *held up to `window`. A CUDA-graph replay therefore records into the
+/// next slot too. history: int64 [window, E] of the layer; sums int64 [E]; held, next: one int64 each.
+void record_loads_cuda(int device, const TensorView& counts, std::int64_t expert_offset, std::int64_t num_experts,
+                       std::int64_t window, std::int64_t* history, std::int64_t* sums, std::int64_t* held,
+                       std::int64_t* next, Stream stream);
+
+/// cudaMemsetAsync(p, 0, bytes) on `stream`.
+void zero_cuda(int device, void* p, std::size_t bytes, Stream stream);
+
+/// Copies `bytes` from device memory to host memory on `stream` and waits for the stream (the one read that
+/// synchronises).
+void copy_to_host_cuda(int device, void* dst, const void* src, std::size_t bytes, Stream stream);
+
+/// Waits for `stream`.
+void synchronize_cuda(int device, Stream stream);
 
 }  // namespace epmoe::eplb_cuda

@@ -1,5 +1,6 @@
 // MoELayer: the composition of a prepare/finalize with experts, chunking and workspaces.
 #include <epmoe/moe.hpp>
+#include <epmoe/eplb.hpp>
 
 #include <algorithm>
 #include <climits>
@@ -169,6 +170,16 @@ MoELayer::MoELayer(std::shared_ptr<PrepareFinalize> prepare_finalize, std::share
   mode_ = last_mode_ = prepare_finalize_->name() == "low_latency" ? DispatchMode::low_latency : DispatchMode::normal;
 }
 
+// ---- Expert load recorder (semantics §9) ----
+void MoELayer::set_load_recorder(std::shared_ptr<ExpertLoadRecorder> recorder, std::int64_t layer) {
+  if (recorder)
+    EPMOE_CHECK_ARG(layer >= 0 && layer < recorder->num_layers(), "layer",
+                    fmt::format("in [0, {}) (the recorder's num_layers)", recorder->num_layers()), layer);
+  load_recorder_ = std::move(recorder);
+  load_recorder_layer_ = load_recorder_ ? layer : 0;
+}
+// ---- end expert load recorder ----
+
 Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args) {
   ExpertsInputs in;
   in.w1 = args.w1;
@@ -303,6 +314,15 @@ void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
                     "output", fmt::format("contiguous bfloat16 {} on {} (hidden's device)", to_string(out_shape),
                                           to_string(args.hidden.device)),
                     describe(args.output));
+  }
+  if (load_recorder_) {  // expert load recorder (semantics §9)
+    EPMOE_CHECK_ARG(load_recorder_->num_experts() == args.global_num_experts &&
+                        load_recorder_->device() == args.hidden.device,
+                    "load_recorder",
+                    fmt::format("a recorder of num_experts = {} (global_num_experts) on {} (hidden's device)",
+                                args.global_num_experts, to_string(args.hidden.device)),
+                    fmt::format("num_experts = {} on {}", load_recorder_->num_experts(),
+                                to_string(load_recorder_->device())));
   }
 }
 
@@ -563,6 +583,11 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
     // A hook's error waits until the collective round is complete, so no rank is left mid-way.
     hook_error = run_dispatch_hooks();
     const PrepareOutput prepared = prepare_finalize_->dispatch_b();
+    if (load_recorder_) {  // expert load recorder (semantics §9): this rank's received counts, on their device
+      const std::int64_t e_local = prepared.expert_num_tokens.numel();
+      load_recorder_->record_local(load_recorder_layer_, prepared.expert_num_tokens,
+                                   static_cast<std::int64_t>(prepare_finalize_->ep_rank()) * e_local);
+    }
     const Tensor fused = run_experts(prepared, routed);
     prepare_finalize_->combine_a(fused, experts_->weight_and_reduce());
     result.output = prepare_finalize_->combine_b();
