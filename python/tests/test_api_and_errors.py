@@ -50,7 +50,7 @@ DEEPEP_V1 = {
 
 
 # epmoe's own additions: keyword-only, after DeepEP's parameters, so no DeepEP call can reach them.
-EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None, "num_recv_slots": 0}}
+EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None, "num_recv_slots": 0, "debug_validate": False}}
 
 
 @pytest.mark.parametrize("method", sorted(DEEPEP_V1))
