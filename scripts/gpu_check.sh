@@ -19,6 +19,9 @@
 #                                                                                     scripts/gpu/sanitizer.sh
 #   anchors    DeepEP from --anchors DIR built in a temporary folder, its test_low_latency.py --num-processes 1;
 #              skipped with a note without DIR                                        scripts/gpu/anchors.sh
+#   deepep     DeepEP's own test_intranode.py and test_low_latency.py from --anchors DIR, unchanged, against
+#              epmoe's Python Buffer (a one-line deep_ep.py), --num-processes 1; skipped without DIR
+#                                                                                     scripts/gpu/deepep.sh
 #   ipc        the cuda_ipc tests and bench_gpu_normal_mode (the quick check on 2 or more GPUs)
 #   ab         the normal-mode A/B: copy engine, zero-copy at 16..64 blocks, SM stores, OLMoE routing, K = 2
 #   all        tests cli python bench sanitizer anchors (more than one call's time)
@@ -55,7 +58,7 @@ while [ $# -gt 0 ]; do
     --no-build) NO_BUILD=1; shift ;;
     -h | --help) usage; exit 0 ;;
     all) PARTS+=(tests cli python bench sanitizer anchors); shift ;;
-    tests | cli | python | bench | sanitizer | anchors | ipc | ab | pack | deps) PARTS+=("$1"); shift ;;
+    tests | cli | python | bench | sanitizer | anchors | deepep | ipc | ab | pack | deps) PARTS+=("$1"); shift ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -76,7 +79,8 @@ mkdir -p "$RESULTS"
 RESULTS="$(cd "$RESULTS" && pwd)"
 source "$ROOT/scripts/gpu/common.sh"
 : >"$LOG"
-for f in tests cli python bench sanitizer anchors; do source "$ROOT/scripts/gpu/$f.sh"; done
+for f in tests cli python bench sanitizer anchors deepep; do source "$ROOT/scripts/gpu/$f.sh"; done
+DEEPEP_LINES=""
 BENCHES_RUN=()
 ANCHOR_LINES=""
 
@@ -117,6 +121,12 @@ done
     echo "## DeepEP test_low_latency.py (one GPU)"
     echo
     printf '%s\n' "$ANCHOR_LINES" | sed 's/^/    /'
+  fi
+  if [ -n "$DEEPEP_LINES" ]; then
+    echo
+    echo "## DeepEP's tests against epmoe (one GPU; the tail of each log)"
+    echo
+    printf '%s' "$DEEPEP_LINES"
   fi
   echo
   echo "| part | step | result | time |"

@@ -21,8 +21,9 @@
 //  - src_info[e][j] = the source token index (in its rank's x) of row j.
 //  - combine: out[t] = sum over k ascending of topk_weights[t,k] * expert_out(t, k), in float32,
 //    skipping -1 ids, rounded to bfloat16 once.
-//  - two receive buffers alternate, one per low-latency call (dispatch or combine); a handle from
-//    two or more low-latency calls ago is rejected (ErrorCode::stale_handle).
+//  - two halves alternate, one per low-latency call (dispatch or combine), as DeepEP's buffers do; a
+//    dispatch's handle can be combined (any number of times) until a later dispatch reuses its half,
+//    then it is rejected (ErrorCode::stale_handle); semantics §5 says which outputs stay valid.
 //  - cuda_ipc buffers: low-latency calls on CUDA tensors run on the GPUs (src/transport/cuda_ipc/low_latency.hpp:
 //    no host synchronisation, CUDA-graph capturable in whole calls, an even number per graph; results bit-identical
 //    to the threads backend); calls on CPU tensors still use the group's CPU transport.
@@ -87,10 +88,11 @@ struct BufferOptions {
   /// get_low_latency_rdma_size_hint() gives the size needed.
   std::int64_t num_rdma_bytes = 0;
   bool low_latency_mode = false;
-  /// Validate topk_idx values eagerly (always on for CPU ranks). cuda_ipc low-latency mode: eager calls copy
-  /// topk_idx to the host first (a synchronisation: turn it off for latency); without it, or under graph capture,
-  /// the kernels skip bad ids and the next call raises the error.
-  bool debug_validate = true;
+  /// Validate topk_idx values eagerly (always on for CPU ranks). cuda_ipc low-latency mode: with it, eager calls copy
+  /// topk_idx to the host first and raise before any communication (a host synchronisation per call, so it is
+  /// opt-in); without it (the default), or under graph capture, the kernels skip bad ids and the next call raises
+  /// the error.
+  bool debug_validate = false;
   /// cuda_ipc: the CUDA device of this rank; -1 = rank % the number of visible devices.
   int device = -1;
   /// cuda_ipc: blocks of each data kernel (dispatch send or gather, combine send; the copy-engine path runs the

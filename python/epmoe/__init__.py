@@ -51,8 +51,16 @@ from .ops import (FP8_GROUP_SIZE, dequantize_fp8, fp8_group_scale, get_dispatch_
 Error = _ext.Error
 __version__ = _ext.version()
 
-topk_idx_t = "int64"
-"""The dtype name of topk_idx the library produces (DeepEP's deep_ep.topk_idx_t); int32 is accepted too."""
+
+def _topk_idx_t() -> Any:
+    """DeepEP's ``deep_ep.topk_idx_t``: ``torch.int64`` when torch is importable, else the NumPy dtype
+    ``numpy.int64`` (either works with ``.to`` / ``.astype`` of its framework). int32 ids are accepted too."""
+    try:
+        import torch
+    except ImportError:
+        import numpy
+        return numpy.dtype(numpy.int64)
+    return torch.int64
 
 
 def default_timeout_s() -> float:
@@ -66,6 +74,8 @@ def built_with_cuda() -> bool:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "topk_idx_t":  # made on first use: importing epmoe never imports torch
+        return _topk_idx_t()
     if name == "MoEModule":  # torch.nn.Module wrapper, made on first use (imports torch)
         from . import moe
         return moe.MoEModule

@@ -19,7 +19,7 @@ Two layouts:
   Low-latency mode runs on the GPUs too (the cuda_ipc backend's GPU low-latency mode, NVLink, one host): on
   torch's (or CuPy's) current stream, with ``return_recv_hook`` (the hook enqueues the receive on the stream
   current when it is called) and ``async_finish`` (a CUDA event); its outputs are views of the buffer's
-  receive half, as DeepEP's, valid until the low-latency call two later. Over an mpi4py communicator that
+  receive half, as DeepEP's, valid until a later dispatch reuses that half (semantics §5). Over an mpi4py communicator that
   became a native MPI group, low-latency calls on CPU tensors run on the CPU.
 - CPU: ranks as threads of one process (``epmoe.run_thread_ranks``), or as MPI processes
   (``Buffer(None, comm=mpi4py_comm)`` with an MPI build), NumPy arrays (bf16 / fp8 as
@@ -29,18 +29,23 @@ Two layouts:
 Outputs are made in the inputs' framework (torch in, torch out; NumPy in, NumPy out) and on their device.
 
 DeepEP arguments accepted without effect: ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
-``allow_mnnvl``, ``use_fabric`` (RDMA / NVSHMEM settings), ``config`` (epmoe's kernels have their own
-sizing; ``Buffer.num_sms`` set by ``set_num_sms`` is used as the cuda_ipc block count), 
-``num_tokens_per_rdma_rank`` (one level of ranks), ``zero_copy``, ``use_logfmt`` (combine always sends
-bf16, exact where LogFMT rounds), ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats``
-(checked, never updated). On the CPU layout also ``num_nvl_bytes``, ``previous_event``, ``async_finish``
+``allow_mnnvl``, ``use_fabric`` (RDMA / NVSHMEM settings), ``config`` (see ``Config``: epmoe's kernels have no
+chunked rings; ``Buffer.num_sms`` set by ``set_num_sms`` before the buffer is made is the cuda_ipc block count),
+``num_tokens_per_rdma_rank`` (one level of ranks), ``dispatch_wait_recv_cost_stats`` /
+``combine_wait_recv_cost_stats`` (checked, never updated). ``zero_copy=True`` combines the buffer's slab of
+``get_next_low_latency_combine_buffer`` (the two alternate as DeepEP's buffers); ``use_logfmt=True`` is refused
+(epmoe.Error 'unsupported': combine sends bf16). On the CPU layout also ``num_nvl_bytes``, ``previous_event``, ``async_finish``
 and ``allocate_on_comm_stream`` (work is complete on return). ``allocate_on_comm_stream`` on the GPU is
 checked as DeepEP does (needs previous_event and async_finish); outputs are not stream-ordered
 allocations there, so it changes nothing else.
 
 Not supported (epmoe.Error 'unsupported'): ``enable_shrink=True`` and the mask-buffer methods (rank
-masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``get_comm_stream`` and
+masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``use_logfmt=True``; ``get_comm_stream`` and
 ``get_local_buffer_tensor`` (the cuda_ipc stream and buffer are internal); more than one host (no RDMA).
+
+Low-latency buffers alternate as DeepEP's (semantics §5): low-latency call n since the last clean (a dispatch or
+a combine) uses half n % 2. A dispatch's handle can be combined any number of times (DeepEP's test combines each
+twice) until a later dispatch reuses its half; its GPU outputs (views of the half) stay valid as long.
 """
 
 from __future__ import annotations
@@ -128,7 +133,11 @@ class EventOverlap:
 class Config:
     """Performance tuning of the normal-mode kernels (DeepEP's ``Config``); same constructor.
 
-    epmoe's backends accept and ignore it. ``get_nvl_buffer_size_hint`` / ``get_rdma_buffer_size_hint``
+    What each knob does in epmoe: ``num_sms`` — nothing per call (the cuda_ipc block count is fixed per buffer:
+    ``Buffer.set_num_sms`` before the buffer is made); ``num_max_nvl_chunked_send_tokens`` /
+    ``num_max_nvl_chunked_recv_tokens`` — nothing (epmoe moves whole runs of rows, no chunked ring; its pipeline
+    depth is BufferOptions.num_chunks, fixed per buffer); ``num_max_rdma_chunked_*`` — nothing (one host, no
+    RDMA). They are checked (ints >= 1). ``get_nvl_buffer_size_hint`` / ``get_rdma_buffer_size_hint``
     give an estimate of ring-buffer bytes in DeepEP's manner (what engines use to size ``num_nvl_bytes`` /
     ``num_rdma_bytes``). The cuda_ipc backend sizes for the worst case instead, which a ring estimate may
     not cover for large batches (a call that does not fit raises epmoe.Error 'out_of_memory' naming the
@@ -210,8 +219,8 @@ class LowLatencyHandle(tuple):
     - src_info: int32 [E_local, R*Tmax], source token index of each received row.
     - layout_range: int64 [E_local, R], ``begin << 32 | count`` of each source rank's block.
 
-    It also carries the generation of its call: a handle from two or more low-latency calls ago is
-    rejected by ``low_latency_combine`` (epmoe.Error 'stale_handle').
+    It also carries the generation of its call: once a later dispatch reused its half, ``low_latency_combine``
+    rejects it (epmoe.Error 'stale_handle'); until then it can be combined any number of times.
     """
 
     native: Any
@@ -221,6 +230,20 @@ class LowLatencyHandle(tuple):
                                     native.num_experts))
         obj.native = native
         return obj
+
+
+def _contiguous(t: Any) -> Any:
+    """t itself when row-major contiguous (or None), else a contiguous copy in its framework and on its device."""
+    if t is None:
+        return None
+    if is_torch(t):
+        return t if t.is_contiguous() else t.contiguous()
+    if isinstance(t, np.ndarray):
+        return t if t.flags.c_contiguous else np.ascontiguousarray(t)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(t, cupy.ndarray) and not t.flags.c_contiguous:
+        return cupy.ascontiguousarray(t)
+    return t
 
 
 def _event_of(previous_event: Optional[EventOverlap]) -> Any:
@@ -306,7 +329,7 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm: Any = None, *, backend: Optional[str] = None,
-                 device: Optional[int] = None, num_recv_slots: int = 0) -> None:
+                 device: Optional[int] = None, num_recv_slots: int = 0, debug_validate: bool = False) -> None:
         """Creates this rank's buffer. Collective: every rank of the group calls it.
 
         Arguments:
@@ -338,6 +361,9 @@ class Buffer:
                 num_nvl_bytes more device memory; 0 = none). With slots, a dispatch's recv_x, scales, ids and
                 weights are views of a slot the senders store into directly; the slot is reused once they are
                 all freed (see BufferOptions::num_recv_slots in include/epmoe/buffer.hpp). Ignored on CPU.
+            debug_validate (epmoe, keyword only): cuda_ipc low-latency calls copy topk_idx to the host and check
+                it before any communication (a host synchronisation per call). Off (the default): bad ids are
+                found on the device, skipped, and raised by the next call. CPU ranks always check eagerly.
 
         Errors (epmoe.Error): invalid_argument (a bad group, negative sizes, num_nvl_bytes == 0 with
         cuda_ipc and low_latency_mode=False, an unknown backend); unsupported (enable_shrink, a torch /
@@ -394,8 +420,11 @@ class Buffer:
         self.native_group = native_group
         self._side_stream: Any = None
         self.runtime = _ext.Buffer(native_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                   backend, int(device), Buffer._num_sms_for_kernels(), int(num_recv_slots))
-        self._combine_scratch: Any = None
+                                   backend, int(device), Buffer._num_sms_for_kernels(), int(num_recv_slots),
+                                   bool(debug_validate))
+        # Low-latency calls since the last clean (their parity picks the half, and the combine slab, of the next).
+        self._ll_calls = 0
+        self._combine_slabs: List[Any] = [None, None]
 
     # ---------------------------------------------------------------- life cycle and static helpers
 
@@ -509,20 +538,35 @@ class Buffer:
             return bias
         return bias, None
 
+    # DeepEP's tuned chunk sizes per rank count (send, recv, rdma send, rdma recv), as data: the values a
+    # DeepEP user gets, so configs printed or compared across the two libraries agree.
+    _DISPATCH_CONFIGS = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+                         24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+                         96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128),
+                         160: (28, 720, 12, 128)}
+    _COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+                        24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+                        96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+    @staticmethod
+    def _config_for(table: dict, num_ranks: Any) -> Config:
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+            raise invalid_argument("num_ranks", "an int >= 1", repr(num_ranks))
+        # DeepEP knows only the listed counts; others take the next listed one up (1 -> 2; beyond 160 -> 160's).
+        key = min((k for k in table if k >= num_ranks), default=max(table))
+        return Config(Buffer.num_sms, *table[key])
+
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """A dispatch Config for `num_ranks` ranks (any number >= 1; DeepEP only knows a fixed list).
-        Ignored by the CPU backends."""
-        if not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-            raise invalid_argument("num_ranks", "an int >= 1", repr(num_ranks))
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        """DeepEP's dispatch Config for `num_ranks` ranks (``Buffer.num_sms`` SMs); any count >= 1 (DeepEP
+        knows a fixed list: others take the next listed count up). See ``Config`` for what epmoe does with it.
+        Errors: epmoe.Error invalid_argument for num_ranks < 1."""
+        return Buffer._config_for(Buffer._DISPATCH_CONFIGS, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """A combine Config for `num_ranks` ranks (any number >= 1). Ignored by the CPU backends."""
-        if not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-            raise invalid_argument("num_ranks", "an int >= 1", repr(num_ranks))
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        """DeepEP's combine Config for `num_ranks` ranks, as get_dispatch_config."""
+        return Buffer._config_for(Buffer._COMBINE_CONFIGS, num_ranks)
 
     # ---------------------------------------------------------------- normal mode
 
@@ -615,6 +659,8 @@ class Buffer:
         expert_alignment = int32_arg("expert_alignment", expert_alignment)
         num_worst_tokens = int32_arg("num_worst_tokens", num_worst_tokens)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
+        # Scales of any strides (DeepEP's tests pass column-major ones): the backends read row-major scales.
+        x_scales = _contiguous(x_scales)
         native_handle = None
         if handle is not None:
             if not isinstance(handle, DispatchHandle):
@@ -692,6 +738,7 @@ class Buffer:
         self.runtime.clean_low_latency_buffer(
             int32_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
             int64_arg("hidden", hidden), int32_arg("num_experts", num_experts))
+        self._ll_calls = 0
 
     def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Any = None, dispatch_wait_recv_cost_stats: Any = None,
@@ -702,7 +749,7 @@ class Buffer:
 
         CPU tensors run on CPU ranks; CUDA tensors (torch or CuPy, on this rank's device) on a cuda_ipc buffer run
         on the GPUs (bit-identical to the CPU path), on the current stream (torch's, else CuPy's), without
-        host synchronisation except the topk_idx check of BufferOptions.debug_validate (C++; on by default).
+        host synchronisation (the eager topk_idx check is opt-in: ``Buffer(..., debug_validate=True)``).
 
         Arguments:
             x: bfloat16 [T, H], T <= num_max_dispatch_tokens_per_rank, H % 16 == 0 with fp8 (any such H,
@@ -730,7 +777,8 @@ class Buffer:
                 order within (deterministic; DeepEP leaves block order to arrival). Other rows are
                 undefined. On CPU these are copies, valid after the call (or after the hook) for good. On GPU
                 they are views of the buffer's receive half (as DeepEP's), filled on the stream, and valid until
-                the low-latency call two after this one reuses that half: clone what must live longer.
+                a later low_latency_dispatch reuses that half (the second dispatch after this one, with DeepEP's
+                alternation; combines do not touch them): clone what must live longer.
             recv_count: int32 [E_local] (masked_m).
             handle: a LowLatencyHandle for low_latency_combine.
             event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
@@ -759,6 +807,7 @@ class Buffer:
                 event.current_stream_wait(stream)
         if hook is not None and gpu:
             hook = _gpu_recv_hook(hook, inputs, self._host_wait)
+        self._ll_calls += 1
         recv = (recv_x, scales) if use_fp8 else recv_x
         return (recv, count, LowLatencyHandle(native, src_info, layout_range),
                 EventOverlap(event, inputs if event.is_cuda else None), hook)
@@ -773,11 +822,12 @@ class Buffer:
             x: bfloat16 [E_local, R*Tmax, H], the experts' outputs in the rows of the dispatch.
             topk_idx: the [T, K] ids given to the dispatch of `handle` (checked).
             topk_weights: float32 [T, K].
-            handle: the LowLatencyHandle of the low-latency call just before this one (two buffers
-                alternate: an older handle raises epmoe.Error 'stale_handle').
-            use_logfmt: accepted; epmoe always sends bf16 (exact, where LogFMT rounds).
-            zero_copy: accepted (x may be the array of get_next_low_latency_combine_buffer or any other; the
-                combine always reads x).
+            handle: the LowLatencyHandle of a low_latency_dispatch: combinable any number of times until a later
+                dispatch reuses its half (semantics §5; then epmoe.Error 'stale_handle').
+            use_logfmt: False; True raises epmoe.Error 'unsupported' (epmoe's combine sends bf16).
+            zero_copy: True: combine the slab that get_next_low_latency_combine_buffer returned for this call
+                (x is then only checked for its shape, as DeepEP reads its own buffer); False: combine x. The
+                send reads its input where it is either way (no staging copy).
             async_finish: as for low_latency_dispatch (GPU: a CUDA event); excludes return_recv_hook.
             return_recv_hook: only send; the returned hook receives into the result. Call it once. GPU: as
                 for low_latency_dispatch (the receive reads topk_idx and topk_weights: the hook keeps them).
@@ -794,14 +844,27 @@ class Buffer:
         _check_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size)
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
+        if use_logfmt:
+            raise unsupported("low_latency_combine(use_logfmt=True): LogFMT is not implemented (epmoe's combine "
+                              "sends bf16 rows, exact where LogFMT rounds); pass use_logfmt=False")
+        if zero_copy:
+            slab = self._combine_slabs[self._ll_calls % 2]
+            shape = self._combine_slab_shape(handle)
+            if slab is None:
+                raise invalid_argument("zero_copy", "True only after get_next_low_latency_combine_buffer(handle) for "
+                                       "this call", "no slab handed out for it")
+            if tuple(getattr(x, "shape", ())) != shape:
+                raise invalid_argument("x", f"bfloat16 {list(shape)}", describe(x))
+            x = slab
         gpu = x is not None and is_cuda(x)
         inputs = (x, topk_idx, topk_weights, out)
         stream = current_stream(*inputs) if gpu else None
         host_wait = gpu and self._host_wait and not return_recv_hook
         # DeepEP's zero_copy means "x is the buffer's own combine slab"; the GPU combine always copies from x.
         combined, event, hook = self.runtime.low_latency_combine(
-            arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy and not gpu, async_finish or host_wait,
+            arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy, async_finish or host_wait,
             return_recv_hook, arg(out), framework_of(x), stream)
+        self._ll_calls += 1
         if host_wait:
             event.wait_host()
             if not async_finish:
@@ -810,30 +873,36 @@ class Buffer:
             hook = _gpu_recv_hook(hook, inputs, self._host_wait)
         return (out if out is not None else combined), EventOverlap(event, inputs if event.is_cuda else None), hook
 
+    def _combine_slab_shape(self, handle: "LowLatencyHandle") -> Tuple[int, int, int]:
+        tmax, hidden, num_experts = handle[2], handle[3], handle[4]
+        return (num_experts // self.group_size, self.group_size * tmax, hidden)
+
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Any:
-        """A bfloat16 [E_local, R*Tmax, H] array to write the experts' outputs into and pass to
-        ``low_latency_combine(..., zero_copy=True)``. A scratch array owned by this buffer (reused by later
-        calls with the same shape), not the communication buffer itself; on the GPU (a torch handle on CUDA) a
-        torch tensor on the handle's device. Errors: epmoe.Error 'unsupported' for CuPy handles on the GPU."""
+        """The bfloat16 [E_local, R*Tmax, H] slab the next low-latency call, as a combine with ``zero_copy=True``,
+        reads: write the experts' outputs into it, then call ``low_latency_combine(..., zero_copy=True)``. Two slabs
+        alternate with the calls' halves (DeepEP's rule: the slab of half n % 2 for call n), each owned by this
+        buffer and made on first use (uninitialised); on the GPU (a torch handle on CUDA) a torch tensor on the
+        handle's device. Errors: epmoe.Error 'invalid_argument' for a handle of another kind, 'unsupported' for
+        CuPy handles on the GPU (CuPy has no bfloat16)."""
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
-        tmax, hidden, num_experts = handle[2], handle[3], handle[4]
-        shape = (num_experts // self.group_size, self.group_size * tmax, hidden)
+        shape = self._combine_slab_shape(handle)
         torch_out = framework_of(handle[0]) == "torch"
         device = handle[0].device if torch_out else None
         if is_cuda(handle[0]) and not torch_out:
             raise unsupported("get_next_low_latency_combine_buffer: CuPy has no bfloat16 array; pass any bfloat16 "
                               "array as x to low_latency_combine")
-        scratch = self._combine_scratch
-        if scratch is None or tuple(scratch.shape) != shape or (framework_of(scratch) == "torch") != torch_out or \
-                (torch_out and scratch.device != device):
+        half = self._ll_calls % 2
+        slab = self._combine_slabs[half]
+        if slab is None or tuple(slab.shape) != shape or (framework_of(slab) == "torch") != torch_out or \
+                (torch_out and slab.device != device):
             if torch_out:
                 import torch
-                scratch = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+                slab = torch.empty(shape, dtype=torch.bfloat16, device=device)
             else:
-                scratch = np.zeros(shape, dtype=BFLOAT16)
-            self._combine_scratch = scratch
-        return scratch
+                slab = np.empty(shape, dtype=BFLOAT16)
+            self._combine_slabs[half] = slab
+        return slab
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Rank masking (DeepEP's shrink mode): not supported (epmoe.Error 'unsupported')."""

@@ -140,7 +140,8 @@ void check_worst_rows_fit(const DispatchArgs& a) {
 // ---- the Buffer's methods, bound by bind_buffer_class below ----
 
 void buffer_init(PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std::int64_t num_rdma_bytes,
-                 bool low_latency_mode, std::string_view backend, int device, int num_sms, int num_recv_slots) {
+                 bool low_latency_mode, std::string_view backend, int device, int num_sms, int num_recv_slots,
+                 bool debug_validate) {
   if (!group.group) throw_invalid_argument("group", "an epmoe Group", "None");
   BufferOptions o;
   o.backend = parse_backend(backend);
@@ -150,6 +151,7 @@ void buffer_init(PyBuffer* self, PyGroup& group, std::int64_t num_nvl_bytes, std
   o.device = device;
   o.num_sms = num_sms;
   o.num_recv_slots = num_recv_slots;
+  o.debug_validate = debug_validate;
   std::shared_ptr<Buffer> b;
   {
     nb::gil_scoped_release release;
@@ -375,7 +377,7 @@ void bind_buffer_class(nb::module_& m) {
   nb::class_<PyBuffer>(m, "Buffer", "epmoe::Buffer of one rank (use epmoe.Buffer).")
       .def("__init__", &buffer_init, nb::arg("group"), nb::arg("num_nvl_bytes") = 0, nb::arg("num_rdma_bytes") = 0,
            nb::arg("low_latency_mode") = false, nb::arg("backend") = "auto", nb::arg("device") = -1,
-           nb::arg("num_sms") = 0, nb::arg("num_recv_slots") = 0)
+           nb::arg("num_sms") = 0, nb::arg("num_recv_slots") = 0, nb::arg("debug_validate") = false)
       .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
       .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
       .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })

@@ -156,7 +156,9 @@ def test_low_latency_hooks_receive_once(rng, R):
         assert out[d][3] == "stale_handle"
 
 
-def test_two_buffer_rule_rejects_old_handles_and_clean_resets(rng):
+def test_alternation_rule_rejects_reused_halves_and_clean_resets(rng):
+    """semantics §5: a handle combines (any number of times, zero_copy or not) until a later dispatch reuses its
+    half; clean_low_latency_buffer makes every handle stale."""
     R, E = 2, 4
     Ts, xs, idxs, ws = make_inputs(rng, R, E)
 
@@ -164,31 +166,35 @@ def test_two_buffer_rule_rejects_old_handles_and_clean_resets(rng):
         r = group.rank()
         buf = epmoe.Buffer(group, low_latency_mode=True)
         stats = np.zeros(E // R, dtype=np.int32)
-        a = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, stats, use_fp8=False)
-        b = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, stats, use_fp8=False)
+        a = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, stats, use_fp8=False)  # call 0, half 0
+        b = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, stats, use_fp8=False)  # call 1, half 1
         y = experts_on_packed(a[0], a[1], r, E // R)
+        again = buf.low_latency_combine(y, idxs[r], ws[r], a[2])[0]  # half 0 still holds a
+        buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_fp8=False)  # call 3, half 1: b is gone
         with pytest.raises(epmoe.Error) as stale:
-            buf.low_latency_combine(y, idxs[r], ws[r], a[2])  # a is two calls old
-        combined, _, _ = buf.low_latency_combine(y, idxs[r], ws[r], b[2])
+            buf.low_latency_combine(y, idxs[r], ws[r], b[2])
+        combined, _, _ = buf.low_latency_combine(y, idxs[r], ws[r], a[2])
         buf.clean_low_latency_buffer(TMAX, H, E)
         with pytest.raises(epmoe.Error) as after_clean:
-            buf.low_latency_combine(y, idxs[r], ws[r], b[2])
+            buf.low_latency_combine(y, idxs[r], ws[r], a[2])
         c = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_fp8=False)
-        # zero copy: the experts write into the array the buffer hands out
+        # zero copy: the experts write into the slab the buffer hands out for the next call
         z = buf.get_next_low_latency_combine_buffer(c[2])
         assert z.shape == (E // R, R * TMAX, H) and z.dtype == BF16
         z[...] = experts_on_packed(c[0], c[1], r, E // R)
-        zc, _, _ = buf.low_latency_combine(z, idxs[r], ws[r], c[2], zero_copy=True, use_logfmt=True)
-        return stale.value.code, after_clean.value.code, combined, stats, a[1], zc
+        zc, _, _ = buf.low_latency_combine(np.zeros_like(z), idxs[r], ws[r], c[2], zero_copy=True)
+        with pytest.raises(epmoe.Error) as logfmt:
+            buf.low_latency_combine(z, idxs[r], ws[r], c[2], use_logfmt=True)
+        return stale.value.code, after_clean.value.code, combined, again, stats, a[1], zc, logfmt.value.code
 
     out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
     for d in range(R):
-        stale, after_clean, combined, stats, counts, zc = out[d]
-        assert stale == "stale_handle" and after_clean == "stale_handle"
+        stale, after_clean, combined, again, stats, counts, zc, logfmt = out[d]
+        assert stale == "stale_handle" and after_clean == "stale_handle" and logfmt == "unsupported"
         exp = bits(combine_ref(xs[d], idxs[d], ws[d]))
         np.testing.assert_array_equal(bits(combined), exp)
-        np.testing.assert_array_equal(bits(zc), exp)
-        np.testing.assert_array_equal(stats, 2 * counts)
+        np.testing.assert_array_equal(bits(again), exp)
+        np.testing.assert_array_equal(bits(zc), exp)  # read from the slab, not from x (zeros)
 
 
 def test_low_latency_errors_name_the_argument(rng):

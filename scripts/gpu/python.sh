@@ -13,25 +13,13 @@
 # EPMOE_PYTEST_ARGS adds pytest arguments (e.g. "-k thread_ranks"); EPMOE_SKIP_BUILD=1 reuses the package an
 # earlier run on the same machine installed. Writes python_env.txt and junit.xml; the pip build's and pytest's
 # output go to gpu_check.log.
-part_python() {
-  part_begin python 570
-  local py="${EPMOE_PYTHON:-python3}"
-  local target="${EPMOE_PY_TARGET:-/tmp/epmoe-py}"
-  local deps="${DEPS_PREFIX:-${EPMOE_DEPS_PREFIX:-$ROOT/build/deps}}"
-  export EPMOE_TIMEOUT_S="${EPMOE_TIMEOUT_S:-20}"
-  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-  local gpus
-  gpus="$(gpu_count)"
-  [ "${gpus:-0}" = 1 ] && [ -z "${EPMOE_TEST_SHARE_GPU:-}" ] && export EPMOE_TEST_SHARE_GPU=1
-  {
-    "$py" -c 'import sys, torch, numpy; print("python", sys.version.split()[0], "torch", torch.__version__,
-"cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "numpy", numpy.__version__)' 2>&1
-    "$py" -m pip list 2>/dev/null | grep -iE '^(nanobind|scikit.build.core|ml.dtypes|pytest|cupy|mpi4py) ' || true
-    command -v nvcc cmake ninja 2>&1
-    echo "GPUs (nvidia-smi -L): ${gpus:-0}; EPMOE_TEST_SHARE_GPU=${EPMOE_TEST_SHARE_GPU:-unset}"
-  } >"$RESULTS/python_env.txt"
-  cat "$RESULTS/python_env.txt" >>"$LOG"
 
+# Builds the Python package with CUDA for `py` into the folder `target` (offline; C++ libraries from `deps` when
+# that folder exists, cuBLAS from the toolkit or the pip wheel), as one step of the calling part; with
+# EPMOE_SKIP_BUILD=1 reuses an earlier build there. Returns non-zero (after a note) when no package came out. Used
+# by the parts python and deepep.
+build_python_package() {
+  local py="$1" target="$2" deps="$3"
   local defs=(-C cmake.define.EPMOE_ENABLE_CUDA=ON -C build-dir=build/python-gpu)
   if [ -d "$deps" ]; then
     local libdirs
@@ -70,9 +58,31 @@ part_python() {
     if [ ! -d "$target/epmoe" ]; then
       note "the package did not build; the end of the log:"
       grep -n 'error\|Error' "$LOG" | tail -20
-      return
+      return 1
     fi
   fi
+}
+
+part_python() {
+  part_begin python 570
+  local py="${EPMOE_PYTHON:-python3}"
+  local target="${EPMOE_PY_TARGET:-/tmp/epmoe-py}"
+  local deps="${DEPS_PREFIX:-${EPMOE_DEPS_PREFIX:-$ROOT/build/deps}}"
+  export EPMOE_TIMEOUT_S="${EPMOE_TIMEOUT_S:-20}"
+  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+  local gpus
+  gpus="$(gpu_count)"
+  [ "${gpus:-0}" = 1 ] && [ -z "${EPMOE_TEST_SHARE_GPU:-}" ] && export EPMOE_TEST_SHARE_GPU=1
+  {
+    "$py" -c 'import sys, torch, numpy; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "numpy", numpy.__version__)' 2>&1
+    "$py" -m pip list 2>/dev/null | grep -iE '^(nanobind|scikit.build.core|ml.dtypes|pytest|cupy|mpi4py) ' || true
+    command -v nvcc cmake ninja 2>&1
+    echo "GPUs (nvidia-smi -L): ${gpus:-0}; EPMOE_TEST_SHARE_GPU=${EPMOE_TEST_SHARE_GPU:-unset}"
+  } >"$RESULTS/python_env.txt"
+  cat "$RESULTS/python_env.txt" >>"$LOG"
+
+  build_python_package "$py" "$target" "$deps" || return 0
   export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
   "$py" -c 'import epmoe; print("epmoe", epmoe.__version__, "from", epmoe.__file__, "built_with_cuda",
 epmoe.built_with_cuda())' >>"$RESULTS/python_env.txt" 2>&1

@@ -436,6 +436,7 @@ TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
       const LowLatencyDispatchResult d2 = buf.low_latency_dispatch(hooked);
       d2.hook();
       EXPECT_EQ(failure([&] { d2.hook(); }).code, ErrorCode::stale_handle);
+      buf.low_latency_dispatch(args());  // reuses d1's half: d1's routing is gone
       LowLatencyCombineArgs ca;
       ca.x = cx;
       ca.topk_idx = idx;

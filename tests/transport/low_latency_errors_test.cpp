@@ -226,7 +226,7 @@ TEST(LowLatencyErrors, SettingsFixedByFirstCall) {
   }
 }
 
-TEST(LowLatencyErrors, HandleFromTwoCallsAgoAndOtherBufferAndOtherTopk) {
+TEST(LowLatencyErrors, HandleOfReusedHalfAndOtherBufferAndOtherTopk) {
   const Case c = small_case();
   std::mt19937_64 rng(fresh_seed());
   const auto in = make_inputs(rng, c);
@@ -239,6 +239,7 @@ TEST(LowLatencyErrors, HandleFromTwoCallsAgoAndOtherBufferAndOtherTopk) {
     const auto& mine = in[static_cast<std::size_t>(r)];
     auto d0 = b.low_latency_dispatch(dispatch_args(c, mine));
     auto d1 = b.low_latency_dispatch(dispatch_args(c, mine));
+    auto d2 = b.low_latency_dispatch(dispatch_args(c, mine));  // reuses d0's half: d0's routing is gone
     LowLatencyCombineArgs ca;
     ca.x = y[static_cast<std::size_t>(r)];
     ca.topk_idx = mine.topk_idx;
@@ -258,7 +259,8 @@ TEST(LowLatencyErrors, HandleFromTwoCallsAgoAndOtherBufferAndOtherTopk) {
   for (int r = 0; r < c.R; ++r) {
     EXPECT_EQ(stale[static_cast<std::size_t>(r)].code, ErrorCode::stale_handle)
         << stale[static_cast<std::size_t>(r)].what;
-    EXPECT_TRUE(contains(stale[static_cast<std::size_t>(r)].what, "two or more calls ago"));
+    EXPECT_TRUE(contains(stale[static_cast<std::size_t>(r)].what, "reused its half"))
+        << stale[static_cast<std::size_t>(r)].what;
     EXPECT_EQ(other[static_cast<std::size_t>(r)].code, ErrorCode::invalid_argument)
         << other[static_cast<std::size_t>(r)].what;
     EXPECT_TRUE(contains(other[static_cast<std::size_t>(r)].what, "handle")) << other[static_cast<std::size_t>(r)].what;

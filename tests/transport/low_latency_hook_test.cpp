@@ -93,8 +93,8 @@ TEST(LowLatencyHook, CombineWritesOutOnlyInHook) {
   }
 }
 
-// Two micro-batches: dispatch A and B both with hooks, hooks called in reverse order; then the handle
-// of A (two calls ago) is rejected and B combines correctly.
+// Two micro-batches: dispatch A and B both with hooks, hooks called in reverse order; after a third dispatch
+// reuses A's half the handle of A is rejected, and B (whose half was not reused) combines correctly.
 TEST(LowLatencyHook, TwoCallsInFlight) {
   const Case c = small_case();
   std::mt19937_64 rng(fresh_seed());
@@ -115,6 +115,7 @@ TEST(LowLatencyHook, TwoCallsInFlight) {
     dA.hook();
     gotA[static_cast<std::size_t>(r)] = copy_dispatch(dA);
     gotB[static_cast<std::size_t>(r)] = copy_dispatch(dB);
+    b.low_latency_dispatch(dispatch_args(c, inA[static_cast<std::size_t>(r)]));  // reuses A's half
     LowLatencyCombineArgs ca;
     ca.x = y[static_cast<std::size_t>(r)];
     ca.topk_idx = inA[static_cast<std::size_t>(r)].topk_idx;
@@ -135,6 +136,45 @@ TEST(LowLatencyHook, TwoCallsInFlight) {
         << staleA[static_cast<std::size_t>(d)].what;
     EXPECT_TRUE(staleA[static_cast<std::size_t>(d)].thrown);
     expect_bf16_equal(combB[static_cast<std::size_t>(d)], wantB[static_cast<std::size_t>(d)], "combine of B");
+  }
+}
+
+// DeepEP's alternation (semantics §5): a handle combines any number of times, also after another dispatch into the
+// other half, until a later dispatch reuses its own half (DeepEP's test combines each dispatch twice).
+TEST(LowLatencyHook, HandleCombinesUntilItsHalfIsReused) {
+  const Case c = small_case();
+  std::mt19937_64 rng(fresh_seed());
+  const auto inA = make_inputs(rng, c), inB = make_inputs(rng, c);
+  const auto y = make_expert_out(rng, c);
+  std::vector<std::vector<Tensor>> comb(static_cast<std::size_t>(c.R));
+  std::vector<Caught> stale(static_cast<std::size_t>(c.R));
+  run_buffers(c.R, [&](Buffer& b, Group& g) {
+    const int r = g.rank();
+    const auto& mine = inA[static_cast<std::size_t>(r)];
+    auto dA = b.low_latency_dispatch(dispatch_args(c, mine));  // call 0, half 0
+    LowLatencyCombineArgs ca;
+    ca.x = y[static_cast<std::size_t>(r)];
+    ca.topk_idx = mine.topk_idx;
+    ca.topk_weights = mine.topk_weights;
+    ca.handle = &dA.handle;
+    auto& out = comb[static_cast<std::size_t>(r)];
+    out.push_back(clone(b.low_latency_combine(ca).combined_x));  // call 1
+    out.push_back(clone(b.low_latency_combine(ca).combined_x));  // call 2, the same handle again
+    b.low_latency_dispatch(dispatch_args(c, inB[static_cast<std::size_t>(r)]));  // call 3, half 1
+    out.push_back(clone(b.low_latency_combine(ca).combined_x));  // call 4: half 0 still holds A
+    b.low_latency_dispatch(dispatch_args(c, inB[static_cast<std::size_t>(r)]));  // call 5, half 1
+    out.push_back(clone(b.low_latency_combine(ca).combined_x));  // call 6
+    b.low_latency_dispatch(dispatch_args(c, inB[static_cast<std::size_t>(r)]));  // call 7, half 1
+    b.low_latency_dispatch(dispatch_args(c, inB[static_cast<std::size_t>(r)]));  // call 8, half 0: A is gone
+    stale[static_cast<std::size_t>(r)] = catch_error([&] { b.low_latency_combine(ca); });
+  });
+  const auto refA = reference_low_latency_dispatch(inA, c.E);
+  const auto want = reference_low_latency_combine(inA, refA, y, c.E);
+  for (int d = 0; d < c.R; ++d) {
+    ASSERT_EQ(comb[static_cast<std::size_t>(d)].size(), 4u);
+    for (const Tensor& t : comb[static_cast<std::size_t>(d)])
+      expect_bf16_equal(t, want[static_cast<std::size_t>(d)], "combine of A");
+    EXPECT_EQ(stale[static_cast<std::size_t>(d)].code, ErrorCode::stale_handle) << stale[static_cast<std::size_t>(d)].what;
   }
 }
 

@@ -2,6 +2,7 @@
 // every rank, no hang).
 #include "transport/normal_harness.hpp"
 
+#include <cstring>
 #include <functional>
 
 namespace epmoe::test {
@@ -176,11 +177,50 @@ TEST(NormalErrors, LayoutInconsistentWithTopk) {
              {"'num_tokens_per_expert'", "multiple of the 2 ranks", "got 5"});
 }
 
-TEST(NormalErrors, MissingLayoutOrTopk) {
+TEST(NormalErrors, MissingLayoutAndLayoutOnlyCounts) {
   expect_all(dispatch_with(small(2), [&](int, DispatchArgs& a) { a.num_tokens_per_expert = {}; }),
              ErrorCode::invalid_argument, {"'num_tokens_per_expert'", "None"});
-  expect_all(dispatch_with(small(2), [&](int, DispatchArgs& a) { a.topk_idx = {}; a.topk_weights = {}; }),
-             ErrorCode::invalid_argument, {"'topk_idx'", "required unless a handle"});
+  // Without topk_idx (DeepEP's layout-only dispatch) num_tokens_per_rank must count is_token_in_rank's columns.
+  Tensor wrong = Tensor::zeros(DType::int32, {2});
+  expect_all(dispatch_with(small(2),
+                           [&](int, DispatchArgs& a) {
+                             a.topk_idx = {};
+                             a.topk_weights = {};
+                             a.num_tokens_per_rank = wrong;
+                           }),
+             ErrorCode::invalid_argument, {"'num_tokens_per_rank'", "is_token_in_rank"});
+}
+
+// A dispatch without topk_idx moves the rows the layout says, returns no top-k outputs, and takes each local
+// expert's count from the ranks' num_tokens_per_expert: the same rows and counts as the dispatch with topk_idx.
+TEST(NormalDispatch, LayoutOnlyMatchesDispatchWithTopk) {
+  const NormalCase c = small(3);
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::vector<Ready> rd;
+  for (int r = 0; r < c.R; ++r) rd.push_back(ready(rng, c, r));
+  std::vector<int> same(static_cast<std::size_t>(c.R), 0);
+  const auto errs = on_ranks(c.R, [&](int r, Buffer& buf) {
+    const Ready& mine = rd[static_cast<std::size_t>(r)];
+    const DispatchResult with = buf.dispatch(dispatch_args(mine.in, mine.layout, c));
+    DispatchArgs a = dispatch_args(mine.in, mine.layout, c);
+    a.topk_idx = {};
+    a.topk_weights = {};
+    const DispatchResult without = buf.dispatch(a);
+    const bool rows_equal = without.recv_x.nbytes() == with.recv_x.nbytes() &&
+                            std::memcmp(without.recv_x.data(), with.recv_x.data(), with.recv_x.nbytes()) == 0;
+    same[static_cast<std::size_t>(r)] = rows_equal && !without.recv_topk_idx.defined() &&
+                                        !without.recv_topk_weights.defined() &&
+                                        without.num_recv_tokens_per_expert_list == with.num_recv_tokens_per_expert_list;
+    CombineArgs ca;
+    ca.x = without.recv_x;
+    ca.handle = &without.handle;
+    buf.combine(ca);  // the layout-only handle combines
+  });
+  for (int r = 0; r < c.R; ++r) {
+    EXPECT_TRUE(errs[static_cast<std::size_t>(r)] == nullptr) << "rank " << r << " (seed " << seed << ")";
+    EXPECT_EQ(same[static_cast<std::size_t>(r)], 1) << "rank " << r << " (seed " << seed << ")";
+  }
 }
 
 TEST(NormalErrors, NonContiguousX) {

@@ -207,22 +207,20 @@ void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t H, De
 }
 
 void check_combine_handle(const LowLatencyHandle& hd, int rank, int tmax, std::int64_t hidden, int num_experts,
-                          std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation,
-                          bool receive_pending) {
+                          std::uint64_t base, std::uint64_t generation, bool routing_kept, bool receive_pending) {
   EPMOE_CHECK_ARG(
       hd.num_max_dispatch_tokens_per_rank == tmax && hd.hidden == hidden && hd.num_experts == num_experts, "handle",
       fmt::format("Tmax = {}, H = {}, E = {}", tmax, hidden, num_experts),
       fmt::format("Tmax = {}, H = {}, E = {}", hd.num_max_dispatch_tokens_per_rank, hd.hidden, hd.num_experts));
-  if (hd.generation < base || hd.generation + 1 != generation)
+  if (hd.generation < base)
     raise(ErrorCode::stale_handle,
-          "rank {}: the handle comes from low-latency call {}, {} (this combine is call {}); only the handle of the "
-          "call just before can be combined (two buffers alternate)",
-          rank, hd.generation, hd.generation < base ? "before clean_low_latency_buffer" : "two or more calls ago",
-          generation);
-  if (sent_generation != hd.generation)
+          "rank {}: the handle comes from low-latency call {}, before clean_low_latency_buffer (this combine is call {})",
+          rank, hd.generation, generation);
+  if (!routing_kept)
     raise(ErrorCode::stale_handle,
-          "rank {}: the handle (call {}) does not come from a low_latency_dispatch of this buffer", rank,
-          hd.generation);
+          "rank {}: the handle comes from low-latency call {}, and a later low_latency_dispatch reused its half of the "
+          "buffer (this combine is call {}; a dispatch's handle can be combined until the next dispatch but one)",
+          rank, hd.generation, generation);
   EPMOE_CHECK_ARG(!receive_pending, "handle", "the handle of a received dispatch",
                   "a dispatch whose recv hook was not called yet");
 }

@@ -46,13 +46,13 @@ void check_combine_x(const TensorView& x, int local_experts, std::int64_t rows, 
 void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t hidden, Device device);
 
 /// Combine's checks of its handle (of this buffer, which is configured as `tmax`, `hidden`, `num_experts`) on rank
-/// `rank`: the handle's settings (invalid_argument naming 'handle'), then that it is the handle of the call just
-/// before (`generation`: the buffer's calls so far, `base`: their count at the last clean) and that this call was
-/// a dispatch (`sent_generation`: the call recorded as the last dispatch of the handle's half) (stale_handle), and
-/// that its receive is done (`receive_pending` false: its recv hook was called; invalid_argument naming 'handle').
+/// `rank`: the handle's settings (invalid_argument naming 'handle'), then that it was made after the last clean
+/// (`base`: the buffer's call count then; `generation`: its calls so far, for the message) and that the dispatch's
+/// routing is still held by the buffer (`routing_kept`: no later dispatch reused the half holding it; semantics §5,
+/// the alternation rule) (stale_handle), and that its receive is done (`receive_pending` false: its recv hook was
+/// called; invalid_argument naming 'handle').
 void check_combine_handle(const LowLatencyHandle& handle, int rank, int tmax, std::int64_t hidden, int num_experts,
-                          std::uint64_t base, std::uint64_t generation, std::uint64_t sent_generation,
-                          bool receive_pending);
+                          std::uint64_t base, std::uint64_t generation, bool routing_kept, bool receive_pending);
 /// Combine's topk_idx has the dispatch's shape [T, K]. Errors: invalid_argument naming 'topk_idx'.
 void check_combine_idx_shape(const TensorView& topk_idx, std::int64_t T, std::int64_t K);
 

@@ -64,10 +64,9 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
     EPMOE_CHECK_ARG(h->buffer_id == buffer_id, "handle", fmt::format("a handle of this buffer (id {})", buffer_id),
                     fmt::format("a handle of buffer {}", h->buffer_id));
     EPMOE_CHECK_ARG(h->num_tokens == s.T, "x", fmt::format("{} rows, as in the handle's dispatch", h->num_tokens), s.T);
-  } else {
-    EPMOE_CHECK_ARG(s.has_topk, "topk_idx", "an int64 or int32 [T, K] tensor (required unless a handle is given)",
-                    "None");
   }
+  // A fresh dispatch without topk_idx moves rows by the layout tensors alone (DeepEP's layout-only dispatch): no
+  // recv_topk_idx / recv_topk_weights, the expert counts from num_tokens_per_expert.
   if (s.has_topk) {
     const TensorView& t = a.topk_idx;
     EPMOE_CHECK_ARG(t.dtype == DType::int64 || t.dtype == DType::int32, "topk_idx", "dtype int64 or int32", describe(t));

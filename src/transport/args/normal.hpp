@@ -31,7 +31,7 @@ struct DispatchSpec {
   ScaleFormat scale_format = ScaleFormat::none;
   std::int64_t scale_cols = 0;  ///< columns of x_scales (0 for bf16)
   bool cached = false, has_topk = false, has_weights = false;
-  int K = 0;          ///< 0 when topk_idx is not given (cached dispatch)
+  int K = 0;          ///< 0 when topk_idx is not given (cached or layout-only dispatch)
   int E = 0;          ///< from num_tokens_per_expert, or the handle when cached
   int alignment = 1;  ///< expert_alignment in effect (the handle's when cached)
   int worst = 0;      ///< num_worst_tokens in effect (the handle's when cached)

@@ -387,7 +387,9 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * tmax;
   const Sent& sent = sent_[(hd.generation - base_) % 2];
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
-  low_latency_args::check_combine_handle(hd, me, tmax, H, L.num_experts, base_, generation_, sent.generation,
+  // The routing of a dispatch stays in its half until the next dispatch into that half (semantics §5).
+  low_latency_args::check_combine_handle(hd, me, tmax, H, L.num_experts, base_, generation_,
+                                         sent.generation == hd.generation,
                                          unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 

@@ -191,6 +191,20 @@ namespace {
 /// Every id of topk_idx, checked by recomputing its layout (naming the first bad id and its position): it must
 /// match the layout tensors given, or for a cached dispatch the routing of the handle.
 void check_routing(const DispatchArgs& a, const DispatchSpec& spec, int R) {
+  if (!spec.has_topk && !spec.cached) {
+    // Layout-only dispatch: num_tokens_per_rank must count is_token_in_rank's columns (nothing else to check it by).
+    const bool* in_rank = static_cast<const bool*>(a.is_token_in_rank.data);
+    const auto* per_rank = static_cast<const std::int32_t*>(a.num_tokens_per_rank.data);
+    for (int d = 0; d < R; ++d) {
+      std::int64_t n = 0;
+      for (std::int64_t t = 0; t < spec.T; ++t) n += in_rank[t * R + d] ? 1 : 0;
+      if (n != per_rank[d])
+        throw_invalid_argument("num_tokens_per_rank",
+                               fmt::format("the tokens is_token_in_rank sends to each rank ({} at [{}])", n, d),
+                               std::to_string(per_rank[d]));
+    }
+    return;
+  }
   if (!spec.has_topk) return;
   const DispatchLayout layout = get_dispatch_layout(a.topk_idx, spec.E, R);
   if (!spec.cached) return check_layout_matches(a, layout, R);
@@ -394,6 +408,19 @@ DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
   const bool* in_rank_p = static_cast<const bool*>(in_rank.data);
   const SendLists send = make_send_lists(in_rank_p, spec.T, R);
   const Gathered gathered = agree_and_count(group, a, spec, send, kDispatchPhase);
+  // Layout-only dispatch (every rank: K = 0 is agreed above): this rank's expert counts are the sums of every rank's
+  // num_tokens_per_expert over its local experts, as DeepEP's notify computes them.
+  std::vector<std::int32_t> layout_counts;
+  if (!spec.cached && !spec.has_topk) {
+    std::vector<std::int32_t> all(static_cast<std::size_t>(spec.E) * static_cast<std::size_t>(R));
+    group.all_gather(a.num_tokens_per_expert.data, all.data(), static_cast<std::size_t>(spec.E) * sizeof(std::int32_t),
+                     kDispatchPhase);
+    layout_counts.assign(static_cast<std::size_t>(E_local), 0);
+    for (int s = 0; s < R; ++s)
+      for (int e = 0; e < E_local; ++e)
+        layout_counts[static_cast<std::size_t>(e)] +=
+            all[static_cast<std::size_t>(s) * static_cast<std::size_t>(spec.E) + static_cast<std::size_t>(me * E_local + e)];
+  }
   Tensor prefix = make_prefix_matrix(gathered, a, spec, R, me);
   const auto* pm = prefix.ptr<std::int32_t>();
   auto before = [&](int s, int d) -> std::int64_t { return s > 0 ? pm[(s - 1) * R + d] : 0; };
@@ -411,6 +438,7 @@ DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
   if (!spec.cached) {
     recv_src_idx = pool_.empty(DType::int32, {num_recv});
     expert_counts = Tensor::zeros(DType::int32, {E_local});
+    if (!layout_counts.empty()) std::memcpy(expert_counts.data(), layout_counts.data(), expert_counts.nbytes());
   }
 
   // One exchange, a field per row-wise tensor. The offers stay alive until end_exchange (peers may read them).

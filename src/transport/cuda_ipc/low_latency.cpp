@@ -98,6 +98,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     mem_.reset();
     scratch_ = Tensor{};
     sent_idx_ = Tensor{};
+    routing_save_ = Tensor{};
     if (last_event_) cudaEventDestroy(last_event_);
     if (caller_done_) cudaEventDestroy(caller_done_);
     if (comm_) cudaStreamDestroy(comm_);
@@ -128,6 +129,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     const float* weights = nullptr;
     std::int64_t T = 0;
     Tensor out;
+    bool ids_swapped = false;  // bring_routing swapped sent_idx_'s halves for this combine: swap back after receive
   };
   struct Sent {
     std::uint64_t generation = ~0ull;
@@ -160,6 +162,19 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     if (async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
   }
   void receive_hook(std::uint64_t generation);
+  /// The kernels of combine call `index` read its dispatch's routing (src_info, layout_range, packed_k in the
+  /// output area; the ids in sent_idx_) from half (index - 1) % 2. When the dispatch (call `dispatch_index`) is in
+  /// the other half (DeepEP's alternation lets a handle be combined later, e.g. twice), its routing is brought there
+  /// on `s`: the half's own routing area is saved in routing_save_ and restored by put_back_routing after the send
+  /// kernel (users see the output area unchanged), and the two halves' ids are swapped (sent_idx_ is internal),
+  /// then swapped back after the combine's receive kernel (Pending::ids_swapped). Returns whether it moved anything.
+  bool bring_routing(std::uint64_t dispatch_index, std::uint64_t index, cudaStream_t s);
+  void put_back_routing(std::uint64_t index, cudaStream_t s);
+  void swap_ids(cudaStream_t s);  // exchanges the two halves' ids in sent_idx_ (through routing_save_)
+  std::size_t routing_bytes() const {
+    return layout_.packed_k + static_cast<std::size_t>(layout_.local_experts) * layout_.num_ranks * layout_.tmax -
+           layout_.src_info;
+  }
   char* half_base(std::uint64_t index) const {
     return static_cast<char*>(mem_->local()) + ll::kControlBytes + (index % 2) * layout_.half_bytes;
   }
@@ -168,7 +183,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   std::uint64_t buffer_id_;
   int device_ = 0, R_ = 0, me_ = 0;
   std::int64_t num_rdma_bytes_ = 0;
-  bool debug_validate_ = true;
+  bool debug_validate_ = false;
   bool separate_quant_ = false;  // BufferOptions::low_latency_separate_quant
   long long timeout_ns_ = 0;
   Config config_;
@@ -176,6 +191,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   std::unique_ptr<CudaIpcMemory> mem_;
   Tensor scratch_;   // fp8 records (quantized rows + scales, record_bytes apart) before they are sent
   Tensor sent_idx_;  // int32 [2, num_max_dispatch_tokens_per_rank * 16]: each half's dispatch ids (device)
+  Tensor routing_save_;  // bring_routing's scratch: one half's routing area, then one half's ids (made on first use)
   ll::HostRecord* host_ = nullptr;
   ll::HostRecord* host_dev_ = nullptr;
   cudaStream_t comm_ = nullptr;
@@ -450,6 +466,7 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
       ra.out = p.out.data();
       ra.out_stride = p.T > 1 ? p.out.view().stride(0) : layout_.hidden;
       ll::launch_combine_recv(c, ra, s);
+      if (p.ids_swapped) swap_ids(s);
     }
     launched(s);
   } catch (...) {
@@ -475,7 +492,8 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   const Sent& sent = sent_[(hd.generation - base_) % 2];
   const Pending& unreceived = pending_[(hd.generation - base_) % 2];
   args::check_combine_handle(hd, me_, num_max_dispatch_tokens_per_rank, H, L.num_experts, base_, generation_,
-                             sent.generation, unreceived.active && unreceived.generation == hd.generation);
+                             sent.generation == hd.generation,
+                             unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
   args::check_combine_x(a.x, El, rows, H, gpu);
@@ -494,9 +512,8 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   if (a.out.defined()) args::check_combine_out(a.out, T, H, gpu);
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
-  if (a.zero_copy)
-    raise(ErrorCode::unsupported,
-          "argument 'zero_copy': the cuda_ipc low-latency combine always copies (expected false, got true)");
+  // zero_copy (DeepEP: x is the buffer's own combine slab) changes nothing here: the send kernel reads x where it
+  // is and stores each row straight into its destination, so every combine is zero-copy in DeepEP's sense.
   DeviceGuard guard(gpu);
   const cudaStream_t caller = cuda_util::to_cuda(current_stream());
   if (debug_validate_ && !capturing(caller) && !sent.topk_idx.empty()) {
@@ -512,6 +529,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   const std::uint64_t gen = generation_, index = gen - base_;
   const cudaStream_t s = a.async_finish ? comm_ : caller;
   Tensor out;
+  bool moved = false;
   try {
     if (a.async_finish) enter(caller);
     order(s);
@@ -523,7 +541,9 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
     sa.x = a.x.data;
     sa.stride0 = a.x.stride(0);
     sa.stride1 = a.x.stride(1);
+    moved = bring_routing(hd.generation - base_, index, s);
     ll::launch_combine_send(common(), sa, s);
+    if (moved) put_back_routing(index, s);
     launched(s);
   } catch (...) {
     broken_ = "a combine failed while being enqueued";
@@ -544,8 +564,43 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   p.weights = static_cast<const float*>(a.topk_weights.data);
   p.T = T;
   p.out = out;
+  p.ids_swapped = moved;
   finish(r, gen, a.return_recv_hook, a.async_finish, s);
   return r;
+}
+
+bool CudaIpcLowLatencyImpl::bring_routing(std::uint64_t dispatch_index, std::uint64_t index, cudaStream_t s) {
+  const std::uint64_t from = dispatch_index % 2, to = (index + 1) % 2;  // (index - 1) % 2 without underflow
+  if (from == to) return false;
+  const std::size_t bytes = routing_bytes();
+  const std::size_t ids_bytes = static_cast<std::size_t>(layout_.tmax) * ll::kMaxTopk * sizeof(std::int32_t);
+  if (!routing_save_.defined()) {
+    StreamGuard on(Stream{s});
+    routing_save_ = Tensor::empty(DType::int8, {static_cast<std::int64_t>(bytes + ids_bytes)}, Device::cuda(device_));
+  }
+  auto* save = static_cast<char*>(routing_save_.data());
+  char* dst = half_base(to) + layout_.src_info;
+  const char* src = half_base(from) + layout_.src_info;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(save, dst, bytes, cudaMemcpyDeviceToDevice, s));
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+  swap_ids(s);
+  return true;
+}
+
+void CudaIpcLowLatencyImpl::swap_ids(cudaStream_t s) {
+  const std::size_t bytes = routing_bytes();
+  const std::size_t ids_bytes = static_cast<std::size_t>(layout_.tmax) * ll::kMaxTopk * sizeof(std::int32_t);
+  auto* ids = static_cast<char*>(sent_idx_.data());
+  char* save = static_cast<char*>(routing_save_.data()) + bytes;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(save, ids, ids_bytes, cudaMemcpyDeviceToDevice, s));
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(ids, ids + ids_bytes, ids_bytes, cudaMemcpyDeviceToDevice, s));
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(ids + ids_bytes, save, ids_bytes, cudaMemcpyDeviceToDevice, s));
+}
+
+void CudaIpcLowLatencyImpl::put_back_routing(std::uint64_t index, cudaStream_t s) {
+  const std::uint64_t to = (index + 1) % 2;
+  EPMOE_CUDA_CHECK(cudaMemcpyAsync(half_base(to) + layout_.src_info, routing_save_.data(), routing_bytes(),
+                                   cudaMemcpyDeviceToDevice, s));
 }
 
 void CudaIpcLowLatencyImpl::clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) {

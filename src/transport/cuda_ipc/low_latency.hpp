@@ -17,7 +17,7 @@
 // to the device's, and the host checks only eager calls. Errors the kernels find (timeouts, a peer in another call
 // or with other settings, ids outside [-1, E) or repeated in a token, a combine topk_idx that differs from the
 // dispatch's) go to a host-mapped record and are raised by the next call (timeouts and mismatches make the buffer
-// unusable). With BufferOptions::debug_validate (the default) and an eager call, topk_idx is also copied to the host
+// unusable). With BufferOptions::debug_validate (opt-in) and an eager call, topk_idx is also copied to the host
 // and checked before any communication, as on CPU ranks (a host synchronisation: turn it off for speed).
 #pragma once
 
