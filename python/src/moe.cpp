@@ -40,6 +40,20 @@ struct PyMoELayer {
 struct PyDispatchHookHandle {
   std::shared_ptr<DispatchHookHandle> handle;
 };
+/// The framework CUDA tensors are handed to Python callables in when the caller named none: torch when it
+/// imports, else CuPy (the two that hold CUDA arrays).
+Framework cuda_framework() {
+  static const Framework fw = [] {
+    try {
+      nb::module_::import_("torch");
+      return Framework::torch;
+    } catch (const nb::python_error&) {
+      return Framework::cupy;
+    }
+  }();
+  return fw;
+}
+
 /// make_cuda_shared_experts' callable (shared experts on a GPU).
 struct PySharedExperts {
   SharedExperts fn;
@@ -245,7 +259,9 @@ void bind_moe(nb::module_& m) {
                 if (hidden.device.is_cuda()) {
                   const auto stream = reinterpret_cast<std::uintptr_t>(current_stream().handle);
                   nb::gil_scoped_acquire gil;
-                  nb::object result = (*fn)(view_to_py(hidden, nb::none(), fw), stream);
+                  // A CUDA tensor has no NumPy form: the callable gets torch's (CuPy's when torch is absent).
+                  nb::object result = (*fn)(view_to_py(hidden, nb::none(), fw != Framework::numpy ? fw : cuda_framework()),
+                                            stream);
                   return tensor_from_py(result, "shared_experts(hidden)");
                 }
                 Tensor copy = clone(hidden);

@@ -130,7 +130,7 @@ TEST(GpuMoELayerAllGather, OneRankHandsTheCallersTensorsToTheExperts) {
   EXPECT_EQ(out.topk_idx.data(), idx.data());
   EXPECT_EQ(out.topk_weights.data(), w.data());
   EXPECT_TRUE(out.expert_num_tokens.device().is_cuda());
-  const Tensor fused = Tensor::zeros(DType::bf16, {16, 256}, Device::cuda(0));
+  const Tensor fused = gputest::to_device(Tensor::zeros(DType::bf16, {16, 256}));
   pf->combine_a(fused, WeightAndReduce::none);
   const Tensor y = gputest::to_cpu(pf->combine_b());
   for (std::int64_t i = 0; i < y.numel(); ++i) ASSERT_EQ(y.ptr<bf16_t>()[i].bits, 0) << i;

@@ -162,7 +162,7 @@ TEST(GpuMoELayerFp8, BadScalesAreNamedBeforeAnyCommunication) {
       auto layer = make_layer(mode, p, g);
       const DeviceWeights dw = upload(p.w);
       const Tensor x = to_device(p.x[0]), idx = to_device(p.idx[0]), tw = to_device(p.tw[0]);
-      const Tensor bf16_w1 = Tensor::zeros(DType::bf16, dw.w1.shape(), gputest::gpu());
+      const Tensor bf16_w1 = to_device(Tensor::zeros(DType::bf16, dw.w1.shape()));
       auto expect_error = [&](MoEForwardArgs a, const char* name, const char* part) {
         try {
           layer->forward(a);
