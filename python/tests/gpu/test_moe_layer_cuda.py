@@ -348,7 +348,7 @@ def test_torch_shared_experts_run_on_the_side_stream_overlapping_the_dispatch(fm
     handle = layer.register_dispatch_hook(lambda pf: ev["dispatch"].record())
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        for f in range(2):
+        for f in range(3):
             x, idx, w = make_tokens(rng, T, H, K, E)
             out, shared_out = layer.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx))
             ev["after"].record()
@@ -359,8 +359,11 @@ def test_torch_shared_experts_run_on_the_side_stream_overlapping_the_dispatch(fm
             end_to_after = ev["side_end"].elapsed_time(ev["after"])
             print(f"[events] {name} forward {f}: side start -> dispatch {start_to_dispatch:.3f} ms, dispatch -> side "
                   f"end {dispatch_to_end:.3f} ms, side end -> after forward {end_to_after:.3f} ms")
-            assert start_to_dispatch > 0, "the shared experts started after the dispatch"
-            assert dispatch_to_end > 0, "the dispatch waited for the shared experts"
+            # The first forward of a process pays torch's and cuBLAS's first-use set-up on the host between the
+            # side stream's sleep and the dispatch (tens of ms, more than the sleep): only later ones show overlap.
+            if f > 0:
+                assert start_to_dispatch > 0, "the shared experts started after the dispatch"
+                assert dispatch_to_end > 0, "the dispatch waited for the shared experts"
             assert end_to_after >= 0, "the caller's stream did not wait for the side stream"
             check(to_numpy(out), moe_ref(x, w1, w2, w, idx, "silu"), f"{name} forward {f} routed")
             check(to_numpy(shared_out), dense_ref(x, w1s, w2s), f"{name} forward {f} shared")
