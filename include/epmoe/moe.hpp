@@ -223,7 +223,6 @@ struct MoEForwardArgs {
   /// and w2_scales.
   TensorView w1_scale;
   TensorView w2_scale;
-  // ---- end fp8 block-scaled weights ----
 };
 
 struct MoEForwardResult {
@@ -287,7 +286,6 @@ using SharedExperts = std::function<Tensor(const TensorView& hidden)>;
 SharedExperts make_cuda_shared_experts(Tensor w1_shared, Tensor w2_shared, Activation activation = Activation::silu);
 /// The side stream and events of one layer's GPU shared experts (shared_experts.cpp).
 struct SharedExpertsStream;
-// ---- end shared experts on a GPU ----
 
 /// The composition. Construction refuses a prepare/finalize whose activation format differs from
 /// the experts' (invalid_argument naming both).
@@ -402,7 +400,6 @@ class MoELayer {
   void set_load_recorder(std::shared_ptr<ExpertLoadRecorder> recorder, std::int64_t layer);
   const std::shared_ptr<ExpertLoadRecorder>& load_recorder() const { return load_recorder_; }
   std::int64_t load_recorder_layer() const { return load_recorder_layer_; }
-  // ---- end expert load recorder ----
 
   /// Runs the experts on prepared activations, chunked (exposed for the two-phase users).
   Tensor run_experts(const PrepareOutput& prepared, const MoEForwardArgs& args);

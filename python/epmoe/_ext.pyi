@@ -298,7 +298,6 @@ class MoELayer:
         """Records every forward's received counts per expert into `recorder` as layer `layer`; None detaches."""
     @property
     def load_recorder_layer(self) -> int: ...
-    # ---- end expert load recorder ----
 
 def set_current_stream(stream: Optional[int]) -> Optional[int]:
     """Sets the calling thread's current CUDA stream for epmoe's functions (cudaStream_t as an int; None:

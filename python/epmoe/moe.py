@@ -123,7 +123,6 @@ def _run_on_side_stream(fn: Callable[[Any], Any], hidden: Any, stream: int) -> A
         with cupy.cuda.ExternalStream(stream):
             return fn(hidden)
     return fn(hidden)
-# ---- end shared experts on a GPU ----
 
 
 def _check_scale_format(round_scale: bool, use_ue8m0: bool) -> None:
@@ -312,7 +311,6 @@ class MoELayer:
     def load_recorder_layer(self) -> int:
         """The layer index the attached recorder records this layer's forwards under (0 when none)."""
         return int(self._layer.load_recorder_layer)
-    # ---- end expert load recorder ----
 
     @property
     def num_dispatch_hooks(self) -> int:

@@ -167,7 +167,6 @@ void bind_moe(nb::module_& m) {
         return PySharedExperts{make_cuda_shared_experts(std::move(a), std::move(b), parse_activation(activation))};
       },
       nb::arg("w1_shared"), nb::arg("w2_shared"), nb::arg("activation") = "silu");
-  // ---- end shared experts on a GPU ----
 
   nb::class_<PyPrepareFinalize>(m, "PrepareFinalize", "Quantize + dispatch and combine behind one interface (semantics §8).")
       .def_prop_ro("name", [](const PyPrepareFinalize& p) { return std::string(p.pf->name()); })
@@ -395,7 +394,6 @@ void bind_moe(nb::module_& m) {
           },
           nb::arg("recorder").none(), nb::arg("layer"))
       .def_prop_ro("load_recorder_layer", [](const PyMoELayer& l) { return l.layer->load_recorder_layer(); })
-      // ---- end expert load recorder ----
       .def_ro("num_ranks", &PyMoELayer::num_ranks)
       .def_ro("has_shared_experts", &PyMoELayer::has_shared)
       .def_prop_ro("last_chunk_rows", [](const PyMoELayer& l) { return l.layer->last_chunk_rows(); })

@@ -178,7 +178,6 @@ void MoELayer::set_load_recorder(std::shared_ptr<ExpertLoadRecorder> recorder, s
   load_recorder_ = std::move(recorder);
   load_recorder_layer_ = load_recorder_ ? layer : 0;
 }
-// ---- end expert load recorder ----
 
 Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args) {
   ExpertsInputs in;
@@ -510,7 +509,6 @@ MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tenso
   raise(ErrorCode::unsupported, "argument 'hidden' is on {} but epmoe was built without CUDA", to_string(device));
 #endif
 }
-// ---- end expert_map and EPLB mapping ----
 
 DispatchMode MoELayer::select_mode(const MoEForwardArgs& args) {
   if (!buffer_) return last_mode_;
@@ -568,11 +566,10 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
   MoEForwardResult result;
   // Shared experts overlap dispatch, experts and combine on a side thread (the CPU's side stream).
   std::future<Tensor> shared;
-  // ---- shared experts on a GPU: on the layer's side stream instead (shared_experts.cpp) ----
+  // On a GPU they run on the layer's side stream instead (shared_experts.cpp).
   layer_detail::GpuSharedRun gpu_shared;
   if (shared_experts_ && args.hidden.device.is_cuda())
     gpu_shared = layer_detail::start_gpu_shared_experts(shared_stream_, shared_experts_, args.hidden);
-  // ---- end shared experts on a GPU ----
   else if (shared_experts_) shared = std::async(std::launch::async, shared_experts_, args.hidden);
 
   PrepareInputs in{routed.hidden, routed.topk_idx, routed.topk_weights, routed.global_num_experts,
