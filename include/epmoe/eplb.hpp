@@ -4,7 +4,8 @@
 // experts into spare physical slots, then pack physical experts onto GPUs with balanced greedy packing;
 // hierarchical (groups -> nodes, replicate within a node, pack to the node's GPUs) when the number of
 // nodes divides the number of expert groups. epmoe computes in float64 (DeepSeek: float32) and fixes
-// every tie (see rebalance_experts). All of it runs on the host.
+// every tie (see rebalance_experts). The planner runs on the host; the load recorder and map_to_physical also run
+// on a GPU (a device-side window; a CUDA kernel for the mapping the layer applies).
 #pragma once
 
 #include <epmoe/tensor.hpp>

@@ -1,7 +1,8 @@
 // Groups: the ranks of one expert-parallel group, with bootstrap and small collectives.
 //
-// A Group moves small control data (counts, settings, handles) between ranks. Bulk data moves through
-// a transport (see buffer.hpp). Every collective names its phase; a wait that exceeds the group's
+// A Group moves control data (counts, settings, handles) between ranks; the dispatch and combine move their bulk
+// data through a transport (see buffer.hpp). The all-gather baseline (make_all_gather_prepare_finalize) is the one
+// user that sends tokens through the Group's all_gather and reduce_scatter_sum. Every collective names its phase; a wait that exceeds the group's
 // timeout throws ErrorCode::timeout naming this rank, the missing peer(s) and the phase, and leaves
 // the group unusable (ErrorCode::unusable on later calls) so no rank silently continues after a fault.
 #pragma once

@@ -308,7 +308,7 @@ class MoELayer {
   /// shapes, dtypes or devices, H or N not a multiple of 16). Collective over the ranks of the buffer.
   /// Every argument is checked before any communication (invalid_argument naming it, the expected and the
   /// actual value: hidden [T, H] on the experts' device (a GPU for make_cuda_experts, else the CPU);
-  /// global_num_experts > 0; activation; w1 [E_local, 2N or N, H] and w2 [E_local, H, N] in bfloat16,
+  /// global_num_experts > 0; activation; w1 [E_local, 2N or N, H] and w2 [E_local, H, N] in bfloat16 (fp8 with w1_scale/w2_scale),
   /// contiguous, on the experts' device (hidden's GPU), with E_local from the prepare/finalize, H from hidden and
   /// N from w1; output; topk_idx and topk_weights on hidden's device, by the prepare/finalize), so such an error
   /// leaves the layer usable. A call that fails after
@@ -335,7 +335,7 @@ class MoELayer {
   /// takes global_num_experts = plan.num_logical_experts (E) and dispatches over P = plan.num_physical_experts:
   /// w1/w2 hold this rank's P / R physical experts (slots [r*P/R, (r+1)*P/R), each a copy of logical expert
   /// physical_to_logical[layer, p]), and the layer's output equals the unbalanced layer's up to the summation
-  /// order of the combine (semantics §9). On CUDA the plan's rows of `layer` are copied to the GPU by the first
+  /// order of the combine (semantics §8). On CUDA the plan's rows of `layer` are copied to the GPU by the first
   /// forward there (a synchronous copy: run once eagerly before capturing a CUDA graph).
   /// Errors (invalid_argument): 'layer' outside [0, L); 'plan' with inconsistent array sizes, a replica count
   /// outside [1, X], a slot outside [0, P) for a counted replica, or P not a multiple of what the prepare/finalize

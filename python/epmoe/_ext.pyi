@@ -154,7 +154,7 @@ class Buffer:
         src_info int32 [E_local, R*Tmax], layout_range int64 [E_local, R], handle, event, hook or None).
         CPU: the arrays are copies of the valid rows, filled at return or when the hook is called. GPU (cuda_ipc,
         CUDA tensors; work on `stream`): views of the buffer's receive half, filled on the stream, valid until
-        the low-latency call two later."""
+        a later low-latency dispatch reuses that half (DeepEP's alternation, semantics §5)."""
     def low_latency_combine(self, x: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
                             handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: ArrayArg = None, framework: str = "numpy",

@@ -777,8 +777,8 @@ class Buffer:
                 order within (deterministic; DeepEP leaves block order to arrival). Other rows are
                 undefined. On CPU these are copies, valid after the call (or after the hook) for good. On GPU
                 they are views of the buffer's receive half (as DeepEP's), filled on the stream, and valid until
-                a later low_latency_dispatch reuses that half (the second dispatch after this one, with DeepEP's
-                alternation; combines do not touch them): clone what must live longer.
+                a later low_latency_dispatch reuses that half (DeepEP's alternation: the half flips on every
+                low-latency dispatch and combine; semantics §5 has the table): clone what must live longer.
             recv_count: int32 [E_local] (masked_m).
             handle: a LowLatencyHandle for low_latency_combine.
             event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).

@@ -71,6 +71,7 @@ class AllGatherPrepareFinalize final : public PrepareFinalize {
   ActivationFormat activation_format() const override { return ActivationFormat::standard; }
   WeightAndReduce delegate_weight_and_reduce() const override { return WeightAndReduce::contiguous; }
   int num_local_experts(int global_num_experts) const override { return global_num_experts / group_->size(); }
+  int ep_rank() const override { return group_->rank(); }
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {

@@ -113,7 +113,9 @@ V rank_slice(const V& global, int r, int R) {
 
 // Runs kSteps forwards of two layers (one recorder, layer indices 0 and 1) on R thread ranks in `mode` and checks
 // after every step: each rank's loads() = its slice of the hand count, global_loads = the hand count.
-void run_mode(int R, DispatchMode mode) {
+// all_gather: the layers run make_all_gather_prepare_finalize instead (mode normal), whose received counts cover the
+// rank's experts over every rank's tokens.
+void run_mode(int R, DispatchMode mode, bool all_gather = false) {
   const std::uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
   const Weights w = make_weights(rng);
@@ -126,8 +128,12 @@ void run_mode(int R, DispatchMode mode) {
     auto recorder = std::make_shared<ExpertLoadRecorder>(kLayers, kE, R, kWindow);
     std::vector<std::unique_ptr<MoELayer>> layers;
     for (i64 l = 0; l < kLayers; ++l) {
-      layers.push_back(std::make_unique<MoELayer>(buffer, mode, kTmax, experts_of(ActivationFormat::standard),
-                                                  experts_of(ActivationFormat::batched_experts)));
+      if (all_gather)
+        layers.push_back(std::make_unique<MoELayer>(make_all_gather_prepare_finalize(group),
+                                                    experts_of(ActivationFormat::standard)));
+      else
+        layers.push_back(std::make_unique<MoELayer>(buffer, mode, kTmax, experts_of(ActivationFormat::standard),
+                                                    experts_of(ActivationFormat::batched_experts)));
       layers.back()->set_load_recorder(recorder, l);
       EXPECT_EQ(layers.back()->load_recorder_layer(), l);
     }
@@ -187,6 +193,13 @@ TEST(MoELayerLoadRecorder, NormalModeRecordsEachRanksReceivedCounts) {
   for (int R : {1, 2, 4}) {
     SCOPED_TRACE("R = " + std::to_string(R));
     run_mode(R, DispatchMode::normal);
+  }
+}
+
+TEST(MoELayerLoadRecorder, AllGatherBaselineRecordsEachRanksOwnExperts) {
+  for (int R : {1, 2, 4}) {
+    SCOPED_TRACE("R = " + std::to_string(R));
+    run_mode(R, DispatchMode::normal, /*all_gather=*/true);
   }
 }
 
