@@ -203,7 +203,8 @@ TEST(AllGatherLayer, OutputIsBitIdenticalToNormalModeWithReferenceExperts) {
         const Tensor& x = a[static_cast<std::size_t>(r)];
         const Tensor& y = b[static_cast<std::size_t>(r)];
         ASSERT_EQ(x.shape(), y.shape()) << label(p, d);
-        EXPECT_EQ(std::memcmp(x.data(), y.data(), x.nbytes()), 0) << label(p, d) << " rank " << r;
+        // A rank with no tokens has empty outputs (null data): memcmp must not see them.
+        if (x.nbytes()) EXPECT_EQ(std::memcmp(x.data(), y.data(), x.nbytes()), 0) << label(p, d) << " rank " << r;
       }
     }
 }
