@@ -1,11 +1,20 @@
-// Helpers shared by the GPU benchmarks (bench/gpu_*.cpp): the CUDA error exit, seeded random bits, the run seed,
-// medians over runs, uniform top-K routing. Header-only: every bench/<name>.cpp is an executable of its own
+// Helpers shared by the benchmarks: seeded random bits (every bench), and for the GPU ones (bench/gpu_*.cpp) the
+// CUDA error exit, the run seed, medians over runs, uniform top-K routing. Header-only: every bench/<name>.cpp is an executable of its own
 // (bench/CMakeLists.txt) and the benches share no library beyond epmoe.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 
 namespace epmoe::bench {
+
+/// SplitMix64 (Steele, Lea, Flood 2014): advances `s` and returns the next 64 random bits.
+inline std::uint64_t splitmix(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 
 /// A GPU benchmark's main in a CPU-only build: says so and returns 77 (skipped).
 inline int cpu_only_build(const char* program) {
@@ -40,14 +49,6 @@ inline void check_cuda(const char* program, cudaError_t e, const char* what) {
     std::fprintf(stderr, "%s: %s: %s\n", program, what, cudaGetErrorString(e));
     std::exit(1);
   }
-}
-
-/// SplitMix64 (Steele, Lea, Flood 2014): advances `s` and returns the next 64 random bits.
-inline std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
 }
 
 /// A fresh seed per run (the benches print it).

@@ -23,6 +23,9 @@
 
 #include <epmoe/moe.hpp>
 
+#include "bench_util.hpp"
+#include "rank_threads.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -42,77 +45,8 @@ using Clock = std::chrono::steady_clock;
 constexpr std::int64_t kHidden = 7168;
 constexpr int kTopk = 8, kExperts = 256;
 
-std::uint64_t splitmix(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-/// R persistent rank threads that run one job at a time (as bench/threads_normal.cpp).
-class RankThreads {
- public:
-  explicit RankThreads(int R) : R_(R) {
-    for (int r = 0; r < R; ++r) threads_.emplace_back([this, r] { loop(r); });
-  }
-  ~RankThreads() {
-    {
-      std::lock_guard lock(m_);
-      stop_ = true;
-      ++generation_;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  /// Runs job(rank) on every rank thread; returns the wall seconds until the last one finished.
-  double run(const std::function<void(int)>& job) {
-    std::unique_lock lock(m_);
-    job_ = &job;
-    pending_ = R_;
-    error_ = nullptr;
-    const auto start = Clock::now();
-    ++generation_;
-    cv_.notify_all();
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
-    const double s = std::chrono::duration<double>(Clock::now() - start).count();
-    if (error_) std::rethrow_exception(error_);
-    return s;
-  }
-
- private:
-  void loop(int r) {
-    std::uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* job;
-      {
-        std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (stop_) return;
-        job = job_;
-      }
-      std::exception_ptr err;
-      try {
-        (*job)(r);
-      } catch (...) {
-        err = std::current_exception();
-      }
-      std::lock_guard lock(m_);
-      if (err && !error_) error_ = err;
-      if (--pending_ == 0) done_cv_.notify_one();
-    }
-  }
-
-  int R_;
-  std::vector<std::thread> threads_;
-  std::mutex m_;
-  std::condition_variable cv_, done_cv_;
-  std::uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
-  const std::function<void(int)>* job_ = nullptr;
-  std::exception_ptr error_;
-};
+using bench::RankThreads;
+using bench::splitmix;
 
 struct Rank {
   std::shared_ptr<Group> group;

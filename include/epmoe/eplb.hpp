@@ -69,6 +69,13 @@ Tensor map_to_physical(const TensorView& topk_idx, std::span<const std::int64_t>
 /// map_to_physical with a plan's arrays.
 Tensor map_to_physical(const TensorView& topk_idx, const EplbPlan& plan, std::int64_t layer);
 
+/// Folds loads counted per physical slot (int64 [L, P] row-major, e.g. an ExpertLoadRecorder's loads under a plan:
+/// the dispatch routed physical slots) back to the logical experts: int64 [L, E], entry [l, e] the sum over e's
+/// replicas (plan.physical_to_logical). The weight rebalance_experts plans the next placement from (SGLang's
+/// recorder does the same fold with its physical_to_logical map). Errors: invalid_argument naming
+/// 'physical_loads' (size != L * P, a negative count) or 'plan' (a slot's logical expert outside [0, E)).
+std::vector<std::int64_t> logical_loads(const EplbPlan& plan, std::span<const std::int64_t> physical_loads);
+
 class Group;  // group.hpp
 
 /// Counts tokens per (layer, expert) over the last `window` records of each layer (semantics §9).

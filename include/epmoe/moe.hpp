@@ -323,8 +323,9 @@ class MoELayer {
   /// 'expert_map': dtype int32, shape [E], device (CPU or hidden's), entries in [-1, E_local), each local id at most
   /// once; with expert parallelism, the entry that differs from the rank's implied map, expected and actual; no-EP:
   /// w1.size(0) > E). No-EP: topk_idx is mapped to local ids before prepare (CPU: ids outside [-1, E) named as
-  /// topk_idx). A map with CUDA tensors is read (GPU map) or uploaded (CPU map) by a synchronous copy of E int32,
-  /// so a forward with expert_map on CUDA cannot be captured in a CUDA graph.
+  /// topk_idx). With CUDA tensors, a map on the GPU is read to the host (a synchronous copy of E int32) every
+  /// forward, so such a forward cannot be captured in a CUDA graph; a map on the CPU is checked on the host and
+  /// uploaded (asynchronously, on the current stream) only when its contents differ from the last upload.
   /// With an EPLB plan (set_eplb_plan), forward first maps topk_idx (logical ids) to physical slots (semantics §9,
   /// map_to_physical; on CUDA a kernel on the current stream, no host synchronisation) and dispatches over P.
   MoEForwardResult forward(const MoEForwardArgs& args);
@@ -434,6 +435,9 @@ class MoELayer {
     Tensor l2p, count;  ///< int64 [E, X] and [E] of `layer` on `device`
   };
   std::shared_ptr<Eplb> eplb_;
+  /// A host expert_map's device copy, uploaded on the stream when its contents change (layer.cpp).
+  struct ExpertMapCopy;
+  std::shared_ptr<ExpertMapCopy> expert_map_copy_;
   /// Checks every argument, then maps args.topk_idx (EPLB plan, then a no-EP expert_map; host results kept in
   /// `keep`) and returns the args to dispatch.
   MoEForwardArgs route_ids(const MoEForwardArgs& args, std::vector<Tensor>& keep);

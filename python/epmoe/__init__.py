@@ -39,7 +39,7 @@ from . import _ext
 from ._group import Group, as_group, run_thread_ranks
 from ._tensor import BFLOAT16, FLOAT8_E4M3FN
 from .buffer import Buffer, Config, DispatchHandle, Event, EventOverlap, LowLatencyHandle
-from .eplb import ExpertLoadRecorder, map_to_physical, rebalance_experts
+from .eplb import ExpertLoadRecorder, logical_loads, map_to_physical, rebalance_experts
 from .moe import (ACTIVATIONS, DISPATCH_MODES, DispatchHookHandle, Experts, MoELayer, PrepareFinalize,
                   SharedExperts, WorkspaceCache, make_all_gather_prepare_finalize, make_blas_experts, make_cuda_experts,
                   make_cuda_shared_experts, make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize, make_reference_experts,
@@ -85,7 +85,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ACTIVATIONS", "DISPATCH_MODES", "DispatchHookHandle", "resolve_dispatch_mode",
     "BFLOAT16", "Buffer", "Config", "DispatchHandle", "Error", "Event", "EventOverlap", "Experts",
-    "ExpertLoadRecorder", "map_to_physical", "rebalance_experts",
+    "ExpertLoadRecorder", "logical_loads", "map_to_physical", "rebalance_experts",
     "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
     "as_group", "built_with_cuda", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
     "grouped_topk", "make_all_gather_prepare_finalize", "make_blas_experts", "make_cuda_experts",

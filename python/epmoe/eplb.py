@@ -86,6 +86,25 @@ def map_to_physical(topk_idx: Any, logical_to_physical: Any, logical_replica_cou
                                 framework_of(topk_idx))
 
 
+def logical_loads(physical_loads: Any, physical_to_logical: Any, num_logical_experts: int) -> Any:
+    """Folds loads counted per physical slot back to the logical experts of a plan.
+
+    Arguments:
+        physical_loads: int64 [L, P] tokens per physical slot (e.g. ExpertLoadRecorder.global_loads of layers
+            running an EPLB plan: the dispatch routed physical slots).
+        physical_to_logical: int64 [L, P] (rebalance_experts' phy2log).
+        num_logical_experts: E.
+
+    Returns: int64 [L, E], entry [l, e] the sum over expert e's replicas (the weight to plan the next placement
+    from); NumPy, or a torch CPU tensor when physical_loads is one.
+    Errors: epmoe.Error('invalid_argument') naming 'physical_loads' (shape, a negative count),
+    'physical_to_logical' or 'plan' (an entry outside [0, E)).
+    """
+    out = _ext.logical_loads(_host_numpy(physical_loads, np.int64), _host_numpy(physical_to_logical, np.int64),
+                             int64_arg("num_logical_experts", num_logical_experts))
+    return _like(physical_loads, out)[0]
+
+
 def _device_index(device: Any) -> int:
     """-1 for 'cpu', N for 'cuda:N' (or an int N >= 0, or a torch.device); else invalid_argument naming device."""
     if isinstance(device, int) and not isinstance(device, bool) and device >= 0:

@@ -104,6 +104,25 @@ void bind_eplb(nb::module_& m) {
       nb::arg("framework") = "numpy");
 
   m.def(
+      "logical_loads",
+      [](nb::ndarray<nb::ro> physical_loads, nb::ndarray<nb::ro> phy2log, std::int64_t num_logical_experts) {
+        const auto loads = host_array<std::int64_t>(physical_loads, 2, "physical_loads", "int64");
+        EplbPlan plan;
+        const auto p2l = host_array<std::int64_t>(phy2log, 2, "physical_to_logical", "int64");
+        plan.physical_to_logical.assign(p2l.begin(), p2l.end());
+        plan.num_layers = static_cast<std::int64_t>(phy2log.shape(0));
+        plan.num_physical_experts = static_cast<std::int64_t>(phy2log.shape(1));
+        plan.num_logical_experts = num_logical_experts;
+        if (physical_loads.shape(0) != phy2log.shape(0) || physical_loads.shape(1) != phy2log.shape(1))
+          throw_invalid_argument("physical_loads",
+                                 fmt::format("shape [{}, {}] (physical_to_logical's)", phy2log.shape(0), phy2log.shape(1)),
+                                 fmt::format("[{}, {}]", physical_loads.shape(0), physical_loads.shape(1)));
+        std::vector<std::int64_t> out = logical_loads(plan, loads);
+        return numpy_array(std::move(out), {static_cast<size_t>(plan.num_layers), static_cast<size_t>(num_logical_experts)});
+      },
+      nb::arg("physical_loads"), nb::arg("physical_to_logical"), nb::arg("num_logical_experts"));
+
+  m.def(
       "load_balancedness",
       [](nb::ndarray<nb::ro> loads, std::int64_t num_ranks) {
         const auto l = host_array<std::int64_t>(loads, 2, "loads", "int64");

@@ -150,6 +150,30 @@ def test_recorder_random_window(rng):
         np.testing.assert_array_equal(rec.loads()[0], np.sum(history[-3:], axis=0))
 
 
+def test_logical_loads_fold_the_counts_of_mapped_ids(rng):
+    """Count the physical slots random logical ids map to, fold them back: the logical counts, counted by hand."""
+    L, E, P, T, K = 2, 8, 12, 300, 3
+    phy2log, log2phy, logcnt = epmoe.rebalance_experts(rng.integers(0, 100, size=(L, E)).astype(np.float64),
+                                                       P, 2, 1, 4)
+    physical = np.zeros((L, P), np.int64)
+    want = np.zeros((L, E), np.int64)
+    for layer in range(L):
+        idx = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int64)
+        idx[rng.random(idx.shape) < 0.1] = -1
+        phy = epmoe.map_to_physical(idx, log2phy, logcnt, layer)
+        for e, p in zip(idx.ravel(), phy.ravel()):
+            if e >= 0:
+                want[layer, e] += 1
+                physical[layer, p] += 1
+    np.testing.assert_array_equal(epmoe.logical_loads(physical, phy2log, E), want)
+    with pytest.raises(epmoe.Error, match="'physical_loads'"):
+        epmoe.logical_loads(physical[:, :-1], phy2log, E)
+    bad = physical.copy()
+    bad[1, 2] = -3
+    with pytest.raises(epmoe.Error, match=r"-3 at \[1, 2\]"):
+        epmoe.logical_loads(bad, phy2log, E)
+
+
 @pytest.mark.parametrize("args,name", [
     ((np.ones((2, 4)), 8, 1, 1, 3), "num_replicas"),
     ((np.ones((2, 4)), 3, 1, 1, 1), "num_replicas"),

@@ -88,8 +88,8 @@ void copy_to_device(void* dst, const void* src, std::size_t bytes) {
   if (bytes) EPMOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
 }
 
-void copy_to_host(void* dst, const void* src, std::size_t bytes) {
-  if (bytes) EPMOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+void copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream stream) {
+  if (bytes) EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cuda_util::to_cuda(stream)));
 }
 
 }  // namespace epmoe::eplb_cuda

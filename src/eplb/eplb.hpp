@@ -29,9 +29,12 @@ void map_to_physical(const TensorView& topk_idx, const std::int64_t* logical_to_
 void apply_expert_map(const TensorView& topk_idx, const std::int32_t* expert_map, std::int64_t num_experts,
                       std::int64_t num_local_experts, const TensorView& out, Stream stream);
 
-/// Synchronous copies between host and the current device (small tables, at setup).
+/// A synchronous copy from host to the current device (small tables, at setup).
 void copy_to_device(void* dst, const void* src, std::size_t bytes);
-void copy_to_host(void* dst, const void* src, std::size_t bytes);
+/// Copies `bytes` of host memory to the current device on `stream`, ordered after the work already queued there
+/// (a kernel of an earlier forward still reading dst). `src` may be freed on return: pageable memory is staged
+/// before cudaMemcpyAsync returns (CUDA runtime API, "API synchronization behavior").
+void copy_to_device_async(void* dst, const void* src, std::size_t bytes, Stream stream);
 
 /// One record of one layer, one block, no host read: the kernel reads the ring slot from `next`, sets
 /// history[slot] to the record (counts [n] (int32 or int64, stride counts.stride(0)) at experts

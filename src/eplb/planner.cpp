@@ -206,4 +206,24 @@ Tensor map_to_physical(const TensorView& topk_idx, const EplbPlan& plan, i64 lay
                          plan.num_logical_experts, plan.max_replicas, layer);
 }
 
+std::vector<i64> logical_loads(const EplbPlan& plan, std::span<const i64> physical_loads) {
+  const i64 L = plan.num_layers, P = plan.num_physical_experts, E = plan.num_logical_experts;
+  EPMOE_CHECK_ARG(static_cast<i64>(physical_loads.size()) == L * P, "physical_loads",
+                  fmt::format("{} entries (num_layers {} x num_physical_experts {})", L * P, L, P),
+                  physical_loads.size());
+  EPMOE_CHECK_ARG(static_cast<i64>(plan.physical_to_logical.size()) == L * P, "plan",
+                  fmt::format("physical_to_logical of {} entries", L * P), plan.physical_to_logical.size());
+  std::vector<i64> out(static_cast<std::size_t>(L * E), 0);
+  for (i64 l = 0; l < L; ++l)
+    for (i64 p = 0; p < P; ++p) {
+      const auto i = static_cast<std::size_t>(l * P + p);
+      const i64 e = plan.physical_to_logical[i], n = physical_loads[i];
+      EPMOE_CHECK_ARG(n >= 0, "physical_loads", "counts >= 0", fmt::format("{} at [{}, {}]", n, l, p));
+      EPMOE_CHECK_ARG(e >= 0 && e < E, "plan", fmt::format("physical_to_logical entries in [0, {})", E),
+                      fmt::format("{} at [{}, {}]", e, l, p));
+      out[static_cast<std::size_t>(l * E + e)] += n;
+    }
+  return out;
+}
+
 }  // namespace epmoe

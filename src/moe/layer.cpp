@@ -359,6 +359,12 @@ void MoELayer::set_eplb_plan(EplbPlan plan, std::int64_t layer) {
 
 void MoELayer::clear_eplb_plan() { eplb_.reset(); }
 
+struct MoELayer::ExpertMapCopy {
+  std::vector<std::int32_t> host;  ///< the contents last uploaded
+  Device device;                   ///< where `dev` lives
+  Tensor dev;                      ///< int32 [E]
+};
+
 namespace {
 
 // expert_map read to the host and checked (semantics §8); `rank` < 0 without expert parallelism, else the map must
@@ -377,8 +383,9 @@ std::vector<std::int32_t> checked_expert_map(const TensorView& map, std::int64_t
     std::memcpy(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
   } else {
 #if defined(EPMOE_HAVE_CUDA)
-    cuda_util::DeviceGuard guard(device);
-    eplb_cuda::copy_to_host(host_map.data(), map.data, host_map.size() * sizeof(std::int32_t));
+    // On the current stream: a map the caller wrote there is read after it is written.
+    eplb_cuda::copy_to_host_cuda(device.index, host_map.data(), map.data, host_map.size() * sizeof(std::int32_t),
+                                 current_stream());
 #endif
   }
   std::vector<i64> first_at(static_cast<std::size_t>(std::max<i64>(e_local, 0)), -1);
@@ -494,9 +501,19 @@ MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tenso
   if (!host_map.empty()) {
     const std::int32_t* dev_map = static_cast<const std::int32_t*>(map.data);
     if (map.device.is_cpu()) {
-      const TensorView m = options_.workspaces->get(options_.micro_batch, "expert_map", DType::int32, {E}, device);
-      eplb_cuda::copy_to_device(m.data, host_map.data(), host_map.size() * sizeof(std::int32_t));
-      dev_map = static_cast<const std::int32_t*>(m.data);
+      // Uploaded only when the contents change (engines pass the same map every forward), on the stream, so an
+      // earlier forward's kernels still reading the copy run first.
+      if (!expert_map_copy_) expert_map_copy_ = std::make_shared<ExpertMapCopy>();
+      ExpertMapCopy& c = *expert_map_copy_;
+      if (c.host != host_map || c.device != device) {
+        if (!c.dev.defined() || c.dev.numel() != E || c.device != device)
+          c.dev = Tensor::empty(DType::int32, {E}, device);
+        eplb_cuda::copy_to_device_async(c.dev.data(), host_map.data(), host_map.size() * sizeof(std::int32_t),
+                                        stream);
+        c.host = host_map;
+        c.device = device;
+      }
+      dev_map = c.dev.ptr<std::int32_t>();
     }
     const TensorView in = a.topk_idx;
     const TensorView out =

@@ -236,6 +236,54 @@ TEST(EplbRouting, HandCaseReplicaByTokenIndex) {
   }
 }
 
+TEST(EplbLogicalLoads, HandCaseSumsEachExpertsReplicas) {
+  const std::vector<double> w = {10, 20, 40, 30};
+  const EplbPlan plan = rebalance_experts(w, 1, 4, 6, 1, 1, 2);
+  ASSERT_EQ(plan.physical_to_logical, (std::vector<i64>{1, 2, 0, 2, 3, 3}));  // as the routing hand case implies
+  const std::vector<i64> physical = {5, 7, 11, 13, 17, 19};
+  EXPECT_EQ(logical_loads(plan, physical), (std::vector<i64>{11, 5, 20, 36}));
+}
+
+TEST(EplbLogicalLoads, CountsOfMappedIdsFoldBackToTheLogicalCounts) {
+  const std::uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  constexpr i64 L = 3, E = 16, P = 24, T = 257, K = 4;
+  std::vector<double> w(L * E);
+  for (double& v : w) v = static_cast<double>(rng() % 1000);
+  const EplbPlan plan = rebalance_experts(w, L, E, P, 4, 1, 4);
+  std::vector<i64> physical(L * P, 0), want(L * E, 0);
+  for (i64 l = 0; l < L; ++l) {
+    const Tensor idx = test::random_topk_idx(rng, T, K, E);
+    const Tensor phy = map_to_physical(idx, plan, l);
+    for (i64 i = 0; i < T * K; ++i) {
+      const i64 e = idx.ptr<std::int64_t>()[i], p = phy.ptr<std::int64_t>()[i];
+      if (e < 0) continue;
+      ++want[static_cast<std::size_t>(l * E + e)];
+      ++physical[static_cast<std::size_t>(l * P + p)];
+    }
+  }
+  EXPECT_EQ(logical_loads(plan, physical), want) << "seed " << seed;
+}
+
+TEST(EplbLogicalLoads, BadArgumentsNameThemselves) {
+  const std::vector<double> w = {10, 20, 40, 30};
+  const EplbPlan plan = rebalance_experts(w, 1, 4, 6, 1, 1, 2);
+  const auto message = [&](const std::vector<i64>& loads) {
+    try {
+      (void)logical_loads(plan, loads);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string size = message({1, 2, 3});
+  EXPECT_NE(size.find("physical_loads"), std::string::npos) << size;
+  EXPECT_NE(size.find("6 entries"), std::string::npos) << size;
+  const std::string negative = message({1, 2, 3, -4, 5, 6});
+  EXPECT_NE(negative.find("-4 at [0, 3]"), std::string::npos) << negative;
+}
+
 TEST(EplbRouting, RandomIdsMapIntoTheirExpertsReplicas) {
   std::mt19937_64 rng(test::fresh_seed());
   const i64 L = 2, E = 16, P = 24;

@@ -1,8 +1,8 @@
 // The EPLB stage's CUDA id mappings (src/eplb/cuda.cu) against their host versions, bit for bit: map_to_physical of
 // plans from rebalance_experts (E in {64, 256}, several layers, skewed loads so experts get several replicas) over
 // T in {0, 1, 7, 128, 4096}, int64 and int32 ids with -1 entries; the no-EP expert_map. Then a no-EP layer on one
-// GPU with an EPLB plan and with an expert_map (on the GPU and on the CPU) against the float64 reference of the
-// logical layer (semantics §13).
+// GPU with an EPLB plan and with an expert_map (on the GPU and on the CPU, changed between forwards of one layer)
+// against the float64 reference of the logical layer (semantics §13).
 #include <gtest/gtest.h>
 
 #include <epmoe/eplb.hpp>
@@ -143,31 +143,49 @@ TEST(GpuEplb, NoEpLayerWithPlanOrExpertMapMatchesReference) {
   const Tensor got = to_host(layer.forward(a).output);
   EXPECT_LE(test::relative_l2(got, want), 1e-2) << "EPLB";
 
-  // expert_map: the even experts, in reverse order; the reference drops the other choices.
-  std::vector<std::int32_t> map(E, -1);
-  std::vector<std::int64_t> held;
-  for (int e = E - 2; e >= 0; e -= 2) {
-    map[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(held.size());
-    held.push_back(e);
-  }
-  Tensor local = Tensor::empty(DType::int64, {T, K});
-  for (std::int64_t i = 0; i < T * K; ++i) {
-    const std::int64_t g = idx.ptr<std::int64_t>()[i];
-    local.ptr<std::int64_t>()[i] = map[static_cast<std::size_t>(g)] < 0 ? -1 : g;
-  }
-  const auto want_local = test::moe_layer_reference(x, w1, w2, local, wts, "silu");
-  const Tensor d_w1l = to_device(gather_experts(w1, held)), d_w2l = to_device(gather_experts(w2, held));
-  const Tensor h_map = Tensor::empty(DType::int32, {E});
-  std::memcpy(h_map.data(), map.data(), sizeof(std::int32_t) * E);
-  const Tensor d_map = to_device(h_map);
-  for (bool on_gpu : {true, false}) {
-    MoELayer mapped(make_no_ep_prepare_finalize(), make_cuda_experts());
+  // expert_map: the even (or odd) experts, in reverse order; the reference drops the other choices.
+  struct Mapped {
+    Tensor h_map, d_map, d_w1, d_w2;
+    std::vector<double> want;
+  };
+  const auto mapped_case = [&](int parity) {
+    std::vector<std::int32_t> map(E, -1);
+    std::vector<std::int64_t> held;
+    for (int e = E - 2 + parity; e >= 0; e -= 2) {
+      map[static_cast<std::size_t>(e)] = static_cast<std::int32_t>(held.size());
+      held.push_back(e);
+    }
+    Tensor local = Tensor::empty(DType::int64, {T, K});
+    for (std::int64_t i = 0; i < T * K; ++i) {
+      const std::int64_t g = idx.ptr<std::int64_t>()[i];
+      local.ptr<std::int64_t>()[i] = g < 0 || map[static_cast<std::size_t>(g)] < 0 ? -1 : g;
+    }
+    Mapped m;
+    m.want = test::moe_layer_reference(x, w1, w2, local, wts, "silu");
+    m.d_w1 = to_device(gather_experts(w1, held));
+    m.d_w2 = to_device(gather_experts(w2, held));
+    m.h_map = Tensor::empty(DType::int32, {E});
+    std::memcpy(m.h_map.data(), map.data(), sizeof(std::int32_t) * E);
+    m.d_map = to_device(m.h_map);
+    return m;
+  };
+  const Mapped even = mapped_case(0), odd = mapped_case(1);
+  const auto forward_mapped = [&](MoELayer& layer, const Mapped& m, bool on_gpu) {
     MoEForwardArgs b = a;
-    b.w1 = d_w1l;
-    b.w2 = d_w2l;
-    b.expert_map = on_gpu ? d_map.view() : h_map.view();
-    const Tensor out = to_host(mapped.forward(b).output);
-    EXPECT_LE(test::relative_l2(out, want_local), 1e-2) << "expert_map on " << (on_gpu ? "GPU" : "CPU");
+    b.w1 = m.d_w1;
+    b.w2 = m.d_w2;
+    b.expert_map = on_gpu ? m.d_map.view() : m.h_map.view();
+    return to_host(layer.forward(b).output);
+  };
+  for (bool on_gpu : {true, false}) {
+    // One layer, the map changed between forwards (a host map is re-uploaded only when its contents change).
+    MoELayer mapped(make_no_ep_prepare_finalize(), make_cuda_experts());
+    const char* where = on_gpu ? "GPU" : "CPU";
+    int i = 0;
+    for (const Mapped* m : {&even, &even, &odd, &even}) {
+      const Tensor out = forward_mapped(mapped, *m, on_gpu);
+      EXPECT_LE(test::relative_l2(out, m->want), 1e-2) << "expert_map on " << where << ", forward " << i++;
+    }
   }
 }
 

@@ -99,7 +99,8 @@ PrepareInputs prepare_inputs(const TensorView& hidden, const TensorView& topk_id
 }
 
 Tensor forward_checked(MoELayer& layer, const LayerCase& c, const std::string& name, const CallIn& ci,
-                       const ExpertWeights& w, int global_num_experts, int r, bool gpu, bool give_output) {
+                       const ExpertWeights& w, int global_num_experts, int r, bool gpu, bool give_output,
+                       const std::function<void(MoEForwardArgs&)>& adjust) {
   auto put = [&](const TensorView& t) { return gpu ? to_gpu(t, r) : Tensor::wrap(t, nullptr); };
   const Tensor ids = ids_as(ci.idx, c.int32_idx);  // alive for the call: the CPU path wraps it
   const Tensor x = put(ci.x), idx = put(ids), wts = put(ci.w);
@@ -113,6 +114,7 @@ Tensor forward_checked(MoELayer& layer, const LayerCase& c, const std::string& n
     else if (out.nbytes()) std::memset(out.data(), 0xff, out.nbytes());
     a.output = out;
   }
+  if (adjust) adjust(a);
   const MoEForwardResult res = layer.forward(a);
   EXPECT_EQ(res.output.shape(), (Shape{ci.x.size(0), c.H})) << name << " rank " << r;
   EXPECT_EQ(res.output.device().is_cuda(), gpu) << name << " rank " << r;

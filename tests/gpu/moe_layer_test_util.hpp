@@ -69,9 +69,11 @@ PrepareInputs prepare_inputs(const TensorView& hidden, const TensorView& topk_id
 /// the inputs are copied to cuda:r; the ids go as int32 when the case asks, the router weight on the input when it
 /// does; with give_output the result goes into a given [T, H] output poisoned with 0xff bytes first, else into one
 /// the layer allocates. Expects the output's shape and device and, when given, that it was written into (failures
-/// name `name` and the rank). Returns a host copy of the output.
+/// name `name` and the rank). `adjust`, when given, edits the forward's arguments last (e.g. the batch kind of an
+/// automatic-mode layer). Returns a host copy of the output.
 Tensor forward_checked(MoELayer& layer, const LayerCase& c, const std::string& name, const CallIn& ci,
-                       const ExpertWeights& w, int global_num_experts, int r, bool gpu, bool give_output);
+                       const ExpertWeights& w, int global_num_experts, int r, bool gpu, bool give_output,
+                       const std::function<void(MoEForwardArgs&)>& adjust = {});
 
 using Outs = std::vector<std::vector<Tensor>>;  // [rank][forward] host bf16 [T, H]
 /// Runs a case's forwards with weights m and inputs `in` on R thread ranks: GPU ranks (gpu) or CPU ranks.
