@@ -59,9 +59,8 @@ void check_recorder_fits(std::int64_t num_layers, std::int64_t num_experts, std:
                             window, num_layers, num_experts, need, have));
 }
 
-}  // namespace
-
-void bind_eplb(nb::module_& m) {
+// The planner and the id/load mappings: plain functions on host arrays.
+void bind_planner(nb::module_& m) {
   m.def(
       "rebalance_experts",
       [](nb::ndarray<nb::ro> weight, std::int64_t num_replicas, std::int64_t num_groups, std::int64_t num_nodes,
@@ -133,6 +132,12 @@ void bind_eplb(nb::module_& m) {
       },
       nb::arg("loads"), nb::arg("num_ranks"));
 
+}
+
+}  // namespace
+
+void bind_eplb(nb::module_& m) {
+  bind_planner(m);
   // device: -1 = the CPU, else the CUDA device index.
   nb::class_<ExpertLoadRecorder>(m, "ExpertLoadRecorder", "Tokens per (layer, expert) over a window (semantics §9).")
       .def(
