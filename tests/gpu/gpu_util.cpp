@@ -162,11 +162,35 @@ Tensor to_cpu(const TensorView& v) {
   if (!v.defined()) return {};
   Tensor h = Tensor::empty(v.dtype, v.shape);
   if (v.numel() == 0) return h;
+  if (v.is_contiguous()) {
+    if (v.device.is_cuda()) {
+      cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+    } else {
+      std::memcpy(h.data(), v.data, v.nbytes());
+    }
+    return h;
+  }
+  // The elements the view spans (its strides are non-negative), copied whole, then gathered row-major.
+  std::int64_t span = 1;
+  for (int i = 0; i < v.ndim(); ++i) span += (v.size(i) - 1) * v.stride(i);
+  const std::size_t es = dtype_size(v.dtype);
+  std::vector<char> raw(static_cast<std::size_t>(span) * es);
   if (v.device.is_cuda()) {
     cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+    cuda_ok(cudaMemcpy(raw.data(), v.data, raw.size(), cudaMemcpyDeviceToHost), "D2H");
   } else {
-    std::memcpy(h.data(), v.data, v.nbytes());
+    std::memcpy(raw.data(), v.data, raw.size());
+  }
+  const Shape steps = v.shape.contiguous_strides();
+  auto* out = static_cast<char*>(h.data());
+  for (std::int64_t i = 0; i < v.numel(); ++i) {
+    std::int64_t off = 0, rest = i;
+    for (int d = 0; d < v.ndim(); ++d) {
+      off += rest / steps[d] * v.stride(d);
+      rest %= steps[d];
+    }
+    std::memcpy(out + static_cast<std::size_t>(i) * es, raw.data() + static_cast<std::size_t>(off) * es, es);
   }
   return h;
 }

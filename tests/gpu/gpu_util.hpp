@@ -52,7 +52,8 @@ void cuda_ok(cudaError_t e, const char* what);
 std::shared_ptr<Group> borrow(Group& g);
 /// Copy of a contiguous host view on cuda:device (undefined stays undefined).
 Tensor to_gpu(const TensorView& host, int device);
-/// Host copy of a contiguous view: a device one after the whole device is idle (undefined stays undefined).
+/// Row-major host copy of a view of any non-negative strides (e.g. the column-major low-latency scales): a device one
+/// after the whole device is idle (undefined stays undefined).
 Tensor to_cpu(const TensorView& v);
 
 /// Visible CUDA devices (0 when the runtime finds none).
