@@ -61,8 +61,11 @@ Tensor to_host(const TensorView& dev) {
 void poison(const TensorView& dev) {
   if (!dev.defined() || dev.numel() == 0) return;
   std::size_t bytes = dev.nbytes();
-  if (!dev.is_contiguous() && dev.ndim() >= 1)
-    bytes = static_cast<std::size_t>(dev.stride(0)) * dtype_size(dev.dtype) * static_cast<std::size_t>(dev.size(0));
+  if (!dev.is_contiguous()) {  // every element the view spans (non-negative strides), the gaps between them too
+    std::int64_t span = 1;
+    for (int i = 0; i < dev.ndim(); ++i) span += (dev.size(i) - 1) * dev.stride(i);
+    bytes = static_cast<std::size_t>(span) * dtype_size(dev.dtype);
+  }
   check(cudaMemset(dev.data, 0xff, bytes), "cudaMemset");
 }
 

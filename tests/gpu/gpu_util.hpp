@@ -30,7 +30,8 @@ inline Device gpu() { return Device::cuda(0); }
 Tensor to_device(const TensorView& host);
 /// A contiguous host copy of a device tensor; rows may be strided (row stride of dimension 0).
 Tensor to_host(const TensorView& device);
-/// Fills device memory with 0xff bytes (every element of every dtype becomes -1 / NaN / 0xff).
+/// Fills the device memory a view spans (any non-negative strides) with 0xff bytes (every element of every dtype
+/// becomes -1 / NaN / 0xff).
 void poison(const TensorView& device);
 /// Waits for the legacy default stream and checks no kernel failed.
 void sync_ok();
