@@ -790,7 +790,8 @@ class Buffer:
         Returns:
             recv_x: [E_local, R*Tmax, H] bfloat16, or with use_fp8 a tuple (float8_e4m3fn [E_local, R*Tmax, H],
                 scales float32 [E_local, R*Tmax, ceil(H/128)] or int32 [..., ceil(ceil(H/128)/4)] with UE8M0).
-                Row-major here (DeepEP's scales are column-major in the last two dims). The first
+                The scales are column-major per expert as DeepEP's: strides (C * M, 1, M) in elements, M = R*Tmax
+                rounded up to a multiple of 4 (DeepGEMM's TMA alignment; semantics §5, 6). The first
                 recv_count[e] rows of expert e are valid: blocks by ascending source rank, source token
                 order within (deterministic; DeepEP leaves block order to arrival). Other rows are
                 undefined. On CPU these are copies, valid after the call (or after the hook) for good. On GPU

@@ -33,23 +33,6 @@ std::string layout_rule(ScaleLayout layout, std::int64_t rows, std::int64_t cols
              : fmt::format("column-major scales (unit stride in dimension 0, a column stride >= {})", rows);
 }
 
-// Scales [rows, cols] of `dtype` in `layout`, or in either layout when `layout` is empty.
-void check_scales(const TensorView& t, std::string_view name, DType dtype, std::int64_t rows, std::int64_t cols,
-                  std::optional<ScaleLayout> layout) {
-  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}[{}, {}]", dtype_name(dtype), rows, cols), "None");
-  EPMOE_CHECK_ARG(t.dtype == dtype && t.ndim() == 2 && t.size(0) == rows && t.size(1) == cols, name,
-                  fmt::format("{}[{}, {}]", dtype_name(dtype), rows, cols), describe(t));
-  if (layout)
-    EPMOE_CHECK_ARG(scales_have_layout(t, *layout), name, layout_rule(*layout, rows, cols), strides_of(t));
-  else
-    EPMOE_CHECK_ARG(scales_have_layout(t, ScaleLayout::row_major) || scales_have_layout(t, ScaleLayout::column_major),
-                    name,
-                    fmt::format("{} or {}", layout_rule(ScaleLayout::row_major, rows, cols),
-                                layout_rule(ScaleLayout::column_major, rows, cols)),
-                    strides_of(t));
-  EPMOE_CHECK_ARG(t.data != nullptr || rows * cols == 0, name, "a non-null data pointer", "nullptr");
-}
-
 void require_cpu(const TensorView& t, std::string_view name) {
 #if !defined(EPMOE_HAVE_CUDA)
   if (!t.device.is_cpu())
@@ -95,6 +78,26 @@ std::int64_t scale_cols(std::int64_t H, const Fp8Options& o) {
 
 }  // namespace
 
+namespace quant_detail {
+
+void check_scales(const TensorView& t, std::string_view name, DType dtype, std::int64_t rows, std::int64_t cols,
+                  std::optional<ScaleLayout> layout) {
+  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}[{}, {}]", dtype_name(dtype), rows, cols), "None");
+  EPMOE_CHECK_ARG(t.dtype == dtype && t.ndim() == 2 && t.size(0) == rows && t.size(1) == cols, name,
+                  fmt::format("{}[{}, {}]", dtype_name(dtype), rows, cols), describe(t));
+  if (layout)
+    EPMOE_CHECK_ARG(scales_have_layout(t, *layout), name, layout_rule(*layout, rows, cols), strides_of(t));
+  else
+    EPMOE_CHECK_ARG(scales_have_layout(t, ScaleLayout::row_major) || scales_have_layout(t, ScaleLayout::column_major),
+                    name,
+                    fmt::format("{} or {}", layout_rule(ScaleLayout::row_major, rows, cols),
+                                layout_rule(ScaleLayout::column_major, rows, cols)),
+                    strides_of(t));
+  EPMOE_CHECK_ARG(t.data != nullptr || rows * cols == 0, name, "a non-null data pointer", "nullptr");
+}
+
+}  // namespace quant_detail
+
 Fp8Tensor quantize_fp8(const TensorView& x, const Fp8Options& options) {
   std::int64_t T = 0, H = 0;
   check_input(x, options, T, H);
@@ -111,7 +114,7 @@ void quantize_fp8_into(const TensorView& x, const TensorView& q, const TensorVie
   std::int64_t T = 0, H = 0;
   check_input(x, options, T, H);
   check_matrix(q, "q", DType::fp8_e4m3, T, H);
-  check_scales(scales, "scales", scale_dtype(options), T, scale_cols(H, options), options.scale_layout);
+  quant_detail::check_scales(scales, "scales", scale_dtype(options), T, scale_cols(H, options), options.scale_layout);
   EPMOE_CHECK_ARG(q.device == x.device, "q", fmt::format("a tensor on x's device {}", to_string(x.device)),
                   to_string(q.device));
   EPMOE_CHECK_ARG(scales.device == x.device, "scales", fmt::format("a tensor on x's device {}", to_string(x.device)),
@@ -130,7 +133,7 @@ Tensor dequantize_fp8(const TensorView& q, const TensorView& scales, DType out_d
                   fmt::format("float32[{}, {}] or UE8M0 int32[{}, {}]", T, num_scale_groups(H), T, num_ue8m0_words(H)),
                   describe(scales));
   const bool ue8m0 = scales.dtype == DType::int32;
-  check_scales(scales, "scales", scales.dtype, T, ue8m0 ? num_ue8m0_words(H) : num_scale_groups(H), std::nullopt);
+  quant_detail::check_scales(scales, "scales", scales.dtype, T, ue8m0 ? num_ue8m0_words(H) : num_scale_groups(H), std::nullopt);
   EPMOE_CHECK_ARG(out_dtype == DType::bf16 || out_dtype == DType::fp32, "out_dtype", "bfloat16 or float32",
                   dtype_name(out_dtype));
   EPMOE_CHECK_ARG(scales.device == q.device, "scales", fmt::format("a tensor on q's device {}", to_string(q.device)),

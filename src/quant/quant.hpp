@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 namespace epmoe::quant_detail {
 
@@ -44,6 +46,12 @@ struct QuantizeProblem {
   std::int64_t num_tokens = 0, hidden = 0;
   Fp8Options options;
 };
+
+/// Scales [rows, cols] of `dtype` in `layout` (scales_have_layout), or in either layout when `layout` is empty, with
+/// data. The one rule and message for every argument holding scales (the quantizer's, normal dispatch's x_scales).
+/// Errors: invalid_argument naming `name`, the expected shape or layout and the actual one.
+void check_scales(const TensorView& t, std::string_view name, DType dtype, std::int64_t rows, std::int64_t cols,
+                  std::optional<ScaleLayout> layout);
 
 void quantize_fp8_cpu(const QuantizeProblem& p);
 

@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "core/check.hpp"
+#include "quant/quant.hpp"
 
 namespace epmoe {
 
@@ -58,19 +59,8 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
     s.scale_cols = s.scale_format == ScaleFormat::float32 ? groups : (groups + 3) / 4;
     // Row-major (any row stride) or column-major (any column stride: DeepGEMM's TMA-aligned layout), as DeepEP reads
     // x_scales by its two strides; the received scales are row-major either way (semantics §4).
-    const Shape want{s.T, s.scale_cols};
-    EPMOE_CHECK_ARG(a.x_scales.shape == want, "x_scales", fmt::format("{}{}", dtype_name(a.x_scales.dtype), want),
-                    describe(a.x_scales));
+    quant_detail::check_scales(a.x_scales, "x_scales", a.x_scales.dtype, s.T, s.scale_cols, std::nullopt);
     check_device(a.x_scales, "x_scales", device);
-    EPMOE_CHECK_ARG(scales_have_layout(a.x_scales, ScaleLayout::row_major) ||
-                        scales_have_layout(a.x_scales, ScaleLayout::column_major),
-                    "x_scales",
-                    fmt::format("row-major (unit stride in dimension 1, a row stride >= {}) or column-major (unit "
-                                "stride in dimension 0, a column stride >= {}) scales",
-                                s.scale_cols, s.T),
-                    fmt::format("{} with strides {}", describe(a.x_scales), to_string(a.x_scales.strides)));
-    EPMOE_CHECK_ARG(a.x_scales.numel() == 0 || a.x_scales.data != nullptr, "x_scales", "non-null data",
-                    "a null data pointer");
   } else {
     EPMOE_CHECK_ARG(!a.x_scales.defined(), "x_scales", "None with bfloat16 x", describe(a.x_scales));
   }
