@@ -181,7 +181,10 @@ struct NormalHandle {
 
 struct DispatchArgs {
   TensorView x;             ///< bfloat16 [T, H] (H % 8 == 0) or float8_e4m3fn [T, H] (H % 16 == 0)
-  TensorView x_scales;      ///< with fp8 x: float32 [T, ceil(H/128)] or UE8M0 int32 [T, ceil(ceil(H/128)/4)]
+  /// With fp8 x: float32 [T, ceil(H/128)] or UE8M0 int32 [T, ceil(ceil(H/128)/4)], row-major (any row stride) or
+  /// column-major (any column stride: DeepGEMM's TMA-aligned layout, quantize_fp8's ScaleLayout::column_major);
+  /// recv_x_scales are row-major either way (semantics §4).
+  TensorView x_scales;
   TensorView topk_idx;      ///< int64/int32 [T, K], K in 1..32, ids in [-1, E)
   TensorView topk_weights;  ///< float32 [T, K]
   /// From get_dispatch_layout (not needed for a cached dispatch).
@@ -275,7 +278,9 @@ struct LowLatencyDispatchArgs {
 
 struct LowLatencyDispatchResult {
   TensorView packed_recv_x;         ///< [E_local, R*Tmax, H] float8_e4m3fn or bfloat16
-  TensorView packed_recv_x_scales;  ///< float32 [E_local, R*Tmax, G] or int32 [E_local, R*Tmax, ceil(G/4)]
+  /// float32 [E_local, R*Tmax, G] or int32 [E_local, R*Tmax, ceil(G/4)], column-major per expert as DeepEP's:
+  /// strides {C * M, 1, M}, M = tma_aligned_scale_rows(R*Tmax) (quant.hpp; semantics §5, 6).
+  TensorView packed_recv_x_scales;
   TensorView packed_recv_count;     ///< int32 [E_local] (masked_m)
   LowLatencyHandle handle;
   Event event;

@@ -175,9 +175,10 @@ def grouped_topk(logits: ArrayArg, num_topk: int, num_expert_group: int, topk_gr
 def get_dispatch_layout(topk_idx: ArrayArg, num_experts: int, num_ranks: int,
                         framework: str = "numpy") -> Tuple[Array, Array, Array]:
     """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
-def quantize_fp8(x: ArrayArg, round_scale: bool = False, use_ue8m0: bool = False,
+def quantize_fp8(x: ArrayArg, round_scale: bool = False, use_ue8m0: bool = False, scale_layout: str = "row_major",
                  framework: str = "numpy") -> Tuple[Array, Array]:
-    """(q float8_e4m3fn [T, H], scales float32 [T, ceil(H/128)] or UE8M0 int32 [T, ceil(ceil(H/128)/4)])."""
+    """(q float8_e4m3fn [T, H], scales float32 [T, ceil(H/128)] or UE8M0 int32 [T, ceil(ceil(H/128)/4)]),
+    scales row-major or column-major (strides (1, T rounded up to 4))."""
 def dequantize_fp8(q: ArrayArg, scales: ArrayArg, out_dtype: str = "bfloat16", framework: str = "numpy") -> Array:
     """q * scale per group as 'bfloat16' or 'float32' [T, H]."""
 def fp8_group_scale(amax: float, round_scale: bool = False) -> float: ...

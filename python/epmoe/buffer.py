@@ -246,6 +246,24 @@ def _contiguous(t: Any) -> Any:
     return t
 
 
+def _dispatch_scales(t: Any) -> Any:
+    """x_scales for the native dispatch: t itself when row- or column-major as scales_have_layout (include/epmoe/quant.hpp)
+    defines them (a unit stride in one dimension, the other stride at least the other extent: e.g. DeepGEMM's
+    TMA-aligned column-major scales), else a contiguous copy, so any strides are accepted as DeepEP accepts them."""
+    if t is None or getattr(t, "ndim", 0) != 2:
+        return t
+    if is_torch(t):
+        strides = tuple(t.stride())
+    else:
+        strides = tuple(s // t.itemsize for s in t.strides)
+    rows, cols = t.shape
+    if rows == 0 or cols == 0:
+        return t
+    row_major = (cols <= 1 or strides[1] == 1) and (rows <= 1 or strides[0] >= cols)
+    column_major = (rows <= 1 or strides[0] == 1) and (cols <= 1 or strides[1] >= rows)
+    return t if row_major or column_major else _contiguous(t)
+
+
 def _event_of(previous_event: Optional[EventOverlap]) -> Any:
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise invalid_argument("previous_event", "None or an EventOverlap", describe(previous_event))
@@ -659,8 +677,8 @@ class Buffer:
         expert_alignment = int32_arg("expert_alignment", expert_alignment)
         num_worst_tokens = int32_arg("num_worst_tokens", num_worst_tokens)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
-        # Scales of any strides (DeepEP's tests pass column-major ones): the backends read row-major scales.
-        x_scales = _contiguous(x_scales)
+        # Scales of any strides, as DeepEP: row- and column-major ones go as they are (semantics §4).
+        x_scales = _dispatch_scales(x_scales)
         native_handle = None
         if handle is not None:
             if not isinstance(handle, DispatchHandle):
@@ -772,7 +790,8 @@ class Buffer:
         Returns:
             recv_x: [E_local, R*Tmax, H] bfloat16, or with use_fp8 a tuple (float8_e4m3fn [E_local, R*Tmax, H],
                 scales float32 [E_local, R*Tmax, ceil(H/128)] or int32 [..., ceil(ceil(H/128)/4)] with UE8M0).
-                Row-major here (DeepEP's scales are column-major in the last two dims). The first
+                The scales are column-major per expert as DeepEP's: strides (C * M, 1, M) in elements, M = R*Tmax
+                rounded up to a multiple of 4 (DeepGEMM's TMA alignment; semantics §5, 6). The first
                 recv_count[e] rows of expert e are valid: blocks by ascending source rank, source token
                 order within (deterministic; DeepEP leaves block order to arrival). Other rows are
                 undefined. On CPU these are copies, valid after the call (or after the hook) for good. On GPU

@@ -89,7 +89,8 @@ def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tupl
         return _ext.get_dispatch_layout(arg(topk_idx), num_experts, num_ranks, framework_of(topk_idx))
 
 
-def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False) -> Tuple[Any, Any]:
+def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False,
+                 scale_layout: str = "row_major") -> Tuple[Any, Any]:
     """Per-token-group fp8 e4m3 quantization (semantics §6), one scale per 128 channels of a token.
 
     a = max(amax(group), 1e-4); q = fp8(x * (448 / a)); scale = a / 448, in float32; fp8 rounds to nearest
@@ -99,18 +100,22 @@ def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False) -> 
 
     Arguments:
         x: bfloat16 or float32 [T, H], H % 16 == 0 (the last group may be shorter than 128).
+        scale_layout: 'row_major' (strides (C, 1)) or 'column_major': the token dimension has unit stride and
+            each column is padded to a multiple of 4 rows, strides (1, ceil(T / 4) * 4): what DeepGEMM's
+            get_mn_major_tma_aligned_tensor / get_mn_major_tma_aligned_packed_ue8m0_tensor return. The values
+            are the same in both layouts.
 
     Returns: (q float8_e4m3fn [T, H], scales float32 [T, ceil(H/128)] or int32 [T, ceil(ceil(H/128)/4)]).
     Errors: epmoe.Error('invalid_argument') for x not 2-d bfloat16/float32, H % 16 != 0, use_ue8m0 without
-    round_scale.
+    round_scale, scale_layout not 'row_major' / 'column_major'.
     """
     with _on_stream(x):
-        return _ext.quantize_fp8(arg(x), round_scale, use_ue8m0, framework_of(x))
+        return _ext.quantize_fp8(arg(x), round_scale, use_ue8m0, str(scale_layout), framework_of(x))
 
 
 def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
     """q * scale per group, into 'bfloat16' or 'float32' [T, H]. The scales' format comes from their dtype
-    (float32 [T, G] or UE8M0 int32 [T, ceil(G/4)]).
+    (float32 [T, G] or UE8M0 int32 [T, ceil(G/4)]), their layout (row- or column-major) from their strides.
     Errors: epmoe.Error('invalid_argument') for mismatched shapes or dtypes, out_dtype not bfloat16/float32.
     """
     if hasattr(out_dtype, "name"):  # a NumPy / ml_dtypes dtype

@@ -4,6 +4,7 @@
 #include "ext.hpp"
 
 #include <epmoe/error.hpp>
+#include <epmoe/quant.hpp>
 
 #include <epmoe/stream.hpp>
 
@@ -24,20 +25,24 @@ namespace epmoe::py {
 
 namespace {
 
-// Copies rows [0, rows) of slab e of a 3-d view into the same place of a contiguous tensor.
+// Copies rows [0, rows) of slab e of a 3-d view into the same place of `dst` (same shape, any strides: the scales
+// are column-major).
 void copy_slab_rows(const TensorView& src, const Tensor& dst, std::int64_t e, std::int64_t rows) {
   const std::size_t es = dtype_size(src.dtype);
-  const std::int64_t cols = src.size(2), dst_rows = dst.size(1);
+  const TensorView& dv = dst.view();
+  const std::int64_t cols = src.size(2);
   auto* d = static_cast<std::byte*>(dst.data());
   const auto* s = static_cast<const std::byte*>(src.data);
+  const bool rows_contiguous = (src.stride(2) == 1 && dv.stride(2) == 1) || cols <= 1;
   for (std::int64_t r = 0; r < rows; ++r) {
-    std::byte* out = d + static_cast<std::size_t>((e * dst_rows + r) * cols) * es;
+    std::byte* out = d + static_cast<std::size_t>(e * dv.stride(0) + r * dv.stride(1)) * es;
     const std::byte* in = s + static_cast<std::size_t>(e * src.stride(0) + r * src.stride(1)) * es;
-    if (src.stride(2) == 1 || cols <= 1) {
+    if (rows_contiguous) {
       std::memcpy(out, in, static_cast<std::size_t>(cols) * es);
     } else {
       for (std::int64_t c = 0; c < cols; ++c)
-        std::memcpy(out + static_cast<std::size_t>(c) * es, in + static_cast<std::size_t>(c * src.stride(2)) * es, es);
+        std::memcpy(out + static_cast<std::size_t>(c * dv.stride(2)) * es,
+                    in + static_cast<std::size_t>(c * src.stride(2)) * es, es);
     }
   }
 }
@@ -280,7 +285,10 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
       st->layout_range = view(r.handle.layout_range);
     } else {
       st->x = empty_like(r.packed_recv_x);
-      st->scales = empty_like(r.packed_recv_x_scales);
+      // DeepEP's column-major layout, as the buffer's own view (semantics §5).
+      if (r.packed_recv_x_scales.defined())
+        st->scales = empty_fp8_scales(r.packed_recv_x_scales.dtype, r.packed_recv_x_scales.shape,
+                                      ScaleLayout::column_major);
       st->count = empty_like(r.packed_recv_count);
       st->src_info = empty_like(r.handle.src_info);
       st->layout_range = empty_like(r.handle.layout_range);

@@ -28,6 +28,12 @@ nb::tuple run_topk(nb::handle logits, std::string_view framework, F&& f) {
   return nb::make_tuple(to_py(r.topk_weights, fw), to_py(r.topk_idx, fw));
 }
 
+ScaleLayout scale_layout_of(std::string_view name) {
+  if (name == scale_layout_name(ScaleLayout::row_major)) return ScaleLayout::row_major;
+  if (name == scale_layout_name(ScaleLayout::column_major)) return ScaleLayout::column_major;
+  throw_invalid_argument("scale_layout", "'row_major' or 'column_major'", fmt::format("'{}'", name));
+}
+
 DType out_dtype_of(std::string_view name) {
   if (name == "bfloat16") return DType::bf16;
   if (name == "float32") return DType::fp32;
@@ -94,18 +100,20 @@ void bind_ops(nb::module_& m) {
 
   m.def(
       "quantize_fp8",
-      [](nb::handle x, bool round_scale, bool use_ue8m0, std::string_view framework) {
+      [](nb::handle x, bool round_scale, bool use_ue8m0, std::string_view scale_layout, std::string_view framework) {
         const Framework fw = parse_framework(framework);
+        const Fp8Options o{round_scale, use_ue8m0, scale_layout_of(scale_layout)};
         Inputs in;
         const TensorView v = arg(x, "x", in);
         Fp8Tensor r;
         {
           nb::gil_scoped_release release;
-          r = quantize_fp8(v, Fp8Options{round_scale, use_ue8m0});
+          r = quantize_fp8(v, o);
         }
         return nb::make_tuple(to_py(r.data, fw), to_py(r.scales, fw));
       },
-      nb::arg("x"), nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("framework") = "numpy");
+      nb::arg("x"), nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("scale_layout") = "row_major",
+      nb::arg("framework") = "numpy");
   m.def(
       "dequantize_fp8",
       [](nb::handle q, nb::handle scales, std::string_view out_dtype, std::string_view framework) {

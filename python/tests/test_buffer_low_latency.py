@@ -51,7 +51,7 @@ def combine_ref(x, idx, w):
     return out.astype(BF16)
 
 
-def check_packed(out, xs, idxs, E, R, d, fp8=None):
+def check_packed(out, xs, idxs, E, R, d, fp8=None, tmax=TMAX):
     """Compares rank d's packed receive with the reference (bf16 rows bit for bit; fp8 rows and scales
     against the NumPy quantization of the source rows)."""
     recv, count, handle = out
@@ -59,20 +59,20 @@ def check_packed(out, xs, idxs, E, R, d, fp8=None):
     per_expert, ranges = ref_low_latency(idxs, E, R, d)
     np.testing.assert_array_equal(count, np.array([len(r) for r in per_expert], dtype=np.int32))
     assert count.dtype == np.int32
-    src_info, layout_range, tmax, hidden, num_experts = handle
-    assert (tmax, hidden, num_experts) == (TMAX, xs[0].shape[1], E)
+    src_info, layout_range, handle_tmax, hidden, num_experts = handle
+    assert (handle_tmax, hidden, num_experts) == (tmax, xs[0].shape[1], E)
     np.testing.assert_array_equal(layout_range, ranges)
     for e, rows in enumerate(per_expert):
         n = len(rows)
         np.testing.assert_array_equal(src_info[e, :n], np.array([t for _, t in rows], dtype=np.int32))
         if fp8 is None:
-            assert recv.dtype == BF16 and recv.shape == (el, R * TMAX, hidden)
+            assert recv.dtype == BF16 and recv.shape == (el, R * tmax, hidden)
             exp = np.stack([xs[s][t] for s, t in rows]) if rows else np.zeros((0, hidden), BF16)
             np.testing.assert_array_equal(bits(recv[e, :n]), bits(exp))
         else:
             q, scales = recv
             round_scale, ue8m0 = fp8
-            assert q.dtype == FP8 and q.shape == (el, R * TMAX, hidden)
+            assert q.dtype == FP8 and q.shape == (el, R * tmax, hidden)
             for j, (s, t) in enumerate(rows):
                 rq, rs = fp8_quantize_ref(xs[s][t:t + 1], round_scale, ue8m0)
                 np.testing.assert_array_equal(bits(q[e, j]), bits(rq[0]))
@@ -122,6 +122,42 @@ def test_low_latency_fp8_dispatch(rng, round_scale, use_ue8m0):
         assert scales.shape == (E // R, R * TMAX, (G + 3) // 4 if use_ue8m0 else G)
         assert scales.dtype == (np.int32 if use_ue8m0 else np.float32)
         check_packed(out[d], xs, idxs, E, R, d, fp8=(round_scale, use_ue8m0))
+
+
+def deepep_scale_strides(rows, cols):
+    """DeepEP's low-latency scales [E_local, R*Tmax, C] (bytes): a transposed [E_local, C, M] float32/int32
+    allocation, M = R*Tmax rounded up to a multiple of 4 (DeepGEMM's get_tma_aligned_size(R*Tmax, 4); DeepEP
+    itself requires R*Tmax % 4 == 0)."""
+    m = (rows + 3) // 4 * 4
+    return (cols * m * 4, 4, m * 4)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_low_latency_fp8_scales_have_deepeps_strides(rng, R, round_scale, use_ue8m0):
+    """Scales column-major per expert as DeepEP returns them (R*Tmax = 10 or 20: padded to 12 at R = 2), the
+    values those of the row-major quantization of each source row; a test indexing them as a tensor (DeepEP's
+    test_low_latency.py) sees the same numbers."""
+    E, tmax, Hs = 4 * R, 5, 2880  # H = 2880: 22 full groups and one of 64
+    Ts = [min(tmax, 2 + r) for r in range(R)]
+    xs = [nice_bf16(rng, (T, Hs)) for T in Ts]
+    idxs = [random_topk_idx(rng, T, K, E) for T in Ts]
+
+    def rank_main(group):
+        r = group.rank()
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(xs[r], idxs[r], tmax, E, use_fp8=True,
+                                                             round_scale=round_scale, use_ue8m0=use_ue8m0)
+        return recv, count, handle
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    G = 23
+    C = (G + 3) // 4 if use_ue8m0 else G
+    for d in range(R):
+        (q, scales), _, _ = out[d]
+        assert scales.shape == (E // R, R * tmax, C)
+        assert scales.strides == deepep_scale_strides(R * tmax, C)
+        check_packed(out[d], xs, idxs, E, R, d, fp8=(round_scale, use_ue8m0), tmax=tmax)
 
 
 @pytest.mark.parametrize("R", [2, 4])

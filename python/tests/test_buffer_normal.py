@@ -148,6 +148,52 @@ def test_fp8_dispatch_moves_rows_with_their_scales(rng, ue8m0):
         np.testing.assert_array_equal(recv_idx, local)
 
 
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("use_ue8m0", [False, True])
+def test_fp8_dispatch_with_column_major_scales(rng, R, use_ue8m0):
+    """x = (q, scales) with scales from quantize_fp8(scale_layout='column_major') (DeepGEMM's layout, T not a
+    multiple of 4, a rank with no tokens), and with scales in neither layout (strided both ways: copied, as
+    DeepEP takes any strides): the received rows and scales are those of the row-major path, bit for bit."""
+    E, Hs = 4 * R, 2880
+    Ts = [5 + 2 * r for r in range(R)]
+    Ts[-1] = 0
+    xs = [nice_bf16(rng, (T, Hs)) for T in Ts]
+    idxs = [random_topk_idx(rng, T, 2, E) for T in Ts]
+    rows_q = [epmoe.quantize_fp8(x, round_scale=use_ue8m0, use_ue8m0=use_ue8m0) for x in xs]
+    cols_q = [epmoe.quantize_fp8(x, round_scale=use_ue8m0, use_ue8m0=use_ue8m0, scale_layout="column_major")
+              for x in xs]
+    for (_, c), T in zip(cols_q, Ts):
+        assert T == 0 or c.strides == (4, 4 * ((T + 3) // 4 * 4))
+
+    def strided_both_ways(s):
+        wide = np.zeros((2 * s.shape[0], 2 * s.shape[1]), s.dtype)
+        wide[::2, ::2] = s
+        return wide[::2, ::2]
+
+    def rank_main(group):
+        r = group.rank()
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        out = []
+        for x in (rows_q[r], cols_q[r], (cols_q[r][0], strided_both_ways(rows_q[r][1]))):
+            recv, _, _, _, _, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                               num_tokens_per_expert=ntpe, topk_idx=idxs[r])
+            out.append(recv)
+        return out
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    for d in range(R):
+        rows, _, _ = ref_dispatch(idxs, E, R, d)
+        want_q = np.stack([rows_q[s][0][t] for s, t in rows]) if rows else None
+        want_s = np.stack([rows_q[s][1][t] for s, t in rows]) if rows else None
+        for rx, rs in out[d]:
+            assert rs.dtype == (np.int32 if use_ue8m0 else np.float32) and rs.flags.c_contiguous
+            assert rx.shape[0] == len(rows) and rs.shape[0] == len(rows)
+            if rows:
+                np.testing.assert_array_equal(bits(rx), bits(want_q))
+                np.testing.assert_array_equal(rs, want_s)
+
+
 def test_expert_alignment_and_num_worst_tokens(rng):
     R, E, alignment = 2, 8, 4
     Ts, xs, idxs, ws = make_inputs(rng, R, E)

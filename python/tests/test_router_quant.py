@@ -84,6 +84,44 @@ def test_quantize_fp8_matches_numpy(rng, H, dtype, round_scale, use_ue8m0):
     np.testing.assert_array_equal(bits(epmoe.dequantize_fp8(q, scales)), bits(ref.astype(np.float32).astype(BF16)))
 
 
+@pytest.mark.parametrize("H", [2048, 2880, 4096, 7168])
+@pytest.mark.parametrize("T", [0, 1, 5, 12])
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_quantize_fp8_column_major_scales(rng, H, T, round_scale, use_ue8m0):
+    """scale_layout='column_major': DeepGEMM's MN-major TMA-aligned layout, strides (1, T rounded up to 4) in
+    elements; the same values as the row-major path and the NumPy reference; dequantize reads either."""
+    x = (rng.standard_normal((T, H)) * rng.uniform(0.01, 30.0, size=(T, 1))).astype(BF16)
+    q, col = epmoe.quantize_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0, scale_layout="column_major")
+    q_row, row = epmoe.quantize_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    rq, rs = fp8_quantize_ref(x, round_scale, use_ue8m0)
+    G = (H + 127) // 128
+    C = (G + 3) // 4 if use_ue8m0 else G
+    pitch = (T + 3) // 4 * 4
+    assert col.shape == (T, C) and col.dtype == row.dtype
+    if T > 0:
+        assert col.strides == (4, 4 * pitch)  # bytes
+        assert row.strides == (4 * C, 4)
+    np.testing.assert_array_equal(bits(q), bits(rq))
+    np.testing.assert_array_equal(bits(q_row), bits(rq))
+    np.testing.assert_array_equal(col, rs)
+    np.testing.assert_array_equal(col, row)
+    np.testing.assert_array_equal(bits(epmoe.dequantize_fp8(q, col)), bits(epmoe.dequantize_fp8(q_row, row)))
+
+
+def test_quantize_fp8_scale_layout_errors(rng):
+    x = nice_bf16(rng, (4, 256))
+    with pytest.raises(epmoe.Error, match="'scale_layout'.*'row_major' or 'column_major'.*'columns'"):
+        epmoe.quantize_fp8(x, scale_layout="columns")
+    with pytest.raises(epmoe.Error, match="'options.use_ue8m0'.*round_scale = true"):
+        epmoe.quantize_fp8(x, use_ue8m0=True, scale_layout="column_major")
+    # dequantize refuses scales in neither layout (strided in both dimensions)
+    q, scales = epmoe.quantize_fp8(x)
+    wide = np.zeros((8, 4), np.float32)
+    wide[::2, ::2] = scales
+    with pytest.raises(epmoe.Error, match="'scales'.*row-major.*column-major"):
+        epmoe.dequantize_fp8(q, wide[::2, ::2])
+
+
 def test_ue8m0_bytes_and_group_scale():
     assert epmoe.ue8m0_from_scale(1.0) == 127
     assert epmoe.ue8m0_from_scale(2.0 ** -10) == 117

@@ -120,7 +120,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
 #if defined(EPMOE_HAVE_CUDA)
     const TensorView& q = recv_.packed_recv_x;
     const TensorView& sc = recv_.packed_recv_x_scales;
-    EPMOE_ASSERT(q.is_contiguous() && sc.is_contiguous());
+    EPMOE_ASSERT(q.is_contiguous());  // sc: column-major per expert (semantics §5), read by its strides
     const Device d = q.device;
     const TensorView deq = workspaces_->get(0, "low_latency.dequantized", DType::bf16, {E_local, rows, H}, d);
     if (E_local * rows > 0) {

@@ -43,12 +43,14 @@ template <class In>
 [[gnu::always_inline]] inline void quantize_rows(const QuantizeProblem& p) {
   const std::int64_t H = p.hidden, G = num_scale_groups(H);
   const bool ue8m0 = p.options.use_ue8m0, round_scale = p.options.round_scale;
-  const std::int64_t x_stride = p.x.stride(0), q_stride = p.q.stride(0), s_stride = p.scales.stride(0);
+  const std::int64_t x_stride = p.x.stride(0), q_stride = p.q.stride(0);
+  // Row- or column-major scales alike: element [t, c] at t * s_token + c * s_col.
+  const std::int64_t s_token = p.scales.stride(0), s_col = p.scales.stride(1);
   for (std::int64_t t = 0; t < p.num_tokens; ++t) {
     const In* x = static_cast<const In*>(p.x.data) + t * x_stride;
     std::uint8_t* q = static_cast<std::uint8_t*>(p.q.data) + t * q_stride;
-    float* scale_row = ue8m0 ? nullptr : static_cast<float*>(p.scales.data) + t * s_stride;
-    std::int32_t* word_row = ue8m0 ? static_cast<std::int32_t*>(p.scales.data) + t * s_stride : nullptr;
+    float* scale_row = ue8m0 ? nullptr : static_cast<float*>(p.scales.data) + t * s_token;
+    std::int32_t* word_row = ue8m0 ? static_cast<std::int32_t*>(p.scales.data) + t * s_token : nullptr;
     std::uint32_t word = 0;
     for (std::int64_t g = 0; g < G; ++g) {
       const std::int64_t begin = g * kFp8GroupSize, len = std::min<std::int64_t>(kFp8GroupSize, H - begin);
@@ -63,12 +65,12 @@ template <class In>
       const float inv = s.inv;
       for (std::int64_t i = 0; i < len; ++i) qg[i] = fp8_e4m3_from_float_vec(to_float(xg[i]) * inv);
       if (!ue8m0) {
-        scale_row[g] = s.scale;
+        scale_row[g * s_col] = s.scale;
       } else {
         const std::uint32_t byte = static_cast<std::uint32_t>(std::clamp(s.exponent + 127, 0, 255));
         word |= byte << (8 * (g % 4));
         if (g % 4 == 3 || g == G - 1) {
-          word_row[g / 4] = static_cast<std::int32_t>(word);
+          word_row[(g / 4) * s_col] = static_cast<std::int32_t>(word);
           word = 0;
         }
       }
@@ -119,6 +121,7 @@ template <class Out>
 [[gnu::always_inline]] inline void dequantize_rows(const TensorView& qv, const TensorView& sv, const TensorView& ov) {
   const std::int64_t T = qv.size(0), H = qv.size(1), G = num_scale_groups(H);
   const bool ue8m0 = sv.dtype == DType::int32;
+  const std::int64_t s_token = sv.stride(0), s_col = sv.stride(1);  // row- or column-major
   const auto& table = fp8_table();
   for (std::int64_t t = 0; t < T; ++t) {
     const std::uint8_t* q = static_cast<const std::uint8_t*>(qv.data) + t * qv.stride(0);
@@ -127,10 +130,10 @@ template <class Out>
       float scale;
       if (ue8m0) {
         const auto word =
-            static_cast<std::uint32_t>(static_cast<const std::int32_t*>(sv.data)[t * sv.stride(0) + g / 4]);
+            static_cast<std::uint32_t>(static_cast<const std::int32_t*>(sv.data)[t * s_token + (g / 4) * s_col]);
         scale = ue8m0_to_scale(static_cast<std::uint8_t>(word >> (8 * (g % 4))));
       } else {
-        scale = static_cast<const float*>(sv.data)[t * sv.stride(0) + g];
+        scale = static_cast<const float*>(sv.data)[t * s_token + g * s_col];
       }
       const std::int64_t begin = g * kFp8GroupSize, end = std::min<std::int64_t>(begin + kFp8GroupSize, H);
       for (std::int64_t i = begin; i < end; ++i) store(out, i, table[q[i]] * scale);

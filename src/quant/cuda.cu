@@ -33,7 +33,8 @@ constexpr int kLanesPerGroup = kFp8GroupSize / kChannelsPerLane;  // 8
 template <class In, bool kHardware, int kTasks>
 __global__ void __launch_bounds__(kQuantWarps * 32)
     quantize_kernel(const char* __restrict__ x, std::int64_t x_stride_bytes, std::uint8_t* __restrict__ q,
-                    std::int64_t q_stride, void* __restrict__ scales, std::int64_t s_stride, std::int64_t num_tasks,
+                    std::int64_t q_stride, void* __restrict__ scales, std::int64_t s_stride, std::int64_t s_col,
+                    std::int64_t num_tasks,
                     int H, int G, int words_per_row, bool round_scale, bool ue8m0) {
   constexpr int kVecs = sizeof(In) == 2 ? 2 : 4;  // 16-byte loads per lane per task
   const int lane = threadIdx.x & 31;
@@ -79,10 +80,10 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     const DeviceGroupScale s = quantize_lane16<kHardware>(v, active, round_scale, &out);
     if (active) *reinterpret_cast<uint4*>(q + t * q_stride + static_cast<std::int64_t>(c) * kChannelsPerLane) = out;
     if (!ue8m0) {
-      if ((lane & 7) == 0 && g < G) static_cast<float*>(scales)[t * s_stride + g] = s.scale;
+      if ((lane & 7) == 0 && g < G) static_cast<float*>(scales)[t * s_stride + g * s_col] = s.scale;
     } else {
       const std::int32_t packed = ue8m0_word(s.exponent, g < G);  // bytes past the last group are 0
-      if (lane == 0) static_cast<std::int32_t*>(scales)[t * s_stride + word] = packed;
+      if (lane == 0) static_cast<std::int32_t*>(scales)[t * s_stride + word * s_col] = packed;
     }
     if (++word == words_per_row) {
       word = 0;
@@ -107,19 +108,21 @@ __device__ __forceinline__ float ue8m0_scale(std::uint32_t byte) {
   return __uint_as_float(byte << 23);
 }
 
-/// Row t's 16-channel chunk c (H % 16 == 0, 16-byte aligned rows).
+/// Group g's scale of the token whose scales start at element `s_row` (columns s_col apart: row- or column-major).
+__device__ __forceinline__ float group_scale_at(const void* __restrict__ scales, std::int64_t s_row,
+                                                std::int64_t s_col, bool ue8m0, int g) {
+  if (!ue8m0) return static_cast<const float*>(scales)[s_row + g * s_col];
+  const auto word = static_cast<std::uint32_t>(static_cast<const std::int32_t*>(scales)[s_row + (g / 4) * s_col]);
+  return ue8m0_scale((word >> (8 * (g % 4))) & 0xffu);
+}
+
+/// Row t's 16-channel chunk c (H % 16 == 0, 16-byte aligned rows); its scales start at element s_row.
 template <class Out>
 __device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict__ q, std::int64_t q_stride,
-                                                 const void* __restrict__ scales, std::int64_t s_stride, bool ue8m0,
-                                                 Out* __restrict__ out, std::int64_t t, int c, int H) {
-  const int g = c / kLanesPerGroup;
-  float scale;
-  if (ue8m0) {
-    const auto word = static_cast<std::uint32_t>(static_cast<const std::int32_t*>(scales)[t * s_stride + g / 4]);
-    scale = ue8m0_scale((word >> (8 * (g % 4))) & 0xffu);
-  } else {
-    scale = static_cast<const float*>(scales)[t * s_stride + g];
-  }
+                                                 const void* __restrict__ scales, std::int64_t s_row,
+                                                 std::int64_t s_col, bool ue8m0, Out* __restrict__ out,
+                                                 std::int64_t t, int c, int H) {
+  const float scale = group_scale_at(scales, s_row, s_col, ue8m0, c / kLanesPerGroup);
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(q + t * q_stride) + c);
   const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   float f[kChannelsPerLane];
@@ -149,44 +152,44 @@ __device__ __forceinline__ void dequantize_chunk(const std::uint8_t* __restrict_
 
 template <class Out>
 __global__ void dequantize_kernel(const std::uint8_t* __restrict__ q, std::int64_t q_stride,
-                                  const void* __restrict__ scales, std::int64_t s_stride, bool ue8m0,
-                                  Out* __restrict__ out, std::int64_t T, int H) {
+                                  const void* __restrict__ scales, std::int64_t s_stride, std::int64_t s_col,
+                                  bool ue8m0, Out* __restrict__ out, std::int64_t T, int H) {
   const int chunks = H / kChannelsPerLane;
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * chunks) return;
   const std::int64_t t = i / chunks;
-  dequantize_chunk(q, q_stride, scales, s_stride, ue8m0, out, t, static_cast<int>(i - t * chunks), H);
+  dequantize_chunk(q, q_stride, scales, t * s_stride, s_col, ue8m0, out, t, static_cast<int>(i - t * chunks), H);
 }
+
+/// Element strides of slab scales [E, rows, C]: row-major {rows * C, C, 1}, or column-major {C * R', 1, R'}.
+struct SlabScaleStrides {
+  std::int64_t slab, row, col;
+};
 
 /// Slabs [E, rows, H]: slab e's first min(masked_m[e], rows) rows only (blockIdx.x = e; blocks of a slab stride
 /// over its rows), so the work follows the tokens received, not the slabs' capacity.
 template <class Out>
 __global__ void dequantize_masked_kernel(const std::uint8_t* __restrict__ q, const void* __restrict__ scales,
-                                         std::int64_t s_stride, bool ue8m0, Out* __restrict__ out,
+                                         SlabScaleStrides ss, bool ue8m0, Out* __restrict__ out,
                                          const std::int32_t* __restrict__ masked_m, std::int64_t rows, int H) {
   const int e = blockIdx.x, chunks = H / kChannelsPerLane;
   const std::int64_t n = masked_m[e] < 0 ? 0 : (masked_m[e] > rows ? rows : masked_m[e]);
   for (std::int64_t r = blockIdx.y; r < n; r += gridDim.y)
     for (int c = threadIdx.x; c < chunks; c += blockDim.x)
-      dequantize_chunk(q, H, scales, s_stride, ue8m0, out, static_cast<std::int64_t>(e) * rows + r, c, H);
+      dequantize_chunk(q, H, scales, e * ss.slab + r * ss.row, ss.col, ue8m0, out,
+                       static_cast<std::int64_t>(e) * rows + r, c, H);
 }
 
 // Any H and any row stride (dequantize accepts H not a multiple of 16): one thread per value.
 template <class Out>
 __global__ void dequantize_scalar_kernel(const std::uint8_t* __restrict__ q, std::int64_t q_stride,
-                                         const void* __restrict__ scales, std::int64_t s_stride, bool ue8m0,
-                                         Out* __restrict__ out, std::int64_t T, int H) {
+                                         const void* __restrict__ scales, std::int64_t s_stride, std::int64_t s_col,
+                                         bool ue8m0, Out* __restrict__ out, std::int64_t T, int H) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * H) return;
   const std::int64_t t = i / H;
-  const int h = static_cast<int>(i - t * H), g = h / kFp8GroupSize;
-  float scale;
-  if (ue8m0) {
-    const auto word = static_cast<std::uint32_t>(static_cast<const std::int32_t*>(scales)[t * s_stride + g / 4]);
-    scale = ue8m0_scale((word >> (8 * (g % 4))) & 0xffu);
-  } else {
-    scale = static_cast<const float*>(scales)[t * s_stride + g];
-  }
+  const int h = static_cast<int>(i - t * H);
+  const float scale = group_scale_at(scales, t * s_stride, s_col, ue8m0, h / kFp8GroupSize);
   const float f = mul_like_host(fp8_e4m3_to_float(fp8_e4m3_t{q[t * q_stride + h]}), scale);
   if constexpr (sizeof(Out) == 4)
     out[i] = f;
@@ -221,7 +224,8 @@ void quantize_fp8_cuda(const QuantizeProblem& p, Stream stream, bool hardware_co
     const auto blocks = static_cast<unsigned>(cuda_util::ceil_div(tasks, std::int64_t{kQuantWarps} * words_per_warp));
     kernel<<<blocks, kQuantWarps * 32, 0, s>>>(
         static_cast<const char*>(p.x.data), p.x.stride(0) * elem, static_cast<std::uint8_t*>(p.q.data), p.q.stride(0),
-        p.scales.data, p.scales.stride(0), tasks, H, G, words_per_row, p.options.round_scale, p.options.use_ue8m0);
+        p.scales.data, p.scales.stride(0), p.scales.stride(1), tasks, H, G, words_per_row, p.options.round_scale,
+        p.options.use_ue8m0);
   };
   const bool bf16 = p.x.dtype == DType::bf16;
   if (hardware_convert) {
@@ -243,26 +247,23 @@ void dequantize_fp8_masked_cuda(const TensorView& q, const TensorView& scales, c
   const std::int64_t E = q.size(0), rows = q.size(1);
   const int H = static_cast<int>(q.size(2));
   if (E == 0 || rows == 0) return;
-  const bool vector_rows = H % kChannelsPerLane == 0 && cuda_util::aligned16(q.data) && q.is_contiguous() &&
-                           scales.is_contiguous() && out.is_contiguous();
-  if (!vector_rows) {  // every row (rows past a count are never read)
-    dequantize_fp8_cuda(TensorView(q.data, q.dtype, {E * rows, H}, q.device),
-                        TensorView(scales.data, scales.dtype, {E * rows, scales.size(2)}, scales.device),
-                        TensorView(out.data, out.dtype, {E * rows, H}, out.device), stream);
+  const bool vector_rows =
+      H % kChannelsPerLane == 0 && cuda_util::aligned16(q.data) && q.is_contiguous() && out.is_contiguous();
+  if (!vector_rows) {  // every row of every slab (rows past a count are never read)
+    for (std::int64_t e = 0; e < E; ++e) dequantize_fp8_cuda(q.row(e), scales.row(e), out.row(e), stream);
     return;
   }
   cuda_util::DeviceGuard guard(q.device);
   const cudaStream_t s = cuda_util::to_cuda(stream);
   const bool ue8m0 = scales.dtype == DType::int32;
+  const SlabScaleStrides ss{scales.stride(0), scales.stride(1), scales.stride(2)};  // row- or column-major slabs
   const dim3 grid(static_cast<unsigned>(E), static_cast<unsigned>(rows < 8 ? rows : 8));
   if (out.dtype == DType::bf16)
-    dequantize_masked_kernel<bf16_t><<<grid, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), scales.data,
-                                                          scales.size(2), ue8m0, static_cast<bf16_t*>(out.data),
-                                                          masked_m, rows, H);
+    dequantize_masked_kernel<bf16_t><<<grid, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), scales.data, ss,
+                                                          ue8m0, static_cast<bf16_t*>(out.data), masked_m, rows, H);
   else
-    dequantize_masked_kernel<float><<<grid, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), scales.data,
-                                                         scales.size(2), ue8m0, static_cast<float*>(out.data),
-                                                         masked_m, rows, H);
+    dequantize_masked_kernel<float><<<grid, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), scales.data, ss,
+                                                         ue8m0, static_cast<float*>(out.data), masked_m, rows, H);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -279,12 +280,12 @@ void dequantize_fp8_cuda(const TensorView& q, const TensorView& scales, const Te
     const auto blocks = static_cast<unsigned>(cuda_util::ceil_div(T * H, 256));
     if (out.dtype == DType::bf16)
       dequantize_scalar_kernel<bf16_t><<<blocks, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), q.stride(0),
-                                                              scales.data, scales.stride(0), ue8m0,
-                                                              static_cast<bf16_t*>(out.data), T, H);
+                                                              scales.data, scales.stride(0), scales.stride(1),
+                                                              ue8m0, static_cast<bf16_t*>(out.data), T, H);
     else
       dequantize_scalar_kernel<float><<<blocks, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), q.stride(0),
-                                                             scales.data, scales.stride(0), ue8m0,
-                                                             static_cast<float*>(out.data), T, H);
+                                                             scales.data, scales.stride(0), scales.stride(1),
+                                                             ue8m0, static_cast<float*>(out.data), T, H);
     EPMOE_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -292,10 +293,12 @@ void dequantize_fp8_cuda(const TensorView& q, const TensorView& scales, const Te
   const auto blocks = static_cast<unsigned>(cuda_util::ceil_div(threads, 256));
   if (out.dtype == DType::bf16)
     dequantize_kernel<bf16_t><<<blocks, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), q.stride(0), scales.data,
-                                                     scales.stride(0), ue8m0, static_cast<bf16_t*>(out.data), T, H);
+                                                     scales.stride(0), scales.stride(1), ue8m0,
+                                                     static_cast<bf16_t*>(out.data), T, H);
   else
     dequantize_kernel<float><<<blocks, 256, 0, s>>>(static_cast<const std::uint8_t*>(q.data), q.stride(0), scales.data,
-                                                    scales.stride(0), ue8m0, static_cast<float*>(out.data), T, H);
+                                                    scales.stride(0), scales.stride(1), ue8m0,
+                                                    static_cast<float*>(out.data), T, H);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

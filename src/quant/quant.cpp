@@ -3,6 +3,8 @@
 #include <epmoe/quant.hpp>
 
 #include <cmath>
+#include <memory>
+#include <optional>
 
 #include "quant/quant.hpp"
 
@@ -22,6 +24,13 @@ void check_matrix(const TensorView& t, std::string_view name, DType dtype, std::
   EPMOE_CHECK_ARG(cols <= 1 || t.stride(1) == 1, name, "unit stride in dimension 1", strides_of(t));
   EPMOE_CHECK_ARG(rows <= 1 || t.stride(0) >= cols, name, fmt::format("a row stride >= {}", cols), strides_of(t));
   EPMOE_CHECK_ARG(t.data != nullptr || rows * cols == 0, name, "a non-null data pointer", "nullptr");
+}
+
+// What each layout asks of the strides, for messages.
+std::string layout_rule(ScaleLayout layout, std::int64_t rows, std::int64_t cols) {
+  return layout == ScaleLayout::row_major
+             ? fmt::format("row-major scales (unit stride in dimension 1, a row stride >= {})", cols)
+             : fmt::format("column-major scales (unit stride in dimension 0, a column stride >= {})", rows);
 }
 
 void require_cpu(const TensorView& t, std::string_view name) {
@@ -58,6 +67,8 @@ void check_input(const TensorView& x, const Fp8Options& o, std::int64_t& T, std:
   check_matrix(x, "x", x.dtype, T, H);
   EPMOE_CHECK_ARG(!o.use_ue8m0 || o.round_scale, "options.use_ue8m0",
                   "round_scale = true (UE8M0 stores power-of-two scales only)", "round_scale = false");
+  EPMOE_CHECK_ARG(o.scale_layout == ScaleLayout::row_major || o.scale_layout == ScaleLayout::column_major,
+                  "options.scale_layout", "row_major or column_major", static_cast<int>(o.scale_layout));
 }
 
 DType scale_dtype(const Fp8Options& o) { return o.use_ue8m0 ? DType::int32 : DType::fp32; }
@@ -67,13 +78,33 @@ std::int64_t scale_cols(std::int64_t H, const Fp8Options& o) {
 
 }  // namespace
 
+namespace quant_detail {
+
+void check_scales(const TensorView& t, std::string_view name, DType dtype, std::int64_t rows, std::int64_t cols,
+                  std::optional<ScaleLayout> layout) {
+  EPMOE_CHECK_ARG(t.defined(), name, fmt::format("{}[{}, {}]", dtype_name(dtype), rows, cols), "None");
+  EPMOE_CHECK_ARG(t.dtype == dtype && t.ndim() == 2 && t.size(0) == rows && t.size(1) == cols, name,
+                  fmt::format("{}[{}, {}]", dtype_name(dtype), rows, cols), describe(t));
+  if (layout)
+    EPMOE_CHECK_ARG(scales_have_layout(t, *layout), name, layout_rule(*layout, rows, cols), strides_of(t));
+  else
+    EPMOE_CHECK_ARG(scales_have_layout(t, ScaleLayout::row_major) || scales_have_layout(t, ScaleLayout::column_major),
+                    name,
+                    fmt::format("{} or {}", layout_rule(ScaleLayout::row_major, rows, cols),
+                                layout_rule(ScaleLayout::column_major, rows, cols)),
+                    strides_of(t));
+  EPMOE_CHECK_ARG(t.data != nullptr || rows * cols == 0, name, "a non-null data pointer", "nullptr");
+}
+
+}  // namespace quant_detail
+
 Fp8Tensor quantize_fp8(const TensorView& x, const Fp8Options& options) {
   std::int64_t T = 0, H = 0;
   check_input(x, options, T, H);
   require_cpu(x, "x");
   Fp8Tensor out;
   out.data = Tensor::empty(DType::fp8_e4m3, {T, H}, x.device);
-  out.scales = Tensor::empty(scale_dtype(options), {T, scale_cols(H, options)}, x.device);
+  out.scales = empty_fp8_scales(scale_dtype(options), {T, scale_cols(H, options)}, options.scale_layout, x.device);
   quant_detail::QuantizeProblem p{x, out.data.view(), out.scales.view(), T, H, options};
   run_quantize(p);
   return out;
@@ -83,7 +114,7 @@ void quantize_fp8_into(const TensorView& x, const TensorView& q, const TensorVie
   std::int64_t T = 0, H = 0;
   check_input(x, options, T, H);
   check_matrix(q, "q", DType::fp8_e4m3, T, H);
-  check_matrix(scales, "scales", scale_dtype(options), T, scale_cols(H, options));
+  quant_detail::check_scales(scales, "scales", scale_dtype(options), T, scale_cols(H, options), options.scale_layout);
   EPMOE_CHECK_ARG(q.device == x.device, "q", fmt::format("a tensor on x's device {}", to_string(x.device)),
                   to_string(q.device));
   EPMOE_CHECK_ARG(scales.device == x.device, "scales", fmt::format("a tensor on x's device {}", to_string(x.device)),
@@ -102,7 +133,7 @@ Tensor dequantize_fp8(const TensorView& q, const TensorView& scales, DType out_d
                   fmt::format("float32[{}, {}] or UE8M0 int32[{}, {}]", T, num_scale_groups(H), T, num_ue8m0_words(H)),
                   describe(scales));
   const bool ue8m0 = scales.dtype == DType::int32;
-  check_matrix(scales, "scales", scales.dtype, T, ue8m0 ? num_ue8m0_words(H) : num_scale_groups(H));
+  quant_detail::check_scales(scales, "scales", scales.dtype, T, ue8m0 ? num_ue8m0_words(H) : num_scale_groups(H), std::nullopt);
   EPMOE_CHECK_ARG(out_dtype == DType::bf16 || out_dtype == DType::fp32, "out_dtype", "bfloat16 or float32",
                   dtype_name(out_dtype));
   EPMOE_CHECK_ARG(scales.device == q.device, "scales", fmt::format("a tensor on q's device {}", to_string(q.device)),
@@ -111,6 +142,31 @@ Tensor dequantize_fp8(const TensorView& q, const TensorView& scales, DType out_d
   Tensor out = Tensor::empty(out_dtype, {T, H}, q.device);
   run_dequantize(q, scales, out.view());
   return out;
+}
+
+const char* scale_layout_name(ScaleLayout layout) {
+  return layout == ScaleLayout::column_major ? "column_major" : "row_major";
+}
+
+bool scales_have_layout(const TensorView& t, ScaleLayout layout) {
+  if (t.ndim() != 2) return false;
+  const std::int64_t rows = t.size(0), cols = t.size(1);
+  if (rows == 0 || cols == 0) return true;
+  if (layout == ScaleLayout::row_major) return (cols <= 1 || t.stride(1) == 1) && (rows <= 1 || t.stride(0) >= cols);
+  return (rows <= 1 || t.stride(0) == 1) && (cols <= 1 || t.stride(1) >= rows);
+}
+
+Tensor empty_fp8_scales(DType dtype, Shape shape, ScaleLayout layout, Device device) {
+  EPMOE_CHECK_ARG(dtype == DType::fp32 || dtype == DType::int32, "dtype", "float32 or int32 (UE8M0)", dtype_name(dtype));
+  const int n = shape.ndim();
+  EPMOE_CHECK_ARG((n == 2 || n == 3) && shape[0] >= 0 && shape[1] >= 0 && (n == 2 || shape[2] >= 0), "shape",
+                  "[rows, cols] or [batch, rows, cols]", to_string(shape));
+  if (layout == ScaleLayout::row_major) return Tensor::empty(dtype, shape, device);
+  const std::int64_t batch = n == 3 ? shape[0] : 1, rows = shape[n - 2], cols = shape[n - 1];
+  const std::int64_t padded = tma_aligned_scale_rows(rows);
+  auto storage = std::make_shared<Tensor>(Tensor::empty(dtype, {batch * cols * padded}, device));
+  const Shape strides = n == 3 ? Shape{cols * padded, 1, padded} : Shape{1, padded};
+  return Tensor::wrap(TensorView(storage->data(), dtype, shape, strides, device), storage);
 }
 
 float fp8_group_scale(float amax, bool round_scale) {

@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 namespace epmoe::quant_detail {
 
@@ -36,17 +38,24 @@ inline GroupScale group_scale(float amax, bool round_scale) {
   return {scale, 1.0f / scale, e};
 }
 
-/// Validated quantization problem: x [T, H] bf16/fp32, q [T, H] fp8, scales float32 [T, G] or int32
-/// [T, W] (UE8M0); each with unit stride in dimension 1 and any row stride >= its width.
+/// Validated quantization problem: x [T, H] bf16/fp32 and q [T, H] fp8 with unit stride in dimension 1 and any
+/// row stride >= H; scales float32 [T, G] or int32 [T, W] (UE8M0), row- or column-major (scales_have_layout): the
+/// kernels address element [t, c] as t * stride(0) + c * stride(1).
 struct QuantizeProblem {
   TensorView x, q, scales;
   std::int64_t num_tokens = 0, hidden = 0;
   Fp8Options options;
 };
 
+/// Scales [rows, cols] of `dtype` in `layout` (scales_have_layout), or in either layout when `layout` is empty, with
+/// data. The one rule and message for every argument holding scales (the quantizer's, normal dispatch's x_scales).
+/// Errors: invalid_argument naming `name`, the expected shape or layout and the actual one.
+void check_scales(const TensorView& t, std::string_view name, DType dtype, std::int64_t rows, std::int64_t cols,
+                  std::optional<ScaleLayout> layout);
+
 void quantize_fp8_cpu(const QuantizeProblem& p);
 
-/// q [T, H] fp8, scales float32 [T, G] or int32 [T, W]; out [T, H] bf16/fp32, contiguous.
+/// q [T, H] fp8, scales float32 [T, G] or int32 [T, W] (row- or column-major); out [T, H] bf16/fp32, contiguous.
 void dequantize_fp8_cpu(const TensorView& q, const TensorView& scales, const TensorView& out);
 
 // ---- CUDA (asynchronous on `stream`; bit-identical to the CPU) ------------------------------------------
@@ -58,10 +67,11 @@ void dequantize_fp8_cpu(const TensorView& q, const TensorView& scales, const Ten
 /// forces that many rows' scale words per warp (0: chosen by size; the benchmark compares them).
 void quantize_fp8_cuda(const QuantizeProblem& p, Stream stream, bool hardware_convert = true, int tasks_per_warp = 0);
 
-/// q [T, H] fp8, scales float32 [T, G] or int32 [T, W]; out [T, H] bf16/fp32, contiguous.
+/// q [T, H] fp8, scales float32 [T, G] or int32 [T, W] (row- or column-major); out [T, H] bf16/fp32, contiguous.
 void dequantize_fp8_cuda(const TensorView& q, const TensorView& scales, const TensorView& out, Stream stream);
 
-/// Slabs (the low-latency layout): q [E, rows, H] fp8, scales [E, rows, G or W], out [E, rows, H], contiguous;
+/// Slabs (the low-latency layout): q [E, rows, H] fp8 and out [E, rows, H] contiguous, scales [E, rows, G or W]
+/// row-major or column-major per slab (the low-latency dispatch's, DeepEP's layout: strides {C * R', 1, R'});
 /// only slab e's first masked_m[e] rows (device int32 [E], clamped to [0, rows]) are written: the others are
 /// never read by a masked (batched) consumer. Rows that are not 16-byte vectors fall back to every row.
 void dequantize_fp8_masked_cuda(const TensorView& q, const TensorView& scales, const TensorView& out,

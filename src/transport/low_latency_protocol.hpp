@@ -47,6 +47,9 @@ struct TokenMeta {
 struct Layout {
   int tmax = 0, num_ranks = 0, num_experts = 0, local_experts = 0;
   std::int64_t hidden = 0, groups = 0;
+  /// Column stride (elements) of one expert's scales, which are column-major as DeepEP's: tma_aligned_scale_rows(R *
+  /// tmax); scale [e][row][c] (c a float32 group or a UE8M0 word) is element (e * C + c) * scale_rows + row.
+  std::int64_t scale_rows = 0;
   std::size_t record_bytes = 0;  // payload of one dispatched token (bf16 row, or fp8 row + scales)
   std::size_t meta_bytes = 0;    // TokenMeta of one dispatched token
   std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0;  // offsets

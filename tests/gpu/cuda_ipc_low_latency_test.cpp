@@ -133,6 +133,12 @@ void keep_dispatch(std::map<std::string, Tensor>& o, const std::string& p, const
   };
   valid_rows(d.packed_recv_x, "packed_recv_x");
   valid_rows(d.packed_recv_x_scales, "packed_recv_x_scales");
+  if (d.packed_recv_x_scales.defined()) {
+    // DeepEP's layout: a transposed [E_local, C, M] allocation, M = R*Tmax rounded up to a multiple of 4.
+    const std::int64_t rows = d.packed_recv_x_scales.size(1), C = d.packed_recv_x_scales.size(2);
+    const std::int64_t m = (rows + 3) / 4 * 4;
+    EXPECT_EQ(d.packed_recv_x_scales.strides, (Shape{C * m, 1, m})) << p << to_string(d.packed_recv_x_scales.strides);
+  }
   valid_rows(d.handle.src_info, "src_info");
 }
 
@@ -283,6 +289,14 @@ TEST(GpuCudaIpcLowLatency, ZeroTokensAllMinusOneOneExpertAndTmax) {
   check_case({.all_minus_one_rank = 0});
   check_case({.p_minus_one = 0.0, .only_expert = 31});  // every token to one expert, on the last rank
   check_case({.T = {64, 64}, .fp8 = true});
+}
+
+// R*Tmax not a multiple of 4 (odd Tmax): the scales' columns are padded to 4 rows (DeepGEMM's TMA alignment), the
+// strides checked in keep_dispatch, the values against the threads backend.
+TEST(GpuCudaIpcLowLatency, Fp8ScalesColumnMajorWithPaddedColumns) {
+  for (int mode = 0; mode < 3; ++mode)
+    check_case({.T = {5, 3}, .H = 2880, .E = 16, .tmax = 5, .fp8 = true, .round_scale = mode >= 1, .ue8m0 = mode == 2,
+                .calls = 2});
 }
 
 TEST(GpuCudaIpcLowLatency, TopK1And8And16) {

@@ -3,7 +3,7 @@
 // process, thread rank r on cuda:r, peer access; EPMOE_TEST_RANKS caps the count); recv_x, scales, local
 // ids, weights, the expert counts, every field of the handle, cached dispatch, combined_x and
 // combined_topk_weights must be identical. Skipped with fewer than 2 GPUs. Covers T in {1, 128, 4096} (different T on each rank), H in {2048, 2880, 7168},
-// bf16 and fp8 with float32 or UE8M0 scales, int32 ids, a zero-token rank, all ids -1, one expert
+// bf16 and fp8 with float32 or UE8M0 scales (row- or column-major), int32 ids, a zero-token rank, all ids -1, one expert
 // taking every token, num_worst_tokens, expert_alignment, async_finish, biases, bad arguments.
 #include <gtest/gtest.h>
 
@@ -111,6 +111,9 @@ struct Case {
   /// copy-engine or SM-store path, as copy_engine and ce_min_rows say).
   int recv_slots = 2;
   bool combine_sm_push = false;  ///< BufferOptions::combine_sm_push (the copy-engine combine's pushes by SM stores)
+  /// How the cuda_ipc run passes x_scales (the threads reference passes them row-major): column-major is
+  /// DeepGEMM's TMA-aligned layout, read by the kernels through its strides.
+  ScaleLayout scale_layout = ScaleLayout::row_major;
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E
@@ -119,7 +122,7 @@ struct Case {
        << " worst=" << worst << " align=" << alignment << (cached ? " cached" : "") << (async ? " async" : "")
        << (copy_engine ? " copy-engine" : " sm-stores") << " chunks=" << chunks << " ce_min_rows=" << ce_min_rows
        << (olmoe ? " olmoe routing" : "") << " recv_slots=" << recv_slots
-       << (combine_sm_push ? " combine sm push" : "");
+       << (combine_sm_push ? " combine sm push" : "") << " scales " << scale_layout_name(scale_layout);
     return os.str();
   }
 };
@@ -220,7 +223,16 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
     }
     Buffer buf(borrow(g), opts);
     auto put = [&](const Tensor& t) -> Tensor { return gpu && t.defined() ? to_gpu(t, r) : t; };
-    const Tensor x = put(i.x), scales = put(i.scales), idx = put(i.idx), w = put(i.w);
+    // The cuda_ipc run's scales in the case's layout: the whole column-major storage (padding included) copied.
+    auto put_scales = [&](const Tensor& t) -> Tensor {
+      if (!gpu || !t.defined() || c.scale_layout == ScaleLayout::row_major) return put(t);
+      const Tensor h = test::scales_in_layout(t, c.scale_layout);
+      const Tensor d = empty_fp8_scales(t.dtype(), t.shape(), c.scale_layout, Device::cuda(r));
+      const std::size_t span = static_cast<std::size_t>(t.size(1) * tma_aligned_scale_rows(t.size(0))) * 4;
+      if (span > 0) cuda_ok(cudaMemcpy(d.data(), h.data(), span, cudaMemcpyHostToDevice), "H2D scales");
+      return d;
+    };
+    const Tensor x = put(i.x), scales = put_scales(i.scales), idx = put(i.idx), w = put(i.w);
     const DispatchLayout layout = buf.get_dispatch_layout(idx, c.E);
     DispatchArgs a = make_dispatch_args(layout, x, idx, w);
     if (scales.defined()) a.x_scales = scales;
@@ -242,7 +254,7 @@ std::vector<RankOut> run(const Case& c, const std::vector<RankIn>& in, std::vect
     o.rows = h.num_recv_rows;
 
     if (c.cached) {
-      const Tensor x2 = put(i.x2), s2 = put(i.scales2);
+      const Tensor x2 = put(i.x2), s2 = put_scales(i.scales2);
       DispatchArgs b;
       b.x = x2;
       if (s2.defined()) b.x_scales = s2;
@@ -335,6 +347,28 @@ TEST(GpuCudaIpcNormal, Fp8WithFloatAndUe8m0ScalesMatches) {
       c.H = H;
       c.T = {gputest::quick() ? 128 : 4096, 100};
       check_case(c);
+    }
+}
+
+// x_scales column-major (DeepGEMM's TMA-aligned layout, T not a multiple of 4) on every send path: zero-copy
+// slots, copy-engine gather, SM stores, num_worst_tokens, cached. Received row-major, the threads backend's bits for
+// row-major scales.
+TEST(GpuCudaIpcNormal, Fp8ColumnMajorScalesMatchRowMajor) {
+  REQUIRE_TWO_GPUS();
+  for (bool ue8m0 : {false, true})
+    for (int path = 0; path < 4; ++path) {
+      Case c;
+      c.fp8 = true;
+      c.ue8m0 = ue8m0;
+      c.H = ue8m0 ? 7168 : 2880;
+      c.T = {gputest::quick() ? 131 : 1027, 37};
+      c.scale_layout = ScaleLayout::column_major;
+      c.recv_slots = path == 0 ? 2 : 0;
+      c.copy_engine = path != 2;
+      c.worst = path == 3 ? static_cast<int>(c.T[0] + c.T[1] + 5) : 0;  // every row of both ranks fits
+      c.cached = path == 1;
+      check_case(c);
+      if (HasFailure()) return;
     }
 }
 

@@ -61,8 +61,11 @@ Tensor to_host(const TensorView& dev) {
 void poison(const TensorView& dev) {
   if (!dev.defined() || dev.numel() == 0) return;
   std::size_t bytes = dev.nbytes();
-  if (!dev.is_contiguous() && dev.ndim() >= 1)
-    bytes = static_cast<std::size_t>(dev.stride(0)) * dtype_size(dev.dtype) * static_cast<std::size_t>(dev.size(0));
+  if (!dev.is_contiguous()) {  // every element the view spans (non-negative strides), the gaps between them too
+    std::int64_t span = 1;
+    for (int i = 0; i < dev.ndim(); ++i) span += (dev.size(i) - 1) * dev.stride(i);
+    bytes = static_cast<std::size_t>(span) * dtype_size(dev.dtype);
+  }
   check(cudaMemset(dev.data, 0xff, bytes), "cudaMemset");
 }
 
@@ -162,11 +165,35 @@ Tensor to_cpu(const TensorView& v) {
   if (!v.defined()) return {};
   Tensor h = Tensor::empty(v.dtype, v.shape);
   if (v.numel() == 0) return h;
+  if (v.is_contiguous()) {
+    if (v.device.is_cuda()) {
+      cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+    } else {
+      std::memcpy(h.data(), v.data, v.nbytes());
+    }
+    return h;
+  }
+  // The elements the view spans (its strides are non-negative), copied whole, then gathered row-major.
+  std::int64_t span = 1;
+  for (int i = 0; i < v.ndim(); ++i) span += (v.size(i) - 1) * v.stride(i);
+  const std::size_t es = dtype_size(v.dtype);
+  std::vector<char> raw(static_cast<std::size_t>(span) * es);
   if (v.device.is_cuda()) {
     cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    cuda_ok(cudaMemcpy(h.data(), v.data, v.nbytes(), cudaMemcpyDeviceToHost), "D2H");
+    cuda_ok(cudaMemcpy(raw.data(), v.data, raw.size(), cudaMemcpyDeviceToHost), "D2H");
   } else {
-    std::memcpy(h.data(), v.data, v.nbytes());
+    std::memcpy(raw.data(), v.data, raw.size());
+  }
+  const Shape steps = v.shape.contiguous_strides();
+  auto* out = static_cast<char*>(h.data());
+  for (std::int64_t i = 0; i < v.numel(); ++i) {
+    std::int64_t off = 0, rest = i;
+    for (int d = 0; d < v.ndim(); ++d) {
+      off += rest / steps[d] * v.stride(d);
+      rest %= steps[d];
+    }
+    std::memcpy(out + static_cast<std::size_t>(i) * es, raw.data() + static_cast<std::size_t>(off) * es, es);
   }
   return h;
 }

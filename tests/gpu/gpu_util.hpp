@@ -30,7 +30,8 @@ inline Device gpu() { return Device::cuda(0); }
 Tensor to_device(const TensorView& host);
 /// A contiguous host copy of a device tensor; rows may be strided (row stride of dimension 0).
 Tensor to_host(const TensorView& device);
-/// Fills device memory with 0xff bytes (every element of every dtype becomes -1 / NaN / 0xff).
+/// Fills the device memory a view spans (any non-negative strides) with 0xff bytes (every element of every dtype
+/// becomes -1 / NaN / 0xff).
 void poison(const TensorView& device);
 /// Waits for the legacy default stream and checks no kernel failed.
 void sync_ok();
@@ -52,7 +53,8 @@ void cuda_ok(cudaError_t e, const char* what);
 std::shared_ptr<Group> borrow(Group& g);
 /// Copy of a contiguous host view on cuda:device (undefined stays undefined).
 Tensor to_gpu(const TensorView& host, int device);
-/// Host copy of a contiguous view: a device one after the whole device is idle (undefined stays undefined).
+/// Row-major host copy of a view of any non-negative strides (e.g. the column-major low-latency scales): a device one
+/// after the whole device is idle (undefined stays undefined).
 Tensor to_cpu(const TensorView& v);
 
 /// Visible CUDA devices (0 when the runtime finds none).

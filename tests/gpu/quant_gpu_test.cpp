@@ -126,6 +126,48 @@ TEST(GpuQuant, QuantizeAndDequantizeMatchCpuBitForBit) {
       }
 }
 
+// Column-major scales (DeepGEMM's TMA-aligned layout: strides {1, T rounded up to 4}) from the CUDA quantizer hold
+// the CPU row-major path's values bit for bit, from every kernel shape; the codes are unchanged; dequantizing from
+// them gives the CPU's bits. T = 0, 1 and non-multiples of 4; H = 2048, 2880 (a partial group), 4096, 7168.
+TEST(GpuQuant, ColumnMajorScalesMatchCpuRowMajorBitForBit) {
+  std::mt19937_64 rng(test::fresh_seed());
+  for (std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{4096}, std::int64_t{7168}})
+    for (std::int64_t T : {std::int64_t{0}, std::int64_t{1}, std::int64_t{3}, std::int64_t{5}, std::int64_t{130},
+                           std::int64_t{1027}})
+      for (DType dtype : {DType::bf16, DType::fp32}) {
+        if (dtype == DType::fp32 && H != 2880) continue;
+        const Tensor x = make_input(rng, T, H, dtype);
+        const Tensor x_dev = to_device(x);
+        for (const Mode& m : kModes) {
+          const std::string what = "T=" + std::to_string(T) + " H=" + std::to_string(H) + " " +
+                                   std::string(dtype_name(dtype)) + " round_scale=" + std::to_string(m.round_scale) +
+                                   " ue8m0=" + std::to_string(m.ue8m0);
+          Fp8Options row{m.round_scale, m.ue8m0};
+          Fp8Options col = row;
+          col.scale_layout = ScaleLayout::column_major;
+          const Fp8Tensor want = quantize_fp8(x, row);  // CPU, row-major
+          const std::int64_t S = want.scales.size(1), pitch = (T + 3) / 4 * 4;
+          const Fp8Tensor got = quantize_fp8(x_dev, col);
+          ASSERT_EQ(got.scales.view().strides, (Shape{1, pitch})) << what;
+          EXPECT_TRUE(same_bits(want.data, to_host(got.data))) << what << " q";
+          EXPECT_TRUE(same_bits(want.scales, gputest::to_cpu(got.scales))) << what << " scales";
+          for (DType out : {DType::bf16, DType::fp32})
+            EXPECT_TRUE(same_bits(dequantize_fp8(want.data, want.scales, out),
+                                  to_host(dequantize_fp8(got.data, got.scales, out))))
+                << what << " dequantize to " << dtype_name(out);
+          // Both kernel shapes and the software conversion, into poisoned column-major scales.
+          Tensor q = Tensor::empty(DType::fp8_e4m3, {T, H}, gputest::gpu());
+          const Tensor s = empty_fp8_scales(want.scales.dtype(), {T, S}, ScaleLayout::column_major, gputest::gpu());
+          for (int variant = 0; variant < 3; ++variant) {
+            gputest::poison(s);
+            quant_detail::quantize_fp8_cuda({x_dev, q, s, T, H, col}, Stream{}, variant != 0, variant == 2 ? 4 : 1);
+            EXPECT_TRUE(same_bits(want.scales, gputest::to_cpu(s))) << what << " variant " << variant;
+          }
+          if (HasFailure()) return;
+        }
+      }
+}
+
 // Every float of the sweep (|x| <= 448 or NaN) in groups whose maximum is exactly 448: scale 1, so
 // q = e4m3(x) directly. CPU, the hardware conversion and the software one must agree everywhere.
 TEST(GpuQuant, E4m3ConversionSweepHardwareSoftwareAndCpuAgree) {
@@ -190,41 +232,54 @@ TEST(GpuQuant, DequantizeArbitraryCodesAndScales) {
 }
 
 // The low-latency slabs: only each slab's first masked_m[e] rows are dequantized (the CPU's bits); the other rows
-// keep the poison they were given. Counts of 0, of every row, past the rows (clamped) and negative (none).
+// keep the poison they were given. Counts of 0, of every row, past the rows (clamped) and negative (none); scales
+// row-major and column-major per slab (the low-latency dispatch's layout).
 TEST(GpuQuant, MaskedSlabDequantizeWritesTheCountedRowsOnly) {
   std::mt19937_64 rng(test::fresh_seed());
   for (std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}})
-    for (bool ue8m0 : {false, true}) {
-      const std::int64_t E = 6, rows = 13, G = num_scale_groups(H);
-      const Tensor x = make_input(rng, E * rows, H, DType::bf16);
-      const Fp8Tensor q = quantize_fp8(x, {ue8m0, ue8m0});
-      const Tensor want = dequantize_fp8(q.data, q.scales, DType::bf16);  // [E * rows, H]
-      const std::int32_t counts[E] = {0, 1, 7, 13, 40, -3};
-      Tensor m = Tensor::empty(DType::int32, {E});
-      for (std::int64_t e = 0; e < E; ++e) m.ptr<std::int32_t>()[e] = counts[e];
-      const Tensor q_dev = to_device(TensorView(q.data.data(), q.data.dtype(), {E, rows, H}, Device::cpu()));
-      const Tensor s_dev = to_device(
-          TensorView(q.scales.data(), q.scales.dtype(), {E, rows, ue8m0 ? num_ue8m0_words(H) : G}, Device::cpu()));
-      const Tensor m_dev = to_device(m);
-      Tensor out = to_device(Tensor::empty(DType::bf16, {E, rows, H}));
-      gputest::poison(out);
-      quant_detail::dequantize_fp8_masked_cuda(q_dev, s_dev, out, m_dev.ptr<std::int32_t>(), Stream{});
-      gputest::sync_ok();
-      const Tensor got = to_host(out);
-      for (std::int64_t e = 0; e < E; ++e) {
-        const std::int64_t n = std::max<std::int64_t>(0, std::min<std::int64_t>(counts[e], rows));
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::size_t bytes = static_cast<std::size_t>(H) * 2;
-          const auto* g = static_cast<const char*>(got.data()) + ((e * rows + r) * H) * 2;
-          const auto* w = static_cast<const char*>(want.data()) + ((e * rows + r) * H) * 2;
-          if (r < n)
-            EXPECT_EQ(std::memcmp(g, w, bytes), 0) << "H=" << H << " ue8m0=" << ue8m0 << " slab " << e << " row " << r;
-          else
-            EXPECT_NE(std::memcmp(g, w, bytes), 0)
-                << "H=" << H << " ue8m0=" << ue8m0 << " slab " << e << " row " << r << " past the count was written";
+    for (bool ue8m0 : {false, true})
+      for (ScaleLayout layout : {ScaleLayout::row_major, ScaleLayout::column_major}) {
+        const std::int64_t E = 6, rows = 13, G = num_scale_groups(H);
+        const Tensor x = make_input(rng, E * rows, H, DType::bf16);
+        const Fp8Tensor q = quantize_fp8(x, {ue8m0, ue8m0});
+        const Tensor want = dequantize_fp8(q.data, q.scales, DType::bf16);  // [E * rows, H]
+        const std::int32_t counts[E] = {0, 1, 7, 13, 40, -3};
+        Tensor m = Tensor::empty(DType::int32, {E});
+        for (std::int64_t e = 0; e < E; ++e) m.ptr<std::int32_t>()[e] = counts[e];
+        const Tensor q_dev = to_device(TensorView(q.data.data(), q.data.dtype(), {E, rows, H}, Device::cpu()));
+        // The slabs' scales as the low-latency dispatch returns them (column-major: {C * 16, 1, 16}) or row-major.
+        const std::int64_t C = ue8m0 ? num_ue8m0_words(H) : G;
+        const Tensor s_host = empty_fp8_scales(q.scales.dtype(), {E, rows, C}, layout);
+        const TensorView& sv = s_host.view();
+        for (std::int64_t e = 0; e < E; ++e)
+          for (std::int64_t r = 0; r < rows; ++r)
+            for (std::int64_t c = 0; c < C; ++c)
+              static_cast<std::uint32_t*>(s_host.data())[e * sv.stride(0) + r * sv.stride(1) + c * sv.stride(2)] =
+                  static_cast<const std::uint32_t*>(q.scales.data())[(e * rows + r) * C + c];
+        const Tensor s_dev = empty_fp8_scales(q.scales.dtype(), {E, rows, C}, layout, gputest::gpu());
+        const std::size_t span = static_cast<std::size_t>(E * sv.stride(0)) * 4;
+        GPU_CHECK(cudaMemcpy(s_dev.data(), s_host.data(), span, cudaMemcpyHostToDevice));
+        const Tensor m_dev = to_device(m);
+        Tensor out = to_device(Tensor::empty(DType::bf16, {E, rows, H}));
+        gputest::poison(out);
+        quant_detail::dequantize_fp8_masked_cuda(q_dev, s_dev, out, m_dev.ptr<std::int32_t>(), Stream{});
+        gputest::sync_ok();
+        const Tensor got = to_host(out);
+        for (std::int64_t e = 0; e < E; ++e) {
+          const std::int64_t n = std::max<std::int64_t>(0, std::min<std::int64_t>(counts[e], rows));
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const std::size_t bytes = static_cast<std::size_t>(H) * 2;
+            const auto* g = static_cast<const char*>(got.data()) + ((e * rows + r) * H) * 2;
+            const auto* w = static_cast<const char*>(want.data()) + ((e * rows + r) * H) * 2;
+            if (r < n)
+              EXPECT_EQ(std::memcmp(g, w, bytes), 0) << "H=" << H << " ue8m0=" << ue8m0 << " "
+                                                     << scale_layout_name(layout) << " slab " << e << " row " << r;
+            else
+              EXPECT_NE(std::memcmp(g, w, bytes), 0)
+                  << "H=" << H << " ue8m0=" << ue8m0 << " slab " << e << " row " << r << " past the count was written";
+          }
         }
       }
-    }
 }
 
 TEST(GpuQuant, MisalignedRowsAreRejectedOnCuda) {

@@ -36,6 +36,8 @@ struct NormalCase {
   bool bias = false;
   bool combine_weights = false;
   bool cached = false;
+  /// This process passes column-major x_scales (the threads reference row-major ones): the same bytes must arrive.
+  bool column_major_scales = false;
 };
 
 struct RankInput {
@@ -159,7 +161,9 @@ void run_case(const NormalCase& c) {
   });
 
   Buffer buffer(test_group());
-  const RankRun got = run_rank(buffer, inputs[static_cast<std::size_t>(me)], seed, c);
+  RankInput mine = inputs[static_cast<std::size_t>(me)];
+  if (c.column_major_scales) mine.x_scales = scales_in_layout(mine.x_scales, ScaleLayout::column_major);
+  const RankRun got = run_rank(buffer, mine, seed, c);
   const RankRun& want = threads[static_cast<std::size_t>(me)];
   {
     SCOPED_TRACE("dispatch");
@@ -184,6 +188,13 @@ TEST(MpiNormalMode, Fp8WithFloatScalesMatchesTheThreadsBackend) {
 
 TEST(MpiNormalMode, Fp8WithUe8m0ScalesAndPartialScaleGroupMatchesTheThreadsBackend) {
   run_case({.name = "fp8 ue8m0, H = 2880", .K = 8, .H = 2880, .fp8 = true, .ue8m0 = true});
+}
+
+TEST(MpiNormalMode, Fp8WithColumnMajorScalesMatchesTheThreadsBackend) {
+  run_case({.name = "fp8 column-major float32 scales", .H = 2880, .fp8 = true, .cached = true,
+            .column_major_scales = true});
+  run_case({.name = "fp8 column-major ue8m0 scales", .H = 2048, .fp8 = true, .ue8m0 = true,
+            .zero_token_rank = world_size() - 1, .column_major_scales = true});
 }
 
 TEST(MpiNormalMode, ZeroTokenRankBiasesAlignmentAndInt32IdsMatchTheThreadsBackend) {

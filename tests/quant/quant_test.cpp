@@ -56,7 +56,8 @@ std::uint32_t bits_of(float f) {
   return u;
 }
 
-// Compares q [T, H] and scales with the reference; q / scales may have row strides.
+// Compares q [T, H] and scales with the reference; q may have a row stride, scales any strides (row- or
+// column-major: element [t, c] at t * stride(0) + c * stride(1)).
 void expect_equal_to_reference(const TensorView& q, const TensorView& scales, const test::RefFp8& ref, bool ue8m0) {
   for (std::int64_t t = 0; t < ref.T; ++t) {
     const auto* qr = static_cast<const std::uint8_t*>(q.data) + t * q.stride(0);
@@ -65,12 +66,12 @@ void expect_equal_to_reference(const TensorView& q, const TensorView& scales, co
     if (ue8m0) {
       const auto* w = static_cast<const std::uint32_t*>(scales.data) + t * scales.stride(0);
       for (std::int64_t j = 0; j < ref.W; ++j)
-        ASSERT_EQ(w[j], ref.words[static_cast<std::size_t>(t * ref.W + j)]) << "token " << t << " word " << j;
+        ASSERT_EQ(w[j * scales.stride(1)], ref.words[static_cast<std::size_t>(t * ref.W + j)]) << "token " << t << " word " << j;
     } else {
       const auto* s = static_cast<const float*>(scales.data) + t * scales.stride(0);
       for (std::int64_t g = 0; g < ref.G; ++g)
-        ASSERT_EQ(bits_of(s[g]), bits_of(ref.scales[static_cast<std::size_t>(t * ref.G + g)]))
-            << "token " << t << " group " << g << ": " << s[g] << " vs "
+        ASSERT_EQ(bits_of(s[g * scales.stride(1)]), bits_of(ref.scales[static_cast<std::size_t>(t * ref.G + g)]))
+            << "token " << t << " group " << g << ": " << s[g * scales.stride(1)] << " vs "
             << ref.scales[static_cast<std::size_t>(t * ref.G + g)];
     }
   }
@@ -221,6 +222,88 @@ TEST(QuantizeFp8, EmptyBatchAndInputUntouched) {
   std::vector<std::uint16_t> before(x.ptr<std::int16_t>(), x.ptr<std::int16_t>() + 3 * 384);
   (void)quantize_fp8(x);
   EXPECT_EQ(std::memcmp(before.data(), x.data(), x.nbytes()), 0);
+}
+
+// ---------------------------------------------------------------- scale layouts
+
+// Column-major scales (DeepGEMM's TMA-aligned layout): strides {1, T rounded up to 4}, the same values as the
+// reference (and so as row-major), for T = 0, 1, non-multiples of 4 and H with a partial last group.
+TEST(QuantizeFp8, ColumnMajorScalesHoldTheRowMajorValues) {
+  std::mt19937_64 rng(test::fresh_seed());
+  for (std::int64_t H : {2048, 2880, 4096, 7168, 144}) {
+    for (std::int64_t T : {0, 1, 2, 3, 4, 5, 13}) {
+      const Input in = random_input(rng, DType::bf16, T, H);
+      for (const Mode& m : kModes) {
+        SCOPED_TRACE(std::string(m.name) + " H=" + std::to_string(H) + " T=" + std::to_string(T));
+        Fp8Options o = m.options;
+        o.scale_layout = ScaleLayout::column_major;
+        const Fp8Tensor col = quantize_fp8(in.x, o);
+        const Fp8Tensor row = quantize_fp8(in.x, m.options);
+        const std::int64_t C = m.options.use_ue8m0 ? (num_scale_groups(H) + 3) / 4 : (H + 127) / 128;
+        const std::int64_t pitch = (T + 3) / 4 * 4;  // 16 bytes of 4-byte scales
+        ASSERT_EQ(col.scales.shape(), (Shape{T, C}));
+        ASSERT_EQ(col.scales.view().strides, (Shape{1, pitch}));
+        EXPECT_TRUE(scales_have_layout(col.scales, ScaleLayout::column_major));
+        ASSERT_EQ(std::memcmp(col.data.data(), row.data.data(), col.data.nbytes()), 0);
+        const auto ref = test::ref_quantize_fp8(in.vals, T, H, m.options.round_scale, m.options.use_ue8m0);
+        expect_equal_to_reference(col.data, col.scales, ref, m.options.use_ue8m0);
+        // Dequantizing reads the layout from the strides: the same bits from either.
+        const Tensor dc = dequantize_fp8(col.data, col.scales, DType::fp32);
+        const Tensor dr = dequantize_fp8(row.data, row.scales, DType::fp32);
+        ASSERT_EQ(std::memcmp(dc.data(), dr.data(), dr.nbytes()), 0);
+      }
+    }
+  }
+}
+
+// quantize_fp8_into with caller-provided column-major scales of a wider column stride: the values land at
+// [t * 1 + c * stride], the gaps stay untouched.
+TEST(QuantizeFp8, IntoColumnMajorScalesOfAWiderColumnStride) {
+  std::mt19937_64 rng(test::fresh_seed());
+  const std::int64_t T = 7, H = 2880, G = 23, W = 6, pitch = 11;
+  const Input in = random_input(rng, DType::fp32, T, H);
+  for (const Mode& m : kModes) {
+    SCOPED_TRACE(m.name);
+    const std::int64_t C = m.options.use_ue8m0 ? W : G;
+    std::vector<std::uint32_t> sbuf(static_cast<std::size_t>(C * pitch), 0xdeadbeefu);
+    const TensorView s(sbuf.data(), m.options.use_ue8m0 ? DType::int32 : DType::fp32, {T, C}, {1, pitch},
+                       Device::cpu());
+    Fp8Options o = m.options;
+    o.scale_layout = ScaleLayout::column_major;
+    const Tensor q = Tensor::empty(DType::fp8_e4m3, {T, H});
+    quantize_fp8_into(in.x, q, s, o);
+    expect_equal_to_reference(q, s, test::ref_quantize_fp8(in.vals, T, H, m.options.round_scale, m.options.use_ue8m0),
+                              m.options.use_ue8m0);
+    for (std::int64_t c = 0; c < C; ++c)
+      for (std::int64_t r = T; r < pitch; ++r) ASSERT_EQ(sbuf[static_cast<std::size_t>(c * pitch + r)], 0xdeadbeefu);
+  }
+}
+
+TEST(Fp8Scales, LayoutsByHand) {
+  EXPECT_EQ(tma_aligned_scale_rows(0), 0);
+  EXPECT_EQ(tma_aligned_scale_rows(1), 4);
+  EXPECT_EQ(tma_aligned_scale_rows(4), 4);
+  EXPECT_EQ(tma_aligned_scale_rows(5), 8);
+  EXPECT_STREQ(scale_layout_name(ScaleLayout::row_major), "row_major");
+  EXPECT_STREQ(scale_layout_name(ScaleLayout::column_major), "column_major");
+  // DeepEP's low-latency scales: [E_local, R*Tmax, C] over a [E_local, C, M] allocation.
+  const Tensor b = empty_fp8_scales(DType::int32, {3, 10, 6}, ScaleLayout::column_major);
+  EXPECT_EQ(b.shape(), (Shape{3, 10, 6}));
+  EXPECT_EQ(b.view().strides, (Shape{72, 1, 12}));
+  EXPECT_EQ(empty_fp8_scales(DType::fp32, {5, 2}, ScaleLayout::row_major).view().strides, (Shape{2, 1}));
+  float dummy[64] = {};
+  const auto view = [&](Shape shape, Shape strides) { return TensorView(dummy, DType::fp32, shape, strides, {}); };
+  EXPECT_TRUE(scales_have_layout(view({5, 3}, {3, 1}), ScaleLayout::row_major));
+  EXPECT_TRUE(scales_have_layout(view({5, 3}, {7, 1}), ScaleLayout::row_major));
+  EXPECT_FALSE(scales_have_layout(view({5, 3}, {3, 1}), ScaleLayout::column_major));
+  EXPECT_TRUE(scales_have_layout(view({5, 3}, {1, 8}), ScaleLayout::column_major));
+  EXPECT_FALSE(scales_have_layout(view({5, 3}, {1, 4}), ScaleLayout::column_major));  // columns overlap
+  EXPECT_FALSE(scales_have_layout(view({5, 3}, {2, 10}), ScaleLayout::row_major));
+  EXPECT_FALSE(scales_have_layout(view({5, 3}, {2, 10}), ScaleLayout::column_major));
+  EXPECT_TRUE(scales_have_layout(view({1, 3}, {99, 1}), ScaleLayout::column_major));  // one token: both
+  EXPECT_TRUE(scales_have_layout(view({5, 1}, {1, 1}), ScaleLayout::row_major));      // one column: both
+  EXPECT_TRUE(scales_have_layout(view({0, 3}, {0, 0}), ScaleLayout::row_major));      // empty
+  EXPECT_FALSE(scales_have_layout(view({5}, {1}), ScaleLayout::row_major));           // not 2-d
 }
 
 // ---------------------------------------------------------------- dequantization
@@ -387,6 +470,13 @@ TEST(QuantErrors, BadInput) {
   expect_invalid([&] { quantize_fp8(col_strided); }, {"'x'", "unit stride in dimension 1"});
   const TensorView overlapping(big.data(), DType::bf16, {2, 128}, {64, 1}, Device::cpu());
   expect_invalid([&] { quantize_fp8(overlapping); }, {"'x'", "row stride >= 128"});
+  Fp8Options col_no_round;
+  col_no_round.use_ue8m0 = true;
+  col_no_round.scale_layout = ScaleLayout::column_major;
+  expect_invalid([&] { quantize_fp8(ok, col_no_round); }, {"'options.use_ue8m0'", "round_scale = true"});
+  Fp8Options bad_layout;
+  bad_layout.scale_layout = static_cast<ScaleLayout>(7);
+  expect_invalid([&] { quantize_fp8(ok, bad_layout); }, {"'options.scale_layout'", "row_major or column_major", "7"});
 }
 
 TEST(QuantErrors, BadOutputs) {
@@ -406,6 +496,15 @@ TEST(QuantErrors, BadOutputs) {
   expect_invalid([&] { quantize_fp8_into(x, q, w, {true, false}); }, {"'scales'", "float32[3, 23]", "int32[3, 6]"});
   const TensorView q_overlap(q.data(), DType::fp8_e4m3, {3, 2880}, {1000, 1}, Device::cpu());
   expect_invalid([&] { quantize_fp8_into(x, q_overlap, s); }, {"'q'", "row stride >= 2880"});
+  // The scales' strides must be the layout options.scale_layout names.
+  Fp8Options col;
+  col.scale_layout = ScaleLayout::column_major;
+  expect_invalid([&] { quantize_fp8_into(x, q, s, col); },
+                 {"'scales'", "column-major scales (unit stride in dimension 0, a column stride >= 3)", "[23, 1]"});
+  const Tensor s_col = empty_fp8_scales(DType::fp32, {3, 23}, ScaleLayout::column_major);
+  EXPECT_NO_THROW(quantize_fp8_into(x, q, s_col, col));
+  expect_invalid([&] { quantize_fp8_into(x, q, s_col); },
+                 {"'scales'", "row-major scales (unit stride in dimension 1, a row stride >= 23)", "[1, 4]"});
 }
 
 TEST(QuantErrors, BadDequantizeArguments) {
@@ -419,6 +518,12 @@ TEST(QuantErrors, BadDequantizeArguments) {
   const Tensor s_bf16 = Tensor::zeros(DType::bf16, {2, 2});
   expect_invalid([&] { dequantize_fp8(q, s_bf16); }, {"'scales'", "int32[2, 1]", "bfloat16[2, 2]"});
   expect_invalid([&] { dequantize_fp8(q, s, DType::int32); }, {"'out_dtype'", "bfloat16 or float32", "int32"});
+  // Scales in neither layout: strided in both dimensions.
+  float sbuf[16] = {};
+  const TensorView s_neither(sbuf, DType::fp32, {2, 2}, {4, 2}, Device::cpu());
+  expect_invalid([&] { dequantize_fp8(q, s_neither); }, {"'scales'", "row-major", "or column-major", "[4, 2]"});
+  const TensorView s_col(sbuf, DType::fp32, {2, 2}, {1, 2}, Device::cpu());
+  EXPECT_NO_THROW(dequantize_fp8(q, s_col));
 }
 
 #if !defined(EPMOE_HAVE_CUDA)

@@ -64,4 +64,16 @@ Tensor random_topk_weights(std::mt19937_64& rng, const Tensor& topk_idx) {
   return w;
 }
 
+Tensor scales_in_layout(const Tensor& row_major, ScaleLayout layout) {
+  if (!row_major.defined() || layout == ScaleLayout::row_major) return row_major;
+  const std::int64_t T = row_major.size(0), C = row_major.size(1);
+  Tensor t = empty_fp8_scales(row_major.dtype(), {T, C}, layout);
+  const std::int64_t pitch = tma_aligned_scale_rows(T);
+  auto* d = static_cast<std::uint32_t*>(t.data());
+  const auto* s = static_cast<const std::uint32_t*>(row_major.data());
+  for (std::int64_t c = 0; c < C; ++c)
+    for (std::int64_t r = 0; r < pitch; ++r) d[c * pitch + r] = r < T ? s[r * C + c] : 0x7fc0deadu;
+  return t;
+}
+
 }  // namespace epmoe::test

@@ -2,6 +2,7 @@
 // and logs it, so a failure can be reproduced exactly.
 #pragma once
 
+#include <epmoe/quant.hpp>
 #include <epmoe/tensor.hpp>
 
 #include <cstdint>
@@ -27,5 +28,9 @@ struct RoutingOptions {
 Tensor random_topk_idx(std::mt19937_64& rng, std::int64_t T, int K, int E, const RoutingOptions& options = {});
 /// float32 [T, K] positive weights, 0 where topk_idx is -1.
 Tensor random_topk_weights(std::mt19937_64& rng, const Tensor& topk_idx);
+
+/// A copy of row-major 4-byte scales [T, C] (undefined stays undefined) in `layout`: column-major as
+/// empty_fp8_scales lays it out (columns padded to 4 rows), the padding filled with 0x7fc0dead so a read of it shows.
+Tensor scales_in_layout(const Tensor& row_major, ScaleLayout layout);
 
 }  // namespace epmoe::test

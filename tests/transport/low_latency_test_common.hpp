@@ -135,14 +135,38 @@ inline LowLatencyDispatchArgs dispatch_args(const Case& c, const LowLatencyRankI
   return a;
 }
 
-/// A rank's dispatch outputs, copied out of its window.
+/// A row-major copy of a 3-d view of 4-byte elements with any strides.
+inline Tensor clone_row_major(const TensorView& v) {
+  Tensor t = Tensor::empty(v.dtype, v.shape);
+  auto* d = static_cast<std::uint32_t*>(t.data());
+  const auto* src = static_cast<const std::uint32_t*>(v.data);
+  for (std::int64_t i = 0; i < v.size(0); ++i)
+    for (std::int64_t j = 0; j < v.size(1); ++j)
+      for (std::int64_t k = 0; k < v.size(2); ++k)
+        *d++ = src[i * v.stride(0) + j * v.stride(1) + k * v.stride(2)];
+  return t;
+}
+
+/// DeepEP's strides of the low-latency scales [E_local, R*Tmax, C]: a transposed [E_local, C, M] allocation, M the
+/// rows R*Tmax rounded up to a multiple of 4 (DeepGEMM's TMA alignment of 4-byte elements; DeepEP itself requires
+/// R*Tmax % 4 == 0, where M = R*Tmax).
+inline Shape deepep_scale_strides(std::int64_t rows, std::int64_t cols) {
+  const std::int64_t m = (rows + 3) / 4 * 4;
+  return Shape{cols * m, 1, m};
+}
+
+/// A rank's dispatch outputs, copied out of its window (scales: a row-major copy of the column-major view).
 struct DispatchCopy {
   Tensor packed_x, scales, count, src_info, layout_range;
+  Shape scale_strides;  ///< the strides the dispatch returned its scales with
 };
 inline DispatchCopy copy_dispatch(const LowLatencyDispatchResult& r) {
   DispatchCopy c;
   c.packed_x = clone(r.packed_recv_x);
-  if (r.packed_recv_x_scales.defined()) c.scales = clone(r.packed_recv_x_scales);
+  if (r.packed_recv_x_scales.defined()) {
+    c.scales = clone_row_major(r.packed_recv_x_scales);
+    c.scale_strides = r.packed_recv_x_scales.strides;
+  }
   c.count = clone(r.packed_recv_count);
   c.src_info = clone(r.handle.src_info);
   c.layout_range = clone(r.handle.layout_range);
@@ -166,6 +190,7 @@ inline void expect_dispatch_matches(const Case& c, int d, const DispatchCopy& go
   if (c.use_fp8) {
     ASSERT_EQ(got.scales.dtype(), c.use_ue8m0 ? DType::int32 : DType::fp32);
     ASSERT_EQ(got.scales.shape(), (Shape{El, rows, c.use_ue8m0 ? W : G}));
+    ASSERT_EQ(got.scale_strides, deepep_scale_strides(rows, c.use_ue8m0 ? W : G)) << to_string(got.scale_strides);
   }
   std::int64_t mismatched_rows = 0;
   for (int e = 0; e < El; ++e) {

@@ -184,6 +184,24 @@ TEST(NormalDispatch, Fp8Ue8m0Scales) {
   }
 }
 
+// DeepGEMM's column-major TMA-aligned scales (float32 and packed UE8M0) as x_scales: received row-major, the same
+// bytes as from row-major scales; T not a multiple of 4 (padded columns), T = 1, a rank with no tokens, cached.
+TEST(NormalDispatch, Fp8ColumnMajorScales) {
+  for (Scales s : {Scales::float32, Scales::ue8m0})
+    for (std::int64_t H : {2048, 2880, 7168}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + (s == Scales::ue8m0 ? " ue8m0" : " float32"));
+      NormalCase c = basic(4, 16, 4, H, 7);
+      c.T = {7, 1, 0, 13};
+      c.fp8 = true;
+      c.scales = s;
+      c.scale_layout = ScaleLayout::column_major;
+      c.cached = true;
+      c.num_worst_tokens = H == 2880 ? 40 : 0;
+      run_normal_case(c);
+      if (HasFatalFailure()) return;
+    }
+}
+
 // ---- combine ----
 
 TEST(NormalCombine, BiasesAndWeights) {

@@ -108,6 +108,19 @@ TEST(NormalErrors, Fp8NeedsScalesOfTheRightShape) {
              {"'x_scales'", "float32 or int32"});
 }
 
+// x_scales must be row-major (unit stride in dimension 1) or column-major (unit stride in dimension 0), the other
+// stride at least the other extent; anything else is refused before any exchange.
+TEST(NormalErrors, Fp8ScalesNeitherRowNorColumnMajor) {
+  Tensor x = Tensor::zeros(DType::fp8_e4m3, {24, 2880});
+  Tensor storage = Tensor::zeros(DType::fp32, {24 * 23 * 2});
+  const TensorView every_other(storage.data(), DType::fp32, {24, 23}, {46, 2}, Device::cpu());
+  expect_all(dispatch_with(small(2), [&](int, DispatchArgs& a) { a.x = x; a.x_scales = every_other; }),
+             ErrorCode::invalid_argument, {"'x_scales'", "row-major", "column-major", "strides [46, 2]"});
+  const TensorView overlapping_columns(storage.data(), DType::fp32, {24, 23}, {1, 20}, Device::cpu());
+  expect_all(dispatch_with(small(2), [&](int, DispatchArgs& a) { a.x = x; a.x_scales = overlapping_columns; }),
+             ErrorCode::invalid_argument, {"'x_scales'", "a column stride >= 24", "strides [1, 20]"});
+}
+
 TEST(NormalErrors, Bf16MustNotHaveScales) {
   Tensor s = Tensor::zeros(DType::fp32, {24, 1});
   expect_all(dispatch_with(small(2), [&](int, DispatchArgs& a) { a.x_scales = s; }), ErrorCode::invalid_argument,

@@ -31,6 +31,8 @@ struct NormalCase {
   std::vector<std::int64_t> T;  ///< tokens per rank; empty: 24 on every rank
   bool fp8 = false;
   Scales scales = Scales::none;  ///< with fp8: float32 or ue8m0
+  /// How x_scales are passed (the reference reads them row-major; the received scales are row-major either way).
+  ScaleLayout scale_layout = ScaleLayout::row_major;
   bool int32_idx = false;
   bool weights = true;
   double p_minus_one = 0.0;
@@ -217,17 +219,22 @@ inline void run_normal_case(const NormalCase& c) {
     if (c.bias_1) run.bias_1 = random_bf16_wide(rng, T, c.H);
   }
 
+  std::vector<Tensor> given_scales;
+  for (const auto& i : in) given_scales.push_back(scales_in_layout(i.x_scales, c.scale_layout));
+
   run_thread_ranks(c.R, [&](Group& g) {
     const int r = g.rank();
     RankRun& run = runs[static_cast<std::size_t>(r)];
     const RefDispatchInput& mine = in[static_cast<std::size_t>(r)];
     Buffer buf(borrow(g));
     const DispatchLayout l = buf.get_dispatch_layout(mine.topk_idx, c.E);
-    run.dispatch = buf.dispatch(dispatch_args(mine, l, c));
+    DispatchArgs fresh = dispatch_args(mine, l, c);
+    fresh.x_scales = given_scales[static_cast<std::size_t>(r)].view();
+    run.dispatch = buf.dispatch(fresh);
     if (c.cached) {
       DispatchArgs a;
       a.x = mine.x;
-      a.x_scales = mine.x_scales.view();
+      a.x_scales = given_scales[static_cast<std::size_t>(r)].view();
       if (c.cached_topk) {
         a.topk_idx = mine.topk_idx;
         a.topk_weights = mine.topk_weights.view();

@@ -49,6 +49,8 @@ LL_CASES: List[LLCase] = [
     LLCase("fp8_float_scales", fp8=True, H=384),
     LLCase("fp8_round_scale", fp8=True, round_scale=True, H=512),
     LLCase("fp8_ue8m0_scales", fp8=True, round_scale=True, ue8m0=True, H=640),
+    # R*Tmax = 10: each expert's scale columns padded to 12 rows (DeepGEMM's TMA alignment)
+    LLCase("fp8_padded_scale_columns", T=(5, 3), H=2880, tmax=5, fp8=True, round_scale=True, ue8m0=True),
     LLCase("zero_token_rank", T=(0, 21)),
     LLCase("t_equals_tmax", T=(32, 32), p_none=0.0),
     LLCase("int32_ids_k1", K=1, int32_idx=True),
@@ -87,6 +89,12 @@ def _valid_rows(a: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.concatenate([a[e, :int(count[e])] for e in range(a.shape[0])], axis=0)
 
 
+def _strides_in_elements(a: Any) -> np.ndarray:
+    """A torch tensor's or a NumPy array's strides in elements (the layout of the low-latency scales)."""
+    strides = a.stride() if callable(getattr(a, "stride", None)) else tuple(s // a.itemsize for s in a.strides)
+    return np.array(strides, dtype=np.int64)
+
+
 def run_ll_rank(buf: Any, case: LLCase, inputs: List[Dict[str, Any]], to_fw: Callable[[np.ndarray], Any],
                 to_np: Callable[[Any], np.ndarray], variant: str = "sync",
                 sync: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
@@ -116,6 +124,8 @@ def run_ll_rank(buf: Any, case: LLCase, inputs: List[Dict[str, Any]], to_fw: Cal
         got[f"call{i}.count"] = count_np
         got[f"call{i}.x_rows"] = _valid_rows(to_np(recv_x), count_np)
         got[f"call{i}.scales_rows"] = _valid_rows(to_np(scales), count_np) if case.fp8 else None
+        # DeepEP's column-major layout on every backend (semantics §5), the same strides as the threads backend's.
+        got[f"call{i}.scales_strides"] = _strides_in_elements(scales) if case.fp8 else None
         got[f"call{i}.src_info_rows"] = _valid_rows(to_np(handle[0]), count_np)
         got[f"call{i}.layout_range"] = to_np(handle[1])
         assert tuple(handle[2:]) == (case.tmax, case.H, case.E), handle[2:]

@@ -3,6 +3,7 @@
 
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
+#include <epmoe/quant.hpp>
 
 namespace epmoe::low_latency_args {
 
@@ -228,6 +229,12 @@ void check_combine_handle(const LowLatencyHandle& hd, int rank, int tmax, std::i
 void check_combine_idx_shape(const TensorView& topk_idx, std::int64_t T, std::int64_t K) {
   EPMOE_CHECK_ARG(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == T && topk_idx.size(1) == K,
                   "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(topk_idx));
+}
+
+TensorView recv_scales_view(const low_latency_protocol::Layout& L, void* area, bool ue8m0, Device device) {
+  const std::int64_t rows = static_cast<std::int64_t>(L.num_ranks) * L.tmax;
+  const std::int64_t cols = ue8m0 ? num_ue8m0_words(L.hidden) : L.groups, R = L.scale_rows;
+  return TensorView(area, ue8m0 ? DType::int32 : DType::fp32, {L.local_experts, rows, cols}, {cols * R, 1, R}, device);
 }
 
 }  // namespace epmoe::low_latency_args

@@ -5,6 +5,8 @@
 
 #include <epmoe/buffer.hpp>
 
+#include "transport/low_latency_protocol.hpp"
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -69,5 +71,11 @@ struct DispatchSpec {
 /// 1..16; on the CPU also the values), topk_weights float32 [T, K], cumulative_local_expert_recv_stats int32
 /// [E_local]. Errors: invalid_argument naming the argument, the expected and the actual value.
 DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device device);
+
+/// The dispatch's packed_recv_x_scales over the scales area at `area` (of layout L, on `device`): float32
+/// [E_local, R*Tmax, G], or with `ue8m0` int32 [E_local, R*Tmax, ceil(G/4)], column-major per expert with strides
+/// {C * L.scale_rows, 1, L.scale_rows}: DeepEP's layout (a transposed [E_local, C, R*Tmax] allocation), each
+/// expert's columns padded to DeepGEMM's TMA alignment (semantics §5, 6).
+TensorView recv_scales_view(const low_latency_protocol::Layout& L, void* area, bool ue8m0, Device device);
 
 }  // namespace epmoe::low_latency_args

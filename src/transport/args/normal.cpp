@@ -5,14 +5,21 @@
 #include <climits>
 
 #include "core/check.hpp"
+#include "quant/quant.hpp"
 
 namespace epmoe {
 
-void check_tensor_on(const TensorView& t, const char* name, Device device) {
+namespace {
+void check_device(const TensorView& t, const char* name, Device device) {
   EPMOE_CHECK_ARG(t.device == device, name,
                   device.is_cpu() ? std::string("a CPU tensor (this backend moves host memory)")
                                   : fmt::format("a tensor on cuda:{} (this rank's device)", device.index),
                   describe(t));
+}
+}  // namespace
+
+void check_tensor_on(const TensorView& t, const char* name, Device device) {
+  check_device(t, name, device);
   EPMOE_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor", fmt::format("{} with strides {}", describe(t), t.strides));
   EPMOE_CHECK_ARG(t.numel() == 0 || t.data != nullptr, name, "non-null data", "a null data pointer");
 }
@@ -50,7 +57,10 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
                     "dtype float32 or int32 (UE8M0)", describe(a.x_scales));
     s.scale_format = a.x_scales.dtype == DType::fp32 ? ScaleFormat::float32 : ScaleFormat::ue8m0;
     s.scale_cols = s.scale_format == ScaleFormat::float32 ? groups : (groups + 3) / 4;
-    check_tensor(a.x_scales, "x_scales", a.x_scales.dtype, Shape{s.T, s.scale_cols}, device);
+    // Row-major (any row stride) or column-major (any column stride: DeepGEMM's TMA-aligned layout), as DeepEP reads
+    // x_scales by its two strides; the received scales are row-major either way (semantics §4).
+    quant_detail::check_scales(a.x_scales, "x_scales", a.x_scales.dtype, s.T, s.scale_cols, std::nullopt);
+    check_device(a.x_scales, "x_scales", device);
   } else {
     EPMOE_CHECK_ARG(!a.x_scales.defined(), "x_scales", "None with bfloat16 x", describe(a.x_scales));
   }

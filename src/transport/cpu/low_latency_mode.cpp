@@ -3,10 +3,12 @@
 // dispatch and combine.
 //
 // Window of one rank: two halves of Layout::half_bytes, call index i (since the last clean) uses half
-// i % 2. One half, offsets 64-byte aligned, row-major throughout:
+// i % 2. One half, offsets 64-byte aligned, row-major except the scales:
 //   output area (written only by this rank, read by its caller until its call i + 2):
 //     packed_x      [E_local, R*Tmax, H]   bfloat16, or float8_e4m3fn in the first half of the area
-//     scales        [E_local, R*Tmax, G]   float32, or int32 [E_local, R*Tmax, ceil(G/4)] (UE8M0)
+//     scales        [E_local, C, M']       float32 (C = G), or int32 (UE8M0, C = ceil(G/4)), M' =
+//                                          tma_aligned_scale_rows(R*Tmax): handed out as the column-major view
+//                                          [E_local, R*Tmax, C] with strides {C*M', 1, M'}, DeepEP's layout
 //     count         [E_local]              int32
 //     src_info      [E_local, R*Tmax]      int32: source token index
 //     layout_range  [E_local, R]           int64: begin << 32 | count
@@ -63,6 +65,7 @@ low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::i
   L.local_experts = E / R;
   L.hidden = hidden;
   L.groups = num_scale_groups(hidden);
+  L.scale_rows = tma_aligned_scale_rows(static_cast<std::int64_t>(R) * tmax);
   const auto H = static_cast<std::size_t>(hidden), G = static_cast<std::size_t>(L.groups);
   const auto rows =
       static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * static_cast<std::size_t>(tmax);
@@ -75,7 +78,7 @@ low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::i
     return at;
   };
   L.packed_x = take(rows * H * 2);
-  L.scales = take(rows * G * 4);
+  L.scales = take(static_cast<std::size_t>(L.local_experts) * G * static_cast<std::size_t>(L.scale_rows) * 4);
   L.count = take(static_cast<std::size_t>(L.local_experts) * 4);
   L.src_info = take(rows * 4);
   L.layout_range = take(static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * 8);
@@ -242,9 +245,7 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
   const std::int64_t rows = static_cast<std::int64_t>(R) * tmax;
   LowLatencyDispatchResult r;
   r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H});
-  if (a.use_fp8)
-    r.packed_recv_x_scales = a.use_ue8m0 ? TensorView(base + L.scales, DType::int32, {El, rows, num_ue8m0_words(H)})
-                                         : TensorView(base + L.scales, DType::fp32, {El, rows, L.groups});
+  if (a.use_fp8) r.packed_recv_x_scales = low_latency_args::recv_scales_view(L, base + L.scales, a.use_ue8m0, {});
   r.packed_recv_count = TensorView(base + L.count, DType::int32, {El});
   r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows});
   r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R});
@@ -310,10 +311,9 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * L.tmax;
   const std::int64_t sc_cols = p.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
   const std::size_t x_row = p.use_fp8 ? static_cast<std::size_t>(H) : static_cast<std::size_t>(2 * H);
-  const std::size_t sc_row = static_cast<std::size_t>(4 * sc_cols);
   std::byte* base = half_base(index);
   std::byte* packed_x = base + L.packed_x;
-  std::byte* scales = base + L.scales;
+  auto* scales = reinterpret_cast<std::int32_t*>(base + L.scales);  // float32 or UE8M0 words: moved as 4 bytes
   auto* count = reinterpret_cast<std::int32_t*>(base + L.count);
   auto* src_info = reinterpret_cast<std::int32_t*>(base + L.src_info);
   auto* range = reinterpret_cast<std::int64_t*>(base + L.layout_range);
@@ -353,7 +353,11 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
         EPMOE_ASSERT(e < El && k < kMaxTopk && fill[static_cast<std::size_t>(e)] < rows);
         const std::int64_t row = static_cast<std::int64_t>(e) * rows + fill[static_cast<std::size_t>(e)]++;
         std::memcpy(packed_x + static_cast<std::size_t>(row) * x_row, rec, x_row);
-        if (p.use_fp8) std::memcpy(scales + static_cast<std::size_t>(row) * sc_row, rec + H, sc_row);
+        if (p.use_fp8) {  // column-major per expert (Layout::scale_rows)
+          const std::int64_t first = e * sc_cols * L.scale_rows + (row - e * rows);
+          for (std::int64_t c = 0; c < sc_cols; ++c)
+            std::memcpy(scales + first + c * L.scale_rows, rec + H + 4 * c, 4);
+        }
         src_info[row] = m.token;
         packed_k[row] = static_cast<std::uint8_t>(k);
       }

@@ -322,9 +322,25 @@ struct Fields {
   }
 };
 
-/// What this rank offers each destination, one RowBlock per field, indexed by the send lists.
-std::vector<RowBlock> make_offers(const DispatchArgs& a, const DispatchSpec& spec, const Fields& f,
-                                  const SendLists& send, int R) {
+/// x_scales as rows of 4-byte elements for the exchange: the tensor itself when row-major (any row stride), else
+/// (column-major, DeepGEMM's layout) a row-major copy in `keep`, made before any communication.
+TensorView scale_rows(const TensorView& scales, Tensor& keep) {
+  if (scales_have_layout(scales, ScaleLayout::row_major)) return scales;
+  const std::int64_t T = scales.size(0), C = scales.size(1);
+  keep = Tensor::empty(scales.dtype, {T, C});
+  const auto* src = static_cast<const std::uint32_t*>(scales.data);
+  auto* dst = static_cast<std::uint32_t*>(keep.data());
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t c = 0; c < C; ++c) dst[t * C + c] = src[t * scales.stride(0) + c * scales.stride(1)];
+  return keep.view();
+}
+
+/// What this rank offers each destination, one RowBlock per field, indexed by the send lists; `scales` are
+/// x_scales as scale_rows gives them.
+std::vector<RowBlock> make_offers(const DispatchArgs& a, const TensorView& scales, const DispatchSpec& spec,
+                                  const Fields& f, const SendLists& send, int R) {
+  const std::size_t scale_stride =
+      spec.fp8 && spec.T > 1 ? static_cast<std::size_t>(scales.stride(0)) * 4 : f.scale_row;
   std::vector<RowBlock> offered(static_cast<std::size_t>(R * f.count));
   for (int d = 0; d < R; ++d) {
     const std::int64_t b = send.begin[static_cast<std::size_t>(d)], n = send.count(d);
@@ -332,7 +348,7 @@ std::vector<RowBlock> make_offers(const DispatchArgs& a, const DispatchSpec& spe
     RowBlock* o = &offered[static_cast<std::size_t>(d * f.count)];
     o[f.x] = RowBlock{static_cast<const std::byte*>(a.x.data), f.x_row, f.x_row, index, n};
     if (spec.fp8)
-      o[f.scales] = RowBlock{static_cast<const std::byte*>(a.x_scales.data), f.scale_row, f.scale_row, index, n};
+      o[f.scales] = RowBlock{static_cast<const std::byte*>(scales.data), f.scale_row, scale_stride, index, n};
     if (spec.has_topk)
       o[f.idx] = RowBlock{static_cast<const std::byte*>(a.topk_idx.data), f.idx_row, f.idx_row, index, n};
     if (spec.has_weights)
@@ -442,7 +458,9 @@ DispatchResult NormalMode::dispatch(const DispatchArgs& a) {
   }
 
   // One exchange, a field per row-wise tensor. The offers stay alive until end_exchange (peers may read them).
-  const std::vector<RowBlock> offered = make_offers(a, spec, f, send, R);
+  Tensor scales_copy;
+  const TensorView scales = spec.fp8 ? scale_rows(a.x_scales, scales_copy) : TensorView{};
+  const std::vector<RowBlock> offered = make_offers(a, scales, spec, f, send, R);
   const std::vector<RowBlock> received = transport_.exchange(offered, f.count, kDispatchPhase);
   while_exchanged(transport_, kDispatchPhase, [&] {
     receive_rows(received, gathered, f, spec, pm, R, me, out,

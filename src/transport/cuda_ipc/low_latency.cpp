@@ -418,9 +418,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   const std::int64_t rows = static_cast<std::int64_t>(R_) * num_max_dispatch_tokens_per_rank;
   LowLatencyDispatchResult r;
   r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H}, gpu);
-  if (a.use_fp8)
-    r.packed_recv_x_scales = a.use_ue8m0 ? TensorView(base + L.scales, DType::int32, {El, rows, sc_cols}, gpu)
-                                         : TensorView(base + L.scales, DType::fp32, {El, rows, L.groups}, gpu);
+  if (a.use_fp8) r.packed_recv_x_scales = low_latency_args::recv_scales_view(L, base + L.scales, a.use_ue8m0, gpu);
   r.packed_recv_count = TensorView(base + L.count, DType::int32, {El}, gpu);
   r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows}, gpu);
   r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R_}, gpu);

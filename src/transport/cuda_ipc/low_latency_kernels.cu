@@ -499,8 +499,11 @@ __global__ void __launch_bounds__(kThreads)
           warp_copy<true>(rec + at, packed_x + static_cast<std::size_t>(row) * x_row + at,
                           x_row - at < kPieceBytes ? x_row - at : kPieceBytes, lane);
           if (piece != 0) continue;
+          // Column-major per expert, as DeepEP's (Layout::scale_rows): lane w's word lies a column away.
+          const std::size_t first = (static_cast<std::size_t>(e) * sc_cols) * c.scale_rows + fill + i;
           for (int w = lane; w < sc_cols; w += 32)
-            scales[static_cast<std::size_t>(row) * sc_cols + w] = __ldcg(reinterpret_cast<const int*>(rec + H) + w);
+            scales[first + static_cast<std::size_t>(w) * c.scale_rows] =
+                __ldcg(reinterpret_cast<const int*>(rec + H) + w);
           if (lane == 0) {
             src_info[row] = it.token;
             packed_k[row] = static_cast<std::uint8_t>(it.k);

@@ -225,6 +225,10 @@ void CudaIpcNormalImpl::prepare_gather(DispatchOp& op) const {
   ga.x_row = op.x_row;
   ga.scales = op.fp8 ? a.x_scales.data : nullptr;
   ga.scale_row = op.scale_row;
+  if (op.fp8) {  // row- or column-major (check_dispatch_args)
+    ga.scale_stride = a.x_scales.stride(0);
+    ga.scale_col_stride = a.x_scales.stride(1);
+  }
   ga.topk_idx = op.has_topk ? a.topk_idx.data : nullptr;
   ga.idx64 = op.has_topk && a.topk_idx.dtype == DType::int64;
   ga.K = op.K;
@@ -245,6 +249,10 @@ ipc::DispatchSendArgs CudaIpcNormalImpl::dispatch_send_args(const DispatchOp& op
   sa.x_row = op.x_row;
   sa.scales = op.fp8 ? a.x_scales.data : nullptr;
   sa.scale_row = op.scale_row;
+  if (op.fp8) {  // row- or column-major (check_dispatch_args)
+    sa.scale_stride = a.x_scales.stride(0);
+    sa.scale_col_stride = a.x_scales.stride(1);
+  }
   sa.topk_idx = op.has_topk ? a.topk_idx.data : nullptr;
   sa.idx64 = op.has_topk && a.topk_idx.dtype == DType::int64;
   sa.K = op.K;

@@ -490,10 +490,9 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (a.scales) {
-        const std::int32_t* ss =
-            reinterpret_cast<const std::int32_t*>(static_cast<const char*>(a.scales) + t * a.scale_row);
+        const std::int32_t* ss = static_cast<const std::int32_t*>(a.scales) + t * a.scale_stride;
         for (int i = lane; i < nscale; i += 32) {
-          const std::int32_t v = ss[i];
+          const std::int32_t v = ss[i * a.scale_col_stride];
           for (int d = 0; d < R; ++d)
             if (pos[d] >= 0)
               reinterpret_cast<std::int32_t*>(dst_scale[d] + pos[d] * a.scale_row)[i] = v;
@@ -826,10 +825,9 @@ __device__ __forceinline__ void gather_row(const GatherArgs& a, std::int64_t t, 
   warp_copy_row(sx, dx, nvec, lane);
   if (a.scales) {
     const int nscale = static_cast<int>(a.scale_row / 4);
-    const std::int32_t* ss =
-        reinterpret_cast<const std::int32_t*>(static_cast<const char*>(a.scales) + t * a.scale_row);
+    const std::int32_t* ss = static_cast<const std::int32_t*>(a.scales) + t * a.scale_stride;
     std::int32_t* ds = reinterpret_cast<std::int32_t*>(scales + row * a.scale_row);
-    for (int i = lane; i < nscale; i += 32) ds[i] = ss[i];
+    for (int i = lane; i < nscale; i += 32) ds[i] = ss[i * a.scale_col_stride];
   }
   if (a.topk_idx && lane < a.K) {
     const long long id = a.idx64 ? static_cast<const long long*>(a.topk_idx)[t * a.K + lane]

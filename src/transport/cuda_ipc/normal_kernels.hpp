@@ -174,7 +174,10 @@ struct DispatchSendArgs {
   const void* x = nullptr;
   std::size_t x_row = 0;  ///< bytes, a multiple of 16
   const void* scales = nullptr;
-  std::size_t scale_row = 0;  ///< bytes, a multiple of 4
+  std::size_t scale_row = 0;  ///< bytes, a multiple of 4 (the rows sent)
+  /// Element strides of x_scales [T, C] as given (row- or column-major; DeepEP's scale_token_stride and
+  /// scale_hidden_stride): token t's scale c is scales[t * scale_stride + c * scale_col_stride].
+  std::int64_t scale_stride = 0, scale_col_stride = 1;
   const void* topk_idx = nullptr;
   bool idx64 = true;
   int K = 0;
@@ -217,6 +220,7 @@ struct GatherArgs {
   std::size_t x_row = 0;
   const void* scales = nullptr;
   std::size_t scale_row = 0;
+  std::int64_t scale_stride = 0, scale_col_stride = 1;  ///< as DispatchSendArgs'
   const void* topk_idx = nullptr;
   bool idx64 = true;
   int K = 0;
