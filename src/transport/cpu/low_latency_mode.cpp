@@ -5,8 +5,9 @@
 // Window of one rank: two halves of Layout::half_bytes, call index i (since the last clean) uses half
 // i % 2. One half, offsets 64-byte aligned, row-major throughout:
 //   output area (written only by this rank, read by its caller until its call i + 2):
-//     packed_x      [E_local, R*Tmax, H]   bfloat16, or float8_e4m3fn in the first half of the area
-//     scales        [E_local, R*Tmax, G]   float32, or int32 [E_local, R*Tmax, ceil(G/4)] (UE8M0)
+//     packed_x      [E_local, R*Tmax, H]   bfloat16, or float8_e4m3fn (uint8 [.., H/2] nvfp4) from the area's start
+//     scales        [E_local, R*Tmax, G]   float32, or int32 [E_local, R*Tmax, ceil(G/4)] (UE8M0), or (nvfp4)
+//                                          float8_e4m3fn [E_local, ceil(R*Tmax/128), H/64 * 512] swizzled per expert
 //     count         [E_local]              int32
 //     src_info      [E_local, R*Tmax]      int32: source token index
 //     layout_range  [E_local, R]           int64: begin << 32 | count
@@ -14,7 +15,8 @@
 //   staging area (peers put into it):
 //     headers       [R] x 64 bytes         one Header per source
 //     dispatch: per source s, TokenMeta[Tmax] then records[Tmax] (a record is the bf16 row, or the
-//               fp8 row followed by its scales), the first n_s of each valid;
+//               fp8 row followed by its scales, or the nvfp4 packed row followed by its H/16 linear e4m3
+//               scales), the first n_s of each valid;
 //     combine:  rows [Tmax, 16, H] bfloat16: row (t, k) of this rank's token t, sent by k's owner.
 // Signals of one rank (4R uint64 slots): data [half][source] = i + 1 once the source's data of call i
 // is in; consumed [half][reader] = i + 1 once `reader` has read its staging area of call i.
