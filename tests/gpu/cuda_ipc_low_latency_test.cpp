@@ -405,8 +405,9 @@ Failure failure(const std::function<void()>& fn) {
 }
 
 // Every low-latency argument error (semantics §11), raised on every rank before any communication (T > Tmax, K > 16, bad ids with
-// debug_validate; the two-buffer rule; a hook called twice), or on the device and raised by the next call (bad ids
-// without debug_validate); the buffer stays usable after each.
+// debug_validate; the two-buffer rule; a hook called twice; an nvfp4 global scale that is not finite), or on the
+// device and raised by the next call (bad ids, a device global scale, without debug_validate); the buffer stays usable
+// after each.
 TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
   const int R = num_ranks();
   if (R == 0) GTEST_SKIP() << "no GPU";
@@ -469,6 +470,29 @@ TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
           EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
           EXPECT_NE(f.what.find("topk_idx"), std::string::npos) << f.what;
         }
+      }
+      // nvfp4 with a NaN global scale: on the CPU refused before any communication; on the device refused so with
+      // debug_validate, else found by the send kernel and raised by the next call; each naming x_global_scale.
+      {
+        Tensor nan_host = Tensor::empty(DType::fp32, Shape{});
+        *nan_host.ptr<float>() = std::nanf("");
+        const Tensor nan_dev = to_gpu(nan_host, r);
+        LowLatencyDispatchArgs n = args();
+        n.use_nvfp4 = true;
+        n.x_global_scale = nan_host;
+        Failure f = failure([&] { buf.low_latency_dispatch(n); });
+        EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        EXPECT_NE(f.what.find("'x_global_scale'"), std::string::npos) << f.what;
+        n.x_global_scale = nan_dev;
+        if (eager) {
+          f = failure([&] { buf.low_latency_dispatch(n); });
+        } else {
+          buf.low_latency_dispatch(n);
+          cuda_ok(cudaDeviceSynchronize(), "sync");
+          f = failure([&] { buf.low_latency_dispatch(args()); });
+        }
+        EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        EXPECT_NE(f.what.find("'x_global_scale'"), std::string::npos) << f.what;
       }
       // Usable afterwards; the two-buffer rule; a hook called twice.
       const LowLatencyDispatchResult d1 = buf.low_latency_dispatch(args());
