@@ -5,6 +5,9 @@ DeepEP commit 567632d), so an engine switches by changing its import::
 
     from epmoe import Buffer, Config, EventOverlap     # instead of: from deep_ep import ...
 
+``low_latency_dispatch`` also takes the NVFP4 keywords of DeepEP's later branch (sgl-project/DeepEP, commit 8c78562:
+``use_nvfp4=True, x_global_scale=...``, as SGLang's dispatcher passes them) and returns its tuple.
+
 Where epmoe's rules are wider or stricter the method docstrings say so. Every error is an
 ``epmoe.Error`` whose message names the argument, what was expected and what came, raised before any
 communication.
