@@ -12,11 +12,13 @@
 //  - combine_bf16: one low_latency_combine (a dispatch before it, outside the timed region);
 //  - *_send / *_recv (return_recv_hook): the call alone, then, once both ranks' sends are done (device sync and a
 //    barrier), the hook alone (as DeepEP measures its hooks);
+//  - dispatch_nvfp4: one low_latency_dispatch with use_nvfp4 (x quantized to NVFP4 by the library's CUDA quantizer into
+//    the records, then sent; x_global_scale a device tensor as SGLang passes it; H % 64 == 0 only);
 //  - dispatch_fp8+combine_graph: one replay of a CUDA graph holding an fp8 dispatch and its combine (captured once;
 //    the routing tensor is refilled in place): what a decode step under CUDA graphs pays, without the host's enqueue
 //    time that every eager figure above includes (DeepEP's test reports kernel times).
 // Remote bytes (all ranks together): what crosses NVLink: dispatch, per (token, other rank it goes to) its 80-byte
-// TokenMeta and its record (bf16 row, or fp8 row + scales, 16-byte aligned), plus a 64-byte header per rank pair;
+// TokenMeta and its record (bf16 row, or fp8 / nvfp4 row + scales, 16-byte aligned), plus a 64-byte header per rank pair;
 // combine, one bf16 row per (token, k) routed to another rank, plus the headers. GB/s = remote bytes / R / time (what
 // one rank sends; per direction at R = 2).
 //
@@ -114,8 +116,10 @@ int main(int argc, char** argv) {
               static_cast<long long>(T), static_cast<long long>(H), K, E, runs, static_cast<unsigned long long>(seed));
 
   const char* ops[] = {"dispatch_fp8",      "dispatch_bf16",     "combine_bf16",     "dispatch_fp8_send",
-                       "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv", "dispatch_fp8+combine_graph"};
-  constexpr int kOps = 8;
+                       "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv", "dispatch_fp8+combine_graph",
+                       "dispatch_nvfp4"};
+  constexpr int kOps = 9;
+  const bool nvfp4 = H % 64 == 0;  // the nvfp4 wire's hidden sizes
   std::vector<std::vector<std::vector<double> > > times(kOps, std::vector<std::vector<double> >(num_ranks));
   // Per rank: (token, other rank) pairs it sends and (token, k) pairs it routes to other ranks, averaged over the
   // routing sets.
@@ -138,6 +142,11 @@ int main(int argc, char** argv) {
     const Tensor w = random_device(DType::fp32, {T, K}, r, s + 2);
     const Tensor y = random_device(DType::bf16, {El, num_ranks * T, H}, r, s + 3);
     Tensor idx = Tensor::empty(DType::int64, {T, K}, Device::cuda(r));
+    // x is in [-2, 2): the producers' global scale 448 * 6 / amax, on the device.
+    Tensor gs = Tensor::empty(DType::fp32, Shape{});
+    *gs.ptr<float>() = 448.0f * 6.0f / 2.0f;
+    Tensor gs_dev = Tensor::empty(DType::fp32, Shape{}, Device::cuda(r));
+    check(cudaMemcpy(gs_dev.data(), gs.data(), sizeof(float), cudaMemcpyHostToDevice), "H2D");
     double tokens = 0, pairs = 0, sets = 0;
     auto new_routing = [&](std::uint64_t k) {
       const std::vector<std::int64_t> h = bench::random_topk_ids(T, K, E, s + 100 + k);
@@ -166,14 +175,16 @@ int main(int argc, char** argv) {
       const double us = timer.time_us(fn);
       if (i >= kWarmup) times[static_cast<std::size_t>(op)][static_cast<std::size_t>(r)].push_back(us);
     };
-    auto dispatch_args = [&](bool fp8, bool hook) {
+    auto dispatch_args = [&](bool fp8, bool hook, bool use_nvfp4 = false) {
       LowLatencyDispatchArgs a;
+      a.use_nvfp4 = use_nvfp4;
+      if (use_nvfp4) a.x_global_scale = gs_dev;
       a.x = x;
       a.topk_idx = idx;
       a.topk_weights = w;
       a.num_max_dispatch_tokens_per_rank = tmax;
       a.num_experts = E;
-      a.use_fp8 = fp8;
+      a.use_fp8 = fp8 && !use_nvfp4;
       a.return_recv_hook = hook;
       return a;
     };
@@ -231,6 +242,10 @@ int main(int argc, char** argv) {
       time_it(6, i, [&] { ch.hook(); });
       prepare(i);
       time_it(7, i, [&] { check(cudaGraphLaunch(graph_exec, graph_stream), "cudaGraphLaunch"); });
+      if (nvfp4) {
+        prepare(i);
+        time_it(8, i, [&] { buf.low_latency_dispatch(dispatch_args(false, false, true)); });
+      }
     }
     check(cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy");
     check(cudaStreamDestroy(graph_stream), "cudaStreamDestroy");
@@ -245,14 +260,17 @@ int main(int argc, char** argv) {
 
   const double meta = 80, header = 64;
   const double fp8_record = static_cast<double>((H + 4 * G + 15) / 16 * 16), bf16_record = 2.0 * H;
+  const double nvfp4_record = static_cast<double>((H / 2 + H / 16 + 15) / 16 * 16);
   const double tokens = std::accumulate(tokens_to_peer.begin(), tokens_to_peer.end(), 0.0);
   const double pairs = std::accumulate(pairs_to_peer.begin(), pairs_to_peer.end(), 0.0);
   const double headers = static_cast<double>(num_ranks) * (num_ranks - 1) * header;
   const double dispatch_fp8_bytes = tokens * (meta + fp8_record) + headers;
   const double dispatch_bf16_bytes = tokens * (meta + bf16_record) + headers;
   const double combine_bytes = pairs * 2.0 * H + headers;
-  const double remote[kOps] = {dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes, dispatch_fp8_bytes, 0,
-                               combine_bytes,      0,                   dispatch_fp8_bytes + combine_bytes};
+  const double dispatch_nvfp4_bytes = nvfp4 ? tokens * (meta + nvfp4_record) + headers : 0;
+  const double remote[kOps] = {dispatch_fp8_bytes, dispatch_bf16_bytes, combine_bytes,
+                               dispatch_fp8_bytes, 0,                   combine_bytes,
+                               0,                  dispatch_fp8_bytes + combine_bytes, dispatch_nvfp4_bytes};
   std::printf(
       "\n| op | median us | min us | remote MB | remote GB/s/rank |\n| --- | --- | --- | --- | --- |\n");
   std::vector<double> med(kOps), mins(kOps);

@@ -271,15 +271,28 @@ struct LowLatencyDispatchArgs {
   bool use_fp8 = true;
   bool round_scale = false;
   bool use_ue8m0 = false;
+  /// NVFP4 on the wire (semantics §5, §6; nvfp4.hpp): e2m1 codes two per byte with an e4m3 scale per 16 channels,
+  /// quantized with x_global_scale; needs use_fp8 = false and H % 64 == 0. The receiver returns the packed values and
+  /// the block scales in the 128x4 swizzled layout, as DeepEP's nvfp4 low-latency dispatch does.
+  bool use_nvfp4 = false;
+  /// With use_nvfp4: the global scale, float32 with one element (shape [] or [1]), on the CPU or on x's device. A CPU
+  /// value must be finite and > 0 (checked before any communication); a device value is read by the kernels (on
+  /// cuda_ipc checked on the host with debug_validate, else on the device and raised by the next call).
+  TensorView x_global_scale;
   bool async_finish = false;
   bool return_recv_hook = false;
   TensorView cumulative_local_expert_recv_stats;  ///< optional int32 [E_local], incremented by the counts
 };
 
 struct LowLatencyDispatchResult {
-  TensorView packed_recv_x;         ///< [E_local, R*Tmax, H] float8_e4m3fn or bfloat16
+  /// [E_local, R*Tmax, H] float8_e4m3fn or bfloat16; use_nvfp4: uint8 [E_local, R*Tmax, H / 2] (channel 2i in the
+  /// low nibble of byte i).
+  TensorView packed_recv_x;
   /// float32 [E_local, R*Tmax, G] or int32 [E_local, R*Tmax, ceil(G/4)], column-major per expert as DeepEP's:
-  /// strides {C * M, 1, M}, M = tma_aligned_scale_rows(R*Tmax) (quant.hpp; semantics §5, 6).
+  /// strides {C * M, 1, M}, M = tma_aligned_scale_rows(R*Tmax) (quant.hpp; semantics §5, 6). use_nvfp4:
+  /// float8_e4m3fn [E_local, ceil(R*Tmax / 128), (H / 64) * 512], each expert's block scales as one swizzled matrix
+  /// (nvfp4.hpp: row j's scale c at nvfp4_swizzled_offset(j, c, H / 64) of its expert's slab; DeepEP's
+  /// (l, rm, rk, 32, 4, 4)).
   TensorView packed_recv_x_scales;
   TensorView packed_recv_count;     ///< int32 [E_local] (masked_m)
   LowLatencyHandle handle;

@@ -20,7 +20,8 @@
 namespace epmoe {
 
 /// Element type of a tensor. Names follow PyTorch's (`bfloat16` is `bf16`, `float8_e4m3fn` is `fp8_e4m3`).
-enum class DType : std::uint8_t { bf16, fp16, fp32, fp8_e4m3, int8, int16, int32, int64, boolean };
+/// `uint8` holds packed sub-byte codes (NVFP4's two e2m1 values per byte, nvfp4.hpp).
+enum class DType : std::uint8_t { bf16, fp16, fp32, fp8_e4m3, int8, int16, int32, int64, boolean, uint8 };
 
 /// Size of one element in bytes.
 constexpr std::size_t dtype_size(DType t) {
@@ -28,7 +29,7 @@ constexpr std::size_t dtype_size(DType t) {
     case DType::bf16: case DType::fp16: case DType::int16: return 2;
     case DType::fp32: case DType::int32: return 4;
     case DType::int64: return 8;
-    case DType::fp8_e4m3: case DType::int8: case DType::boolean: return 1;
+    case DType::fp8_e4m3: case DType::int8: case DType::boolean: case DType::uint8: return 1;
   }
   return 0;
 }
@@ -45,6 +46,7 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::int32: return "int32";
     case DType::int64: return "int64";
     case DType::boolean: return "bool";
+    case DType::uint8: return "uint8";
   }
   return "?";
 }
@@ -64,6 +66,7 @@ template <> struct dtype_of<std::int16_t> { static constexpr DType value = DType
 template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::int32; };
 template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::int64; };
 template <> struct dtype_of<bool> { static constexpr DType value = DType::boolean; };
+template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::uint8; };
 template <class T> inline constexpr DType dtype_of_v = dtype_of<T>::value;
 
 EPMOE_HD std::uint32_t float_bits(float f) { std::uint32_t u; std::memcpy(&u, &f, 4); return u; }

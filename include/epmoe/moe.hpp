@@ -22,8 +22,9 @@ namespace epmoe {
 
 class ExpertLoadRecorder;  // eplb.hpp (MoELayer::set_load_recorder)
 
-/// Element type of the dispatched activations.
-enum class DispatchDtype : std::uint8_t { bf16, fp8 };
+/// Element type of the dispatched activations. nvfp4 (low-latency mode only; nvfp4.hpp): e2m1 with an e4m3 scale per
+/// 16 channels and PrepareFinalizeOptions::nvfp4_global_scale.
+enum class DispatchDtype : std::uint8_t { bf16, fp8, nvfp4 };
 
 /// What the layer hands to prepare (the token side, one rank).
 struct PrepareInputs {
@@ -103,6 +104,9 @@ struct PrepareFinalizeOptions {
   DispatchDtype dispatch_dtype = DispatchDtype::bf16;
   bool round_scale = false;  ///< fp8 scales rounded up to powers of two
   bool use_ue8m0 = false;    ///< UE8M0 scales on the wire (needs round_scale)
+  /// dispatch_dtype nvfp4: the global scale x_global_scale of the low-latency dispatch (finite, > 0; the producers'
+  /// 448 * 6 / amax, e.g. a checkpoint's 1 / input_scale). The experts see the dequantized rows (Hopper has no fp4 GEMM).
+  float nvfp4_global_scale = 0.0f;
 };
 
 /// One rank, no expert parallelism: prepare only (optionally) quantizes; finalize reduces.
@@ -126,7 +130,10 @@ std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinali
 std::shared_ptr<PrepareFinalize> make_normal_prepare_finalize(std::shared_ptr<Buffer> buffer,
                                                               const PrepareFinalizeOptions& options = {});
 /// Low-latency mode over `buffer` (batched_experts format, at most `num_max_dispatch_tokens_per_rank`
-/// tokens per rank per call; the combine applies the router weights). Calls on CUDA tensors (hidden, topk_idx,
+/// tokens per rank per call; the combine applies the router weights). The only prepare/finalize taking
+/// DispatchDtype::nvfp4 (the others refuse it, naming dispatch_dtype): the rows travel as NVFP4 and are dequantized
+/// to bfloat16 in dispatch_b (CPU; on CUDA a kernel over each slab's counted rows). Errors: nvfp4 with a
+/// nvfp4_global_scale that is not finite and > 0 (invalid_argument naming it). Calls on CUDA tensors (hidden, topk_idx,
 /// topk_weights and the optional output on one GPU; `buffer` a cuda_ipc Buffer on it) run on the buffer's GPU
 /// low-latency mode, asynchronous on the current stream, with the CUDA experts (make_cuda_experts); the experts'
 /// input and counts are then views of the buffer's receive half, valid until the next forward's dispatch.

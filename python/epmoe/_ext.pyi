@@ -146,10 +146,12 @@ class Buffer:
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: ArrayArg, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False, framework: str = "numpy", stream: Optional[int] = None
+                             return_recv_hook: bool = False, framework: str = "numpy", stream: Optional[int] = None,
+                             use_nvfp4: bool = False, x_global_scale: ArrayArg = None
                              ) -> Tuple[Array, Optional[Array], Array, Array, Array, LowLatencyHandle, Event,
                                         Optional[RecvHook]]:
-        """Low-latency dispatch (semantics §5): (packed_recv_x [E_local, R*Tmax, H] fp8 or bf16, scales
+        """Low-latency dispatch (semantics §5): (packed_recv_x [E_local, R*Tmax, H] fp8 or bf16 (nvfp4: uint8
+        [E_local, R*Tmax, H/2], scales float8_e4m3fn [E_local, ceil(R*Tmax/128), H/64*512] swizzled), scales
         float32 [E_local, R*Tmax, G] / int32 [..., ceil(G/4)] or None, packed_recv_count int32 [E_local],
         src_info int32 [E_local, R*Tmax], layout_range int64 [E_local, R], handle, event, hook or None).
         CPU: the arrays are copies of the valid rows, filled at return or when the hook is called. GPU (cuda_ipc,

@@ -5,6 +5,9 @@ DeepEP commit 567632d), so an engine switches by changing its import::
 
     from epmoe import Buffer, Config, EventOverlap     # instead of: from deep_ep import ...
 
+``low_latency_dispatch`` also takes the NVFP4 keywords of DeepEP's later branch (sgl-project/DeepEP, commit 8c78562:
+``use_nvfp4=True, x_global_scale=...``, as SGLang's dispatcher passes them) and returns its tuple.
+
 Where epmoe's rules are wider or stricter the method docstrings say so. Every error is an
 ``epmoe.Error`` whose message names the argument, what was expected and what came, raised before any
 communication.
@@ -308,6 +311,16 @@ def _gpu_recv_hook(native: Any, tensors: Tuple[Any, ...], host_wait: bool) -> Ca
             _synchronize_stream(tensors[0])
 
     return hook
+
+
+def _deepep_nvfp4_views(recv_x: Any, scales: Any) -> Tuple[Any, Any]:
+    """DeepEP's logical shapes of an nvfp4 dispatch's outputs (no copy): packed values [E_local, R*Tmax, H/2] as
+    [R*Tmax, H/2, E_local], and the swizzled scales [E_local, rm, rk * 512] as (32, 4, rm, 4, rk, E_local)."""
+    el, rm, width = scales.shape
+    six = scales.reshape(el, rm, width // 512, 32, 4, 4)
+    if is_torch(recv_x):
+        return recv_x.permute(1, 2, 0), six.permute(3, 4, 1, 5, 2, 0)
+    return recv_x.transpose(1, 2, 0), six.transpose(3, 4, 1, 5, 2, 0)
 
 
 def _check_cost_stats(name: str, stats: Any, num_ranks: int) -> None:
@@ -761,7 +774,8 @@ class Buffer:
     def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Any = None, dispatch_wait_recv_cost_stats: Any = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False
+                             async_finish: bool = False, return_recv_hook: bool = False, *,
+                             use_nvfp4: bool = False, x_global_scale: Any = None
                              ) -> Tuple[Any, Any, Tuple, EventOverlap, Optional[Callable[[], None]]]:
         """Low-latency dispatch (semantics §5). Collective.
 
@@ -786,6 +800,13 @@ class Buffer:
             return_recv_hook: only send; the returned hook receives. Call it exactly once. GPU: the hook enqueues
                 the receive on the current stream at the time it is called (DeepEP's rule) and keeps the inputs
                 alive until then.
+            use_nvfp4 (keyword): NVFP4 on the wire (semantics §5, §6), as sgl-project/DeepEP's low-latency dispatch:
+                e2m1 codes two per byte and an e4m3 scale per 16 channels, quantized with x_global_scale. Needs
+                use_fp8=False and H % 64 == 0.
+            x_global_scale (keyword): with use_nvfp4, the global scale, a float32 tensor with one element (shape
+                [] or [1]; torch or NumPy, on the CPU or x's device; the producers' 448 * 6 / amax). A CPU value must
+                be finite and > 0; a device value is read by the kernels (checked on the host with debug_validate,
+                else raised by the next call). Ignored without use_nvfp4.
 
         Returns:
             recv_x: [E_local, R*Tmax, H] bfloat16, or with use_fp8 a tuple (float8_e4m3fn [E_local, R*Tmax, H],
@@ -798,13 +819,19 @@ class Buffer:
                 they are views of the buffer's receive half (as DeepEP's), filled on the stream, and valid until
                 a later low_latency_dispatch reuses that half (DeepEP's alternation: the half flips on every
                 low-latency dispatch and combine; semantics §5 has the table): clone what must live longer.
+                With use_nvfp4, DeepEP's tuple: (uint8 [R*Tmax, H/2, E_local], float8_e4m3fn [32, 4,
+                ceil(R*Tmax/128), 4, H/64, E_local]): permuted views of the packed values [E_local, R*Tmax, H/2]
+                (channel 2i in the low nibble of byte i) and of the 128x4 swizzled block scales (E_local, rm, rk,
+                32, 4, 4), the layouts the block-scaled fp4 grouped GEMMs read.
             recv_count: int32 [E_local] (masked_m).
             handle: a LowLatencyHandle for low_latency_combine.
             event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
             hook: with return_recv_hook, the receive half (fills the outputs above); else None.
 
         Errors: epmoe.Error — invalid_argument (T > Tmax naming both, K > 16, bad ids, dtypes, shapes,
-        use_ue8m0 without round_scale, hook with async_finish), rank_mismatch (Tmax/H/E differ across ranks),
+        use_ue8m0 without round_scale, hook with async_finish; use_nvfp4 with use_fp8, H % 64 != 0, x_global_scale
+        missing / not float32 / not one element / not finite and > 0), rank_mismatch (Tmax/H/E or the format differ
+        across ranks),
         out_of_memory (num_rdma_bytes too small: says how much is needed), timeout.
         """
         _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
@@ -812,14 +839,14 @@ class Buffer:
                                                      num_max_dispatch_tokens_per_rank)
         num_experts = int32_arg("num_experts", num_experts)
         gpu = x is not None and is_cuda(x)
-        inputs = (x, topk_idx, cumulative_local_expert_recv_stats)
+        inputs = (x, topk_idx, cumulative_local_expert_recv_stats, x_global_scale)
         stream = current_stream(*inputs) if gpu else None
         # Thread ranks on GPUs: wait on the host (GIL released) before returning, as normal mode does.
         host_wait = gpu and self._host_wait and not return_recv_hook
         recv_x, scales, count, src_info, layout_range, native, event, hook = self.runtime.low_latency_dispatch(
             arg(x), arg(topk_idx), None, num_max_dispatch_tokens_per_rank, num_experts,
             arg(cumulative_local_expert_recv_stats), use_fp8, round_scale, use_ue8m0, async_finish or host_wait,
-            return_recv_hook, framework_of(x), stream)
+            return_recv_hook, framework_of(x), stream, bool(use_nvfp4), arg(x_global_scale))
         if host_wait:
             event.wait_host()
             if not async_finish:
@@ -827,7 +854,7 @@ class Buffer:
         if hook is not None and gpu:
             hook = _gpu_recv_hook(hook, inputs, self._host_wait)
         self._ll_calls += 1
-        recv = (recv_x, scales) if use_fp8 else recv_x
+        recv = (recv_x, scales) if use_fp8 else _deepep_nvfp4_views(recv_x, scales) if use_nvfp4 else recv_x
         return (recv, count, LowLatencyHandle(native, src_info, layout_range),
                 EventOverlap(event, inputs if event.is_cuda else None), hook)
 

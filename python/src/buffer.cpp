@@ -86,9 +86,11 @@ struct LowLatencyDispatchState {
     copy_all(native.handle.src_info, src_info);
     copy_all(native.handle.layout_range, layout_range);
     const auto* c = count.ptr<std::int32_t>();
+    // nvfp4's scales are one swizzled matrix per expert, a matrix row per 128 received rows.
+    const bool nvfp4 = native.packed_recv_x.dtype == DType::uint8;
     for (std::int64_t e = 0; e < x.size(0); ++e) {
       copy_slab_rows(native.packed_recv_x, x, e, c[e]);
-      if (scales.defined()) copy_slab_rows(native.packed_recv_x_scales, scales, e, c[e]);
+      if (scales.defined()) copy_slab_rows(native.packed_recv_x_scales, scales, e, nvfp4 ? (c[e] + 127) / 128 : c[e]);
     }
   }
 };
@@ -250,10 +252,13 @@ void clean_low_latency_buffer(PyBuffer& b, int num_max_dispatch_tokens_per_rank,
 nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
                                int num_max_dispatch_tokens_per_rank, int num_experts, nb::handle stats, bool use_fp8,
                                bool round_scale, bool use_ue8m0, bool async_finish, bool return_recv_hook,
-                               std::string_view framework, std::optional<std::uintptr_t> stream) {
+                               std::string_view framework, std::optional<std::uintptr_t> stream, bool use_nvfp4,
+                               nb::handle x_global_scale) {
   const Framework fw = parse_framework(framework);
   Inputs in;
   LowLatencyDispatchArgs a;
+  a.use_nvfp4 = use_nvfp4;
+  a.x_global_scale = arg(x_global_scale, "x_global_scale", in);
   a.x = arg(x, "x", in);
   a.topk_idx = arg(topk_idx, "topk_idx", in);
   a.topk_weights = arg(topk_weights, "topk_weights", in);
@@ -412,7 +417,8 @@ void bind_buffer_class(nb::module_& m) {
            nb::arg("topk_weights").none(), nb::arg("num_max_dispatch_tokens_per_rank"), nb::arg("num_experts"),
            nb::arg("cumulative_local_expert_recv_stats").none(), nb::arg("use_fp8") = true,
            nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("async_finish") = false,
-           nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none())
+           nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none(),
+           nb::arg("use_nvfp4") = false, nb::arg("x_global_scale").none() = nb::none())
       .def("low_latency_combine", &low_latency_combine, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
            nb::arg("handle"), nb::arg("zero_copy") = false, nb::arg("async_finish") = false,
            nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(), nb::arg("framework") = "numpy",

@@ -45,6 +45,9 @@ std::optional<DType> dtype_from_dlpack(dl::dtype d) {
       if (d.bits == 32) return DType::int32;
       if (d.bits == 64) return DType::int64;
       break;
+    case dl::dtype_code::UInt:
+      if (d.bits == 8) return DType::uint8;
+      break;
     case dl::dtype_code::Float:
       if (d.bits == 16) return DType::fp16;
       if (d.bits == 32) return DType::fp32;
@@ -65,7 +68,7 @@ std::optional<DType> dtype_from_dlpack(dl::dtype d) {
 
 std::optional<DType> dtype_from_name(std::string_view name) {
   for (DType t : {DType::bf16, DType::fp16, DType::fp32, DType::fp8_e4m3, DType::int8, DType::int16, DType::int32,
-                  DType::int64, DType::boolean})
+                  DType::int64, DType::boolean, DType::uint8})
     if (dtype_name(t) == name) return t;
   return std::nullopt;
 }
@@ -88,6 +91,7 @@ dl::dtype dlpack_of(DType t, Framework fw) {
     case DType::int32: return code(dl::dtype_code::Int, 32);
     case DType::int64: return code(dl::dtype_code::Int, 64);
     case DType::boolean: return code(dl::dtype_code::Bool, 8);
+    case DType::uint8: return code(dl::dtype_code::UInt, 8);
   }
   return code(dl::dtype_code::UInt, 8);
 }
@@ -117,7 +121,7 @@ std::string describe_array(const nb::ndarray<nb::ro>& a) {
 }
 
 constexpr const char* kSupported =
-    "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64 or bool";
+    "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, bool or uint8";
 
 }  // namespace
 

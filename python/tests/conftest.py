@@ -154,6 +154,58 @@ def fp8_dequantize_ref(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out
 
 
+# ------------------------------------------------------------------------------------------ nvfp4
+
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_encode_ref(y: np.ndarray) -> np.ndarray:
+    """Nearest e2m1 code (uint8, 0..15) of each value: ties to the even code, magnitudes past 6 saturate, the sign
+    kept (also for zeros), NaN -> 0x7 (semantics §6, "NVFP4")."""
+    y = np.asarray(y, dtype=np.float64)
+    mag = np.abs(y)
+    d = np.abs(mag[..., None] - E2M1_GRID)
+    best = np.argmin(d, axis=-1)  # the lower of two equally near codes
+    upper = np.minimum(best + 1, 7)
+    tie = (np.take_along_axis(d, upper[..., None], -1)[..., 0] == np.take_along_axis(d, best[..., None], -1)[..., 0])
+    best = np.where(tie & (best % 2 == 1) & (best < 7), upper, best)
+    best = np.where(mag > 6.0, 7, best)
+    code = (best | np.where(np.signbit(y), 8, 0)).astype(np.uint8)
+    return np.where(np.isnan(y), np.uint8(7), code).astype(np.uint8)
+
+
+def e2m1_decode_ref(code: np.ndarray) -> np.ndarray:
+    v = E2M1_GRID[code & 7]
+    return np.where(code & 8, -v, v)
+
+
+def nvfp4_quantize_ref(x: np.ndarray, gs: float):
+    """semantics §6 NVFP4 in NumPy float32: per block of 16, amax; sf = e4m3((amax / 6) * gs) (ml_dtypes rounds to
+    nearest even; saturated at 448 first); m = gs / float(sf) (0 for a zero scale); q = e2m1(x * m) with codes 2i / 2i+1
+    in the low / high nibble. Returns (q uint8 [T, H/2], scales uint8 [T, H/16] linear e4m3 codes, step float64
+    [T, H/16] = float(sf) / gs, amax float64 [T, H/16])."""
+    x32 = x.astype(np.float32)
+    T, H = x32.shape
+    blk = x32.reshape(T, H // 16, 16)
+    g = np.float32(gs)
+    amax = np.max(np.abs(blk), axis=2).astype(np.float32)
+    s = ((amax / np.float32(6.0)).astype(np.float32) * g).astype(np.float32)
+    sf = np.minimum(s, FP8_MAX).astype(FP8)
+    sfv = sf.astype(np.float32)
+    with np.errstate(divide="ignore"):
+        m = np.where(sfv > 0, np.minimum(g / sfv, np.float32(np.finfo(np.float32).max)), np.float32(0)).astype(np.float32)
+    y = (blk * m[:, :, None]).astype(np.float32).reshape(T, H)
+    codes = e2m1_encode_ref(y)
+    q = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return q, sf.view(np.uint8), sfv.astype(np.float64) / float(g), amax.astype(np.float64)
+
+
+def swizzled_offset_ref(row: int, col: int, col_tiles: int) -> int:
+    """Byte of scale (row, col) in a 128x4-tiled matrix: tiles (row / 128, col / 4) row-major, 512 bytes each, inside
+    (row % 32) * 16 + ((row % 128) / 32) * 4 + col % 4 (CUTLASS's / FlashInfer's / DeepEP's nvfp4 scale layout)."""
+    return ((row // 128) * col_tiles + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
+
+
 # ------------------------------------------------------------------------------------------ router
 
 def softmax64(logits: np.ndarray) -> np.ndarray:

@@ -49,8 +49,10 @@ DEEPEP_V1 = {
 }
 
 
-# epmoe's own additions: keyword-only, after DeepEP's parameters, so no DeepEP call can reach them.
-EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None, "num_recv_slots": 0, "debug_validate": False}}
+# epmoe's own additions, and arguments of DeepEP's later branches (sgl-project/DeepEP's nvfp4 low-latency dispatch):
+# keyword-only, after DeepEP V1's parameters, so no V1 call can reach them.
+EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None, "num_recv_slots": 0, "debug_validate": False},
+                      "low_latency_dispatch": {"use_nvfp4": False, "x_global_scale": None}}
 
 
 @pytest.mark.parametrize("method", sorted(DEEPEP_V1))

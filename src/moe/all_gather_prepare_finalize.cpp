@@ -323,6 +323,7 @@ class AllGatherPrepareFinalize final : public PrepareFinalize {
 std::shared_ptr<PrepareFinalize> make_all_gather_prepare_finalize(std::shared_ptr<Group> group,
                                                                   const PrepareFinalizeOptions& options) {
   EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
+  refuse_nvfp4(options, "all_gather");
   EPMOE_CHECK_ARG(!options.use_ue8m0 || options.round_scale, "use_ue8m0", "only with round_scale", "without it");
   return std::make_shared<AllGatherPrepareFinalize>(std::move(group), options);
 }

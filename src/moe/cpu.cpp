@@ -39,6 +39,11 @@ void check_prepare_inputs(const PrepareInputs& in) {
 
 }  // namespace
 
+void refuse_nvfp4(const PrepareFinalizeOptions& options, std::string_view name) {
+  EPMOE_CHECK_ARG(options.dispatch_dtype != DispatchDtype::nvfp4, "dispatch_dtype",
+                  fmt::format("bf16 or fp8 for the {} prepare/finalize (nvfp4: low-latency mode only)", name), "nvfp4");
+}
+
 Tensor clone(const TensorView& v) {
   Tensor t = Tensor::empty(v.dtype, v.shape);
   EPMOE_ASSERT(v.is_contiguous());

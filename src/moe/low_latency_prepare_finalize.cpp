@@ -3,10 +3,12 @@
 //
 // Calls whose hidden states are on a GPU run on the buffer's GPU low-latency mode (a cuda_ipc buffer,
 // cuda_ipc/low_latency.hpp) and stay on the device, asynchronous on the current stream: the router weight
-// on the input (K == 1) and the fp8 wire's dequantization run as CUDA kernels, the received slabs and counts
+// on the input (K == 1) and the fp8 / nvfp4 wire's dequantization run as CUDA kernels, the received slabs and counts
 // are views of the buffer's receive half, and the combine writes into MoEForwardArgs::output when given.
+#include <epmoe/nvfp4.hpp>
 #include <epmoe/quant.hpp>
 
+#include <cmath>
 #include <cstring>
 
 #include "core/check.hpp"
@@ -23,7 +25,10 @@ namespace {
 class LowLatencyPrepareFinalize final : public PrepareFinalize {
  public:
   LowLatencyPrepareFinalize(std::shared_ptr<Buffer> buffer, int tmax, PrepareFinalizeOptions o)
-      : buffer_(std::move(buffer)), tmax_(tmax), options_(o), workspaces_(std::make_shared<WorkspaceCache>()) {}
+      : buffer_(std::move(buffer)), tmax_(tmax), options_(o), workspaces_(std::make_shared<WorkspaceCache>()) {
+    global_scale_ = Tensor::empty(DType::fp32, Shape{});  // the nvfp4 x_global_scale: a CPU scalar, read when sent
+    *global_scale_.ptr<float>() = o.nvfp4_global_scale;
+  }
   std::string_view name() const override { return "low_latency"; }
   ActivationFormat activation_format() const override { return ActivationFormat::batched_experts; }
   // The low-latency combine applies the router weights itself.
@@ -49,6 +54,8 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     a.num_max_dispatch_tokens_per_rank = tmax_;
     a.num_experts = in.global_num_experts;
     a.use_fp8 = options_.dispatch_dtype == DispatchDtype::fp8;
+    a.use_nvfp4 = options_.dispatch_dtype == DispatchDtype::nvfp4;
+    if (a.use_nvfp4) a.x_global_scale = global_scale_;
     a.round_scale = options_.round_scale;
     a.use_ue8m0 = options_.use_ue8m0;
     a.return_recv_hook = true;
@@ -57,8 +64,9 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
 
   PrepareOutput do_dispatch_b() override {
     recv_.hook();
+    const bool nvfp4 = recv_.packed_recv_x.dtype == DType::uint8;
     const std::int64_t E_local = recv_.packed_recv_x.size(0), rows = recv_.packed_recv_x.size(1),
-                       H = recv_.packed_recv_x.size(2);
+                       H = recv_.packed_recv_x.size(2) * (nvfp4 ? 2 : 1);
     PrepareOutput out;
     out.format = ActivationFormat::batched_experts;
     if (on_gpu_) return gpu_prepare_output(E_local, rows, H);
@@ -70,13 +78,16 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
       out.hidden = Tensor::wrap(recv_.packed_recv_x, nullptr);
       return out;
     }
-    // fp8: dequantize the valid rows of each slab; rows past the count are never read.
+    // fp8 / nvfp4: dequantize the valid rows of each slab; rows past the count are never read. An nvfp4 slab's
+    // scales are one swizzled matrix whose first ceil(n / 128) rows of tiles hold its first n rows.
     out.hidden = Tensor::empty(DType::bf16, {E_local, rows, H});
     for (std::int64_t e = 0; e < E_local; ++e) {
       const std::int64_t n = out.expert_num_tokens.ptr<std::int32_t>()[e];
       if (n == 0) continue;
-      const Tensor d = dequantize_fp8(recv_.packed_recv_x.row(e).slice_rows(0, n),
-                                      recv_.packed_recv_x_scales.row(e).slice_rows(0, n), DType::bf16);
+      const TensorView q = recv_.packed_recv_x.row(e).slice_rows(0, n), sc = recv_.packed_recv_x_scales.row(e);
+      const Tensor d = nvfp4 ? dequantize_nvfp4(q, sc.slice_rows(0, nvfp4_row_tiles(n)), global_scale_,
+                                                Nvfp4ScaleLayout::swizzled, DType::bf16)
+                             : dequantize_fp8(q, sc.slice_rows(0, n), DType::bf16);
       std::memcpy(out.hidden.ptr<bf16_t>() + e * rows * H, d.data(), d.nbytes());
     }
     return out;
@@ -126,8 +137,12 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     if (E_local * rows > 0) {
       cuda_util::DeviceGuard guard(d);
       EPMOE_ASSERT(recv_.packed_recv_count.dtype == DType::int32);
-      quant_detail::dequantize_fp8_masked_cuda(q, sc, deq, static_cast<const std::int32_t*>(recv_.packed_recv_count.data),
-                                               current_stream());
+      const auto* counts = static_cast<const std::int32_t*>(recv_.packed_recv_count.data);
+      if (q.dtype == DType::uint8)
+        quant_detail::dequantize_nvfp4_masked_cuda(q, sc, {options_.nvfp4_global_scale, nullptr}, deq, counts,
+                                                   current_stream());
+      else
+        quant_detail::dequantize_fp8_masked_cuda(q, sc, deq, counts, current_stream());
     }
     out.hidden = Tensor::wrap(deq, nullptr);
     return out;
@@ -140,6 +155,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
   int tmax_;
   PrepareFinalizeOptions options_;
   std::shared_ptr<WorkspaceCache> workspaces_;  // GPU: the scaled tokens, the dequantized slabs
+  Tensor global_scale_;                         // float32 scalar on the CPU: nvfp4_global_scale
   bool on_gpu_ = false;
   TensorView output_;
   TokenSide side_;
@@ -155,6 +171,10 @@ std::shared_ptr<PrepareFinalize> make_low_latency_prepare_finalize(std::shared_p
   EPMOE_CHECK_ARG(buffer != nullptr, "buffer", "a Buffer", "null");
   EPMOE_CHECK_ARG(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank", "> 0",
                   num_max_dispatch_tokens_per_rank);
+  if (options.dispatch_dtype == DispatchDtype::nvfp4)
+    EPMOE_CHECK_ARG(std::isfinite(options.nvfp4_global_scale) && options.nvfp4_global_scale > 0.0f,
+                    "nvfp4_global_scale", "a finite global scale > 0 with dispatch_dtype nvfp4",
+                    options.nvfp4_global_scale);
   return std::make_shared<LowLatencyPrepareFinalize>(std::move(buffer), num_max_dispatch_tokens_per_rank, options);
 }
 

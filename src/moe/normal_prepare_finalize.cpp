@@ -172,6 +172,7 @@ class NormalPrepareFinalize final : public PrepareFinalize {
 std::shared_ptr<PrepareFinalize> make_normal_prepare_finalize(std::shared_ptr<Buffer> buffer,
                                                               const PrepareFinalizeOptions& options) {
   EPMOE_CHECK_ARG(buffer != nullptr, "buffer", "a Buffer", "null");
+  refuse_nvfp4(options, "normal");
   return std::make_shared<NormalPrepareFinalize>(std::move(buffer), options);
 }
 

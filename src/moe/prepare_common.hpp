@@ -37,6 +37,10 @@ void weight_on_input_cuda(const TensorView& hidden, const TensorView& topk_weigh
 /// The activations the experts see after an fp8 wire: quantize, then dequantize to bfloat16.
 Tensor fp8_round_trip(const TensorView& hidden, const PrepareFinalizeOptions& options);
 
+/// DispatchDtype::nvfp4 is a low-latency wire format only: prepare/finalize `name` refuses it (invalid_argument naming
+/// dispatch_dtype).
+void refuse_nvfp4(const PrepareFinalizeOptions& options, std::string_view name);
+
 /// Copies a view into a new contiguous CPU tensor.
 Tensor clone(const TensorView& v);
 

@@ -159,11 +159,13 @@ class NoEpPrepareFinalize final : public PrepareFinalize {
 }  // namespace
 
 std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options) {
+  refuse_nvfp4(options, "no_ep");
   return std::make_shared<NoEpPrepareFinalize>(options, NoEpOptions{});
 }
 
 std::shared_ptr<PrepareFinalize> make_no_ep_prepare_finalize(const PrepareFinalizeOptions& options,
                                                               const NoEpOptions& no_ep) {
+  refuse_nvfp4(options, "no_ep");
   // Slots are int32-counted (expert_num_tokens), as on GPUs.
   EPMOE_CHECK_ARG(no_ep.max_tokens_per_expert >= 0 && no_ep.max_tokens_per_expert <= INT32_MAX, "max_tokens_per_expert",
                   "0..2^31 - 1", no_ep.max_tokens_per_expert);

@@ -10,7 +10,7 @@
 
 namespace epmoe {
 
-namespace {
+namespace quant_detail {
 
 std::string strides_of(const TensorView& t) {
   return fmt::format("{} with strides {}", describe(t), to_string(t.strides));
@@ -40,6 +40,13 @@ void require_cpu(const TensorView& t, std::string_view name) {
           to_string(t.device), describe(t));
 #endif
 }
+
+}  // namespace quant_detail
+
+namespace {
+
+using quant_detail::check_matrix;
+using quant_detail::require_cpu;
 
 // Device dispatch: quant/cpu.cpp or quant/cuda.cu (asynchronous on the current stream, same bits).
 void run_quantize(const quant_detail::QuantizeProblem& p) {

@@ -14,7 +14,15 @@
 #include <optional>
 #include <string_view>
 
+#include "quant/nvfp4.hpp"
+
 namespace epmoe::quant_detail {
+
+/// Argument check of a [rows, cols] matrix of `dtype` whose rows may be spaced by any stride >= cols (unit
+/// inner stride, non-null data unless empty). invalid_argument naming `name`.
+void check_matrix(const TensorView& t, std::string_view name, DType dtype, std::int64_t rows, std::int64_t cols);
+/// In a CPU-only build, a tensor `name` not on the CPU is unsupported.
+void require_cpu(const TensorView& t, std::string_view name);
 
 /// Lower clamp of a group's absolute maximum (semantics §6), so an all-zero group gets a finite scale.
 inline constexpr float kAmaxFloor = 1e-4f;

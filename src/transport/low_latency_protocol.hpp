@@ -16,8 +16,19 @@ inline constexpr std::size_t kHeaderBytes = 64;
 enum : std::uint32_t { kKindDispatch = 1, kKindCombine = 2 };
 
 /// Header::flags of a dispatch: its per-call settings, which every rank must pass equal.
-constexpr std::uint32_t dispatch_flags(bool use_fp8, bool round_scale, bool use_ue8m0) {
-  return (use_fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (use_ue8m0 ? 4u : 0u);
+inline constexpr std::uint32_t kFlagNvfp4 = 8u;
+constexpr std::uint32_t dispatch_flags(bool use_fp8, bool round_scale, bool use_ue8m0, bool use_nvfp4) {
+  return (use_fp8 ? 1u : 0u) | (round_scale ? 2u : 0u) | (use_ue8m0 ? 4u : 0u) | (use_nvfp4 ? kFlagNvfp4 : 0u);
+}
+
+/// NVFP4 dispatch (H % 64 == 0): a record is the packed row (H / 2 bytes of e2m1 pairs) then its H / 16 e4m3 block
+/// scales (linear); the receiver writes each expert's rows' scales as one swizzled matrix of 128-row tiles
+/// (nvfp4.hpp), nvfp4_slab_scale_bytes apart.
+constexpr std::size_t nvfp4_row_bytes(std::int64_t hidden) { return static_cast<std::size_t>(hidden / 2); }
+constexpr std::size_t nvfp4_scale_bytes(std::int64_t hidden) { return static_cast<std::size_t>(hidden / 16); }
+constexpr std::size_t nvfp4_slab_scale_bytes(std::int64_t rows, std::int64_t hidden) {
+  // ceil(rows / 128) tiles of 128 rows times ceil(H / 64) tiles of 4 scales, 512 bytes each
+  return static_cast<std::size_t>((rows + 127) / 128) * static_cast<std::size_t>((hidden / 16 + 3) / 4) * 512u;
 }
 
 /// What a source writes before its data; the receiver checks it, so two ranks in different calls or with different

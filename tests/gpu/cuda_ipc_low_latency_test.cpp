@@ -3,7 +3,7 @@
 // cuda:r; R = 1 sends to itself). Compared: packed_recv_x and its scales (valid rows), packed_recv_count, the
 // handle's src_info (valid rows) and layout_range, cumulative stats, combined_x. Window outputs of a call are
 // poisoned on the GPU once read, so a later call that used the same half must have rewritten them. Covers bf16 and
-// fp8 (float32, round_scale, UE8M0; quantized in the send kernel or beforehand), T = 0 on a rank, all ids -1, one
+// fp8 (float32, round_scale, UE8M0; quantized in the send kernel or beforehand) and nvfp4, T = 0 on a rank, all ids -1, one
 // expert taking every token, T = Tmax, K = 1, 8 and 16, H in {2048, 2880, 4096, 7168}, hooks (also two dispatches in
 // flight, hooks called out of order), async_finish, repeated calls, a CUDA graph of dispatch + combine replayed with
 // new inputs, and the errors (T > Tmax, K > 16, bad ids eagerly and on the device, the two-buffer rule, a hook called
@@ -13,10 +13,12 @@
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
+#include <epmoe/nvfp4.hpp>
 #include <epmoe/quant.hpp>
 #include <epmoe/stream.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -56,6 +58,9 @@ struct Case {
   int calls = 2;  // dispatch + combine pairs
   bool hooks = false, async = false, stats = false, out_param = true;
   bool separate_quant = false;  // BufferOptions::low_latency_separate_quant of the cuda_ipc buffers
+  bool nvfp4 = false;           // use_nvfp4 (use_fp8 off), with x_global_scale = global_scale
+  float global_scale = 0.0f;    // 0: 448 * 6 / amax of each call's x on its rank (the producers' convention)
+  bool device_scale = false;    // x_global_scale on the GPU (else a CPU tensor)
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E << " Tmax=" << tmax
@@ -65,7 +70,8 @@ struct Case {
                : " bf16")
        << (int32_idx ? " int32 ids" : "") << " p(-1)=" << p_minus_one << " only_expert=" << only_expert
        << " all-1 rank=" << all_minus_one_rank << " calls=" << calls << (hooks ? " hooks" : "")
-       << (async ? " async" : "") << (stats ? " stats" : "") << (separate_quant ? " separate quant" : "");
+       << (async ? " async" : "") << (stats ? " stats" : "") << (separate_quant ? " separate quant" : "")
+       << (nvfp4 ? (device_scale ? " nvfp4 (device global scale)" : " nvfp4") : "");
     return os.str();
   }
 };
@@ -132,12 +138,27 @@ void keep_dispatch(std::map<std::string, Tensor>& o, const std::string& p, const
     o[p + name] = out;
   };
   valid_rows(d.packed_recv_x, "packed_recv_x");
-  valid_rows(d.packed_recv_x_scales, "packed_recv_x_scales");
-  if (d.packed_recv_x_scales.defined()) {
-    // DeepEP's layout: a transposed [E_local, C, M] allocation, M = R*Tmax rounded up to a multiple of 4.
-    const std::int64_t rows = d.packed_recv_x_scales.size(1), C = d.packed_recv_x_scales.size(2);
-    const std::int64_t m = (rows + 3) / 4 * 4;
-    EXPECT_EQ(d.packed_recv_x_scales.strides, (Shape{C * m, 1, m})) << p << to_string(d.packed_recv_x_scales.strides);
+  if (d.packed_recv_x.dtype == DType::uint8) {
+    // nvfp4: each valid row's H / 16 block scales, read from its expert's swizzled matrix.
+    const Tensor all = to_cpu(d.packed_recv_x_scales);
+    const std::int64_t El = d.packed_recv_x.size(0), H = 2 * d.packed_recv_x.size(2), B = H / 16;
+    const std::int64_t slab = d.packed_recv_x_scales.size(1) * d.packed_recv_x_scales.size(2);
+    std::vector<std::uint8_t> out;
+    for (std::int64_t e = 0; e < El; ++e)
+      for (std::int64_t j = 0; j < count.ptr<std::int32_t>()[e]; ++j)
+        for (std::int64_t b = 0; b < B; ++b)
+          out.push_back(static_cast<const std::uint8_t*>(all.data())[e * slab + nvfp4_swizzled_offset(j, b, B / 4)]);
+    Tensor t = Tensor::empty(DType::uint8, {static_cast<std::int64_t>(out.size())});
+    if (!out.empty()) std::memcpy(t.data(), out.data(), out.size());
+    o[p + "packed_recv_x_scales"] = t;
+  } else {
+    valid_rows(d.packed_recv_x_scales, "packed_recv_x_scales");
+    if (d.packed_recv_x_scales.defined()) {
+      // DeepEP's layout: a transposed [E_local, C, M] allocation, M = R*Tmax rounded up to a multiple of 4.
+      const std::int64_t rows = d.packed_recv_x_scales.size(1), C = d.packed_recv_x_scales.size(2);
+      const std::int64_t m = (rows + 3) / 4 * 4;
+      EXPECT_EQ(d.packed_recv_x_scales.strides, (Shape{C * m, 1, m})) << p << to_string(d.packed_recv_x_scales.strides);
+    }
   }
   valid_rows(d.handle.src_info, "src_info");
 }
@@ -200,6 +221,16 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
       const std::string p = "call" + std::to_string(i) + ".";
       const Tensor x = put(ci.x), idx = put(ci.idx), w = put(ci.w), cx = put(ci.comb_x);
       LowLatencyDispatchArgs a = dispatch_args(c, x, idx, w, c.fp8);
+      Tensor gs;
+      if (c.nvfp4) {
+        float amax = 0.0f;
+        for (std::int64_t j = 0; j < ci.x.numel(); ++j) amax = std::max(amax, std::fabs(bf16_to_float(ci.x.ptr<bf16_t>()[j])));
+        gs = Tensor::empty(DType::fp32, Shape{});
+        *gs.ptr<float>() = c.global_scale > 0.0f ? c.global_scale : (amax > 0.0f ? 448.0f * 6.0f / amax : 1.0f);
+        if (c.device_scale) gs = put(gs);
+        a.use_nvfp4 = true;
+        a.x_global_scale = gs;
+      }
       a.round_scale = c.round_scale;
       a.use_ue8m0 = c.ue8m0;
       a.async_finish = c.async;
@@ -276,6 +307,16 @@ TEST(GpuCudaIpcLowLatency, Fp8FloatRoundScaleAndUe8m0Match) {
                     .ue8m0 = mode == 2,
                     .calls = 2,
                     .separate_quant = separate});
+}
+
+// NVFP4: quantized by the library's quantizer into the records, scales swizzled by the receive kernel; a CPU or a
+// device global scale (the producers' 448 * 6 / amax, and a fixed one), T = 0 on a rank, hooks.
+TEST(GpuCudaIpcLowLatency, Nvfp4MatchesThreadsBackend) {
+  for (std::int64_t H : {std::int64_t{2048}, std::int64_t{2880}, std::int64_t{7168}})
+    for (bool device : {false, true}) check_case({.H = H, .calls = 2, .nvfp4 = true, .device_scale = device});
+  check_case({.T = {0, 23}, .nvfp4 = true, .global_scale = 0.5f});
+  check_case({.T = {64, 64}, .calls = 3, .hooks = true, .nvfp4 = true, .device_scale = true});
+  check_case({.K = 16, .E = 32, .nvfp4 = true, .global_scale = 37.0f});
 }
 
 TEST(GpuCudaIpcLowLatency, HiddenSizes) {
@@ -378,8 +419,9 @@ Failure failure(const std::function<void()>& fn) {
 }
 
 // Every low-latency argument error (semantics §11), raised on every rank before any communication (T > Tmax, K > 16, bad ids with
-// debug_validate; the two-buffer rule; a hook called twice), or on the device and raised by the next call (bad ids
-// without debug_validate); the buffer stays usable after each.
+// debug_validate; the two-buffer rule; a hook called twice; an nvfp4 global scale that is not finite), or on the
+// device and raised by the next call (bad ids, a device global scale, without debug_validate); the buffer stays usable
+// after each.
 TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
   const int R = num_ranks();
   if (R == 0) GTEST_SKIP() << "no GPU";
@@ -442,6 +484,29 @@ TEST(GpuCudaIpcLowLatency, ErrorsBeforeCommunicationAndOnTheDevice) {
           EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
           EXPECT_NE(f.what.find("topk_idx"), std::string::npos) << f.what;
         }
+      }
+      // nvfp4 with a NaN global scale: on the CPU refused before any communication; on the device refused so with
+      // debug_validate, else found by the send kernel and raised by the next call; each naming x_global_scale.
+      {
+        Tensor nan_host = Tensor::empty(DType::fp32, Shape{});
+        *nan_host.ptr<float>() = std::nanf("");
+        const Tensor nan_dev = to_gpu(nan_host, r);
+        LowLatencyDispatchArgs n = args();
+        n.use_nvfp4 = true;
+        n.x_global_scale = nan_host;
+        Failure f = failure([&] { buf.low_latency_dispatch(n); });
+        EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        EXPECT_NE(f.what.find("'x_global_scale'"), std::string::npos) << f.what;
+        n.x_global_scale = nan_dev;
+        if (eager) {
+          f = failure([&] { buf.low_latency_dispatch(n); });
+        } else {
+          buf.low_latency_dispatch(n);
+          cuda_ok(cudaDeviceSynchronize(), "sync");
+          f = failure([&] { buf.low_latency_dispatch(args()); });
+        }
+        EXPECT_EQ(f.code, ErrorCode::invalid_argument) << f.what;
+        EXPECT_NE(f.what.find("'x_global_scale'"), std::string::npos) << f.what;
       }
       // Usable afterwards; the two-buffer rule; a hook called twice.
       const LowLatencyDispatchResult d1 = buf.low_latency_dispatch(args());

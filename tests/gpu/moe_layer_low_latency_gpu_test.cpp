@@ -8,8 +8,8 @@
 //     sum over k the same way; they differ only in the experts' GEMMs (cuBLAS vs OpenBLAS accumulation order, each
 //     rounding the [rows, 2N] and [rows, N] intermediates to bf16: ~2^-9 relative per element), so the two
 //     outputs sit within a few 1e-3 of each other, well inside 1e-2.
-// Fresh random inputs per call (seed logged), outputs poisoned (0xff) first. Covered: bf16 and fp8 (float32 and
-// UE8M0 scales) wires, H in {2048, 2880, 7168}, three forwards through one layer (both halves of the buffer, the
+// Fresh random inputs per call (seed logged), outputs poisoned (0xff) first. Covered: bf16, fp8 (float32 and
+// UE8M0 scales) and nvfp4 wires, H in {2048, 2880, 7168}, three forwards through one layer (both halves of the buffer, the
 // third reusing the first's), an output given or allocated by the layer, ranks with different T (one with T = 0),
 // -1 ids, K = 1 with the router weight on the input and int32 ids; the prepare stage on its own (counts bit for bit
 // against the CPU ranks', the valid rows of the slabs the experts read bit for bit against the CPU's dequantized
@@ -61,7 +61,7 @@ struct Case : gputest::LayerCase {
   }
   std::string name() const {
     return "T=[" + std::to_string(T[0]) + "," + std::to_string(T[1]) + "] H=" + std::to_string(H) +
-           " K=" + std::to_string(K) + " E=" + std::to_string(E) + (fp8 ? (ue8m0 ? " fp8/ue8m0" : " fp8/f32") : " bf16") +
+           " K=" + std::to_string(K) + " E=" + std::to_string(E) + (nvfp4 ? " nvfp4" : fp8 ? (ue8m0 ? " fp8/ue8m0" : " fp8/f32") : " bf16") +
            (weight_on_input ? " weight-on-input" : "") + (int32_idx ? " int32 ids" : "");
   }
 };
@@ -114,6 +114,23 @@ TEST(GpuMoELayerLowLatency, Bf16AndFp8MatchFloat64AndTheCpuRanksAtEveryHiddenSiz
       c.ue8m0 = wire == 2;
       check_case(c, seed + i++);
     }
+}
+
+// The nvfp4 wire: quantized by the CUDA quantizer, dequantized on the device in dispatch_b (the CPU's bits).
+TEST(GpuMoELayerLowLatency, Nvfp4MatchesFloat64AndTheCpuRanks) {
+  const std::uint64_t seed = test::fresh_seed();
+  std::uint64_t i = 0;
+  for (std::int64_t H : gputest::hidden_sizes()) {
+    Case c;
+    c.H = H;
+    c.nvfp4 = true;
+    check_case(c, seed + i++);
+  }
+  Case c;
+  c.T = {32, 0};
+  c.nvfp4 = true;
+  c.nvfp4_global_scale = 3.0f;
+  check_case(c, seed + i);
 }
 
 TEST(GpuMoELayerLowLatency, ZeroTokensOnARankAndTEqualsTmax) {

@@ -1,5 +1,6 @@
 #include "gpu/moe_layer_test_util.hpp"
 
+#include <epmoe/nvfp4.hpp>
 #include <epmoe/quant.hpp>
 
 #include <gtest/gtest.h>
@@ -17,7 +18,8 @@ namespace epmoe::gputest {
 
 PrepareFinalizeOptions LayerCase::options() const {
   PrepareFinalizeOptions o;
-  o.dispatch_dtype = fp8 ? DispatchDtype::fp8 : DispatchDtype::bf16;
+  o.dispatch_dtype = nvfp4 ? DispatchDtype::nvfp4 : fp8 ? DispatchDtype::fp8 : DispatchDtype::bf16;
+  o.nvfp4_global_scale = nvfp4_global_scale;
   o.round_scale = ue8m0;
   o.use_ue8m0 = ue8m0;
   return o;
@@ -75,6 +77,12 @@ Tensor seen_by_experts(const LayerCase& c, const CallIn& ci) {
       for (std::int64_t h = 0; h < c.H; ++h)
         x.ptr<bf16_t>()[t * c.H + h] =
             float_to_bf16(ci.w.ptr<float>()[t] * bf16_to_float(ci.x.ptr<bf16_t>()[t * c.H + h]));
+  }
+  if (c.nvfp4 && x.numel() > 0) {
+    Tensor gs = Tensor::empty(DType::fp32, Shape{});
+    *gs.ptr<float>() = c.nvfp4_global_scale;
+    const Nvfp4Tensor q = quantize_nvfp4(x, gs, Nvfp4ScaleLayout::linear);
+    return dequantize_nvfp4(q.data, q.scales, gs, Nvfp4ScaleLayout::linear, DType::bf16);
   }
   if (!c.fp8 || x.numel() == 0) return x;
   const Fp8Tensor q = quantize_fp8(x, {c.ue8m0, c.ue8m0});

@@ -24,9 +24,11 @@ struct LayerCase {
   std::int64_t H = 2048, N = 128;
   int K = 8;
   bool fp8 = false, ue8m0 = false, weight_on_input = false, int32_idx = false;
+  bool nvfp4 = false;               ///< an nvfp4 wire (low-latency only) with this global scale
+  float nvfp4_global_scale = 200.0f;
   double p_minus_one = 0.1;
   int forwards = 2;
-  /// The wire: bf16, or fp8 with float32 scales or (ue8m0) rounded UE8M0 ones.
+  /// The wire: bf16, fp8 with float32 scales or (ue8m0) rounded UE8M0 ones, or nvfp4.
   PrepareFinalizeOptions options() const;
   /// Rank r's token count: the per-rank counts repeat over the ranks.
   std::int64_t tokens_of(int r) const;

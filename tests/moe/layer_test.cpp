@@ -14,6 +14,8 @@
 
 #include "moe/weight_and_reduce.hpp"
 #include "support/moe_reference.hpp"
+#include "support/nvfp4_reference.hpp"
+#include "support/quant_reference.hpp"
 #include "support/random.hpp"
 
 namespace epmoe {
@@ -65,6 +67,7 @@ struct RunOptions {
   bool use_reference_experts = false;
   std::int64_t chunk_size = 0;
   bool weight_on_input = false;
+  float nvfp4_global_scale = 0.0f;  ///< with DispatchDtype::nvfp4
 };
 
 std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
@@ -76,6 +79,7 @@ std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
     std::shared_ptr<Group> group(std::shared_ptr<Group>{}, &g);
     PrepareFinalizeOptions po;
     po.dispatch_dtype = o.dtype;
+    po.nvfp4_global_scale = o.nvfp4_global_scale;
     std::shared_ptr<PrepareFinalize> pf;
     ExpertsConfig ec;
     if (o.mode == Mode::no_ep) {
@@ -110,6 +114,13 @@ double layer_error(const Problem& p, const RunOptions& o) {
   if (o.dtype == DispatchDtype::fp8) {  // the reference sees what the experts saw: the fp8 values
     const Fp8Tensor q = quantize_fp8(x);
     x = dequantize_fp8(q.data, q.scales, DType::bf16);
+  }
+  if (o.dtype == DispatchDtype::nvfp4) {  // the float64 model of the nvfp4 round trip, rounded to bf16 as dispatch_b
+    std::vector<float> v(static_cast<std::size_t>(x.numel()));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_float(x.ptr<bf16_t>()[i]);
+    const test::RefNvfp4 m = test::ref_quantize_nvfp4(v, x.size(0), x.size(1), o.nvfp4_global_scale);
+    for (std::size_t i = 0; i < v.size(); ++i)
+      x.ptr<bf16_t>()[i] = float_to_bf16(static_cast<float>(test::ref_bf16_round(m.dequantized[i])));
   }
   const auto want = test::moe_layer_reference(x, p.w1, p.w2, concat_rows(p.topk_idx), concat_rows(p.topk_weights),
                                               p.activation, o.weight_on_input);
@@ -221,6 +232,45 @@ TEST(MoELayer, LowLatencyModeOverThreadRanksMatchesReference) {
       EXPECT_LE(layer_error(p, o), 1e-2) << "R=" << R << " fp8=" << (dtype == DispatchDtype::fp8);
     }
   }
+}
+
+// NVFP4 on the wire (low-latency mode only): the experts see the dequantized rows; the reference is fed the float64
+// model of the same round trip. The producers' global scale and a fixed one; other modes refuse nvfp4.
+TEST(MoELayer, LowLatencyNvfp4OverThreadRanksMatchesFloat64Reference) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int R : {1, 2, 4}) {
+    const Problem p = make_problem(rng, R, 16, 4, 12, 256, 64);
+    float amax = 0.0f;
+    for (const Tensor& x : p.x)
+      for (std::int64_t i = 0; i < x.numel(); ++i) amax = std::max(amax, std::fabs(bf16_to_float(x.ptr<bf16_t>()[i])));
+    for (float gs : {448.0f * 6.0f / amax, 3.0f}) {
+      RunOptions o{Mode::low_latency, DispatchDtype::nvfp4};
+      o.nvfp4_global_scale = gs;
+      o.use_reference_experts = R == 2;
+      EXPECT_LE(layer_error(p, o), 1e-2) << "R=" << R << " gs=" << gs;
+    }
+  }
+  PrepareFinalizeOptions po;
+  po.dispatch_dtype = DispatchDtype::nvfp4;
+  auto expect_named = [](const char* name, auto&& make) {
+    try {
+      make();
+      ADD_FAILURE() << "no error naming " << name;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(std::string("'") + name + "'"), std::string::npos) << e.what();
+    }
+  };
+  run_thread_ranks(1, [&](Group& g) {
+    std::shared_ptr<Group> group(std::shared_ptr<Group>{}, &g);
+    auto buffer = std::make_shared<Buffer>(group);
+    expect_named("nvfp4_global_scale", [&] { make_low_latency_prepare_finalize(buffer, 8, po); });
+    po.nvfp4_global_scale = 1.0f;
+    expect_named("dispatch_dtype", [&] { make_normal_prepare_finalize(buffer, po); });
+    expect_named("dispatch_dtype", [&] { make_no_ep_prepare_finalize(po); });
+    expect_named("dispatch_dtype", [&] { make_all_gather_prepare_finalize(group, po); });
+    (void)make_low_latency_prepare_finalize(buffer, 8, po);
+  });
 }
 
 TEST(MoELayer, EdgeRoutingAllMinusOneAndOneExpertTakingEverything) {

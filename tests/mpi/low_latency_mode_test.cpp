@@ -5,6 +5,7 @@
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/mpi.hpp>
+#include <epmoe/nvfp4.hpp>
 
 #include <gtest/gtest.h>
 
@@ -25,6 +26,7 @@ struct LowLatencyCase {
   std::int64_t H = 128;
   int tmax = 12;
   bool fp8 = false, round_scale = false, ue8m0 = false;
+  bool nvfp4 = false;  // with x_global_scale 1.5
   bool hook = false;
   int zero_token_rank = -1;
   int rounds = 3;
@@ -72,7 +74,15 @@ Snapshot snapshot_dispatch(const LowLatencyDispatchResult& d) {
     s.count.push_back(count);
     for (std::int64_t j = 0; j < count; ++j) {
       append_row(s.packed_x, d.packed_recv_x, e, j);
-      if (d.packed_recv_x_scales.defined()) append_row(s.scales, d.packed_recv_x_scales, e, j);
+      if (d.packed_recv_x.dtype == DType::uint8) {  // nvfp4: the row's block scales in its expert's swizzled matrix
+        const TensorView& sv = d.packed_recv_x_scales;
+        const std::int64_t blocks = 2 * d.packed_recv_x.size(2) / 16;
+        for (std::int64_t b = 0; b < blocks; ++b)
+          s.scales.push_back(static_cast<const std::byte*>(sv.data)[e * sv.stride(0) +
+                                                                  nvfp4_swizzled_offset(j, b, blocks / 4)]);
+      } else if (d.packed_recv_x_scales.defined()) {
+        append_row(s.scales, d.packed_recv_x_scales, e, j);
+      }
       const TensorView& si = d.handle.src_info;
       s.src_info.push_back(si.ptr<std::int32_t>()[e * si.stride(0) + j * si.stride(1)]);
     }
@@ -97,6 +107,10 @@ std::vector<Snapshot> run_rank(Buffer& buffer, std::uint64_t seed, const LowLate
     a.use_fp8 = c.fp8;
     a.round_scale = c.round_scale;
     a.use_ue8m0 = c.ue8m0;
+    Tensor gs = Tensor::empty(DType::fp32, Shape{});
+    *gs.ptr<float>() = 1.5f;
+    a.use_nvfp4 = c.nvfp4;
+    if (c.nvfp4) a.x_global_scale = gs;
     a.return_recv_hook = c.hook;
     LowLatencyDispatchResult d = buffer.low_latency_dispatch(a);
     if (c.hook) d.hook();
@@ -153,6 +167,12 @@ TEST(MpiLowLatencyMode, Fp8DispatchMatchesTheThreadsBackend) {
 TEST(MpiLowLatencyMode, Fp8Ue8m0RoundedScalesWithAPartialGroupMatchTheThreadsBackend) {
   run_case({.name = "fp8 ue8m0", .experts_per_rank = 4, .K = 5,
             .H = 2880, .tmax = 5, .fp8 = true, .round_scale = true, .ue8m0 = true,
+            .rounds = 2});
+}
+
+TEST(MpiLowLatencyMode, Nvfp4DispatchMatchesTheThreadsBackend) {
+  run_case({.name = "nvfp4", .H = 256, .tmax = 40, .nvfp4 = true, .zero_token_rank = 0});
+  run_case({.name = "nvfp4 hooks", .experts_per_rank = 3, .H = 2880, .tmax = 5, .nvfp4 = true, .hook = true,
             .rounds = 2});
 }
 

@@ -138,12 +138,13 @@ inline LowLatencyDispatchArgs dispatch_args(const Case& c, const LowLatencyRankI
 /// A row-major copy of a 3-d view of 4-byte elements with any strides.
 inline Tensor clone_row_major(const TensorView& v) {
   Tensor t = Tensor::empty(v.dtype, v.shape);
-  auto* d = static_cast<std::uint32_t*>(t.data());
-  const auto* src = static_cast<const std::uint32_t*>(v.data);
+  const std::size_t es = dtype_size(v.dtype);  // 4-byte fp8 scales / UE8M0 words, 1-byte nvfp4 scales
+  auto* d = static_cast<std::byte*>(t.data());
+  const auto* src = static_cast<const std::byte*>(v.data);
   for (std::int64_t i = 0; i < v.size(0); ++i)
     for (std::int64_t j = 0; j < v.size(1); ++j)
-      for (std::int64_t k = 0; k < v.size(2); ++k)
-        *d++ = src[i * v.stride(0) + j * v.stride(1) + k * v.stride(2)];
+      for (std::int64_t k = 0; k < v.size(2); ++k, d += es)
+        std::memcpy(d, src + static_cast<std::size_t>(i * v.stride(0) + j * v.stride(1) + k * v.stride(2)) * es, es);
   return t;
 }
 

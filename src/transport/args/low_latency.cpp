@@ -124,9 +124,15 @@ DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device devic
                   "false");
   EPMOE_CHECK_ARG(!a.use_ue8m0 || a.round_scale, "use_ue8m0", "round_scale = true (UE8M0 holds powers of two only)",
                   "round_scale = false");
+  EPMOE_CHECK_ARG(!(a.use_nvfp4 && a.use_fp8), "use_nvfp4", "use_fp8 = false with use_nvfp4 (one wire format per call)",
+                  "use_fp8 = true");
+  EPMOE_CHECK_ARG(!a.use_nvfp4 || H % 64 == 0, "x",
+                  "H a multiple of 64 with use_nvfp4 (blocks of 16 channels, scales in swizzled tiles of 4 blocks)",
+                  fmt::format("H = {}", H));
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
   DispatchSpec spec;
+  if (a.use_nvfp4) spec.global_scale = quant_detail::check_global_scale(a.x_global_scale, "x_global_scale", device);
   spec.T = T;
   spec.H = H;
   spec.tmax = tmax;

@@ -6,6 +6,7 @@
 #include <epmoe/buffer.hpp>
 
 #include "transport/low_latency_protocol.hpp"
+#include "quant/quant.hpp"
 
 #include <cstdint>
 #include <string>
@@ -63,11 +64,13 @@ struct DispatchSpec {
   std::int64_t T = 0, H = 0, K = 0;
   int tmax = 0, E = 0, El = 0;
   std::vector<std::int32_t> idx;  ///< topk_idx as int32 [T * K] when `device` is the CPU (values checked); else empty
+  quant_detail::GlobalScale global_scale;  ///< use_nvfp4: x_global_scale's value (CPU) or device pointer
 };
 
 /// Every check of a low-latency dispatch that needs no peer: x bfloat16 [T, H] on `device` (unit stride in dimension
 /// 1; on CUDA also contiguous rows, 16-byte aligned), the settings (check_settings), T <= Tmax (the message names
-/// both), fp8 H % 16 == 0, round_scale / use_ue8m0 rules, hook and async_finish exclusive, topk_idx (shape, K in
+/// both), fp8 H % 16 == 0, round_scale / use_ue8m0 rules, use_nvfp4 (not with use_fp8, H % 64 == 0, x_global_scale
+/// float32 with one element on the CPU or `device`, a CPU value finite and > 0), hook and async_finish exclusive, topk_idx (shape, K in
 /// 1..16; on the CPU also the values), topk_weights float32 [T, K], cumulative_local_expert_recv_stats int32
 /// [E_local]. Errors: invalid_argument naming the argument, the expected and the actual value.
 DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device device);

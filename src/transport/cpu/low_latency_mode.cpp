@@ -5,10 +5,11 @@
 // Window of one rank: two halves of Layout::half_bytes, call index i (since the last clean) uses half
 // i % 2. One half, offsets 64-byte aligned, row-major except the scales:
 //   output area (written only by this rank, read by its caller until its call i + 2):
-//     packed_x      [E_local, R*Tmax, H]   bfloat16, or float8_e4m3fn in the first half of the area
+//     packed_x      [E_local, R*Tmax, H]   bfloat16, or float8_e4m3fn (uint8 [.., H/2] nvfp4) from the area's start
 //     scales        [E_local, C, M']       float32 (C = G), or int32 (UE8M0, C = ceil(G/4)), M' =
 //                                          tma_aligned_scale_rows(R*Tmax): handed out as the column-major view
-//                                          [E_local, R*Tmax, C] with strides {C*M', 1, M'}, DeepEP's layout
+//                                          [E_local, R*Tmax, C] with strides {C*M', 1, M'}, DeepEP's layout; or
+//                                          (nvfp4) float8_e4m3fn [E_local, ceil(R*Tmax/128), H/64 * 512] swizzled
 //     count         [E_local]              int32
 //     src_info      [E_local, R*Tmax]      int32: source token index
 //     layout_range  [E_local, R]           int64: begin << 32 | count
@@ -16,17 +17,20 @@
 //   staging area (peers put into it):
 //     headers       [R] x 64 bytes         one Header per source
 //     dispatch: per source s, TokenMeta[Tmax] then records[Tmax] (a record is the bf16 row, or the
-//               fp8 row followed by its scales), the first n_s of each valid;
+//               fp8 row followed by its scales, or the nvfp4 packed row followed by its H/16 linear e4m3
+//               scales), the first n_s of each valid;
 //     combine:  rows [Tmax, 16, H] bfloat16: row (t, k) of this rank's token t, sent by k's owner.
 // Signals of one rank (4R uint64 slots): data [half][source] = i + 1 once the source's data of call i
 // is in; consumed [half][reader] = i + 1 once `reader` has read its staging area of call i.
 #include "core/check.hpp"
 #include <epmoe/error.hpp>
+#include <epmoe/nvfp4.hpp>
 #include <epmoe/quant.hpp>
 
 #include <algorithm>
 #include <cstring>
 
+#include "quant/quant.hpp"
 #include "transport/args/low_latency.hpp"
 #include "transport/cpu/low_latency_mode.hpp"
 
@@ -78,7 +82,10 @@ low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::i
     return at;
   };
   L.packed_x = take(rows * H * 2);
-  L.scales = take(static_cast<std::size_t>(L.local_experts) * G * static_cast<std::size_t>(L.scale_rows) * 4);
+  // fp8: float32 groups (or UE8M0 words), column-major per expert; nvfp4: every expert's swizzled block scales
+  L.scales = take(std::max(static_cast<std::size_t>(L.local_experts) * G * static_cast<std::size_t>(L.scale_rows) * 4,
+                           static_cast<std::size_t>(L.local_experts) *
+                               nvfp4_slab_scale_bytes(static_cast<std::int64_t>(R) * tmax, hidden)));
   L.count = take(static_cast<std::size_t>(L.local_experts) * 4);
   L.src_info = take(rows * 4);
   L.layout_range = take(static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * 8);
@@ -147,6 +154,55 @@ void LowLatencyMode::signal_consumed(std::uint64_t index) {
 // ------------------------------------------------------------------------------------------------
 // dispatch
 
+// fp8 / nvfp4: quantizes x into scratch_, one record (the row, then its scales) per token, record_bytes apart.
+// Returns the bytes of a record that travel (a bf16 row is sent from x itself).
+std::size_t LowLatencyMode::stage_records(const LowLatencyDispatchArgs& a, const low_latency_args::DispatchSpec& spec) {
+  const Layout& L = layout_;
+  const std::int64_t T = spec.T, H = spec.H, stride = static_cast<std::int64_t>(L.record_bytes);
+  if (a.use_nvfp4) {
+    if (T > 0) {
+      const TensorView q(scratch_.data(), DType::uint8, {T, H / 2}, {stride, 1}, Device::cpu());
+      const TensorView sc(scratch_.data() + nvfp4_row_bytes(H), DType::fp8_e4m3, {T, H / 16}, {stride, 1},
+                          Device::cpu());
+      quant_detail::Nvfp4Problem p{a.x, q, sc, T, H, Nvfp4ScaleLayout::linear, spec.global_scale};
+      quant_detail::quantize_nvfp4_cpu(p);
+    }
+    return nvfp4_row_bytes(H) + nvfp4_scale_bytes(H);
+  }
+  if (!a.use_fp8) return static_cast<std::size_t>(2 * H);
+  const std::int64_t sc_cols = a.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
+  if (T > 0) {
+    const TensorView q(scratch_.data(), DType::fp8_e4m3, {T, H}, {stride, 1}, Device::cpu());
+    const TensorView sc(scratch_.data() + H, a.use_ue8m0 ? DType::int32 : DType::fp32, {T, sc_cols}, {stride / 4, 1},
+                        Device::cpu());
+    quantize_fp8_into(a.x, q, sc, Fp8Options{a.round_scale, a.use_ue8m0});
+  }
+  return static_cast<std::size_t>(H + 4 * sc_cols);
+}
+
+LowLatencyDispatchResult LowLatencyMode::output_views(const Layout& L, void* half, bool use_fp8, bool use_ue8m0,
+                                                      bool use_nvfp4, Device device) {
+  auto* base = static_cast<std::byte*>(half);
+  const int El = L.local_experts, R = L.num_ranks;
+  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * L.tmax;
+  LowLatencyDispatchResult r;
+  if (use_nvfp4) {
+    r.packed_recv_x = TensorView(base + L.packed_x, DType::uint8, {El, rows, H / 2}, device);
+    r.packed_recv_x_scales = TensorView(base + L.scales, DType::fp8_e4m3,
+                                        {El, nvfp4_row_tiles(rows), nvfp4_col_tiles(H) * kNvfp4TileBytes}, device);
+  } else {
+    r.packed_recv_x = TensorView(base + L.packed_x, use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H}, device);
+    if (use_fp8) r.packed_recv_x_scales = low_latency_args::recv_scales_view(L, base + L.scales, use_ue8m0, device);
+  }
+  r.packed_recv_count = TensorView(base + L.count, DType::int32, {El}, device);
+  r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows}, device);
+  r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R}, device);
+  r.handle.num_max_dispatch_tokens_per_rank = L.tmax;
+  r.handle.hidden = H;
+  r.handle.num_experts = L.num_experts;
+  return r;
+}
+
 LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& a) {
   Group& g = transport_.group();
   const int R = g.size(), me = g.rank();
@@ -168,15 +224,7 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
     gen = generation_;
     index = gen - base_;
     const int half = static_cast<int>(index % 2);
-    const std::int64_t G = L.groups, sc_cols = a.use_ue8m0 ? num_ue8m0_words(H) : G;
-    if (a.use_fp8 && T > 0) {
-      const auto stride = static_cast<std::int64_t>(L.record_bytes);
-      const TensorView q(scratch_.data(), DType::fp8_e4m3, {T, H}, {stride, 1}, Device::cpu());
-      const TensorView sc(scratch_.data() + H, a.use_ue8m0 ? DType::int32 : DType::fp32, {T, sc_cols}, {stride / 4, 1},
-                          Device::cpu());
-      quantize_fp8_into(a.x, q, sc, Fp8Options{a.round_scale, a.use_ue8m0});
-    }
-    const std::size_t payload = a.use_fp8 ? static_cast<std::size_t>(H + 4 * sc_cols) : static_cast<std::size_t>(2 * H);
+    const std::size_t payload = stage_records(a, spec);
     const std::size_t staging = static_cast<std::size_t>(half) * L.half_bytes + L.staging;
     const std::size_t slot =
         staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(me) * L.dispatch_slot_bytes;
@@ -200,11 +248,12 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
         ++n;
       }
       wait_consumed(d, index, phase);
+      const bool quantized = a.use_fp8 || a.use_nvfp4;  // records staged in scratch_
       for (std::int32_t i = 0; i < n; ++i) {
         TokenMeta m;
         std::memcpy(&m, metas.data() + static_cast<std::size_t>(i) * L.meta_bytes, sizeof(m));
         const void* src =
-            a.use_fp8 ? static_cast<const void*>(scratch_.data() + static_cast<std::size_t>(m.token) * L.record_bytes)
+            quantized ? static_cast<const void*>(scratch_.data() + static_cast<std::size_t>(m.token) * L.record_bytes)
                       : static_cast<const void*>(static_cast<const bf16_t*>(a.x.data) + m.token * a.x.stride(0));
         transport_.put(d, records + static_cast<std::size_t>(i) * L.record_bytes, src, payload);
       }
@@ -215,7 +264,7 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
       h.index = index;
       h.count = n;
       h.hidden = H;
-      h.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+      h.flags = dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0, a.use_nvfp4);
       h.tmax = tmax;
       h.num_experts = E;
       transport_.put(d, staging + static_cast<std::size_t>(me) * kHeaderBytes, &h, sizeof(h));
@@ -237,21 +286,12 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
   p.use_fp8 = a.use_fp8;
   p.round_scale = a.round_scale;
   p.use_ue8m0 = a.use_ue8m0;
+  p.use_nvfp4 = a.use_nvfp4;
   p.stats = a.cumulative_local_expert_recv_stats;
 
   // --- the result: views of this half's output area (filled by the receive half)
-  const Layout& L = layout_;
-  std::byte* base = half_base(index);
-  const std::int64_t rows = static_cast<std::int64_t>(R) * tmax;
-  LowLatencyDispatchResult r;
-  r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H});
-  if (a.use_fp8) r.packed_recv_x_scales = low_latency_args::recv_scales_view(L, base + L.scales, a.use_ue8m0, {});
-  r.packed_recv_count = TensorView(base + L.count, DType::int32, {El});
-  r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows});
-  r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R});
-  r.handle.num_max_dispatch_tokens_per_rank = tmax;
-  r.handle.hidden = H;
-  r.handle.num_experts = E;
+  LowLatencyDispatchResult r =
+      output_views(layout_, half_base(index), a.use_fp8, a.use_ue8m0, a.use_nvfp4, Device::cpu());
   r.handle.generation = gen;
   r.handle.buffer_id = buffer_id_;
   if (a.return_recv_hook)
@@ -310,7 +350,10 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
   const int El = L.local_experts;
   const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * L.tmax;
   const std::int64_t sc_cols = p.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
-  const std::size_t x_row = p.use_fp8 ? static_cast<std::size_t>(H) : static_cast<std::size_t>(2 * H);
+  const std::size_t x_row = p.use_nvfp4 ? nvfp4_row_bytes(H)
+                            : p.use_fp8  ? static_cast<std::size_t>(H)
+                                         : static_cast<std::size_t>(2 * H);
+  const std::size_t slab_scales = nvfp4_slab_scale_bytes(rows, H);
   std::byte* base = half_base(index);
   std::byte* packed_x = base + L.packed_x;
   auto* scales = reinterpret_cast<std::int32_t*>(base + L.scales);  // float32 or UE8M0 words: moved as 4 bytes
@@ -319,8 +362,15 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
   auto* range = reinterpret_cast<std::int64_t*>(base + L.layout_range);
   auto* packed_k = reinterpret_cast<std::uint8_t*>(base + L.packed_k);
   const std::byte* staging = base + L.staging;
-  const std::uint32_t flags = dispatch_flags(p.use_fp8, p.round_scale, p.use_ue8m0);
+  const std::uint32_t flags = dispatch_flags(p.use_fp8, p.round_scale, p.use_ue8m0, p.use_nvfp4);
   const std::string phase = fmt::format("low_latency_dispatch receive (call {})", index);
+  // nvfp4: a record's H / 16 linear scales into row j of expert e's swizzled matrix.
+  const auto scatter_scales = [&](int e, std::int64_t j, const std::byte* rec) {
+    std::byte* slab = base + L.scales + static_cast<std::size_t>(e) * slab_scales;
+    const std::int64_t col_tiles = nvfp4_col_tiles(H);
+    for (std::int64_t c = 0; c < H / kNvfp4BlockSize; ++c)
+      slab[nvfp4_swizzled_offset(j, c, col_tiles)] = rec[nvfp4_row_bytes(H) + static_cast<std::size_t>(c)];
+  };
 
   std::vector<std::int32_t> fill(static_cast<std::size_t>(El), 0), begin(static_cast<std::size_t>(El));
   // Every source's header is checked before any row is read: a peer in another call (or format)
@@ -330,10 +380,10 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
     const Header h = receive_header(staging, half, s, index, kKindDispatch, phase);
     if (h.flags != flags)
       raise(ErrorCode::rank_mismatch,
-            "rank {}: setting 'use_fp8/round_scale/use_ue8m0' must be equal on all ranks: rank {} has {}/{}/{}, "
-            "rank {} has {}/{}/{}",
-            me, me, p.use_fp8, p.round_scale, p.use_ue8m0, s, (h.flags & 1) != 0, (h.flags & 2) != 0,
-            (h.flags & 4) != 0);
+            "rank {}: setting 'use_fp8/round_scale/use_ue8m0/use_nvfp4' must be equal on all ranks: rank {} has "
+            "{}/{}/{}/{}, rank {} has {}/{}/{}/{}",
+            me, me, p.use_fp8, p.round_scale, p.use_ue8m0, p.use_nvfp4, s, (h.flags & 1) != 0, (h.flags & 2) != 0,
+            (h.flags & 4) != 0, (h.flags & kFlagNvfp4) != 0);
     EPMOE_ASSERT(h.count >= 0 && h.count <= L.tmax && h.hidden == H);
     sent_tokens[static_cast<std::size_t>(s)] = h.count;
   }
@@ -351,13 +401,14 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
       for (int j = 0; j < m.num_entries; ++j) {
         const int e = static_cast<int>(m.entries[j] & 0xffffu), k = static_cast<int>(m.entries[j] >> 16);
         EPMOE_ASSERT(e < El && k < kMaxTopk && fill[static_cast<std::size_t>(e)] < rows);
-        const std::int64_t row = static_cast<std::int64_t>(e) * rows + fill[static_cast<std::size_t>(e)]++;
+        const std::int64_t j_e = fill[static_cast<std::size_t>(e)]++, row = static_cast<std::int64_t>(e) * rows + j_e;
         std::memcpy(packed_x + static_cast<std::size_t>(row) * x_row, rec, x_row);
         if (p.use_fp8) {  // column-major per expert (Layout::scale_rows)
-          const std::int64_t first = e * sc_cols * L.scale_rows + (row - e * rows);
+          const std::int64_t first = e * sc_cols * L.scale_rows + j_e;
           for (std::int64_t c = 0; c < sc_cols; ++c)
             std::memcpy(scales + first + c * L.scale_rows, rec + H + 4 * c, 4);
         }
+        if (p.use_nvfp4) scatter_scales(e, j_e, rec);
         src_info[row] = m.token;
         packed_k[row] = static_cast<std::uint8_t>(k);
       }

@@ -45,6 +45,11 @@ class LowLatencyMode final : public LowLatencyBackend {
 
   /// Byte layout of one rank's window (public so tests and other backends can reason about it).
   using Layout = low_latency_protocol::Layout;
+  /// A dispatch's outputs as views of the output area of the half at `half` (semantics §5), in the call's format:
+  /// packed_recv_x, packed_recv_x_scales (fp8 or nvfp4), packed_recv_count and the handle's routing and settings
+  /// (its generation and buffer id are the caller's). Shared by every backend, so shapes have one definition.
+  static LowLatencyDispatchResult output_views(const Layout& L, void* half, bool use_fp8, bool use_ue8m0,
+                                               bool use_nvfp4, Device device);
 
  private:
   using Config = low_latency_args::Config;
@@ -54,7 +59,7 @@ class LowLatencyMode final : public LowLatencyBackend {
     bool is_dispatch = true;
     std::uint64_t generation = 0;  // the call's generation (absolute, as handles carry it)
     std::int64_t num_tokens = 0;
-    bool use_fp8 = false, round_scale = false, use_ue8m0 = false;
+    bool use_fp8 = false, round_scale = false, use_ue8m0 = false, use_nvfp4 = false;
     TensorView stats;  // dispatch: cumulative_local_expert_recv_stats
     // combine
     std::int64_t topk = 0;
@@ -70,6 +75,7 @@ class LowLatencyMode final : public LowLatencyBackend {
   };
 
   void ensure_configured(int tmax, std::int64_t hidden, int num_experts, std::string_view phase);
+  std::size_t stage_records(const LowLatencyDispatchArgs& a, const low_latency_args::DispatchSpec& spec);
   void check_usable() const;
   std::byte* half_base(std::uint64_t index) const;
   void begin_call(std::string_view what);

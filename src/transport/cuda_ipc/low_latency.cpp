@@ -237,10 +237,10 @@ void CudaIpcLowLatencyImpl::check_state() {
       broken_ = "settings differ: " + where;
       raise(
           ErrorCode::rank_mismatch,
-          "rank {}: setting 'use_fp8/round_scale/use_ue8m0' must be equal on all ranks: rank {} has {}/{}/{}, rank {} "
-          "has {}/{}/{} ({})",
-          me_, rank, (value2 & 1) != 0, (value2 & 2) != 0, (value2 & 4) != 0, peer, (value & 1) != 0, (value & 2) != 0,
-          (value & 4) != 0, where);
+          "rank {}: setting 'use_fp8/round_scale/use_ue8m0/use_nvfp4' must be equal on all ranks: rank {} has "
+          "{}/{}/{}/{}, rank {} has {}/{}/{}/{} ({})",
+          me_, rank, (value2 & 1) != 0, (value2 & 2) != 0, (value2 & 4) != 0, (value2 & ll::kFlagNvfp4) != 0, peer,
+          (value & 1) != 0, (value & 2) != 0, (value & 4) != 0, (value & ll::kFlagNvfp4) != 0, where);
     case ll::kErrShape:
       broken_ = "settings differ: " + where;
       raise(ErrorCode::rank_mismatch,
@@ -265,6 +265,13 @@ void CudaIpcLowLatencyImpl::check_state() {
   if (code == ll::kErrBadId)
     throw_invalid_argument("topk_idx", fmt::format("expert ids in [-1, {})", config_.num_experts),
                            fmt::format("{} at {} (found on the device in {}; the id was skipped)", value, at, where));
+  if (code == ll::kErrGlobalScale) {
+    float v = 0.0f;
+    const auto b = static_cast<std::uint32_t>(value);
+    std::memcpy(&v, &b, sizeof(v));
+    throw_invalid_argument("x_global_scale", "a finite global scale > 0",
+                           fmt::format("{} (read on the device in {}; that dispatch's codes are meaningless)", v, where));
+  }
   if (code == ll::kErrDuplicateId)
     throw_invalid_argument("topk_idx", "distinct expert ids per token (or -1)",
                            fmt::format("expert {} twice in token {} (found on the device in {}; skipped)", value,
@@ -350,7 +357,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   // --- every argument, before any communication
   args::DispatchSpec spec = args::check_dispatch(a, R_, gpu);
   const std::int64_t T = spec.T, H = spec.H, K = spec.K;
-  const int num_max_dispatch_tokens_per_rank = spec.tmax, E = spec.E, El = spec.El;
+  const int num_max_dispatch_tokens_per_rank = spec.tmax, E = spec.E;
   args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts,
                              num_max_dispatch_tokens_per_rank, H, E, R_, num_rdma_bytes_,
                              config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, H, R_, E));
@@ -363,18 +370,38 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
           "rank {}: the first low-latency call of a cuda_ipc buffer allocates and maps its window (collective, with "
           "host synchronisation) and cannot be captured in a CUDA graph: make one eager call first",
           me_);
-  if (debug_validate_ && !graph) ids = host_ids(a.topk_idx, T, E, caller);
+  if (debug_validate_ && !graph) {
+    ids = host_ids(a.topk_idx, T, E, caller);
+    if (a.use_nvfp4 && spec.global_scale.device != nullptr) {
+      float v = 0.0f;
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(&v, spec.global_scale.device, sizeof(v), cudaMemcpyDeviceToHost, caller));
+      EPMOE_CUDA_CHECK(cudaStreamSynchronize(caller));
+      quant_detail::check_global_scale_value(v, "x_global_scale");
+    }
+  }
   begin_call("low_latency_dispatch");
 
   ensure_configured(num_max_dispatch_tokens_per_rank, H, E, "low_latency_dispatch");
   const LowLatencyMode::Layout& L = layout_;
   const std::uint64_t gen = generation_, index = gen - base_;
-  const std::int64_t sc_cols = a.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
+  // Scale words per record: float32 groups, UE8M0 words, or (nvfp4) words of four e4m3 block scales.
+  const std::int64_t sc_cols = a.use_nvfp4 ? H / 64 : a.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
+  const std::uint32_t flags = ll::dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0, a.use_nvfp4);
   const cudaStream_t s = a.async_finish ? comm_ : caller;
   try {
     if (a.async_finish) enter(caller);
     order(s);
     const ll::Common c = common();
+    if (a.use_nvfp4 && T > 0) {
+      // NVFP4 is quantized by the library's quantizer into the records the send kernel copies (one more pass over
+      // x than a fused send, the simplest correct route): the packed row, then its linear block scales.
+      StreamGuard on(Stream{s});
+      const auto stride = static_cast<std::int64_t>(L.record_bytes);
+      auto* rec = static_cast<std::byte*>(scratch_.data());
+      const TensorView q(rec, DType::uint8, {T, H / 2}, {stride, 1}, gpu);
+      const TensorView sc(rec + H / 2, DType::fp8_e4m3, {T, H / 16}, {stride, 1}, gpu);
+      quant_detail::quantize_nvfp4_cuda({a.x, q, sc, T, H, Nvfp4ScaleLayout::linear, spec.global_scale}, Stream{s});
+    }
     if (a.use_fp8 && T > 0 && separate_quant_) {
       StreamGuard on(Stream{s});
       const auto stride = static_cast<std::int64_t>(L.record_bytes);
@@ -386,12 +413,14 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     ll::DispatchSendArgs sa;
     sa.x = a.x.data;
     sa.x_stride = T > 1 ? a.x.stride(0) : H;
-    sa.records = a.use_fp8 && separate_quant_ ? scratch_.data() : nullptr;  // null: quantized in the send kernel
+    // null: a bf16 row, or an fp8 row quantized in the send kernel
+    sa.records = a.use_nvfp4 || (a.use_fp8 && separate_quant_) ? scratch_.data() : nullptr;
+    sa.global_scale = a.use_nvfp4 ? spec.global_scale.device : nullptr;
     sa.topk_idx = a.topk_idx.data;
     sa.idx64 = a.topk_idx.dtype == DType::int64;
     sa.K = static_cast<int>(K);
     sa.T = T;
-    sa.flags = ll::dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+    sa.flags = flags;
     sa.scale_cols = static_cast<int>(sc_cols);
     ll::launch_dispatch_send(c, sa, s);
     launched(s);
@@ -407,24 +436,15 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   p.active = true;
   p.is_dispatch = true;
   p.generation = gen;
-  p.flags = ll::dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0);
+  p.flags = flags;
   p.scale_cols = static_cast<int>(sc_cols);
   if (a.cumulative_local_expert_recv_stats.defined()) {
     p.stats = static_cast<std::int32_t*>(a.cumulative_local_expert_recv_stats.data);
     p.stats_stride = a.cumulative_local_expert_recv_stats.stride(0);
   }
 
-  char* base = half_base(index);
-  const std::int64_t rows = static_cast<std::int64_t>(R_) * num_max_dispatch_tokens_per_rank;
-  LowLatencyDispatchResult r;
-  r.packed_recv_x = TensorView(base + L.packed_x, a.use_fp8 ? DType::fp8_e4m3 : DType::bf16, {El, rows, H}, gpu);
-  if (a.use_fp8) r.packed_recv_x_scales = low_latency_args::recv_scales_view(L, base + L.scales, a.use_ue8m0, gpu);
-  r.packed_recv_count = TensorView(base + L.count, DType::int32, {El}, gpu);
-  r.handle.src_info = TensorView(base + L.src_info, DType::int32, {El, rows}, gpu);
-  r.handle.layout_range = TensorView(base + L.layout_range, DType::int64, {El, R_}, gpu);
-  r.handle.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank;
-  r.handle.hidden = H;
-  r.handle.num_experts = E;
+  LowLatencyDispatchResult r =
+      LowLatencyMode::output_views(L, half_base(index), a.use_fp8, a.use_ue8m0, a.use_nvfp4, gpu);
   r.handle.generation = gen;
   r.handle.buffer_id = buffer_id_;
   finish(r, gen, a.return_recv_hook, a.async_finish, s);

@@ -10,6 +10,9 @@
 // has a %globaltimer deadline: on expiry the first failing thread records (code, rank, peer, phase) in the
 // host-mapped record (atomicCAS on Control::claim) and the kernel returns (no trap).
 #include <epmoe/dtype.hpp>
+#include <epmoe/nvfp4.hpp>
+
+#include <cfloat>
 
 #include "core/bf16_device.cuh"
 #include "transport/cuda_ipc/low_latency_kernels.hpp"
@@ -262,7 +265,12 @@ __global__ void __launch_bounds__(kThreads)
   if (!begin_send(c, kPhaseDispatchSend, &index)) return;
   const int half = static_cast<int>(index & 1), R = c.num_ranks, me = c.rank, El = c.local_experts, K = a.K;
 
-  const bool fp8 = (a.flags & 1u) != 0;
+  const bool fp8 = (a.flags & 1u) != 0, nvfp4 = (a.flags & kFlagNvfp4) != 0;
+  if (a.global_scale != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    const float g = *a.global_scale;  // nvfp4: reported here, raised by the host's next call (semantics §11)
+    if (!(g > 0.0f && g <= FLT_MAX))
+      report(c, kErrGlobalScale, c.rank, kPhaseDispatchSend, index, static_cast<long long>(__float_as_uint(g)));
+  }
   __shared__ int carry[kMaxRanks];
   __shared__ SendTask tasks[kThreads * kMaxRanks];
   __shared__ int num_tasks;
@@ -276,9 +284,10 @@ __global__ void __launch_bounds__(kThreads)
   const std::size_t slot_off =
       c.staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(me) * c.dispatch_slot_bytes;
   const std::size_t records_off = slot_off + static_cast<std::size_t>(c.tmax) * c.meta_bytes;
-  // fp8: the row and its scales only (the record's stride fits a bf16 row)
-  const std::size_t payload = fp8 ? (static_cast<std::size_t>(c.hidden) + 4u * a.scale_cols + 15) / 16 * 16
-                                  : static_cast<std::size_t>(2 * c.hidden);
+  // fp8 / nvfp4: the row and its scales only (the record's stride fits a bf16 row)
+  const std::size_t quant_row = nvfp4 ? nvfp4_row_bytes(c.hidden) : static_cast<std::size_t>(c.hidden);
+  const std::size_t payload = fp8 || nvfp4 ? (quant_row + 4u * a.scale_cols + 15) / 16 * 16
+                                           : static_cast<std::size_t>(2 * c.hidden);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();
 
@@ -358,7 +367,8 @@ __global__ void __launch_bounds__(kThreads)
         write_meta(dst_half + slot_off + static_cast<std::size_t>(task.pos) * c.meta_bytes, task.t, row_ids, K,
                    task.d, El);
       }
-      const char* src = fp8 ? static_cast<const char*>(a.records) + static_cast<std::size_t>(task.t) * c.record_bytes
+      const char* src = a.records != nullptr
+                            ? static_cast<const char*>(a.records) + static_cast<std::size_t>(task.t) * c.record_bytes
                             : static_cast<const char*>(a.x) + static_cast<std::size_t>(task.t) * a.x_stride * 2;
       const std::size_t at = static_cast<std::size_t>(piece) * kPieceBytes;
       warp_copy<false>(src + at, dst_half + records_off + static_cast<std::size_t>(task.pos) * c.record_bytes + at,
@@ -440,10 +450,11 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ long long n[kMaxRanks];
   if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv)) return;
 
-  const bool fp8 = (a.flags & 1u) != 0;
+  const bool fp8 = (a.flags & 1u) != 0, nvfp4 = (a.flags & kFlagNvfp4) != 0;
   const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
-  const std::size_t x_row = fp8 ? static_cast<std::size_t>(H) : static_cast<std::size_t>(2 * H);
-  const int sc_cols = fp8 ? a.scale_cols : 0;
+  const std::size_t x_row = nvfp4 ? nvfp4_row_bytes(H) : fp8 ? static_cast<std::size_t>(H) : static_cast<std::size_t>(2 * H);
+  const int sc_cols = fp8 || nvfp4 ? a.scale_cols : 0;
+  const std::size_t slab_scales = nvfp4_slab_scale_bytes(rows, H);  // nvfp4: an expert's swizzled scale matrix
   char* base = half_base(c, c.rank, half);
   char* packed_x = base + c.packed_x;
   auto* scales = reinterpret_cast<int*>(base + c.scales);
@@ -499,11 +510,20 @@ __global__ void __launch_bounds__(kThreads)
           warp_copy<true>(rec + at, packed_x + static_cast<std::size_t>(row) * x_row + at,
                           x_row - at < kPieceBytes ? x_row - at : kPieceBytes, lane);
           if (piece != 0) continue;
-          // Column-major per expert, as DeepEP's (Layout::scale_rows): lane w's word lies a column away.
-          const std::size_t first = (static_cast<std::size_t>(e) * sc_cols) * c.scale_rows + fill + i;
-          for (int w = lane; w < sc_cols; w += 32)
-            scales[first + static_cast<std::size_t>(w) * c.scale_rows] =
-                __ldcg(reinterpret_cast<const int*>(rec + H) + w);
+          if (nvfp4) {
+            // Word w holds scales 4w..4w+3 of the row: one 4-byte run of tile column w in the swizzled matrix.
+            char* slab = reinterpret_cast<char*>(scales) + static_cast<std::size_t>(e) * slab_scales;
+            const long long j_e = fill + i;
+            for (int w = lane; w < sc_cols; w += 32)
+              *reinterpret_cast<int*>(slab + nvfp4_swizzled_offset(j_e, 4 * w, sc_cols)) =
+                  __ldcg(reinterpret_cast<const int*>(rec + x_row) + w);
+          } else {
+            // Column-major per expert, as DeepEP's (Layout::scale_rows): lane w's word lies a column away.
+            const std::size_t first = (static_cast<std::size_t>(e) * sc_cols) * c.scale_rows + fill + i;
+            for (int w = lane; w < sc_cols; w += 32)
+              scales[first + static_cast<std::size_t>(w) * c.scale_rows] =
+                  __ldcg(reinterpret_cast<const int*>(rec + H) + w);
+          }
           if (lane == 0) {
             src_info[row] = it.token;
             packed_k[row] = static_cast<std::uint8_t>(it.k);

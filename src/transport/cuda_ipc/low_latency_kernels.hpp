@@ -35,13 +35,14 @@ enum : int {
   kErrNone = 0,
   kErrTimeout = 1,
   kErrOtherCall = 2,    ///< a peer's header is of another call or kind: value = its index, value2 = its kind
-  kErrFlags = 3,        ///< use_fp8/round_scale/use_ue8m0 differ: value = the peer's flags, value2 = this rank's
+  kErrFlags = 3,        ///< use_fp8/round_scale/use_ue8m0/use_nvfp4 differ: value = the peer's flags, value2 = this rank's
   kErrShape = 4,        ///< hidden/num_max_dispatch_tokens_per_rank/E differ: value = the peer's hidden, value2 =
                         ///< its num_max_dispatch_tokens_per_rank << 32 | E
   kErrBadId = 5,        ///< an id outside [-1, E) (skipped): value = the id, value2 = its flat index t * K + k
   kErrDuplicateId = 6,  ///< an id twice in one token (the second skipped): value = the id, value2 = t * K + k
   kErrCount = 7,        ///< combine: the peer sent `value` rows, this rank's topk_idx routes value2 to it
-  kErrIdsDiffer = 8     ///< combine's topk_idx differs from the dispatch's: value = the id, value2 = t * K + k
+  kErrIdsDiffer = 8,    ///< combine's topk_idx differs from the dispatch's: value = the id, value2 = t * K + k
+  kErrGlobalScale = 9   ///< nvfp4: the device x_global_scale is not finite and > 0: value = its float32 bits
 };
 /// Phases (HostRecord::error_phase).
 enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend = 2, kPhaseCombineRecv = 3 };
@@ -63,21 +64,23 @@ struct Common : low_latency_protocol::Layout {
 struct DispatchSendArgs {
   const void* x = nullptr;  ///< bf16 [T, H] rows of x_stride elements (bf16 dispatch)
   long long x_stride = 0;
-  /// fp8 with BufferOptions::low_latency_separate_quant: quantized rows + scales, record_bytes apart (device
-  /// scratch); null: an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
+  /// fp8 with BufferOptions::low_latency_separate_quant, and nvfp4: quantized rows + scales, record_bytes apart
+  /// (device scratch); null: an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
   const void* records = nullptr;
+  /// nvfp4 with a device x_global_scale: block 0 checks it (finite, > 0) and records kErrGlobalScale otherwise
+  const float* global_scale = nullptr;
   const void* topk_idx = nullptr;  ///< [T, K] contiguous
   bool idx64 = true;
   int K = 0;
   long long T = 0;
   std::uint32_t flags = 0;
-  int scale_cols = 0;  ///< fp8: float32 groups or UE8M0 words per row
+  int scale_cols = 0;  ///< fp8: float32 groups or UE8M0 words per row; nvfp4: words of 4 block scales (H / 64)
 };
 
 struct DispatchRecvArgs {
   long long lag = 0;  ///< calls sent after this one when the receive was enqueued (index = calls - 1 - lag)
   std::uint32_t flags = 0;
-  int scale_cols = 0;             ///< float32 groups, or UE8M0 words
+  int scale_cols = 0;             ///< float32 groups, UE8M0 words, or (nvfp4) words of 4 block scales
   std::int32_t* stats = nullptr;  ///< cumulative_local_expert_recv_stats or null
   long long stats_stride = 1;
 };
