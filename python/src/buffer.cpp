@@ -290,10 +290,12 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
       st->layout_range = view(r.handle.layout_range);
     } else {
       st->x = empty_like(r.packed_recv_x);
-      // DeepEP's column-major layout, as the buffer's own view (semantics §5).
+      // fp8: DeepEP's column-major layout, as the buffer's own view (semantics §5); nvfp4: the swizzled bytes.
       if (r.packed_recv_x_scales.defined())
-        st->scales = empty_fp8_scales(r.packed_recv_x_scales.dtype, r.packed_recv_x_scales.shape,
-                                      ScaleLayout::column_major);
+        st->scales = r.packed_recv_x_scales.dtype == DType::fp8_e4m3
+                         ? empty_like(r.packed_recv_x_scales)
+                         : empty_fp8_scales(r.packed_recv_x_scales.dtype, r.packed_recv_x_scales.shape,
+                                            ScaleLayout::column_major);
       st->count = empty_like(r.packed_recv_count);
       st->src_info = empty_like(r.handle.src_info);
       st->layout_range = empty_like(r.handle.layout_range);
