@@ -128,8 +128,11 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
     instead of waiting out `timeout_s` (the ranks' collective timeout; default epmoe.default_timeout_s(),
     100 s unless EPMOE_TIMEOUT_S says otherwise).
 
-    Errors: epmoe.Error('invalid_argument') for num_ranks that is not an int in 1..2**31-1, or timeout_s <= 0.
+    Errors: epmoe.Error('invalid_argument') for num_ranks that is not an int in 1..2**31-1, fn that is not
+    callable, or timeout_s <= 0.
     """
     if isinstance(num_ranks, bool) or not hasattr(num_ranks, "__index__") or not 1 <= int(num_ranks) < 2**31:
         raise invalid_argument("num_ranks", "an int in 1..2**31-1", repr(num_ranks))
+    if not callable(fn):
+        raise invalid_argument("fn", "a callable fn(group) run once per rank", f"an object of type {type(fn).__name__}")
     return _ext.run_thread_ranks(int(num_ranks), fn, timeout_s)

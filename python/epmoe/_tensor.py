@@ -133,6 +133,14 @@ def arg(x: Any) -> Any:
     return x
 
 
+def required(name: str, x: Any) -> Any:
+    """`x`, or epmoe.Error('invalid_argument') naming `name` when it is None (a required tensor argument;
+    nanobind would otherwise raise a TypeError that names no argument)."""
+    if x is None:
+        raise invalid_argument(name, "an array (NumPy, torch or CuPy)", "None")
+    return x
+
+
 def make_error(code: str, message: str) -> Error:
     """An epmoe.Error carrying `code`, as the C++ side raises it."""
     e = Error(message)

@@ -62,7 +62,7 @@ import numpy as np
 from . import _ext
 from ._group import as_group
 from ._tensor import (BFLOAT16, arg, current_stream, describe, framework_of, int32_arg, int64_arg, int_arg,
-                      invalid_argument, is_cuda, is_torch, unsupported)
+                      invalid_argument, is_cuda, is_torch, required, unsupported)
 
 Event = _ext.Event
 
@@ -690,6 +690,7 @@ class Buffer:
         expert_alignment = int32_arg("expert_alignment", expert_alignment)
         num_worst_tokens = int32_arg("num_worst_tokens", num_worst_tokens)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
+        required("x", x)
         # Scales of any strides, as DeepEP: row- and column-major ones go as they are (semantics §4).
         x_scales = _dispatch_scales(x_scales)
         native_handle = None
@@ -742,6 +743,7 @@ class Buffer:
         _check_config(config)
         if not isinstance(handle, DispatchHandle):
             raise invalid_argument("handle", "the handle returned by dispatch", describe(handle))
+        required("x", x)
         bias_0, bias_1 = Buffer._unpack_bias(bias)
         inputs = (x, topk_weights, bias_0, bias_1)
         native_event, stream, after = self._enter(inputs, previous_event, async_finish, allocate_on_comm_stream)

@@ -209,17 +209,26 @@ class MoELayer:
             the dispatch, experts and combine. It receives hidden itself (no copy) and must not synchronise with the
             host. Or make_cuda_shared_experts(w1_shared, w2_shared) (CUDA experts only).
         chunk_size: standard format: run the experts over chunks of this many rows (0 = one chunk).
-        micro_batch: which workspace set to use; workspaces: a WorkspaceCache shared by layers.
+        micro_batch: which workspace set to use (>= 0); workspaces: a WorkspaceCache shared by layers.
+
+    Errors: epmoe.Error('invalid_argument') naming the argument for a prepare_finalize or experts of another
+    type (None included), chunk_size < 0, micro_batch < 0.
     """
 
     def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts,
                  shared_experts: Union[None, SharedExperts, Callable[[Any], Any]] = None, chunk_size: int = 0,
                  micro_batch: int = 0, workspaces: Optional[WorkspaceCache] = None) -> None:
+        if not isinstance(prepare_finalize, PrepareFinalize):
+            raise invalid_argument("prepare_finalize", "a PrepareFinalize (from make_*_prepare_finalize)",
+                                   f"an object of type {type(prepare_finalize).__name__}")
+        if not isinstance(experts, Experts):
+            raise invalid_argument("experts", "an Experts (from make_*_experts)",
+                                   f"an object of type {type(experts).__name__}")
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.shared_experts = shared_experts
-        chunk_size = int_arg("chunk_size", chunk_size, -(2**63), 2**63 - 1)
-        micro_batch = int_arg("micro_batch", micro_batch, -(2**31), 2**31 - 1)
+        chunk_size = int_arg("chunk_size", chunk_size, 0, 2**63 - 1)
+        micro_batch = int_arg("micro_batch", micro_batch, 0, 2**31 - 1)
         wrapped: Any = None
         if isinstance(shared_experts, SharedExperts):
             if getattr(experts, "name", None) != "cuda":

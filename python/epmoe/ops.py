@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _ext
-from ._tensor import arg, framework_of, int_arg
+from ._tensor import arg, framework_of, int_arg, required
 from ._tensor import on_stream as _on_stream
 
 FP8_GROUP_SIZE = 128
@@ -39,6 +39,7 @@ def topk_softmax(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple
     Returns: (topk_weights float32 [T, K], topk_idx int64 [T, K]), in descending weight order.
     Errors: epmoe.Error('invalid_argument') for logits not 2-d float32/bfloat16, K outside 1..E.
     """
+    required("logits", logits)
     num_topk = int_arg("num_topk", num_topk, -(2**31), 2**31 - 1)
     with _on_stream(logits):
         return _ext.topk_softmax(arg(logits), num_topk, renormalize, framework_of(logits))
@@ -46,6 +47,7 @@ def topk_softmax(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple
 
 def topk_sigmoid(logits: Any, num_topk: int, renormalize: bool = False) -> Tuple[Any, Any]:
     """Sigmoid of each logit, then the K largest (ties: lower expert id). Shapes and errors as topk_softmax."""
+    required("logits", logits)
     num_topk = int_arg("num_topk", num_topk, -(2**31), 2**31 - 1)
     with _on_stream(logits):
         return _ext.topk_sigmoid(arg(logits), num_topk, renormalize, framework_of(logits))
@@ -67,6 +69,7 @@ def grouped_topk(logits: Any, num_topk: int, num_expert_group: int, topk_group: 
     K > topk_group * E / num_expert_group, a bias of the wrong shape or dtype, scoring_func not
     'softmax'/'sigmoid'.
     """
+    required("logits", logits)
     num_topk = int_arg("num_topk", num_topk, -(2**31), 2**31 - 1)
     num_expert_group = int_arg("num_expert_group", num_expert_group, -(2**31), 2**31 - 1)
     topk_group = int_arg("topk_group", topk_group, -(2**31), 2**31 - 1)
@@ -83,6 +86,7 @@ def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tupl
     Errors: epmoe.Error('invalid_argument') for topk_idx not int32/int64 [T, K], E % R != 0, E / R > 1024,
     an id outside [-1, E) (naming it and its [t, k]).
     """
+    required("topk_idx", topk_idx)
     num_experts = int_arg("num_experts", num_experts, -(2**31), 2**31 - 1)
     num_ranks = int_arg("num_ranks", num_ranks, -(2**31), 2**31 - 1)
     with _on_stream(topk_idx):
@@ -109,6 +113,7 @@ def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False,
     Errors: epmoe.Error('invalid_argument') for x not 2-d bfloat16/float32, H % 16 != 0, use_ue8m0 without
     round_scale, scale_layout not 'row_major' / 'column_major'.
     """
+    required("x", x)
     with _on_stream(x):
         return _ext.quantize_fp8(arg(x), round_scale, use_ue8m0, str(scale_layout), framework_of(x))
 
@@ -122,6 +127,8 @@ def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
         out_dtype = out_dtype.name
     elif isinstance(out_dtype, type):
         out_dtype = out_dtype.__name__
+    required("q", q)
+    required("scales", scales)
     with _on_stream(q):
         return _ext.dequantize_fp8(arg(q), arg(scales), str(out_dtype), framework_of(q))
 

@@ -290,6 +290,54 @@ def test_run_thread_ranks_returns_results_and_reraises():
         assert e.value.code == "invalid_argument" and repr(bad) in str(e.value)
 
 
+
+def test_a_required_argument_given_as_none_is_named(rng):
+    """None where an array or a callable is required: epmoe.Error naming the argument (not the binding's
+    TypeError, which names none), raised before any exchange, the buffer still usable after."""
+    def named(name, call):
+        with pytest.raises(epmoe.Error) as e:
+            call()
+        assert e.value.code == "invalid_argument" and f"'{name}'" in str(e.value), str(e.value)
+
+    named("fn", lambda: epmoe.run_thread_ranks(1, None))
+    named("logits", lambda: epmoe.topk_softmax(None, 2))
+    named("logits", lambda: epmoe.topk_sigmoid(None, 2))
+    named("logits", lambda: epmoe.grouped_topk(None, 2, 2, 1))
+    named("topk_idx", lambda: epmoe.get_dispatch_layout(None, 4, 2))
+    named("x", lambda: epmoe.quantize_fp8(None))
+    q, s = epmoe.quantize_fp8(nice_bf16(rng, (2, 128)))
+    named("q", lambda: epmoe.dequantize_fp8(None, s))
+    named("scales", lambda: epmoe.dequantize_fp8(q, None))
+    named("prepare_finalize", lambda: epmoe.MoELayer(None, epmoe.make_reference_experts()))
+    named("experts", lambda: epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), None))
+    named("micro_batch", lambda: epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts(),
+                                                micro_batch=-1))
+    named("chunk_size", lambda: epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts(),
+                                               chunk_size=-1))
+    E, H, K, T = 4, 128, 2, 3
+    x = nice_bf16(rng, (T, H))
+    idx = random_topk_idx(rng, T, K, E)
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx)
+        named("x", lambda: buf.dispatch(None, **layout))
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # still usable
+        named("x", lambda: buf.combine(None, handle))
+        combined, _, _ = buf.combine(recv_x, handle)
+        return combined
+
+    for combined in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        # Each token reaches a rank once per rank its experts live on; combine sums those copies.
+        per_rank = np.zeros((T, 2), dtype=bool)
+        for t in range(T):
+            for k in range(K):
+                if idx[t, k] >= 0:
+                    per_rank[t, idx[t, k] // (E // 2)] = True
+        want = x.astype(np.float64) * per_rank.sum(axis=1, keepdims=True)
+        np.testing.assert_array_equal(combined.astype(np.float64), want)
+
 @pytest.mark.parametrize("failing", [0, 1])
 def test_a_rank_that_raises_releases_the_other_at_once_and_its_own_exception_comes_back(failing):
     # The waiting rank sees only 'unusable' (the other failed); that must not hide the failing rank's ValueError,

@@ -146,7 +146,7 @@ class AllGatherPrepareFinalize final : public PrepareFinalize {
     for (std::int64_t i = 0; i < T_ * K_; ++i) {
       const std::int64_t e = id_at(side.topk_idx, i);
       EPMOE_CHECK_ARG(e >= -1 && e < E_, "topk_idx", fmt::format("ids in [-1, {})", E_),
-                      fmt::format("{} at flat index {}", e, i));
+                      fmt::format("{} at [{}, {}]", e, i / K_, i % K_));
     }
     PrepareOutput out;
     out.format = ActivationFormat::standard;

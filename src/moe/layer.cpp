@@ -125,6 +125,7 @@ MoELayer::MoELayer(std::shared_ptr<Buffer> buffer, DispatchMode mode, int num_ma
                       mode == DispatchMode::automatic,
                   "mode", "normal, low_latency or auto", static_cast<int>(mode));
   EPMOE_CHECK_ARG(options_.chunk_size >= 0, "chunk_size", ">= 0", options_.chunk_size);
+  EPMOE_CHECK_ARG(options_.micro_batch >= 0, "micro_batch", ">= 0", options_.micro_batch);
   const bool uses_normal = mode != DispatchMode::low_latency, uses_ll = mode != DispatchMode::normal;
   const auto check_experts = [&](const std::shared_ptr<Experts>& e, std::string_view name, ActivationFormat f) {
     EPMOE_CHECK_ARG(e != nullptr, name, fmt::format("an Experts reading the '{}' format (mode {})",
@@ -165,6 +166,7 @@ MoELayer::MoELayer(std::shared_ptr<PrepareFinalize> prepare_finalize, std::share
                   fmt::format("experts '{}' reading the '{}' format", experts_->name(),
                               activation_format_name(experts_->activation_format())));
   EPMOE_CHECK_ARG(options_.chunk_size >= 0, "chunk_size", ">= 0", options_.chunk_size);
+  EPMOE_CHECK_ARG(options_.micro_batch >= 0, "micro_batch", ">= 0", options_.micro_batch);
   if (!options_.workspaces) options_.workspaces = std::make_shared<WorkspaceCache>();
   hooks_ = std::make_shared<DispatchHookHandle::Registry>();
   mode_ = last_mode_ = prepare_finalize_->name() == "low_latency" ? DispatchMode::low_latency : DispatchMode::normal;

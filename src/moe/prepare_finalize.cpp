@@ -88,8 +88,10 @@ class NoEpPrepareFinalize final : public PrepareFinalize {
     for (std::int64_t i = 0; i < in.topk_idx.numel(); ++i) {
       const std::int64_t e = in.topk_idx.dtype == DType::int64 ? in.topk_idx.ptr<std::int64_t>()[i]
                                                                : in.topk_idx.ptr<std::int32_t>()[i];
+      const std::int64_t K = in.topk_idx.size(1);
       EPMOE_CHECK_ARG(e >= -1 && e < in.global_num_experts, "topk_idx",
-                      fmt::format("ids in [-1, {})", in.global_num_experts), fmt::format("{} at flat index {}", e, i));
+                      fmt::format("ids in [-1, {})", in.global_num_experts),
+                      fmt::format("{} at [{}, {}]", e, i / K, i % K));
       if (e >= 0) ++out_.expert_num_tokens.ptr<std::int32_t>()[e];
     }
     if (no_ep_.format == ActivationFormat::batched_experts) to_slabs();

@@ -245,6 +245,7 @@ TEST(AllGatherLayer, BadArgumentsAreRefusedBeforeAnyCommunicationNamingThem) {
     EXPECT_EQ(pf->stage(), Stage::initial);
     idx.ptr<std::int64_t>()[3] = 8;
     expect_named([&] { pf->dispatch_a({x, idx, w, 8, false}); }, "topk_idx");
+    expect_named([&] { pf->dispatch_a({x, idx, w, 8, false}); }, "8 at [1, 1]");  // [t, k] with K = 2
     idx.ptr<std::int64_t>()[3] = 1;
     expect_named([&] { pf->dispatch_a({x, idx, w_short, 8, false}); }, "topk_weights");
     PrepareFinalizeOptions fp8;

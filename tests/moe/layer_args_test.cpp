@@ -193,6 +193,12 @@ TEST(MoELayerArgs, NoEpBadWeightsNameTheRightArgumentAndLeaveTheLayerUsable) {
   keep.push_back(Tensor::zeros(DType::bf16, {kE - 1, 2 * kN, kH}));
   bad.w1 = keep.back();
   expect_invalid([&] { layer.forward(bad); }, {"'w1'", "E_local = 4 from global_num_experts = 4"});
+  // A bad id is named with its [t, k], as the caller indexes topk_idx.
+  bad = good;
+  keep.push_back(test::random_topk_idx(rng, kT, kK, kE));
+  keep.back().ptr<std::int64_t>()[1 * kK + 1] = kE;
+  bad.topk_idx = keep.back();
+  expect_invalid([&] { layer.forward(bad); }, {"'topk_idx'", std::to_string(kE) + " at [1, 1]"});
   EXPECT_LE(error_vs_reference(in, 0, layer.forward(good).output), 1e-2);
 }
 

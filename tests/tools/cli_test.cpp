@@ -164,6 +164,24 @@ TEST(Cli, RunDeviceCpuLowLatencyAndBadDevice) {
   EXPECT_NE(b.err.find("--device"), std::string::npos) << b.err;
 }
 
+// semantics §1: bf16 rows need H % 8 == 0, fp8 rows H % 16 == 0; the run takes what its wire allows and names the
+// flag, the wire and the multiple otherwise.
+TEST(Cli, RunHiddenMultipleFollowsTheDispatchDtype) {
+  const std::string tiny = " --device cpu --ranks 2 --tokens 4 --intermediate 8 --experts 4 --topk 2 --iters 1";
+  for (const char* mode : {"normal", "low-latency"}) {
+    const CliResult r = run_cli(std::string("run --mode ") + mode + " --hidden 8" + tiny);
+    EXPECT_EQ(r.code, 0) << mode << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  }
+  const CliResult fp8 = run_cli("run --dispatch-dtype fp8 --hidden 8" + tiny);
+  EXPECT_EQ(fp8.code, 2) << fp8.out << fp8.err;
+  EXPECT_NE(fp8.err.find("'--hidden'"), std::string::npos) << fp8.err;
+  EXPECT_NE(fp8.err.find("multiple of 16 for --dispatch-dtype fp8"), std::string::npos) << fp8.err;
+  const CliResult odd = run_cli("run --hidden 12" + tiny);
+  EXPECT_EQ(odd.code, 2) << odd.out << odd.err;
+  EXPECT_NE(odd.err.find("multiple of 8 for --dispatch-dtype bf16"), std::string::npos) << odd.err;
+}
+
 // Low-latency mode on GPU ranks (the MoE layer's low-latency prepare/finalize on the cuda_ipc GPU low-latency mode,
 // batched CUDA experts), both wires, two iterations (both halves of the buffer): PASS against the float64 reference,
 // and the payload as the header defines it: with random routing every token reaches K distinct experts, so the ranks

@@ -482,7 +482,12 @@ void check_job_flags(const RunConfig& c) {
                                  c.ranks == 1 ? "" : "s"),
         c.experts);
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
-  if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
+  // semantics §1: bf16 rows move in 16-byte pieces (H % 8), fp8 rows too (H % 16).
+  const std::int64_t hidden_multiple = c.dispatch_dtype == "fp8" ? 16 : 8;
+  if (c.hidden < hidden_multiple || c.hidden % hidden_multiple != 0)
+    bad("--hidden",
+        fmt::format("a positive multiple of {} for --dispatch-dtype {}", hidden_multiple, c.dispatch_dtype),
+        c.hidden);
   if (c.intermediate < 1) bad("--intermediate", ">= 1", c.intermediate);
   const int max_topk = std::min(c.experts, c.mode == "normal" ? kNormalMaxTopk : kLowLatencyMaxTopk);
   if (c.topk < 1 || c.topk > max_topk)
@@ -803,7 +808,9 @@ std::function<int()> add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
-  cmd->add_option("--check-tokens", c.check_tokens, "tokens per rank checked against the float64 reference")->capture_default_str();
+  cmd->add_option("--check-tokens", c.check_tokens,
+                  "tokens per rank checked against the float64 reference (all of them when fewer)")
+      ->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")->capture_default_str();
   cmd->add_option("--json", c.json, "also write the results as JSON to this file")->check(non_empty_path());
   cmd->add_flag("--eplb", c.eplb,
