@@ -282,6 +282,10 @@ struct LowLatencyDispatchArgs {
   bool async_finish = false;
   bool return_recv_hook = false;
   TensorView cumulative_local_expert_recv_stats;  ///< optional int32 [E_local], incremented by the counts
+  /// Optional int64 [R] on x's device (DeepEP V1's diagnosis statistic, semantics §5): entry s += the nanoseconds
+  /// this rank's receive waited for source rank s's data (DeepEP counts GPU clock cycles; epmoe counts time on
+  /// both the CPU and the GPU). Cumulative: the caller zeroes it.
+  TensorView dispatch_wait_recv_cost_stats;
 };
 
 struct LowLatencyDispatchResult {
@@ -309,6 +313,9 @@ struct LowLatencyCombineArgs {
   bool async_finish = false;
   bool return_recv_hook = false;
   TensorView out;           ///< optional bfloat16 [T, H] to write into
+  /// Optional int64 [R] on x's device: entry s += the nanoseconds the receive waited for source rank s's rows
+  /// (as LowLatencyDispatchArgs::dispatch_wait_recv_cost_stats).
+  TensorView combine_wait_recv_cost_stats;
 };
 
 struct LowLatencyCombineResult {

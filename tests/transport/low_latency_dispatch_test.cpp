@@ -3,6 +3,9 @@
 // fp8 bytes equal to quantize_fp8 of the source row, combine bit for bit.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "transport/low_latency_test_common.hpp"
 
 namespace epmoe::test::ll {
@@ -215,6 +218,69 @@ TEST(LowLatencyDispatch, Int32TopkIdxAndCumulativeStats) {
       EXPECT_EQ(
           stats[static_cast<std::size_t>(d)].ptr<std::int32_t>()[e],
           100 + e + 2 * static_cast<int>(ref[static_cast<std::size_t>(d)].rows[static_cast<std::size_t>(e)].size()));
+  }
+}
+
+// DeepEP's wait-cost statistics (semantics §5): int64 [R], entry s += the nanoseconds this rank's receive waited for
+// rank s. A rank that arrives late by a known sleep shows at least that much in its peers' entry for it; the entries
+// accumulate from the caller's values; the results are those of a call without statistics.
+TEST(LowLatencyDispatch, WaitCostStatsCountTheWaitForEachSource) {
+  Case c;
+  c.R = 2;
+  c.E = 8;
+  c.K = 2;
+  c.tmax = 6;
+  std::mt19937_64 rng(fresh_seed());
+  const auto in = make_inputs(rng, c);
+  const auto expert_out = make_expert_out(rng, c);
+  const auto ref = reference_low_latency_dispatch(in, c.E);
+  const auto want = reference_low_latency_combine(in, ref, expert_out, c.E);
+  constexpr std::int64_t kBase = 1000, kLateNs = 150'000'000;  // the late rank sleeps 150 ms
+  std::vector<Tensor> dstats, cstats, combined(2);
+  std::vector<DispatchCopy> got(2);
+  for (int r = 0; r < c.R; ++r) {
+    dstats.push_back(Tensor::empty(DType::int64, {c.R}));
+    cstats.push_back(Tensor::empty(DType::int64, {c.R}));
+    for (int s = 0; s < c.R; ++s) dstats.back().ptr<std::int64_t>()[s] = cstats.back().ptr<std::int64_t>()[s] = kBase;
+  }
+  run_buffers(c.R, [&](Buffer& b, Group& g) {
+    const int r = g.rank();
+    auto a = dispatch_args(c, in[static_cast<std::size_t>(r)]);
+    // The first call fixes the settings with a collective, which would absorb the late rank's sleep.
+    (void)b.low_latency_dispatch(a);
+    a.dispatch_wait_recv_cost_stats = dstats[static_cast<std::size_t>(r)];
+    g.barrier("test: before the late rank");
+    if (r == 1) std::this_thread::sleep_for(std::chrono::nanoseconds(kLateNs));  // late to the dispatch
+    const LowLatencyDispatchResult d = b.low_latency_dispatch(a);
+    got[static_cast<std::size_t>(r)] = copy_dispatch(d);
+    LowLatencyCombineArgs ca;
+    ca.x = expert_out[static_cast<std::size_t>(r)];
+    ca.topk_idx = a.topk_idx;
+    ca.topk_weights = a.topk_weights;
+    ca.handle = &d.handle;
+    // A statistic of the wrong shape is named before any communication, and the buffer stays usable.
+    const Tensor square = Tensor::zeros(DType::int64, {c.R, c.R});
+    ca.combine_wait_recv_cost_stats = square;
+    const Caught bad = catch_error([&] { b.low_latency_combine(ca); });
+    EXPECT_EQ(bad.code, ErrorCode::invalid_argument) << bad.what;
+    EXPECT_NE(bad.what.find("'combine_wait_recv_cost_stats'"), std::string::npos) << bad.what;
+    ca.combine_wait_recv_cost_stats = cstats[static_cast<std::size_t>(r)];
+    g.barrier("test: before the late rank");
+    if (r == 0) std::this_thread::sleep_for(std::chrono::nanoseconds(kLateNs));  // late to the combine
+    combined[static_cast<std::size_t>(r)] = clone(b.low_latency_combine(ca).combined_x);
+  });
+  const auto entry = [](const Tensor& t, int s) { return t.ptr<std::int64_t>()[s]; };
+  EXPECT_GE(entry(dstats[0], 1) - kBase, kLateNs * 2 / 3) << "rank 0 waited for rank 1's dispatch";
+  EXPECT_GE(entry(cstats[1], 0) - kBase, kLateNs * 2 / 3) << "rank 1 waited for rank 0's combine";
+  for (int r = 0; r < c.R; ++r)
+    for (int s = 0; s < c.R; ++s) {
+      EXPECT_GE(entry(dstats[static_cast<std::size_t>(r)], s), kBase);
+      EXPECT_GE(entry(cstats[static_cast<std::size_t>(r)], s), kBase);
+    }
+  for (int d = 0; d < c.R; ++d) {
+    expect_dispatch_matches(c, d, got[static_cast<std::size_t>(d)], in, ref, quantize_all(c, in));
+    expect_bf16_equal(combined[static_cast<std::size_t>(d)], want[static_cast<std::size_t>(d)],
+                      "combine rank " + std::to_string(d));
   }
 }
 

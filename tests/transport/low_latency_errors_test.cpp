@@ -109,6 +109,7 @@ TEST(LowLatencyErrors, BadShapesAndOptions) {
   Tensor x_h120 = random_bf16(rng, c.tmax, 120);
   Tensor weights_bad = random_f32(rng, c.tmax, c.K + 1);
   Tensor stats_bad = Tensor::zeros(DType::int32, {c.E});
+  Tensor cost_int32 = Tensor::zeros(DType::int32, {c.R}), cost_square = Tensor::zeros(DType::int64, {c.R, c.R});
   const std::vector<Variant> variants = {
       {"float32 x", [&](auto& a) { a.x = x_f32; }, "'x'"},
       {"fp8 with H % 16 != 0", [&](auto& a) { a.x = x_h120; }, "multiple of 16"},
@@ -123,6 +124,10 @@ TEST(LowLatencyErrors, BadShapesAndOptions) {
       {"weights shape", [&](auto& a) { a.topk_weights = weights_bad; }, "topk_weights"},
       {"stats shape", [&](auto& a) { a.cumulative_local_expert_recv_stats = stats_bad; },
        "cumulative_local_expert_recv_stats"},
+      {"wait-cost stats int32", [&](auto& a) { a.dispatch_wait_recv_cost_stats = cost_int32; },
+       "'dispatch_wait_recv_cost_stats': expected None or a contiguous int64[2]"},
+      {"wait-cost stats [R, R]", [&](auto& a) { a.dispatch_wait_recv_cost_stats = cost_square; },
+       "dispatch_wait_recv_cost_stats"},
   };
   for (const auto& v : variants) {
     SCOPED_TRACE(v.name);

@@ -170,7 +170,16 @@ DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device devic
     EPMOE_CHECK_ARG(s.ndim() == 1 && s.dtype == DType::int32 && s.size(0) == spec.El && s.data != nullptr,
                     "cumulative_local_expert_recv_stats", fmt::format("int32[{}]", spec.El), describe(s));
   }
+  check_wait_cost_stats(a.dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", R, device);
   return spec;
+}
+
+void check_wait_cost_stats(const TensorView& stats, std::string_view name, int R, Device device) {
+  if (!stats.defined()) return;
+  check_on(stats, name, device);
+  EPMOE_CHECK_ARG(stats.ndim() == 1 && stats.dtype == DType::int64 && stats.size(0) == R && stats.data != nullptr &&
+                      (R <= 1 || stats.stride(0) == 1),
+                  name, fmt::format("None or a contiguous int64[{}] (one entry per source rank)", R), describe(stats));
 }
 
 const LowLatencyHandle& combine_handle(const LowLatencyCombineArgs& a, std::uint64_t buffer_id) {

@@ -44,6 +44,9 @@ const LowLatencyHandle& combine_handle(const LowLatencyCombineArgs& a, std::uint
 /// Combine's x: bfloat16 [E_local, rows, H] on `device` with unit stride in dimension 2 (on CUDA also 16-byte aligned
 /// rows). Errors: invalid_argument naming 'x'.
 void check_combine_x(const TensorView& x, int local_experts, std::int64_t rows, std::int64_t hidden, Device device);
+/// A wait-cost statistic (dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats): undefined, or a contiguous
+/// int64 [R] on `device`. Errors: invalid_argument naming `name`.
+void check_wait_cost_stats(const TensorView& stats, std::string_view name, int R, Device device);
 /// Combine's optional out: bfloat16 [T, H] on `device` with unit stride in dimension 1 (on CUDA also 16-byte aligned
 /// rows). Errors: invalid_argument naming 'out'.
 void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t hidden, Device device);

@@ -28,6 +28,7 @@
 #include <epmoe/quant.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "quant/quant.hpp"
@@ -288,6 +289,7 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
   p.use_ue8m0 = a.use_ue8m0;
   p.use_nvfp4 = a.use_nvfp4;
   p.stats = a.cumulative_local_expert_recv_stats;
+  p.wait_cost = a.dispatch_wait_recv_cost_stats;
 
   // --- the result: views of this half's output area (filled by the receive half)
   LowLatencyDispatchResult r =
@@ -324,9 +326,13 @@ void LowLatencyMode::receive(std::uint64_t gen) {
 
 low_latency_protocol::Header LowLatencyMode::receive_header(const std::byte* staging, int half, int s,
                                                             std::uint64_t index, std::uint32_t kind,
-                                                            const std::string& phase) {
+                                                            const std::string& phase, const TensorView& wait_cost) {
   const int R = transport_.group().size(), me = transport_.group().rank();
+  const auto start = std::chrono::steady_clock::now();
   transport_.wait_signal(data_slot(half, s, R), index + 1, s, phase);
+  if (wait_cost.defined())
+    static_cast<std::int64_t*>(wait_cost.data)[s] +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
   Header h;
   std::memcpy(&h, staging + static_cast<std::size_t>(s) * kHeaderBytes, sizeof(h));
   if (h.magic != kMagic || h.kind != kind || h.index != index) {
@@ -377,7 +383,7 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
   // writes another layout over this staging area, so nothing of it is trusted until all agree.
   std::vector<std::int64_t> sent_tokens(static_cast<std::size_t>(R));
   for (int s = 0; s < R; ++s) {
-    const Header h = receive_header(staging, half, s, index, kKindDispatch, phase);
+    const Header h = receive_header(staging, half, s, index, kKindDispatch, phase, p.wait_cost);
     if (h.flags != flags)
       raise(ErrorCode::rank_mismatch,
             "rank {}: setting 'use_fp8/round_scale/use_ue8m0/use_nvfp4' must be equal on all ranks: rank {} has "
@@ -459,6 +465,8 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   EPMOE_CHECK_ARG(a.topk_weights.defined(), "topk_weights", fmt::format("float32[{}, {}]", T, K), "None");
   std::vector<float> w = read_topk_weights(a.topk_weights, T, K);
   if (a.out.defined()) low_latency_args::check_combine_out(a.out, T, H, Device::cpu());
+  low_latency_args::check_wait_cost_stats(a.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", R,
+                                          Device::cpu());
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
   begin_call("low_latency_combine");
@@ -520,6 +528,7 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   p.topk_idx = std::move(idx);
   p.topk_weights = std::move(w);
   p.out = r.combined_x;
+  p.wait_cost = a.combine_wait_recv_cost_stats;
   if (a.return_recv_hook)
     r.hook = RecvHook([this, gen] { receive(gen); });
   else
@@ -543,7 +552,7 @@ void LowLatencyMode::receive_combine(Pending& p) {
   for (std::int32_t e : p.topk_idx)
     if (e >= 0) ++expected[static_cast<std::size_t>(e / El)];
   for (int s = 0; s < R; ++s) {
-    const Header h = receive_header(staging, half, s, index, kKindCombine, phase);
+    const Header h = receive_header(staging, half, s, index, kKindCombine, phase, p.wait_cost);
     if (h.count != expected[static_cast<std::size_t>(s)])
       raise(ErrorCode::rank_mismatch,
             "rank {}: rank {} sent {} rows back at combine for this rank's tokens, but this rank's topk_idx routes {} "

@@ -61,6 +61,7 @@ class LowLatencyMode final : public LowLatencyBackend {
     std::int64_t num_tokens = 0;
     bool use_fp8 = false, round_scale = false, use_ue8m0 = false, use_nvfp4 = false;
     TensorView stats;  // dispatch: cumulative_local_expert_recv_stats
+    TensorView wait_cost;  // dispatch_ / combine_wait_recv_cost_stats: int64 [R] or undefined
     // combine
     std::int64_t topk = 0;
     std::vector<std::int32_t> topk_idx;
@@ -86,8 +87,10 @@ class LowLatencyMode final : public LowLatencyBackend {
   void signal_consumed(std::uint64_t index);
   /// Waits for source `s`'s data flag of call `index` and returns its header from `staging`; raises rank_mismatch
   /// when the source is in another call or sent the other kind of data (`kind`: kKindDispatch or kKindCombine).
+  /// `wait_cost` (an int64 [R] statistic, or undefined): entry s += the nanoseconds waited.
   low_latency_protocol::Header receive_header(const std::byte* staging, int half, int s, std::uint64_t index,
-                                              std::uint32_t kind, const std::string& phase);
+                                              std::uint32_t kind, const std::string& phase,
+                                              const TensorView& wait_cost);
 
   std::shared_ptr<Transport> owner_;
   Transport& transport_;

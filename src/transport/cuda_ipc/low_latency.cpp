@@ -122,6 +122,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     int scale_cols = 0;
     std::int32_t* stats = nullptr;
     std::int64_t stats_stride = 1;
+    long long* wait_cost = nullptr;  // dispatch_ / combine_wait_recv_cost_stats (int64 [R] on the GPU) or null
     // combine
     const void* topk_idx = nullptr;
     bool idx64 = true;
@@ -442,6 +443,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     p.stats = static_cast<std::int32_t*>(a.cumulative_local_expert_recv_stats.data);
     p.stats_stride = a.cumulative_local_expert_recv_stats.stride(0);
   }
+  p.wait_cost = static_cast<long long*>(a.dispatch_wait_recv_cost_stats.data);
 
   LowLatencyDispatchResult r =
       LowLatencyMode::output_views(L, half_base(index), a.use_fp8, a.use_ue8m0, a.use_nvfp4, gpu);
@@ -472,6 +474,7 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
       ra.scale_cols = p.scale_cols;
       ra.stats = p.stats;
       ra.stats_stride = p.stats_stride;
+      ra.wait_cost = p.wait_cost;
       ll::launch_dispatch_recv(c, ra, s);
     } else {
       ll::CombineRecvArgs ra;
@@ -483,6 +486,7 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
       ra.T = p.T;
       ra.out = p.out.data();
       ra.out_stride = p.T > 1 ? p.out.view().stride(0) : layout_.hidden;
+      ra.wait_cost = p.wait_cost;
       ll::launch_combine_recv(c, ra, s);
       if (p.ids_swapped) swap_ids(s);
     }
@@ -528,6 +532,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
                       (T <= 1 || (a.topk_weights.stride(1) == 1 && a.topk_weights.stride(0) == K)),
                   "topk_weights", fmt::format("contiguous float32[{}, {}]", T, K), args::strides_of(a.topk_weights));
   if (a.out.defined()) args::check_combine_out(a.out, T, H, gpu);
+  args::check_wait_cost_stats(a.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", R_, gpu);
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
   // zero_copy (DeepEP: x is the buffer's own combine slab) changes nothing here: the send kernel reads x where it
@@ -583,6 +588,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   p.T = T;
   p.out = out;
   p.ids_swapped = moved;
+  p.wait_cost = static_cast<long long*>(a.combine_wait_recv_cost_stats.data);
   finish(r, gen, a.return_recv_hook, a.async_finish, s);
   return r;
 }

@@ -398,14 +398,20 @@ __global__ void __launch_bounds__(kThreads)
 /// Threads s < R wait for source s's data flag of call `index` and check its header; false on every thread when
 /// some source failed (recorded). `counts` receives each source's count.
 __device__ bool receive_headers(const Common& c, int half, unsigned long long index, std::uint32_t kind,
-                                std::uint32_t flags, const long long* expected, long long* counts, int phase) {
+                                std::uint32_t flags, const long long* expected, long long* counts, int phase,
+                                long long* wait_cost) {
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
   const int s = threadIdx.x;
   if (s < c.num_ranks) {
     Control* own = control(c.peers[c.rank]);
-    if (!wait_geq(&own->data[half][s], index + 1, c, s, phase, index)) {
+    const long long start = wait_cost != nullptr ? now_ns() : 0;
+    const bool arrived = wait_geq(&own->data[half][s], index + 1, c, s, phase, index);
+    // Every block waits; block 0 alone adds, so the statistic counts each source's wait once per call.
+    if (wait_cost != nullptr && blockIdx.x == 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost + s), static_cast<unsigned long long>(now_ns() - start));
+    if (!arrived) {
       ok = 0;
     } else {
       const Header* hp = reinterpret_cast<const Header*>(half_base(c, c.rank, half) + c.staging +
@@ -448,7 +454,7 @@ __global__ void __launch_bounds__(kThreads)
   const unsigned long long index = read_volatile(&own->calls) - 1 - static_cast<unsigned long long>(a.lag);
   const int half = static_cast<int>(index & 1), R = c.num_ranks, El = c.local_experts;
   __shared__ long long n[kMaxRanks];
-  if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv)) return;
+  if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv, a.wait_cost)) return;
 
   const bool fp8 = (a.flags & 1u) != 0, nvfp4 = (a.flags & kFlagNvfp4) != 0;
   const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
@@ -639,7 +645,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv))
+  if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
+                       a.wait_cost))
     return;
 
   // out[t] = sum over k ascending of w[t, k] * row(t, k): float32 from +0.0f, each product rounded before it is

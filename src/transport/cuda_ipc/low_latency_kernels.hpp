@@ -83,6 +83,7 @@ struct DispatchRecvArgs {
   int scale_cols = 0;             ///< float32 groups, UE8M0 words, or (nvfp4) words of 4 block scales
   std::int32_t* stats = nullptr;  ///< cumulative_local_expert_recv_stats or null
   long long stats_stride = 1;
+  long long* wait_cost = nullptr;  ///< dispatch_wait_recv_cost_stats int64 [R] (+= ns waited per source) or null
 };
 
 struct CombineSendArgs {
@@ -99,6 +100,7 @@ struct CombineRecvArgs {
   long long T = 0;
   void* out = nullptr;  ///< bf16 [T, H], rows out_stride elements apart
   long long out_stride = 0;
+  long long* wait_cost = nullptr;  ///< combine_wait_recv_cost_stats int64 [R] (+= ns waited per source) or null
 };
 
 void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s);
