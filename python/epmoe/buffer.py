@@ -324,12 +324,13 @@ def _deepep_nvfp4_views(recv_x: Any, scales: Any) -> Tuple[Any, Any]:
 
 
 def _check_cost_stats(name: str, stats: Any, num_ranks: int) -> None:
-    """DeepEP's wait-cost statistics: int64 [R, R]. Checked; the CPU backends do not time waits."""
+    """DeepEP V1's wait-cost statistics: None or int64 [R] (entry s: nanoseconds waited for rank s, semantics §5)."""
     if stats is None:
         return
     shape = tuple(getattr(stats, "shape", ()))
-    if str(getattr(stats, "dtype", "")).replace("torch.", "") != "int64" or shape != (num_ranks, num_ranks):
-        raise invalid_argument(name, f"None or int64[{num_ranks}, {num_ranks}]", describe(stats))
+    if str(getattr(stats, "dtype", "")).replace("torch.", "") != "int64" or shape != (num_ranks,):
+        raise invalid_argument(name, f"None or a contiguous int64[{num_ranks}] (one entry per source rank)",
+                               describe(stats))
 
 
 class Buffer:
@@ -793,7 +794,8 @@ class Buffer:
                 and equal on all ranks (a mismatch is an error on every rank, never a hang).
             num_experts: E.
             cumulative_local_expert_recv_stats: optional int32 [E_local]; each call adds its counts.
-            dispatch_wait_recv_cost_stats: optional int64 [R, R]; checked, not updated on CPU.
+            dispatch_wait_recv_cost_stats: optional int64 [R] on x's device (DeepEP V1's diagnosis statistic):
+                entry s += the nanoseconds the receive waited for rank s's data (DeepEP counts GPU clock cycles).
             use_fp8: quantize to fp8 e4m3 with one float32 scale per 128 channels.
             round_scale: scales rounded up to powers of two. use_ue8m0: UE8M0 scales (needs round_scale).
             async_finish: GPU: the call runs on the buffer's communication stream (after the current stream's
@@ -841,14 +843,15 @@ class Buffer:
                                                      num_max_dispatch_tokens_per_rank)
         num_experts = int32_arg("num_experts", num_experts)
         gpu = x is not None and is_cuda(x)
-        inputs = (x, topk_idx, cumulative_local_expert_recv_stats, x_global_scale)
+        inputs = (x, topk_idx, cumulative_local_expert_recv_stats, x_global_scale, dispatch_wait_recv_cost_stats)
         stream = current_stream(*inputs) if gpu else None
         # Thread ranks on GPUs: wait on the host (GIL released) before returning, as normal mode does.
         host_wait = gpu and self._host_wait and not return_recv_hook
         recv_x, scales, count, src_info, layout_range, native, event, hook = self.runtime.low_latency_dispatch(
             arg(x), arg(topk_idx), None, num_max_dispatch_tokens_per_rank, num_experts,
             arg(cumulative_local_expert_recv_stats), use_fp8, round_scale, use_ue8m0, async_finish or host_wait,
-            return_recv_hook, framework_of(x), stream, bool(use_nvfp4), arg(x_global_scale))
+            return_recv_hook, framework_of(x), stream, bool(use_nvfp4), arg(x_global_scale),
+            arg(dispatch_wait_recv_cost_stats))
         if host_wait:
             event.wait_host()
             if not async_finish:
@@ -880,7 +883,8 @@ class Buffer:
             return_recv_hook: only send; the returned hook receives into the result. Call it once. GPU: as
                 for low_latency_dispatch (the receive reads topk_idx and topk_weights: the hook keeps them).
             out: optional bfloat16 [T, H] to write into (returned as combined_x).
-            combine_wait_recv_cost_stats: optional int64 [R, R]; checked, not updated on CPU.
+            combine_wait_recv_cost_stats: optional int64 [R] on x's device: entry s += the nanoseconds the receive
+                waited for rank s's rows (as dispatch_wait_recv_cost_stats).
 
         Returns:
             combined_x: bfloat16 [T, H] = sum over k ascending of topk_weights[t,k] * expert output,
@@ -905,13 +909,13 @@ class Buffer:
                 raise invalid_argument("x", f"bfloat16 {list(shape)}", describe(x))
             x = slab
         gpu = x is not None and is_cuda(x)
-        inputs = (x, topk_idx, topk_weights, out)
+        inputs = (x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
         stream = current_stream(*inputs) if gpu else None
         host_wait = gpu and self._host_wait and not return_recv_hook
         # DeepEP's zero_copy means "x is the buffer's own combine slab"; the GPU combine always copies from x.
         combined, event, hook = self.runtime.low_latency_combine(
             arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy, async_finish or host_wait,
-            return_recv_hook, arg(out), framework_of(x), stream)
+            return_recv_hook, arg(out), framework_of(x), stream, arg(combine_wait_recv_cost_stats))
         self._ll_calls += 1
         if host_wait:
             event.wait_host()

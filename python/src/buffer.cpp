@@ -79,7 +79,7 @@ struct LowLatencyDispatchState {
   std::shared_ptr<Buffer> buffer;  // the receive half (hook) runs on this buffer
   LowLatencyDispatchResult native;
   Tensor x, scales, count, src_info, layout_range;
-  PyRef keep;  // cumulative_local_expert_recv_stats, which the receive half writes
+  PyRef keep;  // (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), which the receive half writes
 
   void copy_out() {
     copy_all(native.packed_recv_count, count);
@@ -253,7 +253,7 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
                                int num_max_dispatch_tokens_per_rank, int num_experts, nb::handle stats, bool use_fp8,
                                bool round_scale, bool use_ue8m0, bool async_finish, bool return_recv_hook,
                                std::string_view framework, std::optional<std::uintptr_t> stream, bool use_nvfp4,
-                               nb::handle x_global_scale) {
+                               nb::handle x_global_scale, nb::handle wait_cost_stats) {
   const Framework fw = parse_framework(framework);
   Inputs in;
   LowLatencyDispatchArgs a;
@@ -270,9 +270,10 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
   a.async_finish = async_finish;
   a.return_recv_hook = return_recv_hook;
   a.cumulative_local_expert_recv_stats = arg(stats, "cumulative_local_expert_recv_stats", in);
+  a.dispatch_wait_recv_cost_stats = arg(wait_cost_stats, "dispatch_wait_recv_cost_stats", in);
   auto st = std::make_shared<LowLatencyDispatchState>();
   st->buffer = b.buffer;
-  if (!stats.is_none()) st->keep = make_ref(stats);
+  if (!stats.is_none() || !wait_cost_stats.is_none()) st->keep = make_ref(nb::make_tuple(stats, wait_cost_stats));
   bool gpu = false;
   {
     nb::gil_scoped_release release;
@@ -310,7 +311,8 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
 
 nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
                               const LowLatencyHandle& handle, bool zero_copy, bool async_finish, bool return_recv_hook,
-                              nb::handle out, std::string_view framework, std::optional<std::uintptr_t> stream) {
+                              nb::handle out, std::string_view framework, std::optional<std::uintptr_t> stream,
+                              nb::handle wait_cost_stats) {
   const Framework fw = parse_framework(framework);
   Inputs in;
   LowLatencyCombineArgs a;
@@ -322,6 +324,7 @@ nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb
   a.async_finish = async_finish;
   a.return_recv_hook = return_recv_hook;
   a.out = arg(out, "out", in);
+  a.combine_wait_recv_cost_stats = arg(wait_cost_stats, "combine_wait_recv_cost_stats", in);
   LowLatencyCombineResult r;
   {
     nb::gil_scoped_release release;
@@ -329,7 +332,9 @@ nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb
     r = buf(b).low_latency_combine(a);
   }
   nb::object hook = nb::none();
-  if (return_recv_hook) hook = nb::cast(PyRecvHook{r.hook, b.buffer, nullptr, out.is_none() ? PyRef() : make_ref(out)});
+  // The hook keeps what its receive writes: `out` and the statistic.
+  if (return_recv_hook)
+    hook = nb::cast(PyRecvHook{r.hook, b.buffer, nullptr, make_ref(nb::make_tuple(out, wait_cost_stats))});
   // With `out` the result is the caller's own array (epmoe/buffer.py returns it).
   nb::object combined = out.is_none() ? to_py(r.combined_x, fw) : nb::none();
   return nb::make_tuple(combined, nb::cast(r.event), hook);
@@ -420,11 +425,12 @@ void bind_buffer_class(nb::module_& m) {
            nb::arg("cumulative_local_expert_recv_stats").none(), nb::arg("use_fp8") = true,
            nb::arg("round_scale") = false, nb::arg("use_ue8m0") = false, nb::arg("async_finish") = false,
            nb::arg("return_recv_hook") = false, nb::arg("framework") = "numpy", nb::arg("stream").none() = nb::none(),
-           nb::arg("use_nvfp4") = false, nb::arg("x_global_scale").none() = nb::none())
+           nb::arg("use_nvfp4") = false, nb::arg("x_global_scale").none() = nb::none(),
+           nb::arg("dispatch_wait_recv_cost_stats").none() = nb::none())
       .def("low_latency_combine", &low_latency_combine, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
            nb::arg("handle"), nb::arg("zero_copy") = false, nb::arg("async_finish") = false,
            nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(), nb::arg("framework") = "numpy",
-           nb::arg("stream").none() = nb::none());
+           nb::arg("stream").none() = nb::none(), nb::arg("combine_wait_recv_cost_stats").none() = nb::none());
 }
 
 }  // namespace

@@ -103,6 +103,41 @@ def test_low_latency_round_trip_bf16(rng, R):
         np.testing.assert_array_equal(bits(combined), bits(combine_ref(xs[d], idxs[d], ws[d])))
 
 
+def test_wait_cost_stats_count_the_nanoseconds_waited_for_each_source(rng):
+    """DeepEP V1's dispatch_/combine_wait_recv_cost_stats (semantics §5): int64 [R], entry s += the nanoseconds this
+    rank's receive waited for rank s. Rank 1 sleeps before its dispatch, rank 0 before its combine: the other rank's
+    entry for the late one grows by at least most of the sleep; entries accumulate on the caller's values; the
+    results are those without statistics."""
+    import time
+    R, E, late_s, base = 2, 8, 0.15, 1000
+    Ts, xs, idxs, ws = make_inputs(rng, R, E)
+
+    def rank_main(group):
+        r = group.rank()
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_fp8=False)  # the first call agrees on the settings
+        dstats, cstats = np.full(R, base, np.int64), np.full(R, base, np.int64)
+        group.barrier()
+        if r == 1:
+            time.sleep(late_s)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_fp8=False,
+                                                             dispatch_wait_recv_cost_stats=dstats)
+        y = experts_on_packed(recv, count, r, E // R)
+        group.barrier()
+        if r == 0:
+            time.sleep(late_s)
+        combined, _, _ = buf.low_latency_combine(y, idxs[r], ws[r], handle, combine_wait_recv_cost_stats=cstats)
+        return dstats, cstats, (recv, count, handle), combined
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    assert out[0][0][1] - base >= late_s * 2 / 3 * 1e9, out[0][0]
+    assert out[1][1][0] - base >= late_s * 2 / 3 * 1e9, out[1][1]
+    for d in range(R):
+        assert (out[d][0] >= base).all() and (out[d][1] >= base).all()
+        check_packed(out[d][2], xs, idxs, E, R, d)
+        np.testing.assert_array_equal(bits(out[d][3]), bits(combine_ref(xs[d], idxs[d], ws[d])))
+
+
 @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
 def test_low_latency_fp8_dispatch(rng, round_scale, use_ue8m0):
     R, E = 2, 8
@@ -249,7 +284,7 @@ def test_low_latency_errors_name_the_argument(rng):
             "k_too_large": lambda: buf.low_latency_dispatch(
                 xs[r], np.zeros((Ts[r], 17), np.int64), TMAX, E),
             "cost_stats": lambda: buf.low_latency_dispatch(
-                xs[r], idxs[r], TMAX, E, dispatch_wait_recv_cost_stats=np.zeros((R, R), np.int32)),
+                xs[r], idxs[r], TMAX, E, dispatch_wait_recv_cost_stats=np.zeros((R, R), np.int64)),
             "hook_and_async": lambda: buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, async_finish=True,
                                                                return_recv_hook=True),
             "mask": lambda: buf.low_latency_update_mask_buffer(1, True),

@@ -61,6 +61,7 @@ struct Case {
   bool nvfp4 = false;           // use_nvfp4 (use_fp8 off), with x_global_scale = global_scale
   float global_scale = 0.0f;    // 0: 448 * 6 / amax of each call's x on its rank (the producers' convention)
   bool device_scale = false;    // x_global_scale on the GPU (else a CPU tensor)
+  bool wait_cost = false;       // dispatch_ / combine_wait_recv_cost_stats (int64 [R] from kWaitCostBase), checked apart
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E << " Tmax=" << tmax
@@ -71,7 +72,7 @@ struct Case {
        << (int32_idx ? " int32 ids" : "") << " p(-1)=" << p_minus_one << " only_expert=" << only_expert
        << " all-1 rank=" << all_minus_one_rank << " calls=" << calls << (hooks ? " hooks" : "")
        << (async ? " async" : "") << (stats ? " stats" : "") << (separate_quant ? " separate quant" : "")
-       << (nvfp4 ? (device_scale ? " nvfp4 (device global scale)" : " nvfp4") : "");
+       << (nvfp4 ? (device_scale ? " nvfp4 (device global scale)" : " nvfp4") : "") << (wait_cost ? " wait cost" : "");
     return os.str();
   }
 };
@@ -204,6 +205,18 @@ BufferOptions rank_options(bool gpu, int r, int R, const Case& c) {
 }
 
 /// Runs the case's calls on R ranks through the threads backend (gpu = false) or cuda_ipc.
+constexpr std::int64_t kWaitCostBase = 1000;
+
+// The wait-cost statistics after the calls: each entry at least the caller's value and below a minute of waiting
+// (time, so apart from the bit-for-bit comparison).
+void expect_wait_costs(const Tensor& stats, int R, const std::string& what) {
+  ASSERT_EQ(stats.shape(), (Shape{R})) << what;
+  for (int s = 0; s < R; ++s) {
+    EXPECT_GE(stats.ptr<std::int64_t>()[s], kWaitCostBase) << what << " source " << s;
+    EXPECT_LT(stats.ptr<std::int64_t>()[s], kWaitCostBase + 60'000'000'000LL) << what << " source " << s;
+  }
+}
+
 Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) {
   Outs outs(static_cast<std::size_t>(R));
   const int El = c.E / R;
@@ -216,6 +229,9 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
     Tensor stats = Tensor::empty(DType::int32, {El});
     for (std::int64_t e = 0; e < El; ++e) stats.ptr<std::int32_t>()[e] = static_cast<std::int32_t>(srng() % 100);
     Tensor stats_d = put(stats);
+    Tensor wait_cost = Tensor::empty(DType::int64, {R});
+    for (int s = 0; s < R; ++s) wait_cost.ptr<std::int64_t>()[s] = kWaitCostBase;
+    const Tensor dispatch_cost = put(wait_cost), combine_cost = put(wait_cost);
     for (int i = 0; i < c.calls; ++i) {
       const CallIn& ci = in[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
       const std::string p = "call" + std::to_string(i) + ".";
@@ -236,6 +252,7 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
       a.async_finish = c.async;
       a.return_recv_hook = c.hooks;
       if (c.stats) a.cumulative_local_expert_recv_stats = stats_d;
+      if (c.wait_cost) a.dispatch_wait_recv_cost_stats = dispatch_cost;
       const LowLatencyDispatchResult d = buf.low_latency_dispatch(a);
       if (c.hooks) d.hook();
       if (c.async) d.event.current_stream_wait();
@@ -247,6 +264,7 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
       ca.handle = &d.handle;
       ca.async_finish = c.async;
       ca.return_recv_hook = c.hooks;
+      if (c.wait_cost) ca.combine_wait_recv_cost_stats = combine_cost;
       Tensor out;
       if (c.out_param && i % 2 == 1) {
         out = put(Tensor::empty(DType::bf16, {tokens_of(c, r), c.H}));
@@ -261,6 +279,11 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
     }
     if (c.stats) o["stats"] = to_cpu(stats_d);
     if (gpu) cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (c.wait_cost) {
+      const std::string where = std::string(gpu ? "cuda_ipc" : "threads") + " rank " + std::to_string(r);
+      expect_wait_costs(gpu ? to_cpu(dispatch_cost) : dispatch_cost, R, where + " dispatch_wait_recv_cost_stats");
+      expect_wait_costs(gpu ? to_cpu(combine_cost) : combine_cost, R, where + " combine_wait_recv_cost_stats");
+    }
   });
   return outs;
 }
@@ -347,6 +370,13 @@ TEST(GpuCudaIpcLowLatency, TopK1And8And16) {
 TEST(GpuCudaIpcLowLatency, HooksAndAsyncFinish) {
   check_case({.fp8 = true, .calls = 3, .hooks = true});
   check_case({.calls = 3, .async = true});
+}
+
+// DeepEP V1's wait-cost statistics written by the receive kernels (nanoseconds per source, semantics §5): the
+// results bit for bit as the threads backend's, the entries grown from the caller's value, with and without hooks.
+TEST(GpuCudaIpcLowLatency, WaitCostStatsAccumulateAndChangeNoResult) {
+  check_case({.calls = 3, .wait_cost = true});
+  check_case({.fp8 = true, .calls = 2, .hooks = true, .wait_cost = true});
 }
 
 TEST(GpuCudaIpcLowLatency, CumulativeStatsOverManyCalls) {
