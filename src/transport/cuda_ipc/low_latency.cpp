@@ -530,6 +530,10 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   if (a.out.defined()) args::check_combine_out(a.out, T, H, gpu);
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  const args::OverlapSpec overlap = args::check_combine_overlap(a, El, rows, gpu);
+  if (overlap.active())
+    raise(ErrorCode::unsupported, "rank {}: low_latency_combine(overlap=true) on CUDA tensors is not implemented yet",
+          me_);
   // zero_copy (DeepEP: x is the buffer's own combine slab) changes nothing here: the send kernel reads x where it
   // is and stores each row straight into its destination, so every combine is zero-copy in DeepEP's sense.
   DeviceGuard guard(gpu);
