@@ -318,9 +318,9 @@ struct LowLatencyCombineArgs {
   // commit 914d3bc). The signals are only read (acquire loads); their writer resets them between calls. With
   // overlap false every field below is ignored (neither checked nor read), as DeepEP does. Checked before any
   // communication (invalid_argument naming the argument): exactly one form with overlap, its tensors on x's
-  // device, 1-d with unit stride. A block or expert whose signal does not arrive within the Buffer's timeout
-  // raises ErrorCode::timeout naming the rank, expert, block and phase (the CPU backends; cuda_ipc reports the
-  // device's timeout at the next call), and the buffer becomes unusable as after any timeout of a send.
+  // device, 1-d with unit stride. A block or expert whose signal does not arrive within half the group's timeout
+  // raises ErrorCode::timeout naming the rank, expert, block and phase, on this rank and its peers: on CPU ranks at
+  // once, the buffer staying usable; on cuda_ipc at the next call, the buffer then unusable (a device timeout).
 
   /// Wait for the signals below before sending each block (false: send at once, the fields are ignored).
   bool overlap = false;
@@ -343,8 +343,8 @@ struct LowLatencyCombineArgs {
   TensorView src_signals;
   /// Per-expert form: the value that marks an expert done, 1 .. 2^32 - 1 (SGLang passes the GEMM's SM count).
   std::int64_t src_signal_expect_value = 0;
-  /// With overlap: the most SMs (thread blocks) the cuda_ipc send may use, so the rest stay with the GEMM;
-  /// 0 = BufferOptions::num_sms; 0 .. 1024 (more than the buffer's are clamped to them). CPU backends: checked only.
+  /// With overlap: the most SMs (thread blocks) the cuda_ipc send may use, so the rest stay with the GEMM; 0 = one
+  /// per local expert, as without overlap (also the most it uses); 0 .. 1024. CPU backends: checked only.
   int num_sms = 0;
 };
 

@@ -895,7 +895,7 @@ class Buffer:
                 rows [b * block_m, (b + 1) * block_m); the block is sent once the entry is >= threshold (the
                 GEMM adds 1 per N-tile stored: threshold = ceil(H / block_n)). packed_recv_count: the dispatch's
                 int32 [E_local] (CPU: must equal it). Only blocks holding rows are waited on.
-            num_sms: with overlap, the most SMs the GPU send may use (None or 0: the buffer's num_sms).
+            num_sms: with overlap, the most SMs the GPU send may use (None or 0: one per local expert).
             src_signals, src_signal_expect_value: the per-expert form (fzyzcjy/DeepEP combine_v2): uint32
                 [E_local]; expert e's rows are sent once src_signals[e] >= src_signal_expect_value (1..2^32-1).
                 The signals are only read; their writer zeroes them between calls. On CPU ranks they are NumPy
@@ -930,12 +930,17 @@ class Buffer:
         stream = current_stream(*inputs) if gpu else None
         host_wait = gpu and self._host_wait and not return_recv_hook
         # DeepEP's zero_copy means "x is the buffer's own combine slab"; the GPU combine always copies from x.
+        # overlap=False: the signal arguments are not looked at (DeepEP's rule), here as in C++.
+        signals = ((arg(packed_recv_count), arg(comp_signal), _opt_int32("block_m", block_m),
+                    _opt_int32("threshold", threshold), _opt_int32("num_sms", num_sms), arg(src_signals),
+                    0 if src_signal_expect_value is None else int64_arg("src_signal_expect_value",
+                                                                         src_signal_expect_value))
+                   if overlap else (None, None, 0, 0, 0, None, 0))
+        if overlap:
+            inputs = inputs + (packed_recv_count, comp_signal, src_signals)  # GPU: read by the stream's kernels
         combined, event, hook = self.runtime.low_latency_combine(
             arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy, async_finish or host_wait,
-            return_recv_hook, arg(out), framework_of(x), stream, bool(overlap), arg(packed_recv_count),
-            arg(comp_signal), _opt_int32("block_m", block_m), _opt_int32("threshold", threshold),
-            _opt_int32("num_sms", num_sms), arg(src_signals),
-            0 if src_signal_expect_value is None else int64_arg("src_signal_expect_value", src_signal_expect_value))
+            return_recv_hook, arg(out), framework_of(x), stream, bool(overlap), *signals)
         self._ll_calls += 1
         if host_wait:
             event.wait_host()

@@ -258,7 +258,7 @@ OverlapSpec check_combine_overlap(const LowLatencyCombineArgs& a, int El, std::i
   if (!a.overlap) return o;  // DeepEP's rule: without overlap the signal fields are not looked at
   constexpr int kMaxSendSms = 1024;
   EPMOE_CHECK_ARG(a.num_sms >= 0 && a.num_sms <= kMaxSendSms, "num_sms",
-                  fmt::format("0..{} (0 = the buffer's num_sms)", kMaxSendSms), a.num_sms);
+                  fmt::format("0..{} (0 = a block per local expert)", kMaxSendSms), a.num_sms);
   o.num_sms = a.num_sms;
   const bool blocks = a.comp_signal.defined(), experts = a.src_signals.defined();
   EPMOE_CHECK_ARG(blocks || experts, "overlap",

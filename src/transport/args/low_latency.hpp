@@ -69,7 +69,7 @@ struct OverlapSpec {
   int block_m = 0;                   ///< blocks: rows per block
   std::int64_t blocks_per_expert = 0;  ///< blocks: ceil(R * Tmax / block_m), the stride of comp_signal per expert
   std::uint32_t expect = 0;          ///< the value a block (threshold) or an expert (src_signal_expect_value) waits for
-  int num_sms = 0;                   ///< the send's SM bound (0 = the buffer's)
+  int num_sms = 0;                   ///< the send's SM bound (0 = a block per local expert)
   bool active() const { return form != Form::none; }
 };
 

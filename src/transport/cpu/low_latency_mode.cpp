@@ -612,7 +612,8 @@ std::optional<std::string> LowLatencyMode::send_combine(const TensorView& x, std
   // Overlap: expert by expert and block by block, in the order the GEMM finishes them; each block's rows go to
   // their sources (ascending in the packed rows) as soon as its signal says the block is done.
   for (int j = 0; j < R; ++j) wait_consumed((me + 1 + j) % R, index, phase);
-  const double seconds = g.timeout_s();
+  // Half the group's timeout: the peers wait the whole timeout for this rank's header, so they hear of it first.
+  const double seconds = g.timeout_s() / 2;
   std::optional<std::string> message;
   for (int e = 0; e < El && !message; ++e) {
     const std::int64_t n = count[e];
