@@ -627,7 +627,8 @@ __device__ void combine_send_overlapped(const Common& c, const CombineSendArgs& 
       const long long row = static_cast<long long>(e) * rows + r;
       const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
       const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
-      warp_copy<false>(src + at, half_base(c, s, half) + body + dst * row_bytes + at,
+      // through L2 (ld.global.cg): x is written by the GEMM while this kernel runs, not read-only data
+      warp_copy<true>(src + at, half_base(c, s, half) + body + dst * row_bytes + at,
                        row_bytes - at < kPieceBytes ? row_bytes - at : kPieceBytes, lane);
     }
   }
