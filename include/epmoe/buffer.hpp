@@ -346,6 +346,10 @@ struct LowLatencyCombineArgs {
   /// With overlap: the most SMs (thread blocks) the cuda_ipc send may use, so the rest stay with the GEMM; 0 = one
   /// per local expert, as without overlap (also the most it uses); 0 .. 1024. CPU backends: checked only.
   int num_sms = 0;
+  /// With overlap, optional int64 [2] on x's device, for measuring the overlap: the send lowers [0] to the time of
+  /// its first row store and raises [1] to that of its last (atomic min / max; cuda_ipc: %globaltimer ns, the
+  /// device's clock of every stream; CPU: steady_clock ns). The caller sets [2^63 - 1, 0] first.
+  TensorView send_stamps;
 };
 
 struct LowLatencyCombineResult {

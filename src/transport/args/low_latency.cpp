@@ -260,6 +260,10 @@ OverlapSpec check_combine_overlap(const LowLatencyCombineArgs& a, int El, std::i
   EPMOE_CHECK_ARG(a.num_sms >= 0 && a.num_sms <= kMaxSendSms, "num_sms",
                   fmt::format("0..{} (0 = a block per local expert)", kMaxSendSms), a.num_sms);
   o.num_sms = a.num_sms;
+  if (a.send_stamps.defined()) {
+    check_vector(a.send_stamps, "send_stamps", DType::int64, 2, true, "the first and last row store's time", device);
+    o.send_stamps = static_cast<std::int64_t*>(a.send_stamps.data);
+  }
   const bool blocks = a.comp_signal.defined(), experts = a.src_signals.defined();
   EPMOE_CHECK_ARG(blocks || experts, "overlap",
                   "comp_signal (with packed_recv_count, block_m, threshold) or src_signals (with "

@@ -70,6 +70,7 @@ struct OverlapSpec {
   std::int64_t blocks_per_expert = 0;  ///< blocks: ceil(R * Tmax / block_m), the stride of comp_signal per expert
   std::uint32_t expect = 0;          ///< the value a block (threshold) or an expert (src_signal_expect_value) waits for
   int num_sms = 0;                   ///< the send's SM bound (0 = a block per local expert)
+  std::int64_t* send_stamps = nullptr;  ///< LowLatencyCombineArgs::send_stamps (first, last row store), or null
   bool active() const { return form != Form::none; }
 };
 
@@ -79,7 +80,7 @@ struct OverlapSpec {
 /// actual value): num_sms outside 0..1024; neither form or both forms (a field of the other form set); block_m
 /// or threshold < 1; comp_signal not int32 1-d with unit stride and >= E_local * ceil(rows / block_m) entries;
 /// packed_recv_count not int32 [E_local]; src_signals not uint32 [E_local] with unit stride;
-/// src_signal_expect_value outside 1..2^32-1; a tensor on another device.
+/// src_signal_expect_value outside 1..2^32-1; send_stamps not int64 [2] with unit stride; a tensor on another device.
 OverlapSpec check_combine_overlap(const LowLatencyCombineArgs& a, int local_experts, std::int64_t rows,
                                   Device device);
 

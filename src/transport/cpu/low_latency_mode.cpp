@@ -28,6 +28,7 @@
 #include <epmoe/quant.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -83,6 +84,17 @@ bool wait_host_signal(const void* entry, bool is_unsigned, std::uint32_t expect,
       if (deadline.expired()) return ready();
       std::this_thread::yield();
     }
+  }
+}
+
+// LowLatencyCombineArgs::send_stamps: [0] lowered (first) or [1] raised (last) to now, in steady_clock ns.
+void stamp(std::int64_t* stamps, bool last) {
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch()).count();
+  std::int64_t* slot = stamps + (last ? 1 : 0);
+  std::int64_t seen = __atomic_load_n(slot, __ATOMIC_RELAXED);
+  while ((last ? now > seen : now < seen) &&
+         !__atomic_compare_exchange_n(slot, &seen, now, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
   }
 }
 
@@ -637,12 +649,14 @@ std::optional<std::string> LowLatencyMode::send_combine(const TensorView& x, std
             o.form == Form::blocks ? "comp_signal" : "src_signals", entry, last, o.expect);
         break;
       }
+      if (o.send_stamps != nullptr && b * bm < n) stamp(o.send_stamps, false);
       for (std::int64_t r = b * bm; r < std::min(n, (b + 1) * bm); ++r) {
         while ((range[static_cast<std::size_t>(e) * R + s] >> 32) + (range[static_cast<std::size_t>(e) * R + s] &
                                                                      0xffffffff) <= r)
           ++s;
         put_row(e, r, s);
       }
+      if (o.send_stamps != nullptr) stamp(o.send_stamps, true);
     }
   }
   for (int j = 0; j < R; ++j) put_header((me + 1 + j) % R);

@@ -575,6 +575,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
       sa.blocks_per_expert = overlap.blocks_per_expert;
       sa.expect = overlap.expect;
       sa.grid = overlap.num_sms;  // the launch bounds it by E_local (a block per local expert at most)
+      sa.stamps = reinterpret_cast<long long*>(overlap.send_stamps);
     }
     moved = bring_routing(hd.generation - base_, index, s);
     ll::launch_combine_send(common(), sa, s);

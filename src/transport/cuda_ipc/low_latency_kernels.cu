@@ -615,6 +615,7 @@ __device__ void combine_send_overlapped(const Common& c, const CombineSendArgs& 
   for (long long blk = 0; blk * bm < n; ++blk) {
     if (a.signal_form == kSignalBlocks || blk == 0) wait_combine_signal(c, a, e, blk, index, gave_up);
     const long long first = blk * bm, last = first + bm < n ? first + bm : n;
+    if (a.stamps != nullptr && threadIdx.x == 0) atomicMin(a.stamps, now_ns());
     for (long long w0 = warp; w0 < (last - first) * pieces; w0 += kWarps) {
       const long long r = first + w0 / pieces;
       int s = 0;
@@ -630,6 +631,10 @@ __device__ void combine_send_overlapped(const Common& c, const CombineSendArgs& 
       // through L2 (ld.global.cg): x is written by the GEMM while this kernel runs, not read-only data
       warp_copy<true>(src + at, half_base(c, s, half) + body + dst * row_bytes + at,
                        row_bytes - at < kPieceBytes ? row_bytes - at : kPieceBytes, lane);
+    }
+    if (a.stamps != nullptr) {
+      __syncthreads();  // the block's stores of these rows are issued
+      if (threadIdx.x == 0) atomicMax(a.stamps + 1, now_ns());
     }
   }
 }

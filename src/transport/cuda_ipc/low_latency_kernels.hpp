@@ -108,6 +108,7 @@ struct CombineSendArgs {
   long long blocks_per_expert = 0;
   unsigned expect = 0;
   int grid = 0;  ///< send blocks (0: E_local); with overlap, num_sms bounds it
+  long long* stamps = nullptr;  ///< LowLatencyCombineArgs::send_stamps: %globaltimer of the first / last row store
 };
 
 struct CombineRecvArgs {
