@@ -865,7 +865,7 @@ class Buffer:
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Tuple, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Any = None, combine_wait_recv_cost_stats: Any = None, overlap: bool = False,
+                            out: Any = None, combine_wait_recv_cost_stats: Any = None, *, overlap: bool = False,
                             packed_recv_count: Any = None, comp_signal: Any = None, block_m: Optional[int] = None,
                             threshold: Optional[int] = None, num_sms: Optional[int] = None,
                             src_signals: Any = None, src_signal_expect_value: Optional[int] = None
