@@ -104,7 +104,6 @@ struct PeerSignalTimeout : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-
 }  // namespace
 
 low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::int64_t hidden, int R, int E) {
