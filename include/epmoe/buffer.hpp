@@ -316,6 +316,47 @@ struct LowLatencyCombineArgs {
   /// Optional int64 [R] on x's device: entry s += the nanoseconds the receive waited for source rank s's rows
   /// (as LowLatencyDispatchArgs::dispatch_wait_recv_cost_stats).
   TensorView combine_wait_recv_cost_stats;
+
+  // Overlapped combine (single-batch overlap, docs/semantics.md "Overlapped low-latency combine"): the send half
+  // sends each block of an expert's rows once the producer of x (the down GEMM) has signalled it done, so the
+  // combine can run on a side stream (GPU) or thread (CPU) while the experts still compute. Two forms, one per
+  // call: DeepEP's Hopper form (comp_signal with packed_recv_count, block_m, threshold; DeepEP PR #483, branch
+  // antgroup-opt) and the per-expert form (src_signals, src_signal_expect_value; fzyzcjy/DeepEP combine_v2,
+  // commit 914d3bc). The signals are only read (acquire loads); their writer resets them between calls. With
+  // overlap false every field below is ignored (neither checked nor read), as DeepEP does. Checked before any
+  // communication (invalid_argument naming the argument): exactly one form with overlap, its tensors on x's
+  // device, 1-d with unit stride. A block or expert whose signal does not arrive within half the group's timeout
+  // raises ErrorCode::timeout naming the rank, expert, block and phase, on this rank and its peers: on CPU ranks at
+  // once, the buffer staying usable; on cuda_ipc at the next call, the buffer then unusable (a device timeout).
+
+  /// Wait for the signals below before sending each block (false: send at once, the fields are ignored).
+  bool overlap = false;
+  /// Hopper form: int32 [>= E_local * ceil(R*Tmax / block_m)], expert-major: entry e * ceil(R*Tmax / block_m) + b
+  /// covers expert e's packed rows [b * block_m, (b + 1) * block_m). The down GEMM adds 1 each time it has stored
+  /// one N-tile (block_n columns of H) of the block; the block's rows are sent once the entry is >= threshold.
+  /// Only blocks holding valid rows (b * block_m < packed_recv_count[e]) are waited on. Extra entries are unused
+  /// (SGLang sizes it for its smallest block_m, 64).
+  TensorView comp_signal;
+  /// Hopper form: the dispatch's packed_recv_count, int32 [E_local] (which blocks hold rows). CPU: its values must
+  /// equal the handle's counts; cuda_ipc: shape, dtype and device only (the kernel uses the handle's counts).
+  TensorView packed_recv_count;
+  /// Hopper form: rows per signal block, >= 1 (DeepGEMM's BLOCK_M of the down GEMM).
+  int block_m = 0;
+  /// Hopper form: the adds that mark a block done, >= 1: ceil(H / block_n) for DeepGEMM's producer (one per N-tile).
+  int threshold = 0;
+  /// Per-expert form: uint32 [E_local]; the GEMM adds to entry e as it finishes expert e (FlashInfer's CuteDSL
+  /// masked GEMM: one add per CTA); expert e's rows are sent once the entry is >= src_signal_expect_value.
+  /// Only experts with rows (packed_recv_count[e] > 0) are waited on.
+  TensorView src_signals;
+  /// Per-expert form: the value that marks an expert done, 1 .. 2^32 - 1 (SGLang passes the GEMM's SM count).
+  std::int64_t src_signal_expect_value = 0;
+  /// With overlap: the most SMs (thread blocks) the cuda_ipc send may use, so the rest stay with the GEMM; 0 = one
+  /// per local expert, as without overlap (also the most it uses); 0 .. 1024. CPU backends: checked only.
+  int num_sms = 0;
+  /// With overlap, optional int64 [2] on x's device, for measuring the overlap: the send lowers [0] to the time of
+  /// its first row store and raises [1] to that of its last (atomic min / max; cuda_ipc: %globaltimer ns, the
+  /// device's clock of every stream; CPU: steady_clock ns). The caller sets [2^63 - 1, 0] first.
+  TensorView send_stamps;
 };
 
 struct LowLatencyCombineResult {

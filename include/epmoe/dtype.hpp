@@ -20,14 +20,15 @@
 namespace epmoe {
 
 /// Element type of a tensor. Names follow PyTorch's (`bfloat16` is `bf16`, `float8_e4m3fn` is `fp8_e4m3`).
-/// `uint8` holds packed sub-byte codes (NVFP4's two e2m1 values per byte, nvfp4.hpp).
-enum class DType : std::uint8_t { bf16, fp16, fp32, fp8_e4m3, int8, int16, int32, int64, boolean, uint8 };
+/// `uint8` holds packed sub-byte codes (NVFP4's two e2m1 values per byte, nvfp4.hpp); `uint32` the completion
+/// counters of an overlapped combine's per-expert form (buffer.hpp, LowLatencyCombineArgs::src_signals).
+enum class DType : std::uint8_t { bf16, fp16, fp32, fp8_e4m3, int8, int16, int32, int64, boolean, uint8, uint32 };
 
 /// Size of one element in bytes.
 constexpr std::size_t dtype_size(DType t) {
   switch (t) {
     case DType::bf16: case DType::fp16: case DType::int16: return 2;
-    case DType::fp32: case DType::int32: return 4;
+    case DType::fp32: case DType::int32: case DType::uint32: return 4;
     case DType::int64: return 8;
     case DType::fp8_e4m3: case DType::int8: case DType::boolean: case DType::uint8: return 1;
   }
@@ -47,6 +48,7 @@ constexpr std::string_view dtype_name(DType t) {
     case DType::int64: return "int64";
     case DType::boolean: return "bool";
     case DType::uint8: return "uint8";
+    case DType::uint32: return "uint32";
   }
   return "?";
 }
@@ -67,6 +69,7 @@ template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType
 template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::int64; };
 template <> struct dtype_of<bool> { static constexpr DType value = DType::boolean; };
 template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::uint8; };
+template <> struct dtype_of<std::uint32_t> { static constexpr DType value = DType::uint32; };
 template <class T> inline constexpr DType dtype_of_v = dtype_of<T>::value;
 
 EPMOE_HD std::uint32_t float_bits(float f) { std::uint32_t u; std::memcpy(&u, &f, 4); return u; }

@@ -114,6 +114,21 @@ struct ExpertsConfig {
   ExpertsQuant quant = ExpertsQuant::none;
 };
 
+/// Where batched experts report their progress to an overlapped low-latency combine (buffer.hpp,
+/// LowLatencyCombineArgs::overlap; docs/semantics.md "Overlapped low-latency combine"). The experts only add to it
+/// (release order after the output rows it covers); the caller zeroes it before each forward.
+struct ExpertsCombineSignal {
+  /// int32 [>= E_local * ceil(max_tokens / block_m)], expert-major (the combine's comp_signal): for each block b of
+  /// block_m rows of expert e holding counted rows, 1 is added to entry e * ceil(max_tokens / block_m) + b after
+  /// each N-tile (block_n columns of H) of the block's output rows is stored, as DeepGEMM's down GEMM does, so a
+  /// block is done at ceil(H / block_n) adds (the combine's threshold). Blocks without counted rows are not written.
+  /// Or uint32 [E_local] (the combine's src_signals): 1 is added to entry e once every row of expert e is stored,
+  /// for every expert (empty ones too), so each reaches 1 (the combine's src_signal_expect_value).
+  TensorView signal;
+  int block_m = 0;  ///< int32 form: rows per block, >= 1 (0 with uint32)
+  int block_n = 0;  ///< int32 form: columns per N-tile, >= 1 (0 with uint32)
+};
+
 /// Arguments of one Experts::apply call (vLLM's FusedMoEPermuteExpertsUnpermute.apply). All tensors
 /// are on the CPU (on one GPU for make_cuda_experts), row-major and contiguous, and are only read.
 struct ExpertsInputs {
@@ -147,6 +162,11 @@ struct ExpertsInputs {
   /// and the output is not weighted again. K > 1, or the batched_experts format (which has no router
   /// weights: its producer applies them), is an error.
   bool apply_router_weight_on_input = false;
+  /// batched_experts only, optional: the combine signal to write as the rows are done (make_reference_experts and
+  /// make_cuda_experts with ExpertsQuant::none; other experts raise unsupported when it is set). On the tensors'
+  /// device. Errors: invalid_argument naming 'combine_signal' (dtype, shape, stride, device, standard format) or
+  /// 'block_m' / 'block_n' (< 1 with int32, set with uint32).
+  ExpertsCombineSignal combine_signal;
 };
 
 struct ExpertsProblem;  // the checked form of ExpertsInputs (src/experts/problem.hpp)
@@ -170,6 +190,8 @@ class Experts {
   WeightAndReduce weight_and_reduce() const;
   /// Whether ExpertsInputs::expert_map is accepted (standard format only).
   bool supports_expert_map() const { return config_.format == ActivationFormat::standard; }
+  /// Whether ExpertsInputs::combine_signal is written (else setting it raises unsupported).
+  virtual bool writes_combine_signal() const { return false; }
 
   /// Checks `in` and returns the output shape: [M, H] (standard, reduce), [M, K, H] (standard, no
   /// reduce) or [E_local, max_tokens, H] (batched_experts).

@@ -84,6 +84,10 @@ class PrepareFinalize {
   /// Receives the combined [T, H] bfloat16 result. Stage AFTER_COMBINE_A -> INITIAL.
   Tensor combine_b();
   Stage stage() const { return stage_; }
+  /// The overlap fields (LowLatencyCombineArgs::overlap and its signal arguments; the other fields are ignored)
+  /// the next combine_a passes to its low-latency combine, for that call only. Ignored by the prepare/finalize
+  /// implementations without a low-latency combine (the default).
+  virtual void set_next_combine_overlap(const LowLatencyCombineArgs& overlap_fields) {}
 
   /// Hooks around the phases, e.g. to record events or overlap work (called on the calling thread).
   std::function<void()> before_dispatch, after_dispatch, before_combine, after_combine;
@@ -195,6 +199,18 @@ struct MoELayerOptions {
   std::int64_t chunk_size = 0;
   int micro_batch = 0;  ///< which workspace set to use
   std::shared_ptr<WorkspaceCache> workspaces;  ///< shared across layers; made when null
+  /// Low-latency forwards: overlap the combine's send with the experts (single-batch overlap; docs/semantics.md
+  /// "Overlapped low-latency combine"). The experts write a combine signal (int32, block_m = 64 rows, block_n =
+  /// 128 columns: threshold ceil(H / 128)) and the combine sends each block once it is done: on a GPU the combine
+  /// is enqueued on a side stream of the layer (its receive on the caller's stream after it), on CPU ranks the
+  /// experts run on a side thread while the calling thread combines. Only experts that write signals
+  /// (Experts::writes_combine_signal: the reference and CUDA bf16 ones) overlap; others run as without it. The
+  /// output is bit-identical either way (the combine's order is fixed; the CUDA experts then run their down GEMM
+  /// expert by expert).
+  bool overlap = false;
+  /// With overlap on a GPU: the most SMs the combine's send may use (LowLatencyCombineArgs::num_sms; 0 = one
+  /// block per local expert), the rest staying with the GEMMs.
+  int overlap_num_sms = 0;
 };
 
 /// Arguments of MoELayer::forward (vLLM's FusedMoEModularKernel.forward).
@@ -411,12 +427,21 @@ class MoELayer {
 
   /// Runs the experts on prepared activations, chunked (exposed for the two-phase users).
   Tensor run_experts(const PrepareOutput& prepared, const MoEForwardArgs& args);
+  /// The experts and then the prepare/finalize's combine_a, as forward runs them (exposed for the two-phase users):
+  /// with MoELayerOptions::overlap in a low-latency forward the combine's send overlaps the experts (the experts
+  /// write a combine signal the send waits on); otherwise run_experts, then combine_a. Returns the experts' output
+  /// (what combine_a sent). combine_b follows as usual.
+  Tensor run_experts_and_combine_a(const PrepareOutput& prepared, const MoEForwardArgs& args);
 
  private:
   std::shared_ptr<PrepareFinalize> prepare_finalize_;
   std::shared_ptr<Experts> experts_;
   SharedExperts shared_experts_;
   std::shared_ptr<SharedExpertsStream> shared_stream_;  ///< GPU shared experts' side stream, made on first use
+  std::shared_ptr<SharedExpertsStream> overlap_stream_;  ///< GPU overlapped combine's side stream (options.overlap)
+  /// options.overlap: the batched experts with a combine signal and combine_a overlapped with them (overlap.cpp);
+  /// false when this forward cannot overlap (then nothing ran).
+  bool run_experts_overlapped(const PrepareOutput& prepared, const MoEForwardArgs& args, Tensor& fused);
   MoELayerOptions options_;
   std::vector<std::int64_t> last_chunk_rows_;
   std::string failed_;  ///< why a forward failed after its dispatch started; empty while usable

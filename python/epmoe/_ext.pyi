@@ -160,9 +160,13 @@ class Buffer:
     def low_latency_combine(self, x: ArrayArg, topk_idx: ArrayArg, topk_weights: ArrayArg,
                             handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: ArrayArg = None, framework: str = "numpy",
-                            stream: Optional[int] = None) -> Tuple[Optional[Array], Event, Optional[RecvHook]]:
+                            stream: Optional[int] = None, overlap: bool = False, packed_recv_count: ArrayArg = None,
+                            comp_signal: ArrayArg = None, block_m: int = 0, threshold: int = 0, num_sms: int = 0,
+                            src_signals: ArrayArg = None, src_signal_expect_value: int = 0
+                            ) -> Tuple[Optional[Array], Event, Optional[RecvHook]]:
         """Low-latency combine (semantics §5): (combined_x bfloat16 [T, H], or None when `out` was given and
-        written, event, hook or None)."""
+        written, event, hook or None). overlap and the signal arguments: LowLatencyCombineArgs (buffer.hpp) and
+        docs/semantics.md "Overlapped low-latency combine"."""
 
 def topk_softmax(logits: ArrayArg, num_topk: int, renormalize: bool = False,
                  framework: str = "numpy") -> Tuple[Array, Array]:

@@ -112,6 +112,9 @@ def _torch_arg(x: Any) -> Any:
     if x.dtype == torch.float8_e4m3fn:
         # Older torch cannot export float8 through DLPack: a same-width view plus a tag always works.
         return (x.view(torch.uint8), "float8_e4m3fn")
+    if x.dtype == getattr(torch, "uint32", None):
+        # torch's uint32 is a recent "shell" dtype: an int32 view plus a tag does not depend on its DLPack export.
+        return (x.view(torch.int32), "uint32")
     return x
 
 

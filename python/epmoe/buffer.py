@@ -323,6 +323,11 @@ def _deepep_nvfp4_views(recv_x: Any, scales: Any) -> Tuple[Any, Any]:
     return recv_x.transpose(1, 2, 0), six.transpose(3, 4, 1, 5, 2, 0)
 
 
+def _opt_int32(name: str, value: Any) -> int:
+    """An optional int argument of the C++ combine: None is its unset value 0 (the C++ checks name the rest)."""
+    return 0 if value is None else int32_arg(name, value)
+
+
 def _check_cost_stats(name: str, stats: Any, num_ranks: int) -> None:
     """DeepEP V1's wait-cost statistics: None or int64 [R] (entry s: nanoseconds waited for rank s, semantics §5)."""
     if stats is None:
@@ -865,7 +870,10 @@ class Buffer:
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Tuple, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Any = None, combine_wait_recv_cost_stats: Any = None
+                            out: Any = None, combine_wait_recv_cost_stats: Any = None, *, overlap: bool = False,
+                            packed_recv_count: Any = None, comp_signal: Any = None, block_m: Optional[int] = None,
+                            threshold: Optional[int] = None, num_sms: Optional[int] = None,
+                            src_signals: Any = None, src_signal_expect_value: Optional[int] = None
                             ) -> Tuple[Any, EventOverlap, Optional[Callable[[], None]]]:
         """Low-latency combine (semantics §5): weighted sum of each token's expert outputs. Collective.
 
@@ -885,6 +893,21 @@ class Buffer:
             out: optional bfloat16 [T, H] to write into (returned as combined_x).
             combine_wait_recv_cost_stats: optional int64 [R] on x's device: entry s += the nanoseconds the receive
                 waited for rank s's rows (as dispatch_wait_recv_cost_stats).
+            overlap: send each block of an expert's rows once its producer (the down GEMM) has signalled it done,
+                so the combine overlaps the experts (single-batch overlap; docs/semantics.md "Overlapped
+                low-latency combine"). False: the signal arguments below are ignored (DeepEP's rule). Two forms:
+            packed_recv_count, comp_signal, block_m, threshold: DeepEP's Hopper form (PR #483): comp_signal int32
+                [>= E_local * ceil(R*Tmax / block_m)], entry e * ceil(R*Tmax / block_m) + b covering expert e's
+                rows [b * block_m, (b + 1) * block_m); the block is sent once the entry is >= threshold (the
+                GEMM adds 1 per N-tile stored: threshold = ceil(H / block_n)). packed_recv_count: the dispatch's
+                int32 [E_local] (CPU: must equal it). Only blocks holding rows are waited on.
+            num_sms: with overlap, the most SMs the GPU send may use (None or 0: one per local expert).
+            src_signals, src_signal_expect_value: the per-expert form (fzyzcjy/DeepEP combine_v2): uint32
+                [E_local]; expert e's rows are sent once src_signals[e] >= src_signal_expect_value (1..2^32-1).
+                The signals are only read; their writer zeroes them between calls. On CPU ranks they are NumPy
+                or torch CPU arrays read in place while another thread writes them. A signal that does not
+                arrive within the group's timeout raises epmoe.Error 'timeout' naming the rank, the expert, the
+                block and the phase (CPU ranks: the peers raise too, and the buffer stays usable).
 
         Returns:
             combined_x: bfloat16 [T, H] = sum over k ascending of topk_weights[t,k] * expert output,
@@ -913,9 +936,18 @@ class Buffer:
         stream = current_stream(*inputs) if gpu else None
         host_wait = gpu and self._host_wait and not return_recv_hook
         # DeepEP's zero_copy means "x is the buffer's own combine slab"; the GPU combine always copies from x.
+        # overlap=False: the signal arguments are not looked at (DeepEP's rule), here as in C++.
+        signals = ((arg(packed_recv_count), arg(comp_signal), _opt_int32("block_m", block_m),
+                    _opt_int32("threshold", threshold), _opt_int32("num_sms", num_sms), arg(src_signals),
+                    0 if src_signal_expect_value is None else int64_arg("src_signal_expect_value",
+                                                                         src_signal_expect_value))
+                   if overlap else (None, None, 0, 0, 0, None, 0))
+        if overlap:
+            inputs = inputs + (packed_recv_count, comp_signal, src_signals)  # GPU: read by the stream's kernels
         combined, event, hook = self.runtime.low_latency_combine(
             arg(x), arg(topk_idx), arg(topk_weights), handle.native, zero_copy, async_finish or host_wait,
-            return_recv_hook, arg(out), framework_of(x), stream, arg(combine_wait_recv_cost_stats))
+            return_recv_hook, arg(out), framework_of(x), stream, bool(overlap), *signals,
+            arg(combine_wait_recv_cost_stats))
         self._ll_calls += 1
         if host_wait:
             event.wait_host()

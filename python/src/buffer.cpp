@@ -312,7 +312,9 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
 nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
                               const LowLatencyHandle& handle, bool zero_copy, bool async_finish, bool return_recv_hook,
                               nb::handle out, std::string_view framework, std::optional<std::uintptr_t> stream,
-                              nb::handle wait_cost_stats) {
+                              bool overlap, nb::handle packed_recv_count, nb::handle comp_signal, int block_m,
+                              int threshold, int num_sms, nb::handle src_signals,
+                              std::int64_t src_signal_expect_value, nb::handle wait_cost_stats) {
   const Framework fw = parse_framework(framework);
   Inputs in;
   LowLatencyCombineArgs a;
@@ -325,6 +327,14 @@ nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb
   a.return_recv_hook = return_recv_hook;
   a.out = arg(out, "out", in);
   a.combine_wait_recv_cost_stats = arg(wait_cost_stats, "combine_wait_recv_cost_stats", in);
+  a.overlap = overlap;
+  a.packed_recv_count = arg(packed_recv_count, "packed_recv_count", in);
+  a.comp_signal = arg(comp_signal, "comp_signal", in);
+  a.block_m = block_m;
+  a.threshold = threshold;
+  a.num_sms = num_sms;
+  a.src_signals = arg(src_signals, "src_signals", in);
+  a.src_signal_expect_value = src_signal_expect_value;
   LowLatencyCombineResult r;
   {
     nb::gil_scoped_release release;
@@ -430,7 +440,11 @@ void bind_buffer_class(nb::module_& m) {
       .def("low_latency_combine", &low_latency_combine, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
            nb::arg("handle"), nb::arg("zero_copy") = false, nb::arg("async_finish") = false,
            nb::arg("return_recv_hook") = false, nb::arg("out").none() = nb::none(), nb::arg("framework") = "numpy",
-           nb::arg("stream").none() = nb::none(), nb::arg("combine_wait_recv_cost_stats").none() = nb::none());
+           nb::arg("stream").none() = nb::none(), nb::arg("overlap") = false,
+           nb::arg("packed_recv_count").none() = nb::none(), nb::arg("comp_signal").none() = nb::none(),
+           nb::arg("block_m") = 0, nb::arg("threshold") = 0, nb::arg("num_sms") = 0,
+           nb::arg("src_signals").none() = nb::none(), nb::arg("src_signal_expect_value") = 0,
+           nb::arg("combine_wait_recv_cost_stats").none() = nb::none());
 }
 
 }  // namespace

@@ -47,6 +47,7 @@ std::optional<DType> dtype_from_dlpack(dl::dtype d) {
       break;
     case dl::dtype_code::UInt:
       if (d.bits == 8) return DType::uint8;
+      if (d.bits == 32) return DType::uint32;
       break;
     case dl::dtype_code::Float:
       if (d.bits == 16) return DType::fp16;
@@ -68,7 +69,7 @@ std::optional<DType> dtype_from_dlpack(dl::dtype d) {
 
 std::optional<DType> dtype_from_name(std::string_view name) {
   for (DType t : {DType::bf16, DType::fp16, DType::fp32, DType::fp8_e4m3, DType::int8, DType::int16, DType::int32,
-                  DType::int64, DType::boolean, DType::uint8})
+                  DType::int64, DType::boolean, DType::uint8, DType::uint32})
     if (dtype_name(t) == name) return t;
   return std::nullopt;
 }
@@ -92,6 +93,7 @@ dl::dtype dlpack_of(DType t, Framework fw) {
     case DType::int64: return code(dl::dtype_code::Int, 64);
     case DType::boolean: return code(dl::dtype_code::Bool, 8);
     case DType::uint8: return code(dl::dtype_code::UInt, 8);
+    case DType::uint32: return code(dl::dtype_code::UInt, 32);
   }
   return code(dl::dtype_code::UInt, 8);
 }

@@ -49,10 +49,14 @@ DEEPEP_V1 = {
 }
 
 
-# epmoe's own additions, and arguments of DeepEP's later branches (sgl-project/DeepEP's nvfp4 low-latency dispatch):
-# keyword-only, after DeepEP V1's parameters, so no V1 call can reach them.
+# epmoe's own additions, and arguments of DeepEP's later branches (sgl-project/DeepEP's nvfp4 low-latency dispatch;
+# the overlapped combine of DeepEP PR #483 and fzyzcjy/DeepEP's combine_v2, as SGLang passes them): keyword-only,
+# after DeepEP V1's parameters, so no V1 call can reach them.
 EPMOE_KEYWORD_ONLY = {"__init__": {"backend": None, "device": None, "num_recv_slots": 0, "debug_validate": False},
-                      "low_latency_dispatch": {"use_nvfp4": False, "x_global_scale": None}}
+                      "low_latency_dispatch": {"use_nvfp4": False, "x_global_scale": None},
+                      "low_latency_combine": {"overlap": False, "packed_recv_count": None, "comp_signal": None,
+                                              "block_m": None, "threshold": None, "num_sms": None,
+                                              "src_signals": None, "src_signal_expect_value": None}}
 
 
 @pytest.mark.parametrize("method", sorted(DEEPEP_V1))

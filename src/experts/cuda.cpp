@@ -260,8 +260,23 @@ void batched_format(const CudaProblem& p, const TensorView& out) {
   // the final copy skip the rows past each count.
   gemm_strided(st.handle, p.w1.data, R * H, x, T * H, w.at(o_g), T * R, R, T, H, E);
   activation(p.act, w.at(o_g), rows, N, w.at(o_a), counts, T, s);
-  gemm_strided(st.handle, p.w2.data, H * N, w.at(o_a), T * N, w.at(o_y), T * H, H, T, N, E);
-  masked_copy(w.at(o_y), counts, static_cast<int>(E), T, H, out.data, s);
+  if (p.signal == nullptr) {
+    gemm_strided(st.handle, p.w2.data, H * N, w.at(o_a), T * N, w.at(o_y), T * H, H, T, N, E);
+    masked_copy(w.at(o_y), counts, static_cast<int>(E), T, H, out.data, s);
+    return;
+  }
+  // A combine signal: the down GEMM expert by expert, each followed by its rows' copy and its signal, so an
+  // overlapped combine sends expert e while the GEMMs of the later experts run.
+  const int adds = p.signal_per_expert ? 1 : static_cast<int>((H + p.signal_block_n - 1) / p.signal_block_n);
+  for (std::int64_t e = 0; e < E; ++e) {
+    auto* a_e = static_cast<char*>(w.at(o_a)) + static_cast<std::size_t>(e * T * N) * 2;
+    auto* y_e = static_cast<char*>(w.at(o_y)) + static_cast<std::size_t>(e * T * H) * 2;
+    gemm_strided(st.handle, static_cast<const char*>(p.w2.data) + static_cast<std::size_t>(e * H * N) * 2, H * N,
+                 a_e, T * N, y_e, T * H, H, T, N, 1);
+    masked_copy(y_e, counts + e, 1, T, H, static_cast<char*>(out.data) + static_cast<std::size_t>(e * T * H) * 2, s);
+    write_combine_signal(p.signal, p.signal_per_expert, counts + e, static_cast<int>(e), T, p.signal_block_m,
+                         p.signal_blocks, adds, s);
+  }
 }
 
 // ---- the Experts object -------------------------------------------------------------------------------
@@ -278,6 +293,9 @@ class CudaExperts final : public CudaExpertsBase {
   }
   void run_standard(const CudaProblem& p, const TensorView& out) const override { standard_format(p, out, mode_); }
   void run_batched(const CudaProblem& p, const TensorView& out) const override { batched_format(p, out); }
+
+ public:
+  bool writes_combine_signal() const override { return true; }
 
  private:
   GemmMode mode_;

@@ -150,6 +150,22 @@ __global__ void __launch_bounds__(kRowThreads)
   for (std::int64_t v = threadIdx.x; v < vecs; v += kRowThreads) out[row * vecs + v] = __ldg(y + row * vecs + v);
 }
 
+// Release order: the rows were stored by earlier kernels of this stream (complete, device-visible); the fence
+// orders this thread's view before its add, which the combine reads with an acquire load.
+__global__ void write_combine_signal_kernel(void* signal, bool per_expert, const std::int32_t* __restrict__ count_e,
+                                            int e, std::int64_t max_tokens, std::int64_t block_m,
+                                            std::int64_t blocks_per_expert, int adds) {
+  __threadfence();
+  if (per_expert) {
+    if (threadIdx.x == 0) atomicAdd(static_cast<unsigned*>(signal) + e, 1u);
+    return;
+  }
+  std::int64_t n = *count_e;
+  n = n < 0 ? 0 : (n > max_tokens ? max_tokens : n);
+  for (std::int64_t b = threadIdx.x; b * block_m < n; b += blockDim.x)
+    atomicAdd(static_cast<int*>(signal) + e * blocks_per_expert + b, adds);
+}
+
 unsigned grid_rows(std::int64_t rows) { return static_cast<unsigned>(rows); }
 
 }  // namespace
@@ -226,6 +242,13 @@ void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::in
   if (rows == 0) return;
   masked_copy_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(static_cast<const uint4*>(y), counts, max_tokens,
                                                                    h / 8, static_cast<uint4*>(out));
+  EPMOE_CUDA_CHECK_LAUNCH();
+}
+
+void write_combine_signal(void* signal, bool per_expert, const std::int32_t* count_e, int e, std::int64_t max_tokens,
+                          std::int64_t block_m, std::int64_t blocks_per_expert, int adds, cudaStream_t stream) {
+  write_combine_signal_kernel<<<1, 128, 0, stream>>>(signal, per_expert, count_e, e, max_tokens, block_m,
+                                                     blocks_per_expert, adds);
   EPMOE_CUDA_CHECK_LAUNCH();
 }
 

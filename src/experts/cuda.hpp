@@ -42,4 +42,10 @@ void gather_rows(const void* y, const std::int32_t* src2dst, std::int64_t rows, 
 void masked_copy(const void* y, const std::int32_t* counts, int e_local, std::int64_t max_tokens, std::int64_t h,
                  void* out, cudaStream_t stream);
 
+/// The combine signal of expert `e` once its rows are stored (stream order; ExpertsInputs::combine_signal): the
+/// per-expert form (uint32) adds 1 to entry e; the block form (int32) adds `adds` (its N-tiles, ceil(H / block_n),
+/// all stored by now) to each entry e * blocks_per_expert + b with b * block_m < count_e (clamped to max_tokens).
+void write_combine_signal(void* signal, bool per_expert, const std::int32_t* count_e, int e, std::int64_t max_tokens,
+                          std::int64_t block_m, std::int64_t blocks_per_expert, int adds, cudaStream_t stream);
+
 }  // namespace epmoe::experts_cuda

@@ -111,6 +111,9 @@ Shape CudaExpertsBase::output_shape(const ExpertsInputs& in) const { return chec
 void CudaExpertsBase::apply(const ExpertsInputs& in, const TensorView& out) const {
   const CudaProblem p = check(in);
   check_out(p, out);
+  if (p.signal && !writes_combine_signal())
+    raise(ErrorCode::unsupported, "the {} experts ({}) do not write a combine_signal", name(),
+          experts_quant_name(config().quant));
   if (p.batched) {
     if (p.max_tokens > 0) run_batched(p, out);  // all-zero counts are only known on the device
   } else if (p.m > 0) {

@@ -164,7 +164,47 @@ ExpertsSizes check_bf16_weights(const ExpertsInputs& in, const ExpertsConfig& co
   return s;
 }
 
+namespace {
+
+// ExpertsInputs::combine_signal (batched only; max_tokens known).
+void check_combine_signal(const ExpertsCombineSignal& c, ExpertsSizes& s) {
+  const TensorView& t = c.signal;
+  if (!t.defined()) {
+    EPMOE_CHECK_ARG(c.block_m == 0 && c.block_n == 0, "block_m", "0 (with block_n) without a combine_signal",
+                    fmt::format("block_m = {}, block_n = {}", c.block_m, c.block_n));
+    return;
+  }
+  EPMOE_CHECK_ARG(s.batched, "combine_signal", "None in standard format (it follows the batched slabs' rows)",
+                  describe(t));
+  check_experts_tensor(t, "combine_signal", s.device);
+  if (t.dtype == DType::uint32) {
+    EPMOE_CHECK_ARG(t.ndim() == 1 && t.size(0) == s.e_local, "combine_signal",
+                    fmt::format("uint32 [{}] (one counter per local expert)", s.e_local), describe(t));
+    EPMOE_CHECK_ARG(c.block_m == 0 && c.block_n == 0, "block_m",
+                    "0 (with block_n) with a uint32 combine_signal (one add per expert)",
+                    fmt::format("block_m = {}, block_n = {}", c.block_m, c.block_n));
+    s.signal_per_expert = true;
+  } else {
+    EPMOE_CHECK_ARG(c.block_m >= 1, "block_m", ">= 1 (rows per signal block)", c.block_m);
+    EPMOE_CHECK_ARG(c.block_n >= 1, "block_n", ">= 1 (columns per N-tile)", c.block_n);
+    s.signal_blocks = (s.max_tokens + c.block_m - 1) / c.block_m;
+    const std::string want =
+        fmt::format("int32 [>= {}] (E_local = {} times ceil(max_tokens = {} / block_m = {})) or uint32 [{}]",
+                    s.e_local * s.signal_blocks, s.e_local, s.max_tokens, c.block_m, s.e_local);
+    EPMOE_CHECK_ARG(t.dtype == DType::int32 && t.ndim() == 1 && t.size(0) >= s.e_local * s.signal_blocks,
+                    "combine_signal", want, describe(t));
+  }
+  s.signal = t.data;
+  s.signal_block_m = c.block_m;
+  s.signal_block_n = c.block_n;
+}
+
+}  // namespace
+
 void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda, ExpertsSizes& s) {
+  if (!s.batched)
+    EPMOE_CHECK_ARG(!in.combine_signal.signal.defined(), "combine_signal",
+                    "None in standard format (it follows the batched slabs' rows)", describe(in.combine_signal.signal));
   if (s.batched) {
     const Shape hidden_shape{s.e_local, in.hidden.ndim() == 3 ? in.hidden.size(1) : 0, s.h};
     EPMOE_CHECK_ARG(in.hidden.ndim() == 3 && in.hidden.shape == hidden_shape, "hidden",
@@ -187,6 +227,7 @@ void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda,
                     "expert_num_tokens", fmt::format("int32 [{}] (E_local)", s.e_local),
                     describe(in.expert_num_tokens));
     s.out_shape = Shape{s.e_local, s.max_tokens, s.h};
+    check_combine_signal(in.combine_signal, s);
     return;
   }
 
@@ -298,7 +339,14 @@ void Experts::apply(const ExpertsInputs& in, const TensorView& out) const {
   check_experts_tensor(out, "out", Device::cpu());
   EPMOE_CHECK_ARG(out.dtype == DType::bf16 && out.shape == want, "out", fmt::format("bfloat16{}", want),
                   describe(out));
-  if (!has_work(p)) return;  // a rank without tokens: nothing to compute or write
+  if (p.signal && !writes_combine_signal())
+    raise(ErrorCode::unsupported, "the {} experts do not write a combine_signal (the reference and CUDA bf16 ones do)",
+          name());
+  if (!has_work(p)) {  // a rank without tokens: nothing to compute or write
+    if (p.signal_per_expert)  // every expert is done at once
+      for (std::int64_t e = 0; e < p.e_local; ++e) add_host_signal(p, e);
+    return;
+  }
   run(p, out);
 }
 

@@ -20,6 +20,10 @@ struct ExpertsSizes {
   std::int64_t m = 0, k = 0;    ///< standard: tokens and choices per token
   std::int64_t max_tokens = 0;  ///< batched: rows per slab
   std::int64_t id_limit = 0;    ///< standard: ids lie in [-1, id_limit) (E_local, or the size of expert_map)
+  /// ExpertsInputs::combine_signal, checked: the entries (null when unset), per expert (uint32) or per block.
+  void* signal = nullptr;
+  bool signal_per_expert = false;
+  std::int64_t signal_block_m = 0, signal_block_n = 0, signal_blocks = 0;  ///< blocks: ceil(max_tokens / block_m)
   Shape out_shape;
 };
 
@@ -86,6 +90,14 @@ struct ExpertsProblem : ExpertsSizes {
     return static_cast<const float*>(hidden)[i];
   }
 };
+
+/// Adds 1 (release) to entry `i` of a checked combine signal (ExpertsSizes::signal) on the host.
+inline void add_host_signal(const ExpertsSizes& s, std::int64_t i) {
+  if (s.signal_per_expert)
+    __atomic_fetch_add(static_cast<std::uint32_t*>(s.signal) + i, 1u, __ATOMIC_RELEASE);
+  else
+    __atomic_fetch_add(static_cast<std::int32_t*>(s.signal) + i, 1, __ATOMIC_RELEASE);
+}
 
 /// Checks every argument of `in` (see Experts::output_shape for the errors) and resolves the routing
 /// to local ids. Defined in experts.cpp.

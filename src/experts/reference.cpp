@@ -8,6 +8,7 @@
 #include "experts/fp8.hpp"
 #include "experts/problem.hpp"
 
+#include <algorithm>
 #include <vector>
 
 namespace epmoe {
@@ -79,21 +80,47 @@ class ReferenceExperts final : public Experts {
  public:
   using Experts::Experts;
   std::string_view name() const override { return "reference"; }
+  bool writes_combine_signal() const override { return true; }
 
  protected:
   void run(const ExpertsProblem& p, const TensorView& out) const override {
-    const std::vector<double> r = compute(p);
     bf16_t* o = static_cast<bf16_t*>(out.data);
     if (p.format == ActivationFormat::batched_experts) {
-      // Only the counted rows: the rest of `out` belongs to the caller.
-      for (std::int64_t e = 0; e < p.e_local; ++e)
-        for (std::int64_t i = 0; i < p.counts[e] * p.h; ++i) {
-          const std::int64_t at = e * p.max_tokens * p.h + i;
-          o[at] = double_to_bf16(r[static_cast<std::size_t>(at)]);
-        }
+      run_batched(p, o);
       return;
     }
+    const std::vector<double> r = compute(p);
     for (std::size_t i = 0; i < r.size(); ++i) o[i] = double_to_bf16(r[i]);
+  }
+
+ private:
+  // Expert by expert, block by block (block_m rows with a per-block combine signal, else the expert's rows), the
+  // block's rows stored N-tile by N-tile, so an overlapped combine can send each block while later ones compute.
+  // Only the counted rows are written: the rest of `out` belongs to the caller.
+  static void run_batched(const ExpertsProblem& p, bf16_t* o) {
+    std::vector<double> x(static_cast<std::size_t>(p.h)), act(static_cast<std::size_t>(p.n)), y;
+    const bool per_block = p.signal != nullptr && !p.signal_per_expert;
+    for (std::int64_t e = 0; e < p.e_local; ++e) {
+      const std::int64_t count = p.counts[e];
+      const std::int64_t bm = per_block ? p.signal_block_m : std::max<std::int64_t>(count, 1);
+      const std::int64_t bn = per_block ? p.signal_block_n : p.h;
+      for (std::int64_t b = 0; b * bm < count; ++b) {
+        const std::int64_t first = b * bm, n_rows = std::min(count, first + bm) - first;
+        y.assign(static_cast<std::size_t>(n_rows * p.h), 0.0);
+        for (std::int64_t i = 0; i < n_rows; ++i) {
+          const std::int64_t row = e * p.max_tokens + first + i;
+          for (std::int64_t c = 0; c < p.h; ++c) x[static_cast<std::size_t>(c)] = p.hidden_at(row * p.h + c);
+          expert_mlp(p, e, x, act, y.data() + i * p.h);
+        }
+        for (std::int64_t c0 = 0; c0 < p.h; c0 += bn) {
+          for (std::int64_t i = 0; i < n_rows; ++i)
+            for (std::int64_t c = c0; c < std::min(p.h, c0 + bn); ++c)
+              o[(e * p.max_tokens + first + i) * p.h + c] = double_to_bf16(y[static_cast<std::size_t>(i * p.h + c)]);
+          if (per_block) add_host_signal(p, e * p.signal_blocks + b);
+        }
+      }
+      if (p.signal_per_expert) add_host_signal(p, e);
+    }
   }
 };
 

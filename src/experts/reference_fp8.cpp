@@ -253,6 +253,7 @@ class ReferenceFp8Experts final : public Experts {
 
   void apply(const ExpertsInputs& in, const TensorView& out) const override {
     const Problem q = check(in, config());
+    if (q.s.signal) raise(ErrorCode::unsupported, "the fp8 reference experts do not write a combine_signal");
     const Shape want = q.s.batched ? Shape{q.p.e_local, q.p.max_tokens, q.p.h}
                                    : (q.p.reduce ? Shape{q.p.m, q.p.h} : Shape{q.p.m, q.p.k, q.p.h});
     EPMOE_CHECK_ARG(out.defined(), "out", fmt::format("bfloat16{}", want), "None");

@@ -236,6 +236,14 @@ Tensor MoELayer::run_experts(const PrepareOutput& p, const MoEForwardArgs& args)
   return out;
 }
 
+Tensor MoELayer::run_experts_and_combine_a(const PrepareOutput& p, const MoEForwardArgs& args) {
+  Tensor fused;
+  if (run_experts_overlapped(p, args, fused)) return fused;  // options.overlap: experts and combine_a together
+  fused = run_experts(p, args);
+  prepare_finalize_->combine_a(fused, experts_->weight_and_reduce());
+  return fused;
+}
+
 void MoELayer::check_forward_args(const MoEForwardArgs& args) const {
   const auto known = [](Activation a) {
     switch (a) {
@@ -604,8 +612,7 @@ MoEForwardResult MoELayer::forward(const MoEForwardArgs& args) {
       load_recorder_->record_local(load_recorder_layer_, prepared.expert_num_tokens,
                                    static_cast<std::int64_t>(prepare_finalize_->ep_rank()) * e_local);
     }
-    const Tensor fused = run_experts(prepared, routed);
-    prepare_finalize_->combine_a(fused, experts_->weight_and_reduce());
+    (void)run_experts_and_combine_a(prepared, routed);
     result.output = prepare_finalize_->combine_b();
     if (args.output.defined() && result.output.data() != args.output.data) {
       // Prepare/finalize that did not write into the caller's buffer (the CPU ones): copy the result there.

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "core/check.hpp"
 #include "moe/prepare_common.hpp"
@@ -35,6 +36,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
   WeightAndReduce delegate_weight_and_reduce() const override { return WeightAndReduce::delegate; }
   int num_local_experts(int global_num_experts) const override { return global_num_experts / buffer_->num_ranks(); }
   int ep_rank() const override { return buffer_->rank(); }
+  void set_next_combine_overlap(const LowLatencyCombineArgs& o) override { overlap_ = o; }
 
  protected:
   void do_dispatch_a(const PrepareInputs& in) override {
@@ -103,6 +105,15 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     c.handle = &recv_.handle;
     c.return_recv_hook = true;
     c.out = output_;  // GPU: the caller's output (the CPU layer copies into it after the combine)
+    const LowLatencyCombineArgs o = std::exchange(overlap_, LowLatencyCombineArgs{});  // for this call only
+    c.overlap = o.overlap;
+    c.packed_recv_count = o.packed_recv_count;
+    c.comp_signal = o.comp_signal;
+    c.block_m = o.block_m;
+    c.threshold = o.threshold;
+    c.src_signals = o.src_signals;
+    c.src_signal_expect_value = o.src_signal_expect_value;
+    c.num_sms = o.num_sms;
     combined_ = buffer_->low_latency_combine(c);
   }
 
@@ -161,6 +172,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
   TokenSide side_;
   LowLatencyDispatchResult recv_;
   LowLatencyCombineResult combined_;
+  LowLatencyCombineArgs overlap_;  // set_next_combine_overlap's fields for the next combine_a
 };
 
 }  // namespace

@@ -15,6 +15,9 @@ inline constexpr std::size_t kHeaderBytes = 64;
 /// Header::kind.
 enum : std::uint32_t { kKindDispatch = 1, kKindCombine = 2 };
 
+/// Header::flags of a combine whose send gave up waiting for an overlap signal (LowLatencyCombineArgs::overlap): the
+/// rows are incomplete, reserved[0] holds the local expert and reserved[1] the block (-1: the per-expert form).
+inline constexpr std::uint32_t kFlagSignalTimeout = 1u;
 /// Header::flags of a dispatch: its per-call settings, which every rank must pass equal.
 inline constexpr std::uint32_t kFlagNvfp4 = 8u;
 constexpr std::uint32_t dispatch_flags(bool use_fp8, bool round_scale, bool use_ue8m0, bool use_nvfp4) {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "moe/weight_and_reduce.hpp"
 #include "support/moe_reference.hpp"
@@ -68,6 +69,7 @@ struct RunOptions {
   std::int64_t chunk_size = 0;
   bool weight_on_input = false;
   float nvfp4_global_scale = 0.0f;  ///< with DispatchDtype::nvfp4
+  bool overlap = false;             ///< MoELayerOptions::overlap
 };
 
 std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
@@ -93,6 +95,7 @@ std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
     std::shared_ptr<Experts> experts(o.use_reference_experts ? make_reference_experts(ec) : make_blas_experts(ec));
     MoELayerOptions lo;
     lo.chunk_size = o.chunk_size;
+    lo.overlap = o.overlap;
     MoELayer layer(pf, experts, {}, lo);
     MoEForwardArgs a;
     a.hidden = p.x[static_cast<std::size_t>(r)];
@@ -271,6 +274,38 @@ TEST(MoELayer, LowLatencyNvfp4OverThreadRanksMatchesFloat64Reference) {
     expect_named("dispatch_dtype", [&] { make_all_gather_prepare_finalize(group, po); });
     (void)make_low_latency_prepare_finalize(buffer, 8, po);
   });
+}
+
+// MoELayerOptions::overlap on CPU ranks: the reference experts write the combine signal on a side thread while the
+// combine sends each block they finish; the output is the one without overlap, bit for bit, and the float64
+// reference's within tolerance. Experts that write no signal (BLAS) run as without overlap.
+TEST(MoELayer, LowLatencyOverlapIsBitIdenticalToThePlainForward) {
+  std::mt19937_64 rng(fresh_seed());
+  test::RoutingOptions one;
+  one.only_expert = 3;
+  test::RoutingOptions none;
+  none.p_minus_one = 1.0;
+  for (const auto& [R, K, T, ro] : {std::tuple{2, 3, std::int64_t{80}, test::RoutingOptions{}},
+                                    std::tuple{3, 1, std::int64_t{24}, test::RoutingOptions{}},
+                                    std::tuple{2, 2, std::int64_t{70}, one}, std::tuple{2, 2, std::int64_t{8}, none}}) {
+    SCOPED_TRACE("R = " + std::to_string(R) + " K = " + std::to_string(K) + " T = " + std::to_string(T));
+    const Problem p = make_problem(rng, R, 6 * R, K, T, 256, 64, "silu", ro);
+    for (bool reference : {true, false}) {
+      RunOptions o{Mode::low_latency};
+      o.use_reference_experts = reference;
+      const std::vector<Tensor> plain = run_layer(p, o);
+      o.overlap = true;
+      const std::vector<Tensor> overlapped = run_layer(p, o);
+      for (int r = 0; r < R; ++r) {
+        const Tensor& a = plain[static_cast<std::size_t>(r)];
+        const Tensor& b = overlapped[static_cast<std::size_t>(r)];
+        ASSERT_EQ(a.shape(), b.shape());
+        EXPECT_TRUE(a.nbytes() == 0 || std::memcmp(a.data(), b.data(), a.nbytes()) == 0)
+            << "rank " << r << (reference ? " reference" : " blas") << " experts: overlap changed the output";
+      }
+      if (reference && ro.p_minus_one == 0.0) EXPECT_LE(layer_error(p, o), 1e-2);
+    }
+  }
 }
 
 TEST(MoELayer, EdgeRoutingAllMinusOneAndOneExpertTakingEverything) {

@@ -9,8 +9,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mpi/compare.hpp"
@@ -30,6 +33,9 @@ struct LowLatencyCase {
   bool hook = false;
   int zero_token_rank = -1;
   int rounds = 3;
+  /// 1: the combine waits for comp_signal per block of 5 rows (3 adds, one per N-tile of 48 columns: H = 128);
+  /// 2: for src_signals per expert. A producer thread writes x after a NaN fill, block by block, then signals.
+  int overlap = 0;
 };
 
 struct RankInput {
@@ -125,7 +131,50 @@ std::vector<Snapshot> run_rank(Buffer& buffer, std::uint64_t seed, const LowLate
     ca.topk_weights = in.topk_weights;
     ca.handle = &d.handle;
     ca.return_recv_hook = c.hook;
-    LowLatencyCombineResult r = buffer.low_latency_combine(ca);
+    LowLatencyCombineResult r;
+    if (c.overlap == 0) {
+      r = buffer.low_latency_combine(ca);
+    } else {
+      constexpr int kBlockM = 5, kBlockN = 48;
+      const std::int64_t bpe = (rows + kBlockM - 1) / kBlockM;
+      Tensor x = Tensor::empty(DType::bf16, {c.experts_per_rank, rows, c.H});
+      for (std::int64_t i = 0; i < x.numel(); ++i) x.ptr<bf16_t>()[i] = bf16_t{0x7fc0};  // NaN until produced
+      Tensor sig = c.overlap == 1 ? Tensor::zeros(DType::int32, {c.experts_per_rank * bpe})
+                                  : Tensor::zeros(DType::uint32, {c.experts_per_rank});
+      const std::int32_t* count = d.packed_recv_count.ptr<std::int32_t>();
+      std::thread producer([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        for (int e = 0; e < c.experts_per_rank; ++e) {
+          const std::int64_t n = count[e];
+          for (std::int64_t b = 0; b * kBlockM < n; ++b)
+            for (std::int64_t c0 = 0; c0 < c.H; c0 += kBlockN) {
+              for (std::int64_t j = b * kBlockM; j < std::min(n, (b + 1) * kBlockM); ++j)
+                std::memcpy(x.ptr<bf16_t>() + (e * rows + j) * c.H + c0, flat.ptr<bf16_t>() + (e * rows + j) * c.H + c0,
+                            static_cast<std::size_t>(std::min<std::int64_t>(kBlockN, c.H - c0)) * 2);
+              if (c.overlap == 1) __atomic_fetch_add(sig.ptr<std::int32_t>() + e * bpe + b, 1, __ATOMIC_RELEASE);
+            }
+          if (c.overlap == 2) __atomic_fetch_add(sig.ptr<std::uint32_t>() + e, 1u, __ATOMIC_RELEASE);
+        }
+      });
+      ca.x = x;
+      ca.overlap = true;
+      if (c.overlap == 1) {
+        ca.comp_signal = sig;
+        ca.packed_recv_count = d.packed_recv_count;
+        ca.block_m = kBlockM;
+        ca.threshold = static_cast<int>((c.H + kBlockN - 1) / kBlockN);
+      } else {
+        ca.src_signals = sig;
+        ca.src_signal_expect_value = 1;
+      }
+      try {
+        r = buffer.low_latency_combine(ca);
+      } catch (...) {
+        producer.join();
+        throw;
+      }
+      producer.join();
+    }
     if (c.hook) r.hook();
     s.combined_x = r.combined_x;
     out.push_back(std::move(s));
@@ -179,6 +228,11 @@ TEST(MpiLowLatencyMode, Nvfp4DispatchMatchesTheThreadsBackend) {
 TEST(MpiLowLatencyMode, RecvHooksAndAZeroTokenRankMatchTheThreadsBackend) {
   run_case({.name = "hooks", .experts_per_rank = 3, .K = 4, .hook = true, .zero_token_rank = world_size() - 1,
             .rounds = 4});
+}
+
+TEST(MpiLowLatencyMode, OverlappedCombinesWaitingOnHostSignalsMatchTheThreadsBackend) {
+  run_case({.name = "overlap blocks", .zero_token_rank = 0, .overlap = 1});
+  run_case({.name = "overlap experts hooks", .experts_per_rank = 3, .K = 1, .hook = true, .overlap = 2});
 }
 
 TEST(MpiLowLatencyMode, TooManyTokensAreRejectedOnEveryRankAndTheBufferStillWorks) {

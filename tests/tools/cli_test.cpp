@@ -182,6 +182,25 @@ TEST(Cli, RunHiddenMultipleFollowsTheDispatchDtype) {
   EXPECT_NE(odd.err.find("multiple of 8 for --dispatch-dtype bf16"), std::string::npos) << odd.err;
 }
 
+// --overlap: the low-latency combine's send overlapped with the experts (on CPU ranks the reference experts, which
+// write the combine signal, by default); refused in normal mode and with the BLAS experts, naming the flag.
+TEST(Cli, RunLowLatencyOverlapPassesAndIsRefusedWhereItCannotRun) {
+  const CliResult r = run_cli("run --device cpu --mode low-latency --overlap --ranks 2 " + kTinyRun);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  const CliResult normal = run_cli("run --device cpu --overlap --ranks 2 " + kTinyRun);
+  EXPECT_EQ(normal.code, 2);
+  EXPECT_NE(normal.err.find("'--overlap'"), std::string::npos) << normal.err;
+  const CliResult blas = run_cli("run --device cpu --mode low-latency --overlap --experts-impl blas --ranks 2 " + kTinyRun);
+  EXPECT_EQ(blas.code, 2);
+  EXPECT_NE(blas.err.find("'--experts-impl'"), std::string::npos) << blas.err;
+  if (gpu_count() < 1) return;
+  const CliResult gpu = run_cli("run --device cuda --mode low-latency --overlap --tokens 16 --hidden 256 "
+                                "--intermediate 64 --experts 8 --topk 2 --iters 2 --check-tokens 16");
+  EXPECT_EQ(gpu.code, 0) << gpu.out << gpu.err;
+  EXPECT_NE(gpu.out.find("PASS"), std::string::npos) << gpu.out;
+}
+
 // Low-latency mode on GPU ranks (the MoE layer's low-latency prepare/finalize on the cuda_ipc GPU low-latency mode,
 // batched CUDA experts), both wires, two iterations (both halves of the buffer): PASS against the float64 reference,
 // and the payload as the header defines it: with random routing every token reaches K distinct experts, so the ranks

@@ -59,6 +59,7 @@ struct RunConfig {
   int layer = 0;
   std::int64_t offset = 0;
   std::int64_t chunk_size = 0;
+  bool overlap = false;  // --overlap: the low-latency combine's send overlapped with the experts (MoELayerOptions)
   int iters = 3;
   std::int64_t check_tokens = 32;
   double tolerance = 1e-2;
@@ -252,6 +253,7 @@ RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int dev
   const std::shared_ptr<Experts> experts = make_cuda_experts(ec);
   MoELayerOptions lo;
   lo.chunk_size = c.chunk_size;
+  lo.overlap = c.overlap;
   MoELayer layer(pf, experts, {}, lo);
 
   MoEForwardArgs args;
@@ -283,13 +285,14 @@ RankResult run_rank_gpu(const std::shared_ptr<Group>& group, Shared& sh, int dev
     }
 
     const auto t2 = Clock::now();
-    const Tensor fused = layer.run_experts(prepared, args);
+    // --overlap: the combine's send runs during the experts (their phase holds both; the combine's, the receive)
+    const Tensor fused = c.overlap ? layer.run_experts_and_combine_a(prepared, args) : layer.run_experts(prepared, args);
     cuda_sync_device();
     res.experts_s.push_back(seconds_since(t2));
 
     group->barrier("run.combine");
     const auto t3 = Clock::now();
-    pf->combine_a(fused, experts->weight_and_reduce());
+    if (!c.overlap) pf->combine_a(fused, experts->weight_and_reduce());
     output = pf->combine_b();
     cuda_sync_device();
     res.combine_s.push_back(seconds_since(t3));
@@ -327,6 +330,7 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
                                                                    : std::shared_ptr<Experts>(make_blas_experts(ec));
   MoELayerOptions lo;
   lo.chunk_size = c.chunk_size;
+  lo.overlap = c.overlap;
   MoELayer layer(pf, experts, {}, lo);
 
   MoEForwardArgs args;
@@ -350,12 +354,13 @@ RankResult run_rank(const std::shared_ptr<Group>& group, Shared& sh) {
     res.dispatch_s.push_back(seconds_since(t1));
 
     const auto t2 = Clock::now();
-    const Tensor fused = layer.run_experts(prepared, args);
+    // --overlap: the experts on a side thread while this thread sends each block they finish
+    const Tensor fused = c.overlap ? layer.run_experts_and_combine_a(prepared, args) : layer.run_experts(prepared, args);
     res.experts_s.push_back(seconds_since(t2));
 
     group->barrier("run.combine");
     const auto t3 = Clock::now();
-    pf->combine_a(fused, experts->weight_and_reduce());
+    if (!c.overlap) pf->combine_a(fused, experts->weight_and_reduce());
     output = pf->combine_b();
     res.combine_s.push_back(seconds_since(t3));
 
@@ -441,7 +446,8 @@ Activation parse_activation_flag(const std::string& name) {
 int resolve_devices(RunConfig& c) {
   c.kind = resolve_device(c.device);
   if (c.kind == DeviceKind::cpu) {
-    if (c.experts_impl == "auto") c.experts_impl = "blas";
+    // --overlap needs experts that write the combine signal: the float64 reference ones on CPU ranks
+    if (c.experts_impl == "auto") c.experts_impl = c.overlap ? "reference" : "blas";
     if (c.experts_impl == "cuda") bad("--experts-impl", "blas or reference on CPU ranks (cuda needs --device cuda)", c.experts_impl);
     return 0;
   }
@@ -627,6 +633,9 @@ int run(RunConfig c) {
     check_flags_agree(*mpi_group, c);
   }
 #endif
+  if (c.overlap && c.mode != "low-latency")
+    bad("--overlap", "--mode low-latency beside it (it overlaps the low-latency combine's send with the experts)",
+        c.mode);
   // ---- --eplb: plan and measure on a replayed trace (host only, no layer run) ----
   if (c.redundant_given && !c.eplb)
     bad("--redundant-experts", "--eplb beside it (it sets the spare slots of the EPLB plan)", c.redundant_experts);
@@ -652,6 +661,8 @@ int run(RunConfig c) {
   }
   const Activation act = parse_activation_flag(c.activation);
   const int gpus = resolve_devices(c);
+  if (c.overlap && c.experts_impl == "blas")
+    bad("--experts-impl", "reference or cuda with --overlap (the BLAS experts write no combine signal)", "blas");
   apply_config_flag(c.config, c.buffer_options);
   if (!c.config.empty() && c.kind == DeviceKind::cpu && root)
     fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
@@ -807,6 +818,10 @@ std::function<int()> add_run_command(CLI::App& app) {
                   "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
       ->capture_default_str();
   cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
+  cmd->add_flag("--overlap", c.overlap,
+                "--mode low-latency: the combine's send overlaps the experts, each block sent once the experts signal "
+                "it done (MoELayerOptions::overlap; the experts phase then holds the send, the combine phase the "
+                "receive); needs --experts-impl reference or cuda");
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_option("--check-tokens", c.check_tokens,
                   "tokens per rank checked against the float64 reference (all of them when fewer)")

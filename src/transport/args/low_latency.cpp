@@ -246,6 +246,76 @@ void check_combine_idx_shape(const TensorView& topk_idx, std::int64_t T, std::in
                   "topk_idx", fmt::format("[{}, {}] (the shape at dispatch)", T, K), describe(topk_idx));
 }
 
+namespace {
+
+// A 1-d signal-like tensor of `dtype` with unit stride and at least (exactly with `exact`) `n` entries on `device`.
+void check_vector(const TensorView& t, std::string_view name, DType dtype, std::int64_t n, bool exact,
+                  std::string_view what, Device device) {
+  const std::string want = fmt::format("{} [{}{}] ({}) with unit stride", dtype_name(dtype), exact ? "" : ">= ", n, what);
+  EPMOE_CHECK_ARG(t.defined(), name, want, "None");
+  check_on(t, name, device);
+  EPMOE_CHECK_ARG(t.ndim() == 1 && t.dtype == dtype && (exact ? t.size(0) == n : t.size(0) >= n), name, want,
+                  describe(t));
+  EPMOE_CHECK_ARG((t.size(0) <= 1 || t.stride(0) == 1) && (t.data != nullptr || t.size(0) == 0), name, want,
+                  strides_of(t));
+}
+
+}  // namespace
+
+OverlapSpec check_combine_overlap(const LowLatencyCombineArgs& a, int El, std::int64_t rows, Device device) {
+  OverlapSpec o;
+  if (!a.overlap) return o;  // DeepEP's rule: without overlap the signal fields are not looked at
+  constexpr int kMaxSendSms = 1024;
+  EPMOE_CHECK_ARG(a.num_sms >= 0 && a.num_sms <= kMaxSendSms, "num_sms",
+                  fmt::format("0..{} (0 = a block per local expert)", kMaxSendSms), a.num_sms);
+  o.num_sms = a.num_sms;
+  if (a.send_stamps.defined()) {
+    check_vector(a.send_stamps, "send_stamps", DType::int64, 2, true, "the first and last row store's time", device);
+    o.send_stamps = static_cast<std::int64_t*>(a.send_stamps.data);
+  }
+  const bool blocks = a.comp_signal.defined(), experts = a.src_signals.defined();
+  EPMOE_CHECK_ARG(blocks || experts, "overlap",
+                  "comp_signal (with packed_recv_count, block_m, threshold) or src_signals (with "
+                  "src_signal_expect_value) when overlap is true",
+                  "overlap = true without a signal tensor");
+  if (blocks) {
+    EPMOE_CHECK_ARG(!experts, "src_signals", "None with comp_signal (one signal form per call)", describe(a.src_signals));
+    EPMOE_CHECK_ARG(a.src_signal_expect_value == 0, "src_signal_expect_value",
+                    "unset (0) with comp_signal (it belongs to the src_signals form; comp_signal waits for threshold)",
+                    a.src_signal_expect_value);
+    EPMOE_CHECK_ARG(a.block_m >= 1, "block_m", ">= 1 (rows per signal block, the down GEMM's BLOCK_M)", a.block_m);
+    EPMOE_CHECK_ARG(a.threshold >= 1, "threshold",
+                    ">= 1 (the adds that mark a block done: ceil(H / block_n) for DeepGEMM's down GEMM)", a.threshold);
+    o.form = OverlapSpec::Form::blocks;
+    o.block_m = a.block_m;
+    o.blocks_per_expert = (rows + a.block_m - 1) / a.block_m;
+    o.expect = static_cast<std::uint32_t>(a.threshold);
+    check_vector(a.comp_signal, "comp_signal", DType::int32, El * o.blocks_per_expert, false,
+                 fmt::format("E_local = {} times ceil(R * Tmax = {} / block_m = {})", El, rows, a.block_m), device);
+    check_vector(a.packed_recv_count, "packed_recv_count", DType::int32, El, true, "the dispatch's packed_recv_count",
+                 device);
+    o.signal = a.comp_signal.data;
+    o.packed_recv_count = static_cast<const std::int32_t*>(a.packed_recv_count.data);
+    return o;
+  }
+  EPMOE_CHECK_ARG(!a.packed_recv_count.defined(), "packed_recv_count",
+                  "None with src_signals (it belongs to the comp_signal form)", describe(a.packed_recv_count));
+  EPMOE_CHECK_ARG(a.block_m == 0, "block_m", "unset (0) with src_signals (it belongs to the comp_signal form)",
+                  a.block_m);
+  EPMOE_CHECK_ARG(a.threshold == 0, "threshold",
+                  "unset (0) with src_signals (it belongs to the comp_signal form; src_signals wait for "
+                  "src_signal_expect_value)",
+                  a.threshold);
+  EPMOE_CHECK_ARG(a.src_signal_expect_value >= 1 && a.src_signal_expect_value <= 0xffffffffll,
+                  "src_signal_expect_value", "1..2^32-1 (the value of src_signals[e] that marks expert e done)",
+                  a.src_signal_expect_value);
+  check_vector(a.src_signals, "src_signals", DType::uint32, El, true, "one counter per local expert", device);
+  o.form = OverlapSpec::Form::experts;
+  o.expect = static_cast<std::uint32_t>(a.src_signal_expect_value);
+  o.signal = a.src_signals.data;
+  return o;
+}
+
 TensorView recv_scales_view(const low_latency_protocol::Layout& L, void* area, bool ue8m0, Device device) {
   const std::int64_t rows = static_cast<std::int64_t>(L.num_ranks) * L.tmax;
   const std::int64_t cols = ue8m0 ? num_ue8m0_words(L.hidden) : L.groups, R = L.scale_rows;

@@ -62,6 +62,31 @@ void check_combine_handle(const LowLatencyHandle& handle, int rank, int tmax, st
 /// Combine's topk_idx has the dispatch's shape [T, K]. Errors: invalid_argument naming 'topk_idx'.
 void check_combine_idx_shape(const TensorView& topk_idx, std::int64_t T, std::int64_t K);
 
+/// What an overlapped combine waits on (LowLatencyCombineArgs::overlap), once checked.
+struct OverlapSpec {
+  enum class Form { none, blocks, experts };
+  Form form = Form::none;  ///< none: overlap false (the signal fields were ignored)
+  /// blocks: comp_signal's int32 entries; experts: src_signals' uint32 entries (both on the backend's device).
+  void* signal = nullptr;
+  const std::int32_t* packed_recv_count = nullptr;  ///< blocks: the caller's counts (on the backend's device)
+  int block_m = 0;                   ///< blocks: rows per block
+  std::int64_t blocks_per_expert = 0;  ///< blocks: ceil(R * Tmax / block_m), the stride of comp_signal per expert
+  std::uint32_t expect = 0;          ///< the value a block (threshold) or an expert (src_signal_expect_value) waits for
+  int num_sms = 0;                   ///< the send's SM bound (0 = a block per local expert)
+  std::int64_t* send_stamps = nullptr;  ///< LowLatencyCombineArgs::send_stamps (first, last row store), or null
+  bool active() const { return form != Form::none; }
+};
+
+/// The overlap fields of a combine (LowLatencyCombineArgs, docs/semantics.md "Overlapped low-latency combine"),
+/// for `local_experts` experts of `rows` = R * Tmax packed rows, the signal tensors on `device` (x's). overlap
+/// false: nothing is checked (Form::none). Errors (invalid_argument naming the argument, the expected and the
+/// actual value): num_sms outside 0..1024; neither form or both forms (a field of the other form set); block_m
+/// or threshold < 1; comp_signal not int32 1-d with unit stride and >= E_local * ceil(rows / block_m) entries;
+/// packed_recv_count not int32 [E_local]; src_signals not uint32 [E_local] with unit stride;
+/// src_signal_expect_value outside 1..2^32-1; send_stamps not int64 [2] with unit stride; a tensor on another device.
+OverlapSpec check_combine_overlap(const LowLatencyCombineArgs& a, int local_experts, std::int64_t rows,
+                                  Device device);
+
 /// What a checked dispatch looks like.
 struct DispatchSpec {
   std::int64_t T = 0, H = 0, K = 0;

@@ -30,6 +30,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <thread>
 
 #include "quant/quant.hpp"
 #include "transport/args/low_latency.hpp"
@@ -58,6 +61,48 @@ void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int c
 
 int data_slot(int half, int source, int R) { return half * R + source; }
 int consumed_slot(int half, int reader, int R) { return 2 * R + half * R + reader; }
+
+// Acquire loads of a caller's signal until it reaches `expect` (int32 entries compare signed, uint32 unsigned) or
+// `seconds` pass; false on timeout. The writer is another thread of this process (the experts, or a test).
+bool wait_host_signal(const void* entry, bool is_unsigned, std::uint32_t expect, double seconds,
+                      std::int64_t& last) {
+  const auto ready = [&] {
+    if (is_unsigned) {
+      const std::uint32_t v = __atomic_load_n(static_cast<const std::uint32_t*>(entry), __ATOMIC_ACQUIRE);
+      last = v;
+      return v >= expect;
+    }
+    const std::int32_t v = __atomic_load_n(static_cast<const std::int32_t*>(entry), __ATOMIC_ACQUIRE);
+    last = v;
+    return v >= static_cast<std::int32_t>(expect);
+  };
+  if (ready()) return true;
+  const Deadline deadline(seconds);
+  for (int spins = 0;; ++spins) {
+    if (ready()) return true;
+    if (spins > 64) {
+      if (deadline.expired()) return ready();
+      std::this_thread::yield();
+    }
+  }
+}
+
+// LowLatencyCombineArgs::send_stamps: [0] lowered (first) or [1] raised (last) to now, in steady_clock ns.
+void stamp(std::int64_t* stamps, bool last) {
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch()).count();
+  std::int64_t* slot = stamps + (last ? 1 : 0);
+  std::int64_t seen = __atomic_load_n(slot, __ATOMIC_RELAXED);
+  while ((last ? now > seen : now < seen) &&
+         !__atomic_compare_exchange_n(slot, &seen, now, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+}
+
+// What the receive of a combine raises when a source's send gave up on its overlap signal: the half was read and
+// marked consumed first, so receive() keeps the buffer usable.
+struct PeerSignalTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 }  // namespace
 
@@ -316,6 +361,9 @@ void LowLatencyMode::receive(std::uint64_t gen) {
       receive_dispatch(p);
     else
       receive_combine(p);
+  } catch (const PeerSignalTimeout& e) {
+    p = Pending{};
+    raise(ErrorCode::timeout, "{}", e.what());
   } catch (...) {
     p = Pending{};
     broken_ = true;
@@ -469,52 +517,39 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
                                           Device::cpu());
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  const low_latency_args::OverlapSpec overlap = low_latency_args::check_combine_overlap(a, El, rows, Device::cpu());
+  if (overlap.form == low_latency_args::OverlapSpec::Form::blocks) {
+    // The blocks waited on are those of the dispatch's counts: the caller's copy must agree with them.
+    const auto* count = reinterpret_cast<const std::int32_t*>(half_base(hd.generation - base_) + L.count);
+    for (int e = 0; e < El; ++e)
+      if (overlap.packed_recv_count[e] != count[e])
+        throw_invalid_argument("packed_recv_count", "the packed_recv_count of the handle's dispatch",
+                               fmt::format("{} at [{}] where the dispatch received {}", overlap.packed_recv_count[e],
+                                           e, count[e]));
+  }
   begin_call("low_latency_combine");
 
   // --- send half: one bf16 row per (token, k) back to the token's rank, at row (t, k) of its staging.
   const std::uint64_t gen = generation_, index = gen - base_;
-  const int half = static_cast<int>(index % 2);
+  std::optional<std::string> signal_timeout;
   try {
-    const std::byte* dbase = half_base(hd.generation - base_);
-    const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + L.src_info);
-    const auto* range = reinterpret_cast<const std::int64_t*>(dbase + L.layout_range);
-    const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + L.packed_k);
-    const std::size_t staging = static_cast<std::size_t>(half) * L.half_bytes + L.staging;
-    const std::size_t body = staging + static_cast<std::size_t>(R) * kHeaderBytes;
-    const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
-    const std::string phase =
-        fmt::format("low_latency_combine send (call {}): waiting until the peer has read half {}", index, half);
-    for (int j = 0; j < R; ++j) {
-      const int s = (me + 1 + j) % R;
-      wait_consumed(s, index, phase);
-      std::int64_t n = 0;
-      for (int e = 0; e < El; ++e) {
-        const std::int64_t rg = range[static_cast<std::size_t>(e) * R + s];
-        const std::int64_t b = rg >> 32, c = rg & 0xffffffff;
-        for (std::int64_t r = b; r < b + c; ++r) {
-          const std::int64_t row = static_cast<std::int64_t>(e) * rows + r;
-          const auto dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
-          const auto* src = static_cast<const bf16_t*>(a.x.data) + e * a.x.stride(0) + r * a.x.stride(1);
-          transport_.put(s, body + dst * row_bytes, src, row_bytes);
-          ++n;
-        }
-      }
-      Header h{};
-      h.magic = kMagic;
-      h.kind = kKindCombine;
-      h.index = index;
-      h.count = n;
-      h.hidden = H;
-      h.tmax = tmax;
-      h.num_experts = L.num_experts;
-      transport_.put(s, staging + static_cast<std::size_t>(me) * kHeaderBytes, &h, sizeof(h));
-      transport_.signal(s, data_slot(half, me, R), index + 1);
-    }
+    signal_timeout = send_combine(a.x, hd.generation - base_, overlap, index);
   } catch (...) {
     broken_ = true;
     throw;
   }
   ++generation_;
+  if (signal_timeout) {
+    // Every peer got this rank's header marked so, and still sent its own rows here: this rank reads its half's
+    // headers and marks it consumed, so all ranks stay in step and the buffer stays usable.
+    try {
+      drain_combine(index);
+    } catch (...) {
+      broken_ = true;
+      throw;
+    }
+    raise(ErrorCode::timeout, "{}", *signal_timeout);
+  }
 
   LowLatencyCombineResult r;
   r.combined_x = a.out.defined() ? Tensor::wrap(a.out, nullptr) : Tensor::empty(DType::bf16, {T, H});
@@ -536,6 +571,114 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   return r;
 }
 
+std::optional<std::string> LowLatencyMode::send_combine(const TensorView& x, std::uint64_t dispatch_index,
+                                                        const low_latency_args::OverlapSpec& o, std::uint64_t index) {
+  using Form = low_latency_args::OverlapSpec::Form;
+  Group& g = transport_.group();
+  const int R = g.size(), me = g.rank();
+  const Layout& L = layout_;
+  const int El = L.local_experts, half = static_cast<int>(index % 2);
+  const std::int64_t H = L.hidden, rows = static_cast<std::int64_t>(R) * L.tmax;
+  const std::byte* dbase = half_base(dispatch_index);
+  const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + L.src_info);
+  const auto* range = reinterpret_cast<const std::int64_t*>(dbase + L.layout_range);
+  const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + L.packed_k);
+  const auto* count = reinterpret_cast<const std::int32_t*>(dbase + L.count);
+  const std::size_t staging = static_cast<std::size_t>(half) * L.half_bytes + L.staging;
+  const std::size_t body = staging + static_cast<std::size_t>(R) * kHeaderBytes;
+  const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
+  const std::string phase =
+      fmt::format("low_latency_combine send (call {}): waiting until the peer has read half {}", index, half);
+  std::vector<std::int64_t> sent(static_cast<std::size_t>(R), 0);
+  const auto put_row = [&](int e, std::int64_t r, int s) {
+    const std::int64_t row = static_cast<std::int64_t>(e) * rows + r;
+    const auto dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
+    const auto* src = static_cast<const bf16_t*>(x.data) + e * x.stride(0) + r * x.stride(1);
+    transport_.put(s, body + dst * row_bytes, src, row_bytes);
+    ++sent[static_cast<std::size_t>(s)];
+  };
+  int failed_expert = -1;
+  std::int64_t failed_block = -1;
+  const auto put_header = [&](int s) {
+    Header h{};
+    h.magic = kMagic;
+    h.kind = kKindCombine;
+    h.index = index;
+    h.count = sent[static_cast<std::size_t>(s)];
+    h.hidden = H;
+    h.tmax = L.tmax;
+    h.num_experts = L.num_experts;
+    if (failed_expert >= 0) {
+      h.flags = kFlagSignalTimeout;
+      h.reserved[0] = failed_expert;
+      h.reserved[1] = static_cast<std::int32_t>(failed_block);
+    }
+    transport_.put(s, staging + static_cast<std::size_t>(me) * kHeaderBytes, &h, sizeof(h));
+    transport_.signal(s, data_slot(half, me, R), index + 1);
+  };
+  if (!o.active()) {  // destination by destination, each after it has read this half
+    for (int j = 0; j < R; ++j) {
+      const int s = (me + 1 + j) % R;
+      wait_consumed(s, index, phase);
+      for (int e = 0; e < El; ++e) {
+        const std::int64_t rg = range[static_cast<std::size_t>(e) * R + s];
+        for (std::int64_t r = rg >> 32; r < (rg >> 32) + (rg & 0xffffffff); ++r) put_row(e, r, s);
+      }
+      put_header(s);
+    }
+    return std::nullopt;
+  }
+  // Overlap: expert by expert and block by block, in the order the GEMM finishes them; each block's rows go to
+  // their sources (ascending in the packed rows) as soon as its signal says the block is done.
+  for (int j = 0; j < R; ++j) wait_consumed((me + 1 + j) % R, index, phase);
+  // Half the group's timeout: the peers wait the whole timeout for this rank's header, so they hear of it first.
+  const double seconds = g.timeout_s() / 2;
+  std::optional<std::string> message;
+  for (int e = 0; e < El && !message; ++e) {
+    const std::int64_t n = count[e];
+    const std::int64_t bm = o.form == Form::blocks ? o.block_m : std::max<std::int64_t>(n, 1);
+    int s = 0;
+    for (std::int64_t b = 0; b * bm < n; ++b) {
+      const std::int64_t entry = o.form == Form::blocks ? e * o.blocks_per_expert + b : e;
+      std::int64_t last = 0;
+      if ((o.form == Form::blocks || b == 0) &&
+          !wait_host_signal(static_cast<const std::int32_t*>(o.signal) + entry, o.form == Form::experts, o.expect,
+                            seconds, last)) {
+        failed_expert = e;
+        failed_block = o.form == Form::blocks ? b : -1;
+        message = fmt::format(
+            "rank {} timed out after {} s in phase 'low_latency_combine send (call {}): overlap signal' waiting for "
+            "local expert {} (global {}){}: {}[{}] = {}, expected >= {} (its producer, the down GEMM, never marked "
+            "it done; the peers were told and the buffer stays usable)",
+            me, seconds, index, e, me * El + e,
+            o.form == Form::blocks ? fmt::format(", block {} (rows [{}, {}))", b, b * bm, std::min(n, (b + 1) * bm))
+                                   : std::string(),
+            o.form == Form::blocks ? "comp_signal" : "src_signals", entry, last, o.expect);
+        break;
+      }
+      if (o.send_stamps != nullptr && b * bm < n) stamp(o.send_stamps, false);
+      for (std::int64_t r = b * bm; r < std::min(n, (b + 1) * bm); ++r) {
+        while ((range[static_cast<std::size_t>(e) * R + s] >> 32) + (range[static_cast<std::size_t>(e) * R + s] &
+                                                                     0xffffffff) <= r)
+          ++s;
+        put_row(e, r, s);
+      }
+      if (o.send_stamps != nullptr) stamp(o.send_stamps, true);
+    }
+  }
+  for (int j = 0; j < R; ++j) put_header((me + 1 + j) % R);
+  return message;
+}
+
+void LowLatencyMode::drain_combine(std::uint64_t index) {
+  const int R = transport_.group().size();
+  const std::byte* staging = half_base(index) + layout_.staging;
+  const std::string phase = fmt::format("low_latency_combine receive (call {}, after an overlap signal timeout)", index);
+  for (int s = 0; s < R; ++s)
+    (void)receive_header(staging, static_cast<int>(index % 2), s, index, kKindCombine, phase, TensorView{});
+  signal_consumed(index);
+}
+
 void LowLatencyMode::receive_combine(Pending& p) {
   Group& g = transport_.group();
   const int R = g.size(), me = g.rank();
@@ -551,8 +694,21 @@ void LowLatencyMode::receive_combine(Pending& p) {
   std::vector<std::int64_t> expected(static_cast<std::size_t>(R), 0);
   for (std::int32_t e : p.topk_idx)
     if (e >= 0) ++expected[static_cast<std::size_t>(e / El)];
+  std::vector<Header> headers;
+  for (int s = 0; s < R; ++s)
+    headers.push_back(receive_header(staging, half, s, index, kKindCombine, phase, p.wait_cost));
   for (int s = 0; s < R; ++s) {
-    const Header h = receive_header(staging, half, s, index, kKindCombine, phase, p.wait_cost);
+    const Header& h = headers[static_cast<std::size_t>(s)];
+    if ((h.flags & kFlagSignalTimeout) == 0) continue;
+    signal_consumed(index);  // every header is in: the half may be reused, the rows of it are not read
+    throw PeerSignalTimeout(fmt::format(
+        "rank {}: {}: rank {}'s send gave up waiting for the overlap signal of its local expert {}{} (rank {} "
+        "raised the timeout; this call's output is not written, the buffer stays usable)",
+        me, phase, s, h.reserved[0], h.reserved[1] >= 0 ? fmt::format(", block {}", h.reserved[1]) : std::string(),
+        s));
+  }
+  for (int s = 0; s < R; ++s) {
+    const Header& h = headers[static_cast<std::size_t>(s)];
     if (h.count != expected[static_cast<std::size_t>(s)])
       raise(ErrorCode::rank_mismatch,
             "rank {}: rank {} sent {} rows back at combine for this rank's tokens, but this rank's topk_idx routes {} "

@@ -20,6 +20,8 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "transport/args/low_latency.hpp"
@@ -84,6 +86,13 @@ class LowLatencyMode final : public LowLatencyBackend {
   void receive(std::uint64_t generation);
   void receive_dispatch(Pending& p);
   void receive_combine(Pending& p);
+  /// The combine's send half from x, with the routing of the dispatch of call `dispatch_index`, into half
+  /// index % 2 of every peer; with `overlap`, each block (or expert) after its signal. Returns the timeout message
+  /// when a signal did not arrive in time (the peers' headers say so; the rows sent are incomplete).
+  std::optional<std::string> send_combine(const TensorView& x, std::uint64_t dispatch_index,
+                                          const low_latency_args::OverlapSpec& overlap, std::uint64_t index);
+  /// After a send that gave up on a signal: waits for every peer's header of call `index`, marks the half read.
+  void drain_combine(std::uint64_t index);
   void signal_consumed(std::uint64_t index);
   /// Waits for source `s`'s data flag of call `index` and returns its header from `staging`; raises rank_mismatch
   /// when the source is in another call or sent the other kind of data (`kind`: kKindDispatch or kKindCombine).

@@ -248,6 +248,14 @@ void CudaIpcLowLatencyImpl::check_state() {
             "rank {}: num_max_dispatch_tokens_per_rank, hidden and num_experts must be equal on all ranks: rank {} "
             "sent hidden = {}, num_max_dispatch_tokens_per_rank = {}, num_experts = {} ({})",
             me_, peer, value, value2 >> 32, value2 & 0xffffffff, where);
+    case ll::kErrSignalTimeout:
+      broken_ = "overlap signal timeout: " + where;
+      raise(ErrorCode::timeout,
+            "rank {}: {} (call {}): rank {} timed out on the device after {} s in phase 'low_latency_combine send: "
+            "overlap signal' waiting for its local expert {} (global {}){}: its producer never marked it done ({})",
+            me_, phase_name(phase), index, peer, static_cast<double>(timeout_ns_) / 2e9, value,
+            static_cast<long long>(peer) * config_.num_experts / R_ + value,
+            value2 >= 0 ? fmt::format(", block {}", value2) : std::string(), where);
     case ll::kErrCount:
       broken_ = "row counts differ: " + where;
       raise(ErrorCode::rank_mismatch,
@@ -535,6 +543,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   args::check_wait_cost_stats(a.combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", R_, gpu);
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
+  const args::OverlapSpec overlap = args::check_combine_overlap(a, El, rows, gpu);
   // zero_copy (DeepEP: x is the buffer's own combine slab) changes nothing here: the send kernel reads x where it
   // is and stores each row straight into its destination, so every combine is zero-copy in DeepEP's sense.
   DeviceGuard guard(gpu);
@@ -564,6 +573,15 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
     sa.x = a.x.data;
     sa.stride0 = a.x.stride(0);
     sa.stride1 = a.x.stride(1);
+    if (overlap.active()) {
+      sa.signal_form = overlap.form == args::OverlapSpec::Form::blocks ? ll::kSignalBlocks : ll::kSignalExperts;
+      sa.signal = overlap.signal;
+      sa.block_m = overlap.block_m;
+      sa.blocks_per_expert = overlap.blocks_per_expert;
+      sa.expect = overlap.expect;
+      sa.grid = overlap.num_sms;  // the launch bounds it by E_local (a block per local expert at most)
+      sa.stamps = reinterpret_cast<long long*>(overlap.send_stamps);
+    }
     moved = bring_routing(hd.generation - base_, index, s);
     ll::launch_combine_send(common(), sa, s);
     if (moved) put_back_routing(index, s);

@@ -428,6 +428,10 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
         report(c, kErrShape, s, phase, index, hidden,
                static_cast<long long>(num_max_dispatch_tokens_per_rank) << 32 | E);
         ok = 0;
+      } else if (kind == kKindCombine && (hflags & kFlagSignalTimeout) != 0) {
+        // the source's overlapped send gave up on a signal: its rows are incomplete
+        report(c, kErrSignalTimeout, s, phase, index, __ldcg(&hp->reserved[0]), __ldcg(&hp->reserved[1]));
+        ok = 0;
       } else if (kind == kKindDispatch && hflags != flags) {
         report(c, kErrFlags, s, phase, index, hflags, flags);
         ok = 0;
@@ -554,6 +558,93 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- combine ----
 
+__device__ __forceinline__ unsigned ld_acquire_gpu_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/// Overlapped combine: thread 0 polls the signal entry of expert `e`, block `blk` (acquire: the producer's rows are
+/// visible after it) until it reaches a.expect, for at most half the timeout (the peers wait the whole timeout for
+/// this rank's header, so they read the mark first). Every thread of the block returns after it. On expiry the
+/// timeout is recorded (kErrSignalTimeout) and marked for the headers; `gave_up` (shared) skips the block's later
+/// waits, whose rows are then sent as they are.
+__device__ void wait_combine_signal(const Common& c, const CombineSendArgs& a, int e, long long blk,
+                                    unsigned long long index, int* gave_up) {
+  if (threadIdx.x == 0 && *gave_up == 0) {
+    const long long entry = a.signal_form == kSignalBlocks ? e * a.blocks_per_expert + blk : e;
+    const unsigned* p = static_cast<const unsigned*>(a.signal) + entry;
+    // int32 entries compare signed (a negative entry is not done), uint32 ones unsigned
+    const auto done = [&] {
+      const unsigned v = ld_acquire_gpu_u32(p);
+      return a.signal_form == kSignalBlocks ? static_cast<int>(v) >= static_cast<int>(a.expect) : v >= a.expect;
+    };
+    if (!done()) {
+      const long long deadline = now_ns() + c.timeout_ns / 2;
+      while (!done()) {
+        if (now_ns() > deadline) {
+          *gave_up = 1;
+          const long long b = a.signal_form == kSignalBlocks ? blk : -1;
+          report(c, kErrSignalTimeout, c.rank, kPhaseCombineSend, index, e, b);
+          Control* own = control(c.peers[c.rank]);
+          if (atomicExch(&own->signal_gave_up, 1) == 0) {
+            own->signal_expert = e;
+            own->signal_block = b;
+          }
+          break;
+        }
+        __nanosleep(64);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+/// Rows of expert `e` of the dispatch sent block by block after each block's signal: each
+/// row to the source its layout range names (ranges ascend with the rows).
+__device__ void combine_send_overlapped(const Common& c, const CombineSendArgs& a, int e, int half,
+                                        unsigned long long index, const char* dbase, int* gave_up) {
+  const int R = c.num_ranks;
+  const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
+  const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + c.src_info);
+  const auto* range = reinterpret_cast<const long long*>(dbase + c.layout_range);
+  const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + c.packed_k);
+  // The expert's rows: the last source's range ends there (the count area is not among the routing a combine
+  // brings into this half, so it is not read).
+  const long long last_range = range[static_cast<std::size_t>(e) * R + R - 1];
+  const long long n = (last_range >> 32) + (last_range & 0xffffffffll);
+  const std::size_t body = c.staging + static_cast<std::size_t>(R) * kHeaderBytes;
+  const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
+  const int pieces = static_cast<int>((row_bytes + kPieceBytes - 1) / kPieceBytes);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long bm = a.signal_form == kSignalBlocks ? a.block_m : (n > 0 ? n : 1);
+  for (long long blk = 0; blk * bm < n; ++blk) {
+    if (a.signal_form == kSignalBlocks || blk == 0) wait_combine_signal(c, a, e, blk, index, gave_up);
+    const long long first = blk * bm, last = first + bm < n ? first + bm : n;
+    if (a.stamps != nullptr && threadIdx.x == 0) atomicMin(a.stamps, now_ns());
+    for (long long w0 = warp; w0 < (last - first) * pieces; w0 += kWarps) {
+      const long long r = first + w0 / pieces;
+      int s = 0;
+      while (s + 1 < R) {
+        const long long rg = range[static_cast<std::size_t>(e) * R + s];
+        if (r < (rg >> 32) + (rg & 0xffffffffll)) break;
+        ++s;
+      }
+      const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kPieceBytes;
+      const long long row = static_cast<long long>(e) * rows + r;
+      const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
+      const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
+      // through L2 (ld.global.cg): x is written by the GEMM while this kernel runs, not read-only data
+      warp_copy<true>(src + at, half_base(c, s, half) + body + dst * row_bytes + at,
+                       row_bytes - at < kPieceBytes ? row_bytes - at : kPieceBytes, lane);
+    }
+    if (a.stamps != nullptr) {
+      __syncthreads();  // the block's stores of these rows are issued
+      if (threadIdx.x == 0) atomicMax(a.stamps + 1, now_ns());
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs a) {
   Control* own = control(c.peers[c.rank]);
@@ -569,7 +660,12 @@ __global__ void __launch_bounds__(kThreads)
   const std::size_t body = c.staging + static_cast<std::size_t>(R) * kHeaderBytes;
   const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int e = blockIdx.x; e < El; e += gridDim.x)
+  __shared__ int gave_up;
+  if (threadIdx.x == 0) gave_up = 0;
+  __syncthreads();
+  for (int e = blockIdx.x; e < El && a.signal_form != kSignalNone; e += gridDim.x)
+    combine_send_overlapped(c, a, e, half, index, dbase, &gave_up);
+  for (int e = blockIdx.x; e < El && a.signal_form == kSignalNone; e += gridDim.x)
     for (int s = 0; s < R; ++s) {
       const long long rg = range[static_cast<std::size_t>(e) * R + s];
       const long long b = rg >> 32, cnt = rg & 0xffffffffll;
@@ -596,6 +692,7 @@ __global__ void __launch_bounds__(kThreads)
     atomicAdd(&back[i % R], static_cast<unsigned long long>(range[i] & 0xffffffffll));
   __syncthreads();
   if (threadIdx.x != 0) return;
+  const bool marked = own->signal_gave_up != 0;  // after last_block_all's acquire: every block's mark is seen
   for (int s = 0; s < R; ++s) {
     const long long rows_back = static_cast<long long>(back[s]);
     Header* h =
@@ -605,10 +702,13 @@ __global__ void __launch_bounds__(kThreads)
     h->index = index;
     h->count = rows_back;
     h->hidden = H;
-    h->flags = 0;
+    h->flags = marked ? kFlagSignalTimeout : 0u;
+    h->reserved[0] = marked ? own->signal_expert : 0;
+    h->reserved[1] = marked ? static_cast<std::int32_t>(own->signal_block) : 0;
     h->tmax = c.tmax;
     h->num_experts = c.num_experts;
   }
+  own->signal_gave_up = 0;
   for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], index + 1);
   own->calls = index + 1;
 }
@@ -715,7 +815,8 @@ void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, cudaStream
 }
 
 void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t s) {
-  combine_send_kernel<<<static_cast<unsigned>(c.local_experts), kThreads, 0, s>>>(c, a);
+  const int grid = a.grid > 0 && a.grid < c.local_experts ? a.grid : c.local_experts;
+  combine_send_kernel<<<static_cast<unsigned>(grid), kThreads, 0, s>>>(c, a);
   EPMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -26,6 +26,11 @@ struct Control {
   unsigned int send_arrive;  // owner: blocks of the running send kernel that finished
   unsigned int recv_arrive;  // owner: blocks of the running receive kernel that finished
   int claim;                 // first error wins the host record
+  // owner: an overlapped combine's send gave up on a signal (1), of local expert signal_expert, block signal_block
+  // (-1: per expert); the send's last block puts it in the headers and clears it
+  int signal_gave_up;
+  int signal_expert;
+  long long signal_block;
 };
 inline constexpr std::size_t kControlBytes = 4096;
 static_assert(sizeof(Control) <= kControlBytes);
@@ -42,7 +47,10 @@ enum : int {
   kErrDuplicateId = 6,  ///< an id twice in one token (the second skipped): value = the id, value2 = t * K + k
   kErrCount = 7,        ///< combine: the peer sent `value` rows, this rank's topk_idx routes value2 to it
   kErrIdsDiffer = 8,    ///< combine's topk_idx differs from the dispatch's: value = the id, value2 = t * K + k
-  kErrGlobalScale = 9   ///< nvfp4: the device x_global_scale is not finite and > 0: value = its float32 bits
+  kErrGlobalScale = 9,  ///< nvfp4: the device x_global_scale is not finite and > 0: value = its float32 bits
+  /// overlapped combine: the send of rank `peer` gave up waiting for the signal of its local expert `value`, block
+  /// `value2` (-1: the per-expert form); recorded by that rank's send and by every receive of its header
+  kErrSignalTimeout = 10
 };
 /// Phases (HostRecord::error_phase).
 enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend = 2, kPhaseCombineRecv = 3 };
@@ -86,9 +94,22 @@ struct DispatchRecvArgs {
   long long* wait_cost = nullptr;  ///< dispatch_wait_recv_cost_stats int64 [R] (+= ns waited per source) or null
 };
 
+/// CombineSendArgs::signal_form.
+enum : int { kSignalNone = 0, kSignalBlocks = 1, kSignalExperts = 2 };
+
 struct CombineSendArgs {
   const void* x = nullptr;             ///< bf16 [E_local, R * num_max_dispatch_tokens_per_rank, H]
   long long stride0 = 0, stride1 = 0;  ///< elements
+  /// Overlapped combine (LowLatencyCombineArgs::overlap): kSignalBlocks: int32 comp_signal, entry
+  /// e * blocks_per_expert + b for rows [b * block_m, (b + 1) * block_m) of expert e; kSignalExperts: uint32
+  /// src_signals [E_local]. A block's rows are sent once its entry is >= expect.
+  int signal_form = kSignalNone;
+  const void* signal = nullptr;
+  int block_m = 0;
+  long long blocks_per_expert = 0;
+  unsigned expect = 0;
+  int grid = 0;  ///< send blocks (0: E_local); with overlap, num_sms bounds it
+  long long* stamps = nullptr;  ///< LowLatencyCombineArgs::send_stamps: %globaltimer of the first / last row store
 };
 
 struct CombineRecvArgs {
