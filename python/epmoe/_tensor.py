@@ -144,6 +144,14 @@ def required(name: str, x: Any) -> Any:
     return x
 
 
+def writable(name: str, x: Any) -> Any:
+    """`x`, or epmoe.Error('invalid_argument') naming `name` when it is a read-only NumPy array (an output the call
+    would write into: DLPack hands the C++ side its memory whatever the flag says)."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise invalid_argument(name, "a writable array (it is written into)", "a read-only array")
+    return x
+
+
 def make_error(code: str, message: str) -> Error:
     """An epmoe.Error carrying `code`, as the C++ side raises it."""
     e = Error(message)

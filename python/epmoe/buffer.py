@@ -62,7 +62,7 @@ import numpy as np
 from . import _ext
 from ._group import as_group
 from ._tensor import (BFLOAT16, arg, current_stream, describe, framework_of, int32_arg, int64_arg, int_arg,
-                      invalid_argument, is_cuda, is_torch, required, unsupported)
+                      invalid_argument, is_cuda, is_torch, required, unsupported, writable)
 
 Event = _ext.Event
 
@@ -631,6 +631,7 @@ class Buffer:
         (naming the first one and its [t, k]; CPU and debug GPU checks).
         """
         # The layout runs on the caller's stream itself: that stream waits for previous_event first.
+        required("topk_idx", topk_idx)
         num_experts = int32_arg("num_experts", num_experts)
         _check_allocate_on_comm_stream((topk_idx,), previous_event, async_finish, allocate_on_comm_stream)
         if previous_event is not None:
@@ -695,6 +696,8 @@ class Buffer:
         _check_config(config)
         expert_alignment = int32_arg("expert_alignment", expert_alignment)
         num_worst_tokens = int32_arg("num_worst_tokens", num_worst_tokens)
+        if isinstance(x, tuple) and len(x) != 2:
+            raise invalid_argument("x", "a tensor or a tuple (fp8 x, x_scales)", f"a tuple of {len(x)} elements")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         required("x", x)
         # Scales of any strides, as DeepEP: row- and column-major ones go as they are (semantics §4).
@@ -843,7 +846,11 @@ class Buffer:
         across ranks),
         out_of_memory (num_rdma_bytes too small: says how much is needed), timeout.
         """
+        required("x", x)
+        required("topk_idx", topk_idx)
         _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
+        writable("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+        writable("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
         num_max_dispatch_tokens_per_rank = int32_arg("num_max_dispatch_tokens_per_rank",
                                                      num_max_dispatch_tokens_per_rank)
         num_experts = int32_arg("num_experts", num_experts)
@@ -907,7 +914,9 @@ class Buffer:
                 The signals are only read; their writer zeroes them between calls. On CPU ranks they are NumPy
                 or torch CPU arrays read in place while another thread writes them. A signal that does not
                 arrive within the group's timeout raises epmoe.Error 'timeout' naming the rank, the expert, the
-                block and the phase (CPU ranks: the peers raise too, and the buffer stays usable).
+                block and the phase (CPU ranks: the peers raise too, and the buffer stays usable). On CPU ranks
+                the send runs in this call, so the call returns once every waited-on signal has arrived (with
+                return_recv_hook too): run the producer on another thread. num_sms applies to both forms.
 
         Returns:
             combined_x: bfloat16 [T, H] = sum over k ascending of topk_weights[t,k] * expert output,
@@ -915,8 +924,20 @@ class Buffer:
                 GPU: once the stream reaches it).
             event: an EventOverlap (a CUDA event with async_finish on the GPU; else complete).
             hook: the receive half with return_recv_hook, else None.
+
+        Errors: epmoe.Error — invalid_argument naming the argument (None or wrong dtype/shape of x, topk_idx,
+        topk_weights; a topk_idx other than the dispatch's; a read-only out or statistic; a bad overlap argument:
+        both forms, block_m / threshold / num_sms / src_signal_expect_value out of range, a signal's dtype, shape or
+        device), stale_handle (the handle's half was reused: semantics §5), unsupported (use_logfmt), timeout (a
+        rank or an overlap signal that does not arrive), rank_mismatch (ranks in different calls).
         """
+        required("topk_idx", topk_idx)
+        required("topk_weights", topk_weights)
         _check_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size)
+        writable("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        writable("out", out)
+        if not zero_copy:
+            required("x", x)
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
         if use_logfmt:

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional, Tuple, Union
 import numpy as np
 
 from . import _ext
-from ._tensor import arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream
+from ._tensor import (arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream,
+                      writable)
 from .buffer import Buffer
 
 Experts = _ext.Experts
@@ -237,6 +238,11 @@ class MoELayer:
                                        f"the '{getattr(experts, 'name', '?')}' experts")
             wrapped = shared_experts
         elif shared_experts is not None:
+            if not callable(shared_experts):
+                raise invalid_argument("shared_experts", "None, a callable hidden -> bfloat16 [T, H], or "
+                                       "make_cuda_shared_experts(...)",
+                                       f"an object of type {type(shared_experts).__name__}")
+
             def wrapped(hidden: Any, stream: Optional[int] = None, fn: Callable[[Any], Any] = shared_experts) -> Any:
                 out = fn(hidden) if stream is None else _run_on_side_stream(fn, hidden, stream)
                 # What the layer returns as shared_output: the same dtype and shape as its input, else named here.
@@ -409,6 +415,7 @@ class MoELayer:
                             ("topk_idx", topk_idx)):
             if value is None:
                 raise invalid_argument(name, "a tensor", "None")
+        writable("output", output)
         # Dtypes the tensor layer cannot hold at all (float64, uint16, ...) would otherwise be named only generically.
         for name, value, expected in (("hidden", hidden, ("bfloat16",)), ("topk_weights", topk_weights, ("float32",)),
                                       ("topk_idx", topk_idx, ("int64", "int32"))):

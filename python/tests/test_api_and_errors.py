@@ -318,6 +318,8 @@ def test_a_required_argument_given_as_none_is_named(rng):
                                                 micro_batch=-1))
     named("chunk_size", lambda: epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts(),
                                                chunk_size=-1))
+    named("shared_experts", lambda: epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(),
+                                                   epmoe.make_reference_experts(), shared_experts=5))
     E, H, K, T = 4, 128, 2, 3
     x = nice_bf16(rng, (T, H))
     idx = random_topk_idx(rng, T, K, E)
@@ -327,9 +329,35 @@ def test_a_required_argument_given_as_none_is_named(rng):
         ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
         layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=idx)
         named("x", lambda: buf.dispatch(None, **layout))
+        named("x", lambda: buf.dispatch((x, x, x), **layout))
+        named("topk_idx", lambda: buf.get_dispatch_layout(None, E))
         recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # still usable
         named("x", lambda: buf.combine(None, handle))
         combined, _, _ = buf.combine(recv_x, handle)
+        # Low-latency calls: None, and read-only outputs (DLPack would hand their memory over for writing).
+        ll = epmoe.Buffer(group, low_latency_mode=True)
+        w = np.full((T, K), 0.5, np.float32)
+        named("x", lambda: ll.low_latency_dispatch(None, idx, T, E))
+        named("topk_idx", lambda: ll.low_latency_dispatch(x, None, T, E))
+        frozen = np.zeros(2, np.int64)
+        frozen.setflags(write=False)
+        named("dispatch_wait_recv_cost_stats",
+              lambda: ll.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=frozen))
+        frozen_counts = np.zeros(E // 2, np.int32)
+        frozen_counts.setflags(write=False)
+        named("cumulative_local_expert_recv_stats",
+              lambda: ll.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=frozen_counts))
+        recv, _, ll_handle, _, _ = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        named("topk_weights", lambda: ll.low_latency_combine(recv, idx, None, ll_handle))
+        named("topk_idx", lambda: ll.low_latency_combine(recv, None, w, ll_handle))
+        named("x", lambda: ll.low_latency_combine(None, idx, w, ll_handle))
+        frozen_out = np.zeros((T, H), BF16)
+        frozen_out.setflags(write=False)
+        named("out", lambda: ll.low_latency_combine(recv, idx, w, ll_handle, out=frozen_out))
+        named("combine_wait_recv_cost_stats",
+              lambda: ll.low_latency_combine(recv, idx, w, ll_handle, combine_wait_recv_cost_stats=frozen))
+        ll.low_latency_combine(recv, idx, w, ll_handle)  # still usable
+        assert not frozen.any() and not frozen_counts.any() and not frozen_out.view(np.uint16).any()
         return combined
 
     for combined in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):

@@ -179,7 +179,9 @@ void check_wait_cost_stats(const TensorView& stats, std::string_view name, int R
   check_on(stats, name, device);
   EPMOE_CHECK_ARG(stats.ndim() == 1 && stats.dtype == DType::int64 && stats.size(0) == R && stats.data != nullptr &&
                       (R <= 1 || stats.stride(0) == 1),
-                  name, fmt::format("None or a contiguous int64[{}] (one entry per source rank)", R), describe(stats));
+                  name, fmt::format("None or a contiguous int64[{}] (one entry per source rank)", R),
+                  stats.ndim() == 1 && stats.stride(0) != 1 ? describe(stats) + " with strides " + strides_of(stats)
+                                                             : describe(stats));
 }
 
 const LowLatencyHandle& combine_handle(const LowLatencyCombineArgs& a, std::uint64_t buffer_id) {
