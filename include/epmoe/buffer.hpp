@@ -31,6 +31,7 @@
 
 #include <epmoe/group.hpp>
 #include <epmoe/layout.hpp>
+#include <epmoe/stream.hpp>
 #include <epmoe/tensor.hpp>
 
 #include <functional>
@@ -381,6 +382,17 @@ class Buffer {
   int rank() const;
   int num_ranks() const;
   Group& group() const;
+
+  /// The stream async_finish work of both modes runs on (DeepEP's Buffer.get_comm_stream): a non-blocking stream
+  /// on this rank's GPU, owned by the buffer (cuda_ipc); the null Stream on CPU backends, whose work is done when
+  /// a call returns.
+  Stream comm_stream() const;
+  /// This rank's own communication memory as bytes (DeepEP's Buffer.get_local_buffer_tensor): uint8 [bytes] on
+  /// its GPU, `low_latency_window` false: the normal-mode data region (num_nvl_bytes; a dispatch or combine
+  /// overwrites it), true: the low-latency window past its control block (both halves; the layout of
+  /// low_latency_protocol.hpp, docs/semantics.md §5). Undefined (an empty TensorView) on CPU backends and, for the
+  /// window, before the first low-latency call on CUDA tensors allocated it. Valid while the buffer lives.
+  TensorView local_buffer(bool low_latency_window) const;
 
   /// Bytes per rank the low-latency buffer needs for these settings (both alternating halves).
   static std::int64_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden,

@@ -206,7 +206,9 @@ struct MoELayerOptions {
   /// experts run on a side thread while the calling thread combines. Only experts that write signals
   /// (Experts::writes_combine_signal: the reference and CUDA bf16 ones) overlap; others run as without it. The
   /// output is bit-identical either way (the combine's order is fixed; the CUDA experts then run their down GEMM
-  /// expert by expert).
+  /// expert by expert). On a GPU the layer's first overlapped forward runs its experts before the send (CUDA's lazy
+  /// module loading would otherwise make the spinning send wait on a kernel not yet loaded); run one forward before
+  /// capturing a CUDA graph.
   bool overlap = false;
   /// With overlap on a GPU: the most SMs the combine's send may use (LowLatencyCombineArgs::num_sms; 0 = one
   /// block per local expert), the rest staying with the GEMMs.
@@ -442,6 +444,7 @@ class MoELayer {
   /// options.overlap: the batched experts with a combine signal and combine_a overlapped with them (overlap.cpp);
   /// false when this forward cannot overlap (then nothing ran).
   bool run_experts_overlapped(const PrepareOutput& prepared, const MoEForwardArgs& args, Tensor& fused);
+  bool overlap_kernels_loaded_ = false;  ///< GPU overlap: one forward ran its experts before the send (overlap.cpp)
   MoELayerOptions options_;
   std::vector<std::int64_t> last_chunk_rows_;
   std::string failed_;  ///< why a forward failed after its dispatch started; empty while usable

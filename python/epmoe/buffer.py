@@ -43,8 +43,9 @@ checked as DeepEP does (needs previous_event and async_finish); outputs are not 
 allocations there, so it changes nothing else.
 
 Not supported (epmoe.Error 'unsupported'): ``enable_shrink=True`` and the mask-buffer methods (rank
-masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``use_logfmt=True``; ``get_comm_stream`` and
-``get_local_buffer_tensor`` (the cuda_ipc stream and buffer are internal); more than one host (no RDMA).
+masking, a fault-tolerance feature of DeepEP's NVSHMEM path); ``use_logfmt=True``; more than one host (no RDMA).
+``get_comm_stream`` and ``get_local_buffer_tensor`` work on GPUs (torch); on CPU ranks the first returns None
+and the second raises 'unsupported'.
 
 Low-latency buffers alternate as DeepEP's (semantics §5): low-latency call n since the last clean (a dispatch or
 a combine) uses half n % 2. A dispatch's handle can be combined any number of times (DeepEP's test combines each
@@ -522,14 +523,58 @@ class Buffer:
             int64_arg("hidden", hidden), int32_arg("num_ranks", num_ranks), int32_arg("num_experts", num_experts))
 
     def get_comm_stream(self) -> Any:
-        """DeepEP's communication stream: epmoe.Error 'unsupported' (the cuda_ipc stream is internal; order
-        work with events: async_finish / previous_event / EventOverlap.current_stream_wait)."""
-        raise unsupported("get_comm_stream: epmoe's communication stream is internal (use the events)")
+        """The stream async_finish work of both modes runs on (one per buffer, as DeepEP's): on GPUs a
+        ``torch.cuda.ExternalStream`` on the buffer's device (work enqueued on it is ordered with the buffer's
+        async_finish calls); None on CPU ranks, whose calls are complete when they return. Errors: epmoe.Error
+        'unsupported' on GPUs without torch; 'unusable' after destroy()."""
+        handle = self.runtime.comm_stream()
+        if handle is None:
+            return None
+        cuda = _torch_cuda()
+        if cuda is None:
+            raise unsupported("get_comm_stream: returns a torch stream, and torch is not installed (the raw "
+                              f"cudaStream_t is {handle:#x})")
+        return cuda.ExternalStream(handle, device=self.runtime.local_buffer(False, "torch").device)
 
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Any:
-        """DeepEP's raw registered buffer: epmoe.Error 'unsupported' (epmoe's buffers are internal)."""
-        raise unsupported("get_local_buffer_tensor: epmoe's communication buffers are internal")
+        """This rank's communication memory as a torch tensor (DeepEP's raw buffer), a view that the buffer's
+        calls overwrite.
+
+        Arguments:
+            dtype: a torch dtype; the tensor is 1-d, of (bytes - offset) // element size elements.
+            size: optional shape (a torch.Size or tuple): the first prod(size) elements viewed as it.
+            offset: bytes from the start (as DeepEP's implementation counts it), a multiple of dtype's size.
+            use_rdma_buffer: False: the normal-mode data region (num_nvl_bytes); True: the low-latency window
+                (both halves; see docs/semantics.md §5 for its layout), which the first low-latency call on GPU
+                tensors allocates.
+
+        Errors (epmoe.Error): unsupported on CPU ranks (their memory is not one device buffer) or without torch;
+        invalid_argument naming use_rdma_buffer before the window exists, offset (out of range or misaligned)
+        or size (more elements than the buffer holds)."""
+        cuda = _torch_cuda()
+        if self.runtime.comm_stream() is None or cuda is None:
+            raise unsupported("get_local_buffer_tensor: a GPU (cuda_ipc) buffer and torch are needed; CPU ranks' "
+                              "memory is not one device buffer")
+        raw = self.runtime.local_buffer(bool(use_rdma_buffer), "torch")
+        if raw is None:
+            raise invalid_argument("use_rdma_buffer", "False, or True once a low-latency call on GPU tensors "
+                                   "allocated the window", "True before the first low-latency call")
+        import torch
+        elem = torch.empty((), dtype=dtype).element_size()
+        offset = int_arg("offset", offset, 0, raw.numel())
+        if offset % elem != 0:
+            raise invalid_argument("offset", f"a multiple of {elem} bytes ({dtype})", str(offset))
+        n = (raw.numel() - offset) // elem
+        tensor = raw[offset:offset + n * elem].view(dtype)
+        if size is None:
+            return tensor
+        shape = tuple(int(d) for d in size)
+        numel = int(np.prod(shape, dtype=np.int64))
+        if numel > n:
+            raise invalid_argument("size", f"at most {n} elements of {dtype} past offset {offset}",
+                                   f"{shape} ({numel} elements)")
+        return tensor[:numel].view(shape)
 
     def _enter(self, tensors: Tuple[Any, ...], previous_event: Optional[EventOverlap], async_finish: bool,
                allocate_on_comm_stream: bool) -> Tuple[Any, Optional[int], Optional[Callable[[], None]]]:
@@ -774,6 +819,29 @@ class Buffer:
 
     # ---------------------------------------------------------------- low-latency mode
 
+    def internode_dispatch(self, x: Union[Any, Tuple[Any, Any]], handle: Optional[Tuple] = None,
+                           num_tokens_per_rank: Any = None, num_tokens_per_rdma_rank: Any = None,
+                           is_token_in_rank: Any = None, num_tokens_per_expert: Any = None,
+                           topk_idx: Any = None, topk_weights: Any = None, expert_alignment: int = 1,
+                           num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False) -> Tuple[Any, ...]:
+        """DeepEP's dispatch across RDMA ranks (which its ``dispatch`` calls when the group spans hosts). epmoe's
+        buffers span one host (more ranks than one host holds are refused at construction), so this is ``dispatch``
+        with the same arguments, returns and errors (num_tokens_per_rdma_rank is accepted and unused, as there)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: Any, handle: Tuple, topk_weights: Any = None,
+                          bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
+                          previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
+        """DeepEP's combine across RDMA ranks: on epmoe's one-host groups, ``combine`` with the same arguments,
+        returns and errors (see internode_dispatch)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Resets the low-latency buffers (collective). Pending hooks and earlier handles become stale.
         Errors: settings differing from the buffer's first low-latency call."""
@@ -902,7 +970,9 @@ class Buffer:
                 waited for rank s's rows (as dispatch_wait_recv_cost_stats).
             overlap: send each block of an expert's rows once its producer (the down GEMM) has signalled it done,
                 so the combine overlaps the experts (single-batch overlap; docs/semantics.md "Overlapped
-                low-latency combine"). False: the signal arguments below are ignored (DeepEP's rule). Two forms:
+                low-latency combine"). False: the signal arguments below are ignored (DeepEP's rule). On a GPU
+                the producer's kernels must have run once before (CUDA's lazy module loading), e.g. one forward
+                without overlap or CUDA_MODULE_LOADING=EAGER. Two forms:
             packed_recv_count, comp_signal, block_m, threshold: DeepEP's Hopper form (PR #483): comp_signal int32
                 [>= E_local * ceil(R*Tmax / block_m)], entry e * ceil(R*Tmax / block_m) + b covering expert e's
                 rows [b * block_m, (b + 1) * block_m); the block is sent once the entry is >= threshold (the

@@ -411,6 +411,24 @@ void bind_buffer_class(nb::module_& m) {
       .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
       .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
       .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })
+      .def(
+          "comm_stream",
+          [](PyBuffer& b) -> std::optional<std::uintptr_t> {
+            const Stream s = buf(b).comm_stream();
+            if (s.handle == nullptr) return std::nullopt;
+            return reinterpret_cast<std::uintptr_t>(s.handle);
+          },
+          "The cudaStream_t of async_finish work as an int; None on CPU backends.")
+      .def(
+          "local_buffer",
+          [](PyBuffer& b, bool low_latency_window, std::string_view framework) -> nb::object {
+            const TensorView v = buf(b).local_buffer(low_latency_window);
+            if (!v.defined()) return nb::none();
+            return to_py(Tensor::wrap(v, b.buffer), parse_framework(framework));
+          },
+          nb::arg("low_latency_window"), nb::arg("framework") = "torch",
+          "This rank's normal-mode data region or low-latency window as uint8 bytes (a view kept alive with the "
+          "buffer); None where there is none.")
       .def_static("get_normal_nvl_size_hint", &Buffer::get_normal_nvl_size_hint, nb::arg("max_tokens_per_rank"),
                   nb::arg("hidden"), nb::arg("num_ranks"), nb::arg("num_topk"))
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,

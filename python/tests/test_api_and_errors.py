@@ -25,6 +25,13 @@ DEEPEP_V1 = {
                  ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)],
     "combine": ["x", "handle", ("topk_weights", None), ("bias", None), ("config", None), ("previous_event", None),
                 ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "internode_dispatch": ["x", ("handle", None), ("num_tokens_per_rank", None), ("num_tokens_per_rdma_rank", None),
+                           ("is_token_in_rank", None), ("num_tokens_per_expert", None), ("topk_idx", None),
+                           ("topk_weights", None), ("expert_alignment", 1), ("num_worst_tokens", 0),
+                           ("config", None), ("previous_event", None), ("async_finish", False),
+                           ("allocate_on_comm_stream", False)],
+    "internode_combine": ["x", "handle", ("topk_weights", None), ("bias", None), ("config", None),
+                          ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)],
     "clean_low_latency_buffer": ["num_max_dispatch_tokens_per_rank", "hidden", "num_experts"],
     "low_latency_dispatch": ["x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
                              ("cumulative_local_expert_recv_stats", None), ("dispatch_wait_recv_cost_stats", None),
@@ -118,9 +125,10 @@ def test_buffer_arguments_are_checked_before_any_exchange(rng):
             "bad_handle": lambda: buf.combine(x, ("not", "a", "handle")),
             "bad_config": lambda: buf.dispatch(x, config="fast"),
             "bias_triple": lambda: buf.combine(x, None, bias=(x, x, x)),
-            "comm_stream": lambda: buf.get_comm_stream(),
+            "local_buffer": lambda: buf.get_local_buffer_tensor(np.int32),
             "destroy": lambda: buf.destroy(),
         }
+        assert buf.get_comm_stream() is None  # CPU ranks: a call is complete when it returns
         for name, call in cases.items():
             with pytest.raises(epmoe.Error) as e:
                 call()
@@ -135,7 +143,7 @@ def test_buffer_arguments_are_checked_before_any_exchange(rng):
         assert "'handle'" in codes["bad_handle"][1]
         assert "'config'" in codes["bad_config"][1]
         assert "'handle'" in codes["bias_triple"][1] or "'bias'" in codes["bias_triple"][1]
-        assert codes["comm_stream"][0] == "unsupported"
+        assert codes["local_buffer"][0] == "unsupported" and "get_local_buffer_tensor" in codes["local_buffer"][1]
         assert "explicitly_destroy" in codes["destroy"][1]
 
 

@@ -67,17 +67,16 @@ part_anchors() {
 }
 
 # Both libraries through bench/low_latency_vs_deepep.py, one after the other in this call (the same GPU, the same
-# inputs and method): DeepEP from its build folder, epmoe from the package the `python` part installed earlier in
-# the same call (EPMOE_PY_TARGET, default /tmp/epmoe-py: run `scripts/gpu_check.sh python anchors`).
+# inputs and method): DeepEP from its build folder, epmoe from the package an earlier part of the same call
+# installed (python or deepep: EPMOE_PY_TARGET, default /tmp/epmoe-py), else built here as those parts build it.
 anchors_low_latency_side_by_side() {
   local work="$1" py="${EPMOE_PYTHON:-python3}" target="${EPMOE_PY_TARGET:-/tmp/epmoe-py}"
   local tokens="${EPMOE_ANCHOR_TOKENS:-1,128}" bench="$ROOT/bench/low_latency_vs_deepep.py"
   step "side by side: DeepEP through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
     PYTHONPATH="$work" "$py" "$bench" --lib deepep --tokens "$tokens" --json "$RESULTS/ll_deepep.json"
   if [ ! -f "$target/epmoe/__init__.py" ]; then
-    skip "side by side: epmoe through bench/low_latency_vs_deepep.py" \
-      "no epmoe package in $target (run the python part first in the same call)"
-    return
+    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    build_python_package "$py" "$target" "${DEPS_PREFIX:-${EPMOE_DEPS_PREFIX:-$ROOT/build/deps}}" || return 0
   fi
   step "side by side: epmoe through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
     PYTHONPATH="$target" "$py" "$bench" --lib epmoe --tokens "$tokens" --json "$RESULTS/ll_epmoe.json"

@@ -89,6 +89,21 @@ bool MoELayer::run_experts_overlapped(const PrepareOutput& p, const MoEForwardAr
   EPMOE_CUDA_CHECK(cudaMemsetAsync(signal.data, 0, signal.nbytes(), main));  // the signals of this forward
   in.combine_signal = {signal, kOverlapBlockM, kOverlapBlockN};
   o.comp_signal = signal;
+  // The first overlapped forward of a layer runs its experts before the send is enqueued. Why: under CUDA's lazy
+  // module loading (the default since CUDA 12.2) the first launch of a kernel loads its module, which waits for
+  // the kernels already running on the device; a send spinning on a signal whose producer kernel (cuBLAS's
+  // per-expert GEMM, the signal kernel) is not loaded yet would wait for itself until its timeout. The shapes of
+  // a layer's batched slabs never change, so once every kernel has run once the later forwards overlap.
+  const bool experts_first = !overlap_kernels_loaded_;
+  std::exception_ptr experts_error;
+  if (experts_first) {
+    try {
+      experts_->apply(in, ws);
+    } catch (...) {
+      experts_error = std::current_exception();
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(signal.data, 0x7f, signal.nbytes(), main));  // every block done (below)
+    }
+  }
   prepare_finalize_->set_next_combine_overlap(o);
   PrepareFinalize& pf = *prepare_finalize_;
   // The send on the side stream, after what the caller's stream holds now (the dispatch's receive, the zeroed
@@ -104,15 +119,19 @@ bool MoELayer::run_experts_overlapped(const PrepareOutput& p, const MoEForwardAr
     layer_detail::join_gpu_shared_experts(run);
     std::rethrow_exception(run.error);
   }
-  try {
-    experts_->apply(in, ws);
-  } catch (...) {
-    // Every block marked done (0x7f7f7f7f >= any threshold): the send completes instead of timing out.
-    cudaMemsetAsync(signal.data, 0x7f, signal.nbytes(), main);
-    layer_detail::join_gpu_shared_experts(run);
-    throw;
+  if (!experts_first) {
+    try {
+      experts_->apply(in, ws);
+    } catch (...) {
+      // Every block marked done (0x7f7f7f7f >= any threshold): the send completes instead of timing out.
+      cudaMemsetAsync(signal.data, 0x7f, signal.nbytes(), main);
+      layer_detail::join_gpu_shared_experts(run);
+      throw;
+    }
   }
   layer_detail::join_gpu_shared_experts(run);  // the caller's stream (the receive) waits for the send
+  if (experts_error) std::rethrow_exception(experts_error);
+  overlap_kernels_loaded_ = true;
   fused = Tensor::wrap(ws, nullptr);
   return true;
 #else

@@ -28,6 +28,10 @@ class NormalBackend {
   virtual DispatchResult dispatch(const DispatchArgs& args) = 0;
   /// See Buffer::combine. Collective.
   virtual CombineResult combine(const CombineArgs& args) = 0;
+  /// See Buffer::comm_stream (the null Stream on CPU backends).
+  virtual Stream comm_stream() const { return {}; }
+  /// See Buffer::local_buffer (undefined on CPU backends).
+  virtual TensorView local_buffer() const { return {}; }
 };
 
 /// Low-latency (decode) mode of one backend: what Buffer::low_latency_* forward to.
@@ -40,6 +44,8 @@ class LowLatencyBackend {
   virtual LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) = 0;
   /// Collective: zeroes the window; pending hooks and earlier handles become stale.
   virtual void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) = 0;
+  /// See Buffer::local_buffer (undefined on CPU backends and before the window exists).
+  virtual TensorView local_buffer() const { return {}; }
 };
 
 /// One backend: both modes of one Buffer.

@@ -43,6 +43,10 @@ Buffer::~Buffer() = default;
 int Buffer::rank() const { return impl_->group->rank(); }
 int Buffer::num_ranks() const { return impl_->group->size(); }
 Group& Buffer::group() const { return *impl_->group; }
+Stream Buffer::comm_stream() const { return impl_->modes.normal->comm_stream(); }
+TensorView Buffer::local_buffer(bool low_latency_window) const {
+  return low_latency_window ? impl_->modes.low_latency->local_buffer() : impl_->modes.normal->local_buffer();
+}
 
 std::int64_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
                                                    int num_ranks, int num_experts) {

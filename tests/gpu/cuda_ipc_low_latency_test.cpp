@@ -631,6 +631,30 @@ TEST(GpuCudaIpcLowLatency, DispatchCombineCapturedOnceAndReplayed) {
     const cudaError_t end = cudaStreamEndCapture(st, &graph);
     ASSERT_TRUE(why.empty()) << why;
     ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
+    // One kernel per op (its phases one launch, as DeepEP's): the graph holds exactly two kernels, one whose
+    // name holds "dispatch" and one holding "combine" (what DeepEP's bench_kineto asserts), and nothing else.
+    std::size_t num_nodes = 0;
+    cuda_ok(cudaGraphGetNodes(graph, nullptr, &num_nodes), "graph nodes");
+    std::vector<cudaGraphNode_t> nodes(num_nodes);
+    cuda_ok(cudaGraphGetNodes(graph, nodes.data(), &num_nodes), "graph nodes");
+    std::vector<std::string> kernels;
+    for (cudaGraphNode_t n : nodes) {
+      cudaGraphNodeType type{};
+      cuda_ok(cudaGraphNodeGetType(n, &type), "node type");
+      ASSERT_EQ(type, cudaGraphNodeTypeKernel) << "a captured dispatch + combine holds only kernels";
+      cudaKernelNodeParams kp{};
+      cuda_ok(cudaGraphKernelNodeGetParams(n, &kp), "kernel node");
+      const char* name = nullptr;
+      cuda_ok(cudaFuncGetName(&name, kp.func), "kernel name");
+      kernels.emplace_back(name);
+    }
+    ASSERT_EQ(kernels.size(), 2u);
+    const auto holding = [&](const char* word) {
+      return std::count_if(kernels.begin(), kernels.end(),
+                           [&](const std::string& k) { return k.find(word) != std::string::npos; });
+    };
+    EXPECT_EQ(holding("dispatch"), 1) << kernels[0] << " / " << kernels[1];
+    EXPECT_EQ(holding("combine"), 1) << kernels[0] << " / " << kernels[1];
     cudaGraphExec_t exec = nullptr;
     cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
     for (int k = 1; k < kSets; ++k) {

@@ -84,9 +84,25 @@ def job_errors(p: Proc) -> Dict[str, Any]:
         "alloc_on_comm": error_of(lambda: buf.dispatch(x, allocate_on_comm_stream=True, **layout)),
         "ll_cpu": error_of(lambda: buf.low_latency_dispatch(to_cpu(inputs[rank]["x"]), to_cpu(inputs[rank]["idx"]),
                                                             32, case.E)),
-        "comm_stream": error_of(lambda: buf.get_comm_stream()),
+        "rdma_before_window": error_of(lambda: buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)),
+        "misaligned_offset": error_of(lambda: buf.get_local_buffer_tensor(torch.int32, offset=2)),
         "zero_nvl_bytes": error_of(lambda: epmoe.Buffer(group)),
     }
+    # The communication stream: a torch stream on this rank's device that async_finish work runs on (an event
+    # of an async dispatch, waited for on it, leaves it idle once the dispatch is done).
+    comm = buf.get_comm_stream()
+    out["comm_stream"] = (isinstance(comm, torch.cuda.Stream), comm.device == x.device)
+    _, _, _, _, _, ev = buf.dispatch(x, async_finish=True, **layout)
+    with torch.cuda.stream(comm):
+        ev.current_stream_wait()
+    comm.synchronize()
+    out["comm_stream_idle"] = comm.query()
+    # The raw data region: int32 elements past a 16-byte offset, written and read back through a second view.
+    view = buf.get_local_buffer_tensor(torch.int32, (2, 8), offset=16)
+    whole = buf.get_local_buffer_tensor(torch.uint8)
+    view.copy_(torch.arange(16, dtype=torch.int32, device=x.device).view(2, 8))
+    out["local_buffer"] = (tuple(view.shape), whole.numel() == buf.num_nvl_bytes,
+                           whole[16:80].view(torch.int32).tolist() == list(range(16)))
     spare = [d for d in range(torch.cuda.device_count()) if d not in p.devices]
     if spare:  # a tensor on a GPU that is no rank's
         other = torch.device("cuda", spare[0])

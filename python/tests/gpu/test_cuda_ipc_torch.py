@@ -48,7 +48,10 @@ def test_bad_inputs_raise_on_every_rank_without_a_hang(tmp_path):
         assert out["float_x"][0] == "invalid_argument" and "'x'" in out["float_x"][1], out["float_x"]
         assert out["alloc_on_comm"][0] == "invalid_argument" and "allocate_on_comm_stream" in out["alloc_on_comm"][1]
         assert out["ll_cpu"][0] == "unsupported" and "low-latency" in out["ll_cpu"][1], out["ll_cpu"]
-        assert out["comm_stream"][0] == "unsupported"
+        assert out["comm_stream"] == (True, True) and out["comm_stream_idle"], out["comm_stream"]
+        assert out["local_buffer"] == ((2, 8), True, True), out["local_buffer"]
+        assert out["rdma_before_window"][0] == "invalid_argument" and "use_rdma_buffer" in out["rdma_before_window"][1]
+        assert out["misaligned_offset"][0] == "invalid_argument" and "'offset'" in out["misaligned_offset"][1]
         assert out["zero_nvl_bytes"][0] == "invalid_argument" and "num_nvl_bytes" in out["zero_nvl_bytes"][1]
         assert out["too_small"][0] == "out_of_memory", out["too_small"]
         if "other_device" in out:

@@ -17,8 +17,14 @@ namespace {
 class CudaIpcLowLatencyModes final : public LowLatencyBackend {
  public:
   CudaIpcLowLatencyModes(std::shared_ptr<Group> group, int device, const BufferOptions& options,
-                         std::uint64_t buffer_id, std::unique_ptr<LowLatencyBackend> cpu)
-      : group_(std::move(group)), device_(device), options_(options), buffer_id_(buffer_id), cpu_(std::move(cpu)) {}
+                         std::uint64_t buffer_id, std::unique_ptr<LowLatencyBackend> cpu,
+                         std::shared_ptr<cuda_ipc::CommStream> comm)
+      : group_(std::move(group)),
+        device_(device),
+        options_(options),
+        buffer_id_(buffer_id),
+        cpu_(std::move(cpu)),
+        comm_(std::move(comm)) {}
 
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args) override {
     if (args.x.device.is_cuda()) return gpu().dispatch(args);
@@ -34,10 +40,11 @@ class CudaIpcLowLatencyModes final : public LowLatencyBackend {
     if (gpu_ && gpu_->configured()) return gpu_->clean(num_max_dispatch_tokens_per_rank, hidden, num_experts);
     cpu().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts);
   }
+  TensorView local_buffer() const override { return gpu_ ? gpu_->local_buffer() : TensorView{}; }
 
  private:
   CudaIpcLowLatency& gpu() {
-    if (!gpu_) gpu_ = make_cuda_ipc_low_latency(group_, device_, options_, buffer_id_);
+    if (!gpu_) gpu_ = make_cuda_ipc_low_latency(group_, device_, options_, buffer_id_, comm_);
     return *gpu_;
   }
   // Low-latency mode on CPU tensors runs on the group's CPU transport, which only threads and MPI groups have.
@@ -54,6 +61,7 @@ class CudaIpcLowLatencyModes final : public LowLatencyBackend {
   BufferOptions options_;
   std::uint64_t buffer_id_;
   std::unique_ptr<LowLatencyBackend> cpu_;
+  std::shared_ptr<cuda_ipc::CommStream> comm_;  // the normal mode's, shared
   std::unique_ptr<CudaIpcLowLatency> gpu_;
 };
 
@@ -71,9 +79,10 @@ BackendModes make_cuda_ipc_backend(std::shared_ptr<Group> group, const BufferOpt
   BackendModes modes;
   auto normal = make_cuda_ipc_normal(group, options, buffer_id);
   const int device = normal->device();
+  std::shared_ptr<cuda_ipc::CommStream> comm = normal->shared_comm_stream();
   modes.normal = std::move(normal);
   modes.low_latency = std::make_unique<CudaIpcLowLatencyModes>(std::move(group), device, options, buffer_id,
-                                                               std::move(cpu_low_latency));
+                                                               std::move(cpu_low_latency), std::move(comm));
   return modes;
 }
 

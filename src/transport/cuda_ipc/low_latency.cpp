@@ -9,7 +9,7 @@
 
 namespace epmoe {
 std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Group>, int, const BufferOptions&,
-                                                             std::uint64_t) {
+                                                             std::uint64_t, std::shared_ptr<cuda_ipc::CommStream>) {
   raise(ErrorCode::unsupported, "backend cuda_ipc needs a CUDA build of epmoe (this one is CPU-only)");
 }
 }  // namespace epmoe
@@ -66,13 +66,15 @@ std::vector<std::int32_t> host_ids(const TensorView& idx, std::int64_t T, int E,
 
 class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
  public:
-  CudaIpcLowLatencyImpl(std::shared_ptr<Group> group, int device, const BufferOptions& o, std::uint64_t buffer_id)
+  CudaIpcLowLatencyImpl(std::shared_ptr<Group> group, int device, const BufferOptions& o, std::uint64_t buffer_id,
+                        std::shared_ptr<cuda_ipc::CommStream> comm)
       : group_(std::move(group)),
         buffer_id_(buffer_id),
         device_(device),
         num_rdma_bytes_(o.num_rdma_bytes),
         debug_validate_(o.debug_validate),
-        separate_quant_(o.low_latency_separate_quant) {
+        separate_quant_(o.low_latency_separate_quant),
+        comm_owner_(std::move(comm)) {
     R_ = group_->size();
     me_ = group_->rank();
     EPMOE_CHECK_ARG(R_ <= ll::kMaxRanks, "group", fmt::format("at most {} ranks (one NVLink host)", ll::kMaxRanks), R_);
@@ -81,7 +83,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
                                    cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(static_cast<void*>(host_), 0, sizeof(ll::HostRecord));
     EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
-    EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    comm_ = comm_owner_->get();
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
     timeout_ns_ = static_cast<long long>(group_->timeout_s() * 1e9);
@@ -101,7 +103,6 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     routing_save_ = Tensor{};
     if (last_event_) cudaEventDestroy(last_event_);
     if (caller_done_) cudaEventDestroy(caller_done_);
-    if (comm_) cudaStreamDestroy(comm_);
     if (host_) cudaFreeHost(host_);
     cudaSetDevice(previous);
   }
@@ -110,6 +111,12 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& a) override;
   void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override;
   bool configured() const override { return config_.set; }
+  /// The window past its control block (both halves: num_rdma_bytes), as DeepEP's RDMA buffer.
+  TensorView local_buffer() const override {
+    if (!config_.set) return {};
+    return TensorView(static_cast<std::byte*>(mem_->local()) + ll::kControlBytes, DType::uint8,
+                      {static_cast<std::int64_t>(mem_->bytes() - ll::kControlBytes)}, {1}, Device::cuda(device_));
+  }
 
  private:
   using Config = low_latency_args::Config;
@@ -123,10 +130,10 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     std::int32_t* stats = nullptr;
     std::int64_t stats_stride = 1;
     long long* wait_cost = nullptr;  // dispatch_ / combine_wait_recv_cost_stats (int64 [R] on the GPU) or null
+    int K = 0;  // the call's top-k
     // combine
     const void* topk_idx = nullptr;
     bool idx64 = true;
-    int K = 0;
     const float* weights = nullptr;
     std::int64_t T = 0;
     Tensor out;
@@ -151,15 +158,23 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done_, 0));
   }
   void receive(std::uint64_t generation, cudaStream_t s, long long lag);
-  /// A call's end: with `hook`, its receive as the result's hook; else the receive enqueued now on `s`, and with
-  /// async_finish an event on the communication stream.
+  static ll::DispatchRecvArgs dispatch_recv_args(const Pending& p, long long lag);
+  ll::CombineRecvArgs combine_recv_args(const Pending& p, long long lag) const;
+  /// The phases of a call's launch: the send alone when a hook runs the receive later, else both in one kernel.
+  static int phases(bool hook) { return hook ? ll::kSendPhase : ll::kSendPhase | ll::kRecvPhase; }
+  /// A call's end, after its launch: with `hook`, `p` is kept for the receive the result's hook launches; else the
+  /// receive ran in the same kernel, and with async_finish the result has an event on the communication stream.
   template <class Result>
-  void finish(Result& r, std::uint64_t generation, bool hook, bool async_finish, cudaStream_t s) {
+  void finish(Result& r, Pending p, bool hook, bool async_finish) {
+    Pending& kept = pending_[(p.generation - base_) % 2];
+    kept = Pending{};
     if (hook) {
+      kept = std::move(p);
+      kept.active = true;
+      const std::uint64_t generation = kept.generation;
       r.hook = RecvHook([this, generation] { receive_hook(generation); });
       return;
     }
-    receive(generation, s, 0);
     if (async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
   }
   void receive_hook(std::uint64_t generation);
@@ -195,6 +210,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   Tensor routing_save_;  // bring_routing's scratch: one half's routing area, then one half's ids (made on first use)
   ll::HostRecord* host_ = nullptr;
   ll::HostRecord* host_dev_ = nullptr;
+  std::shared_ptr<cuda_ipc::CommStream> comm_owner_;  // the buffer's (normal mode's) communication stream
   cudaStream_t comm_ = nullptr;
   cudaEvent_t caller_done_ = nullptr;
   cudaEvent_t last_event_ = nullptr;  // after this buffer's last launch
@@ -397,6 +413,17 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   const std::int64_t sc_cols = a.use_nvfp4 ? H / 64 : a.use_ue8m0 ? num_ue8m0_words(H) : L.groups;
   const std::uint32_t flags = ll::dispatch_flags(a.use_fp8, a.round_scale, a.use_ue8m0, a.use_nvfp4);
   const cudaStream_t s = a.async_finish ? comm_ : caller;
+  Pending p;
+  p.is_dispatch = true;
+  p.generation = gen;
+  p.K = static_cast<int>(K);
+  p.flags = flags;
+  p.scale_cols = static_cast<int>(sc_cols);
+  if (a.cumulative_local_expert_recv_stats.defined()) {
+    p.stats = static_cast<std::int32_t*>(a.cumulative_local_expert_recv_stats.data);
+    p.stats_stride = a.cumulative_local_expert_recv_stats.stride(0);
+  }
+  p.wait_cost = static_cast<long long*>(a.dispatch_wait_recv_cost_stats.data);
   try {
     if (a.async_finish) enter(caller);
     order(s);
@@ -431,7 +458,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     sa.T = T;
     sa.flags = flags;
     sa.scale_cols = static_cast<int>(sc_cols);
-    ll::launch_dispatch_send(c, sa, s);
+    ll::launch_dispatch(c, sa, dispatch_recv_args(p, 0), phases(a.return_recv_hook), s);
     launched(s);
   } catch (...) {
     broken_ = "a dispatch failed while being enqueued";
@@ -440,25 +467,38 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   ++generation_;
   Sent& sent = sent_[index % 2];
   sent = {gen, T, K, std::move(ids)};
-  Pending& p = pending_[index % 2];
-  p = Pending{};
-  p.active = true;
-  p.is_dispatch = true;
-  p.generation = gen;
-  p.flags = flags;
-  p.scale_cols = static_cast<int>(sc_cols);
-  if (a.cumulative_local_expert_recv_stats.defined()) {
-    p.stats = static_cast<std::int32_t*>(a.cumulative_local_expert_recv_stats.data);
-    p.stats_stride = a.cumulative_local_expert_recv_stats.stride(0);
-  }
-  p.wait_cost = static_cast<long long*>(a.dispatch_wait_recv_cost_stats.data);
 
   LowLatencyDispatchResult r =
       LowLatencyMode::output_views(L, half_base(index), a.use_fp8, a.use_ue8m0, a.use_nvfp4, gpu);
   r.handle.generation = gen;
   r.handle.buffer_id = buffer_id_;
-  finish(r, gen, a.return_recv_hook, a.async_finish, s);
+  finish(r, std::move(p), a.return_recv_hook, a.async_finish);
   return r;
+}
+
+ll::DispatchRecvArgs CudaIpcLowLatencyImpl::dispatch_recv_args(const Pending& p, long long lag) {
+  ll::DispatchRecvArgs ra;
+  ra.lag = lag;
+  ra.flags = p.flags;
+  ra.scale_cols = p.scale_cols;
+  ra.stats = p.stats;
+  ra.stats_stride = p.stats_stride;
+  ra.wait_cost = p.wait_cost;
+  return ra;
+}
+
+ll::CombineRecvArgs CudaIpcLowLatencyImpl::combine_recv_args(const Pending& p, long long lag) const {
+  ll::CombineRecvArgs ra;
+  ra.lag = lag;
+  ra.topk_idx = p.topk_idx;
+  ra.idx64 = p.idx64;
+  ra.K = p.K;
+  ra.weights = p.weights;
+  ra.T = p.T;
+  ra.out = p.out.data();
+  ra.out_stride = p.T > 1 ? p.out.view().stride(0) : layout_.hidden;
+  ra.wait_cost = p.wait_cost;
+  return ra;
 }
 
 void CudaIpcLowLatencyImpl::receive_hook(std::uint64_t gen) {
@@ -476,26 +516,11 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
     order(s);
     const ll::Common c = common();
     if (p.is_dispatch) {
-      ll::DispatchRecvArgs ra;
-      ra.lag = lag;
-      ra.flags = p.flags;
-      ra.scale_cols = p.scale_cols;
-      ra.stats = p.stats;
-      ra.stats_stride = p.stats_stride;
-      ra.wait_cost = p.wait_cost;
-      ll::launch_dispatch_recv(c, ra, s);
+      ll::DispatchSendArgs unused;
+      unused.K = p.K;  // the send's instantiation: one kernel name per op, also in a profile with hooks
+      ll::launch_dispatch(c, unused, dispatch_recv_args(p, lag), ll::kRecvPhase, s);
     } else {
-      ll::CombineRecvArgs ra;
-      ra.lag = lag;
-      ra.topk_idx = p.topk_idx;
-      ra.idx64 = p.idx64;
-      ra.K = p.K;
-      ra.weights = p.weights;
-      ra.T = p.T;
-      ra.out = p.out.data();
-      ra.out_stride = p.T > 1 ? p.out.view().stride(0) : layout_.hidden;
-      ra.wait_cost = p.wait_cost;
-      ll::launch_combine_recv(c, ra, s);
+      ll::launch_combine(c, {}, combine_recv_args(p, lag), ll::kRecvPhase, s);
       if (p.ids_swapped) swap_ids(s);
     }
     launched(s);
@@ -562,6 +587,15 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   const cudaStream_t s = a.async_finish ? comm_ : caller;
   Tensor out;
   bool moved = false;
+  Pending p;
+  p.is_dispatch = false;
+  p.generation = gen;
+  p.topk_idx = a.topk_idx.data;
+  p.idx64 = a.topk_idx.dtype == DType::int64;
+  p.K = static_cast<int>(K);
+  p.weights = static_cast<const float*>(a.topk_weights.data);
+  p.T = T;
+  p.wait_cost = static_cast<long long*>(a.combine_wait_recv_cost_stats.data);
   try {
     if (a.async_finish) enter(caller);
     order(s);
@@ -583,8 +617,13 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
       sa.stamps = reinterpret_cast<long long*>(overlap.send_stamps);
     }
     moved = bring_routing(hd.generation - base_, index, s);
-    ll::launch_combine_send(common(), sa, s);
-    if (moved) put_back_routing(index, s);
+    p.ids_swapped = moved;
+    p.out = out;
+    ll::launch_combine(common(), sa, combine_recv_args(p, 0), phases(a.return_recv_hook), s);
+    if (moved) {
+      put_back_routing(index, s);  // after the send read the routing (the receive reads none of it)
+      if (!a.return_recv_hook) swap_ids(s);  // after the receive checked the ids (same kernel)
+    }
     launched(s);
   } catch (...) {
     broken_ = "a combine failed while being enqueued";
@@ -594,20 +633,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
 
   LowLatencyCombineResult r;
   r.combined_x = out;
-  Pending& p = pending_[index % 2];
-  p = Pending{};
-  p.active = true;
-  p.is_dispatch = false;
-  p.generation = gen;
-  p.topk_idx = a.topk_idx.data;
-  p.idx64 = a.topk_idx.dtype == DType::int64;
-  p.K = static_cast<int>(K);
-  p.weights = static_cast<const float*>(a.topk_weights.data);
-  p.T = T;
-  p.out = out;
-  p.ids_swapped = moved;
-  p.wait_cost = static_cast<long long*>(a.combine_wait_recv_cost_stats.data);
-  finish(r, gen, a.return_recv_hook, a.async_finish, s);
+  finish(r, std::move(p), a.return_recv_hook, a.async_finish);
   return r;
 }
 
@@ -673,8 +699,9 @@ void CudaIpcLowLatencyImpl::clean(int num_max_dispatch_tokens_per_rank, std::int
 }  // namespace
 
 std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Group> group, int device,
-                                                             const BufferOptions& options, std::uint64_t buffer_id) {
-  return std::make_unique<CudaIpcLowLatencyImpl>(std::move(group), device, options, buffer_id);
+                                                             const BufferOptions& options, std::uint64_t buffer_id,
+                                                             std::shared_ptr<cuda_ipc::CommStream> comm) {
+  return std::make_unique<CudaIpcLowLatencyImpl>(std::move(group), device, options, buffer_id, std::move(comm));
 }
 
 }  // namespace epmoe

@@ -10,8 +10,9 @@
 // ascending source rank and source token order; combine sends one bf16 row per (token, k) back, summed over k
 // ascending on the token's rank; consumed flags keep a slow receiver (a pending hook) from being overwritten.
 //
-// Kernels per call: dispatch = [fp8 quantize] + send + receive; combine = send + receive (a hook enqueues the
-// receive). The call index lives on the device (Control::calls), so graph replays use fresh indices; the host
+// Kernels per call: one (dispatch_kernel / combine_kernel, send and receive phases; nvfp4 and the separate fp8
+// quantization add a quantize kernel before it); with a recv hook the call launches the send phase and the hook
+// the receive phase. The call index lives on the device (Control::calls), so graph replays use fresh indices; the host
 // keeps the two-buffer bookkeeping (handles carry a generation), which replays do not touch: a graph must hold
 // whole calls (send and receive, or send and its hook), an even number of them keeps the host's half parity equal
 // to the device's, and the host checks only eager calls. Errors the kernels find (timeouts, a peer in another call
@@ -46,9 +47,14 @@ class CudaIpcLowLatency : public LowLatencyBackend {
   virtual bool configured() const = 0;
 };
 
-/// Constructs the GPU low-latency mode of a cuda_ipc buffer on cuda:`device` (no collective until the first call).
-/// Errors: unsupported in CPU-only builds.
+namespace cuda_ipc {
+class CommStream;
+}
+
+/// Constructs the GPU low-latency mode of a cuda_ipc buffer on cuda:`device` (no collective until the first call);
+/// async_finish work runs on `comm`, the buffer's communication stream. Errors: unsupported in CPU-only builds.
 std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Group> group, int device,
-                                                             const BufferOptions& options, std::uint64_t buffer_id);
+                                                             const BufferOptions& options, std::uint64_t buffer_id,
+                                                             std::shared_ptr<cuda_ipc::CommStream> comm);
 
 }  // namespace epmoe

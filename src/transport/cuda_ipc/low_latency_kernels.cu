@@ -257,12 +257,11 @@ struct SendTask {
   int t, d, pos;
 };
 
+/// The send phase of dispatch call `index` (begin_send passed): rows and metas into every destination's half, then
+/// (the grid's last block) the headers and data flags.
 template <int kK>
-__global__ void __launch_bounds__(kThreads)
-    dispatch_send_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs a) {
+__device__ void dispatch_send(const Common& c, const DispatchSendArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
-  unsigned long long index = 0;
-  if (!begin_send(c, kPhaseDispatchSend, &index)) return;
   const int half = static_cast<int>(index & 1), R = c.num_ranks, me = c.rank, El = c.local_experts, K = a.K;
 
   const bool fp8 = (a.flags & 1u) != 0, nvfp4 = (a.flags & kFlagNvfp4) != 0;
@@ -452,10 +451,10 @@ struct RecvItem {
   int j, k, token;
 };
 
-__global__ void __launch_bounds__(kThreads)
-    dispatch_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchRecvArgs a) {
+/// The receive phase of dispatch call `index`: every source's rows into the packed per-expert layout, then (the
+/// grid's last block) the consumed flags.
+__device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
-  const unsigned long long index = read_volatile(&own->calls) - 1 - static_cast<unsigned long long>(a.lag);
   const int half = static_cast<int>(index & 1), R = c.num_ranks, El = c.local_experts;
   __shared__ long long n[kMaxRanks];
   if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv, a.wait_cost)) return;
@@ -645,11 +644,10 @@ __device__ void combine_send_overlapped(const Common& c, const CombineSendArgs& 
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    combine_send_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs a) {
+/// The send phase of combine call `index` (begin_send passed): each expert's rows back to their sources (block by
+/// block after the signals when overlapped), then (the grid's last block) the headers and data flags.
+__device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
-  unsigned long long index = 0;
-  if (!begin_send(c, kPhaseCombineSend, &index)) return;
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, me = c.rank, El = c.local_experts;
 
   const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
@@ -713,11 +711,11 @@ __global__ void __launch_bounds__(kThreads)
   own->calls = index + 1;
 }
 
+/// The receive phase of combine call `index`: the weighted sum of every token's rows into out, then (the grid's
+/// last block) the consumed flags.
 template <int kK>
-__global__ void __launch_bounds__(kThreads)
-    combine_recv_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineRecvArgs a) {
+__device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
-  const unsigned long long index = read_volatile(&own->calls) - 1 - static_cast<unsigned long long>(a.lag);
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, El = c.local_experts, K = a.K;
   // Rows each rank must send back: this rank's (token, k) pairs routed to it (checked by block 0, which also
   // reports id errors and a topk_idx that differs from the dispatch's).
@@ -796,38 +794,95 @@ __global__ void __launch_bounds__(kThreads)
   for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->consumed[half][c.rank], index + 1);
 }
 
+/// The index of a kernel's call: a send phase reads it (begin_send, which also waits until the half may be written
+/// again); a receive-only launch is the call sent `lag` calls before the last (Control::calls counts finished sends).
+/// False (every thread) when the send may not start (a timeout, recorded).
+__device__ __forceinline__ bool call_index(const Common& c, int phases, long long lag, int send_phase,
+                                           unsigned long long* index) {
+  if ((phases & kSendPhase) != 0) return begin_send(c, send_phase, index);
+  *index = read_volatile(&control(c.peers[c.rank])->calls) - 1 - static_cast<unsigned long long>(lag);
+  return true;
+}
+
+// One kernel per op, its phases a runtime argument (DeepEP's LOW_LATENCY_SEND_PHASE / _RECV_PHASE): both phases in
+// one launch unless a recv hook splits them. With both, blocks that finish sending wait in the receive for the
+// data flags the send's last block raises, so the grid must be co-resident (launch_fused bounds it).
+template <int kK>
+__global__ void __launch_bounds__(kThreads)
+    dispatch_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs sa,
+                    const __grid_constant__ DispatchRecvArgs ra, int phases) {
+  unsigned long long index = 0;
+  if (!call_index(c, phases, ra.lag, kPhaseDispatchSend, &index)) return;
+  if ((phases & kSendPhase) != 0) dispatch_send<kK>(c, sa, index);
+  if ((phases & kRecvPhase) != 0) dispatch_recv(c, ra, index);
+}
+
+template <int kK>
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs sa,
+                   const __grid_constant__ CombineRecvArgs ra, int phases) {
+  unsigned long long index = 0;
+  if (!call_index(c, phases, ra.lag, kPhaseCombineSend, &index)) return;
+  if ((phases & kSendPhase) != 0) combine_send(c, sa, index);
+  if ((phases & kRecvPhase) != 0) combine_recv<kK>(c, ra, index);
+}
+
+/// The most blocks of kKernel the device holds at once (kThreads each), cached per thread and device.
+template <auto kKernel>
+int co_resident_blocks() {
+  static thread_local int cached_device = -1, cached = 0;
+  int device = 0;
+  EPMOE_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    int per_sm = 0, sms = 0;
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+    EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    cached = per_sm * sms > 0 ? per_sm * sms : 1;
+    cached_device = device;
+  }
+  return cached;
+}
+
+/// Launches kKernel on one grid: the send phase's or the receive phase's block count, or the larger when both
+/// run (every phase loops over its work by gridDim), then bounded by co-residency (the receive waits on the send).
+template <auto kKernel, typename SendArgs, typename RecvArgs>
+void launch_phases(const Common& c, const SendArgs& sa, const RecvArgs& ra, int phases, long long send_blocks,
+                   long long recv_blocks, cudaStream_t s) {
+  long long g = phases == kSendPhase   ? send_blocks
+                : phases == kRecvPhase ? recv_blocks
+                                       : (send_blocks > recv_blocks ? send_blocks : recv_blocks);
+  if (phases == (kSendPhase | kRecvPhase)) {
+    const long long most = co_resident_blocks<kKernel>();
+    g = g < most ? g : most;
+  }
+  kKernel<<<static_cast<unsigned>(g < 1 ? 1 : g), kThreads, 0, s>>>(c, sa, ra, phases);
+  EPMOE_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
-void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s) {
-  long long blocks = a.T;  // a token per block (its row's quantization split among the block's warps)
-  blocks = blocks < 1 ? 1 : (blocks > kMaxSendBlocks ? kMaxSendBlocks : blocks);
+void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const DispatchRecvArgs& ra, int phases,
+                     cudaStream_t s) {
+  long long send_blocks = sa.T;  // a token per block (its row's quantization split among the block's warps)
+  send_blocks = send_blocks < 1 ? 1 : (send_blocks > kMaxSendBlocks ? kMaxSendBlocks : send_blocks);
+  const long long recv_blocks = c.local_experts;  // a block per local expert
   // K <= 8 (the common case) takes the instantiation with 8 register slots per token: half the code to fetch.
-  if (a.K <= 8)
-    dispatch_send_kernel<8><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+  if (sa.K <= 8)
+    launch_phases<dispatch_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
   else
-    dispatch_send_kernel<kMaxTopk><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
-  EPMOE_CUDA_CHECK(cudaGetLastError());
+    launch_phases<dispatch_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
 }
 
-void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, cudaStream_t s) {
-  dispatch_recv_kernel<<<static_cast<unsigned>(c.local_experts), kThreads, 0, s>>>(c, a);
-  EPMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t s) {
-  const int grid = a.grid > 0 && a.grid < c.local_experts ? a.grid : c.local_experts;
-  combine_send_kernel<<<static_cast<unsigned>(grid), kThreads, 0, s>>>(c, a);
-  EPMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_combine_recv(const Common& c, const CombineRecvArgs& a, cudaStream_t s) {
-  long long blocks = a.T < kMaxRecvBlocks ? a.T : kMaxRecvBlocks;  // a block per token (loops beyond)
-  if (blocks < 1) blocks = 1;
-  if (a.K <= 8)
-    combine_recv_kernel<8><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
+void launch_combine(const Common& c, const CombineSendArgs& sa, const CombineRecvArgs& ra, int phases,
+                    cudaStream_t s) {
+  const long long send_blocks = sa.grid > 0 && sa.grid < c.local_experts ? sa.grid : c.local_experts;
+  long long recv_blocks = ra.T < kMaxRecvBlocks ? ra.T : kMaxRecvBlocks;  // a block per token (loops beyond)
+  // Overlapped: the send shares the GPU with the down GEMM, so the launch keeps to the send's blocks (num_sms).
+  if (sa.signal_form != kSignalNone && (phases & kSendPhase) != 0) recv_blocks = send_blocks;
+  if (ra.K <= 8)
+    launch_phases<combine_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
   else
-    combine_recv_kernel<kMaxTopk><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(c, a);
-  EPMOE_CUDA_CHECK(cudaGetLastError());
+    launch_phases<combine_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
 }
 
 }  // namespace epmoe::cuda_ipc_ll

@@ -124,9 +124,16 @@ struct CombineRecvArgs {
   long long* wait_cost = nullptr;  ///< combine_wait_recv_cost_stats int64 [R] (+= ns waited per source) or null
 };
 
-void launch_dispatch_send(const Common& c, const DispatchSendArgs& a, cudaStream_t s);
-void launch_dispatch_recv(const Common& c, const DispatchRecvArgs& a, cudaStream_t s);
-void launch_combine_send(const Common& c, const CombineSendArgs& a, cudaStream_t s);
-void launch_combine_recv(const Common& c, const CombineRecvArgs& a, cudaStream_t s);
+/// The phases one launch runs (DeepEP's LOW_LATENCY_SEND_PHASE / LOW_LATENCY_RECV_PHASE): both in one kernel for
+/// an op without a recv hook, the send alone at the call and the receive alone at its hook otherwise.
+enum : int { kSendPhase = 1, kRecvPhase = 2 };
+
+/// One kernel per op ("dispatch" / "combine" in its name, as profilers and DeepEP's tests look for). With both
+/// phases the grid is bounded by the blocks the device holds at once (the receive waits on the send's last block);
+/// the arguments of a phase not run are ignored.
+void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const DispatchRecvArgs& ra, int phases,
+                     cudaStream_t s);
+void launch_combine(const Common& c, const CombineSendArgs& sa, const CombineRecvArgs& ra, int phases,
+                    cudaStream_t s);
 
 }  // namespace epmoe::cuda_ipc_ll

@@ -156,7 +156,8 @@ CudaIpcNormalImpl::CudaIpcNormalImpl(std::shared_ptr<Group> group, const BufferO
                                  cudaHostAllocMapped | cudaHostAllocPortable));
   std::memset(static_cast<void*>(host_), 0, sizeof(ipc::HostRecord));
   EPMOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev_), host_, 0));
-  EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+  comm_owner_ = std::make_shared<cuda_ipc::CommStream>(device_);
+  comm_ = comm_owner_->get();
   for (int i = 0; i < 2; ++i) {
     EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&joined_[i], cudaEventDisableTiming));
@@ -203,7 +204,7 @@ CudaIpcNormalImpl::~CudaIpcNormalImpl() {
     for (cudaEvent_t e : trace_ev_) cudaEventDestroy(e);
   }
   mem_.reset();  // closes the opened IPC handles
-  if (comm_) cudaStreamDestroy(comm_);
+  comm_owner_.reset();  // destroyed once the low-latency mode lets go of it too
   if (host_) cudaFreeHost(host_);
   recv_slots_.reset();
   memory_.reset();  // cudaFree, unless tensors in receive slots still hold it

@@ -31,6 +31,10 @@
 
 namespace epmoe {
 
+namespace cuda_ipc {
+class CommStream;
+}
+
 /// Normal-mode dispatch/combine of a cuda_ipc Buffer. Collective: every rank of the group constructs
 /// one, with equal num_nvl_bytes and num_sms (compared at construction: rank_mismatch).
 class CudaIpcNormal : public NormalBackend {
@@ -43,6 +47,8 @@ class CudaIpcNormal : public NormalBackend {
   CombineResult combine(const CombineArgs& args) override = 0;
   /// The CUDA device of this rank.
   virtual int device() const = 0;
+  /// The communication stream, shared with the buffer's low-latency mode (cuda_ipc/stream.hpp).
+  virtual std::shared_ptr<cuda_ipc::CommStream> shared_comm_stream() const = 0;
 };
 
 

@@ -45,6 +45,7 @@ inline std::int64_t align16(std::int64_t v) { return (v + 15) / 16 * 16; }
 #include "transport/cuda_ipc/memory.hpp"
 #include "transport/cuda_ipc/normal.hpp"
 #include "transport/cuda_ipc/normal_kernels.hpp"
+#include "transport/cuda_ipc/stream.hpp"
 
 namespace epmoe {
 
@@ -119,6 +120,13 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   ~CudaIpcNormalImpl() override;
 
   int device() const override { return device_; }
+  std::shared_ptr<cuda_ipc::CommStream> shared_comm_stream() const override { return comm_owner_; }
+  Stream comm_stream() const override { return Stream{comm_}; }
+  /// The data region (num_nvl_bytes), as DeepEP's NVL buffer.
+  TensorView local_buffer() const override {
+    return TensorView(static_cast<std::byte*>(base_) + cuda_ipc::kControlBytes, DType::uint8, {data_bytes_}, {1},
+                      Device::cuda(device_));
+  }
 
   DispatchResult dispatch(const DispatchArgs& a) override;  // normal_dispatch.cpp
   CombineResult combine(const CombineArgs& a) override;     // normal_combine.cpp
@@ -337,7 +345,8 @@ class CudaIpcNormalImpl final : public CudaIpcNormal {
   std::unique_ptr<CudaIpcMemory> mem_;  // base_'s allocation and its mappings in every peer
   cuda_ipc::HostRecord* host_ = nullptr;
   cuda_ipc::HostRecord* host_dev_ = nullptr;
-  cudaStream_t comm_ = nullptr;
+  std::shared_ptr<cuda_ipc::CommStream> comm_owner_;  // also the low-latency mode's
+  cudaStream_t comm_ = nullptr;                        // comm_owner_'s
   std::uint64_t ticket_ = 0;  // the last count exchange the host waited for (NotifyArgs::ticket)
   long long timeout_ns_ = 0;
   std::string unusable_;

@@ -39,4 +39,30 @@ class CudaEvent final : public EventImpl {
   cudaEvent_t event_{};
 };
 
+/// A buffer's communication stream (non-blocking, on its GPU), shared by the buffer's normal and low-latency modes
+/// so async_finish work of either mode is ordered on one stream, as DeepEP's one comm stream per buffer (what
+/// Buffer::comm_stream returns). Destroyed after the last mode holding it finished its work.
+class CommStream {
+ public:
+  explicit CommStream(int device) : device_(device) {
+    cuda_util::DeviceGuard guard(Device::cuda(device));
+    EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CommStream() {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+    cudaSetDevice(previous);
+  }
+  CommStream(const CommStream&) = delete;
+  CommStream& operator=(const CommStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  int device_;
+  cudaStream_t stream_{};
+};
+
 }  // namespace epmoe::cuda_ipc
