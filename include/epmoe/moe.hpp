@@ -84,9 +84,9 @@ class PrepareFinalize {
   /// Receives the combined [T, H] bfloat16 result. Stage AFTER_COMBINE_A -> INITIAL.
   Tensor combine_b();
   Stage stage() const { return stage_; }
-  /// The overlap fields (LowLatencyCombineArgs::overlap and its signal arguments; the other fields are ignored)
-  /// the next combine_a passes to its low-latency combine, for that call only. Ignored by the prepare/finalize
-  /// implementations without a low-latency combine (the default).
+  /// The overlap fields (LowLatencyCombineArgs::overlap, its signal arguments and send_stamps; the other fields are
+  /// ignored) the next combine_a passes to its low-latency combine, for that call only. Ignored by the
+  /// prepare/finalize implementations without a low-latency combine (the default).
   virtual void set_next_combine_overlap(const LowLatencyCombineArgs& overlap_fields) {}
 
   /// Hooks around the phases, e.g. to record events or overlap work (called on the calling thread).

@@ -114,6 +114,7 @@ class LowLatencyPrepareFinalize final : public PrepareFinalize {
     c.src_signals = o.src_signals;
     c.src_signal_expect_value = o.src_signal_expect_value;
     c.num_sms = o.num_sms;
+    c.send_stamps = o.send_stamps;
     combined_ = buffer_->low_latency_combine(c);
   }
 
