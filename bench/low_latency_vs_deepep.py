@@ -190,6 +190,8 @@ def kernel_times(torch, dispatch, combine, runs):
                 op = op_of(cpu_start[corr])
                 if op:
                     break
+        if e.name() in ("lvd::dispatch", "lvd::combine"):
+            continue  # the range's own device-side annotation, not work: counting it would double each op
         us = e.duration_ns() / 1e3
         if op is None:
             unattributed += us

@@ -313,7 +313,9 @@ struct LowLatencyCombineArgs {
   bool zero_copy = false;
   bool async_finish = false;
   bool return_recv_hook = false;
-  TensorView out;           ///< optional bfloat16 [T, H] to write into
+  /// optional bfloat16 [T, H] to write into; pass it under CUDA-graph capture (a fresh output is freed on the
+  /// thread's current stream, which must not be another stream than the capture's)
+  TensorView out;
   /// Optional int64 [R] on x's device: entry s += the nanoseconds the receive waited for source rank s's rows
   /// (as LowLatencyDispatchArgs::dispatch_wait_recv_cost_stats).
   TensorView combine_wait_recv_cost_stats;

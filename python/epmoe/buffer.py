@@ -1023,6 +1023,12 @@ class Buffer:
                 raise invalid_argument("x", f"bfloat16 {list(shape)}", describe(x))
             x = slab
         gpu = x is not None and is_cuda(x)
+        if out is None and gpu and not async_finish and framework_of(x) == "torch" and \
+                getattr(topk_idx, "ndim", 0) == 2 and getattr(x, "ndim", 0) == 3:
+            # The output from torch's allocator, as DeepEP's: inside a CUDA-graph capture torch draws it from the
+            # graph's private pool, so the graph owns it past the capture.
+            import torch
+            out = torch.empty((topk_idx.shape[0], x.shape[2]), dtype=torch.bfloat16, device=x.device)
         inputs = (x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
         stream = current_stream(*inputs) if gpu else None
         host_wait = gpu and self._host_wait and not return_recv_hook
