@@ -306,10 +306,12 @@ struct LowLatencyDispatchResult {
 };
 
 struct LowLatencyCombineArgs {
-  TensorView x;             ///< bfloat16 [E_local, R*Tmax, H]
+  TensorView x;             ///< bfloat16 [E_local, R*Tmax, H] (ignored with zero_copy)
   TensorView topk_idx;      ///< int64/int32 [T, K], the same as at dispatch
   TensorView topk_weights;  ///< float32 [T, K]
   const LowLatencyHandle* handle = nullptr;
+  /// Send the buffer's combine slab of this call (get_next_low_latency_combine_buffer) instead of x; x may then be
+  /// undefined (when given, it is only checked). The send reads its input where it is either way.
   bool zero_copy = false;
   bool async_finish = false;
   bool return_recv_hook = false;
@@ -420,6 +422,13 @@ class Buffer {
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
   /// Low-latency combine (semantics §5). Errors: stale handle (two-buffer rule), shapes.
   LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
+  /// The combine slab of the next low-latency call (DeepEP's get_next_low_latency_combine_buffer): a bfloat16
+  /// [E_local, R*Tmax, H] contiguous view into this rank's window (of half n % 2 for call n since the last clean,
+  /// on the handle's device), which a combine with `zero_copy` sends instead of x. Write the experts' outputs into
+  /// it, in the rows of `handle`'s dispatch, before that combine. No call writes it; the two halves' slabs are
+  /// distinct, so the one handed out stays as written until the caller writes it again (valid while the buffer
+  /// lives; a clean zeroes it). Errors: invalid_argument naming `handle` (empty, or of another buffer).
+  TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
   /// Resets the low-latency receive buffers (after normal-mode use of a shared buffer).
   void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);
 

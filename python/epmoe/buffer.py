@@ -34,9 +34,9 @@ Outputs are made in the inputs' framework (torch in, torch out; NumPy in, NumPy 
 DeepEP arguments accepted without effect: ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
 ``allow_mnnvl``, ``use_fabric`` (RDMA / NVSHMEM settings), ``config`` (see ``Config``: epmoe's kernels have no
 chunked rings; ``Buffer.num_sms`` set by ``set_num_sms`` before the buffer is made is the cuda_ipc block count),
-``num_tokens_per_rdma_rank`` (one level of ranks), ``dispatch_wait_recv_cost_stats`` /
-``combine_wait_recv_cost_stats`` (checked, never updated). ``zero_copy=True`` combines the buffer's slab of
-``get_next_low_latency_combine_buffer`` (the two alternate as DeepEP's buffers); ``use_logfmt=True`` is refused
+``num_tokens_per_rdma_rank`` (one level of ranks). ``zero_copy=True`` combines the buffer's slab of
+``get_next_low_latency_combine_buffer`` (on GPUs a view into the window, the two halves' slabs alternating as
+DeepEP's buffers); ``use_logfmt=True`` is refused
 (epmoe.Error 'unsupported': combine sends bf16). On the CPU layout also ``num_nvl_bytes``, ``previous_event``, ``async_finish``
 and ``allocate_on_comm_stream`` (work is complete on return). ``allocate_on_comm_stream`` on the GPU is
 checked as DeepEP does (needs previous_event and async_finish); outputs are not stream-ordered
@@ -460,7 +460,8 @@ class Buffer:
         self.runtime = _ext.Buffer(native_group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
                                    backend, int(device), Buffer._num_sms_for_kernels(), int(num_recv_slots),
                                    bool(debug_validate))
-        # Low-latency calls since the last clean (their parity picks the half, and the combine slab, of the next).
+        # Low-latency calls since the last clean: their parity picks the CPU ranks' combine slab of the next (on
+        # GPUs the slabs are views into the window, picked by the runtime).
         self._ll_calls = 0
         self._combine_slabs: List[Any] = [None, None]
 
@@ -959,9 +960,10 @@ class Buffer:
             handle: the LowLatencyHandle of a low_latency_dispatch: combinable any number of times until a later
                 dispatch reuses its half (semantics §5; then epmoe.Error 'stale_handle').
             use_logfmt: False; True raises epmoe.Error 'unsupported' (epmoe's combine sends bf16).
-            zero_copy: True: combine the slab that get_next_low_latency_combine_buffer returned for this call
-                (x is then only checked for its shape, as DeepEP reads its own buffer); False: combine x. The
-                send reads its input where it is either way (no staging copy).
+            zero_copy: True: combine the slab get_next_low_latency_combine_buffer hands out for this call (on
+                GPUs a view into the window; x may then be None, and when given is only checked), as DeepEP
+                sends its own buffer; False: combine x. The send reads its input where it is either way (no
+                staging copy).
             async_finish: as for low_latency_dispatch (GPU: a CUDA event); excludes return_recv_hook.
             return_recv_hook: only send; the returned hook receives into the result. Call it once. GPU: as
                 for low_latency_dispatch (the receive reads topk_idx and topk_weights: the hook keeps them).
@@ -1013,7 +1015,12 @@ class Buffer:
         if use_logfmt:
             raise unsupported("low_latency_combine(use_logfmt=True): LogFMT is not implemented (epmoe's combine "
                               "sends bf16 rows, exact where LogFMT rounds); pass use_logfmt=False")
-        if zero_copy:
+        if zero_copy and is_cuda(handle[0]):
+            # the runtime sends its window's slab; x (None allowed) is only checked
+            if x is None:
+                x = self.get_next_low_latency_combine_buffer(handle)
+        elif zero_copy:
+            # CPU ranks: the slab is Python's own (their window is re-made by a clean, a view would not survive it)
             slab = self._combine_slabs[self._ll_calls % 2]
             shape = self._combine_slab_shape(handle)
             if slab is None:
@@ -1022,6 +1029,7 @@ class Buffer:
             if tuple(getattr(x, "shape", ())) != shape:
                 raise invalid_argument("x", f"bfloat16 {list(shape)}", describe(x))
             x = slab
+            zero_copy = False
         gpu = x is not None and is_cuda(x)
         if out is None and gpu and not async_finish and framework_of(x) == "torch" and \
                 getattr(topk_idx, "ndim", 0) == 2 and getattr(x, "ndim", 0) == 3:
@@ -1060,11 +1068,13 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Any:
         """The bfloat16 [E_local, R*Tmax, H] slab the next low-latency call, as a combine with ``zero_copy=True``,
-        reads: write the experts' outputs into it, then call ``low_latency_combine(..., zero_copy=True)``. Two slabs
-        alternate with the calls' halves (DeepEP's rule: the slab of half n % 2 for call n), each owned by this
-        buffer and made on first use (uninitialised); on the GPU (a torch handle on CUDA) a torch tensor on the
-        handle's device. Errors: epmoe.Error 'invalid_argument' for a handle of another kind, 'unsupported' for
-        CuPy handles on the GPU (CuPy has no bfloat16)."""
+        sends: write the experts' outputs into it (in the rows of the handle's dispatch), then call
+        ``low_latency_combine(..., zero_copy=True)``. Two slabs alternate with the calls' halves (DeepEP's rule: the
+        slab of half n % 2 for call n). On the GPU (a torch handle on CUDA) it is a contiguous view into this rank's
+        low-latency window (C++ Buffer::get_next_low_latency_combine_buffer; DeepEP's combine send buffer), valid
+        while the buffer lives; no call writes it (a clean zeroes it). On CPU ranks each slab is an array owned by
+        this buffer, made on first use (uninitialised). Errors: epmoe.Error 'invalid_argument' for a handle of
+        another kind or buffer, 'unsupported' for CuPy handles on the GPU (CuPy has no bfloat16)."""
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
         shape = self._combine_slab_shape(handle)
@@ -1073,6 +1083,8 @@ class Buffer:
         if is_cuda(handle[0]) and not torch_out:
             raise unsupported("get_next_low_latency_combine_buffer: CuPy has no bfloat16 array; pass any bfloat16 "
                               "array as x to low_latency_combine")
+        if is_cuda(handle[0]):
+            return self.runtime.next_low_latency_combine_buffer(handle.native, "torch")
         half = self._ll_calls % 2
         slab = self._combine_slabs[half]
         if slab is None or tuple(slab.shape) != shape or (framework_of(slab) == "torch") != torch_out or \

@@ -429,6 +429,19 @@ void bind_buffer_class(nb::module_& m) {
           nb::arg("low_latency_window"), nb::arg("framework") = "torch",
           "This rank's normal-mode data region or low-latency window as uint8 bytes (a view kept alive with the "
           "buffer); None where there is none.")
+      .def(
+          "next_low_latency_combine_buffer",
+          [](PyBuffer& b, const LowLatencyHandle& handle, std::string_view framework) -> nb::object {
+            TensorView v;
+            {
+              nb::gil_scoped_release release;
+              v = buf(b).get_next_low_latency_combine_buffer(handle);
+            }
+            return to_py(Tensor::wrap(v, b.buffer), parse_framework(framework));
+          },
+          nb::arg("handle"), nb::arg("framework") = "torch",
+          "Buffer::get_next_low_latency_combine_buffer: a bfloat16 [E_local, R*Tmax, H] view into the window (kept "
+          "alive with the buffer).")
       .def_static("get_normal_nvl_size_hint", &Buffer::get_normal_nvl_size_hint, nb::arg("max_tokens_per_rank"),
                   nb::arg("hidden"), nb::arg("num_ranks"), nb::arg("num_topk"))
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,

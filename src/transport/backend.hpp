@@ -46,6 +46,8 @@ class LowLatencyBackend {
   virtual void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) = 0;
   /// See Buffer::local_buffer (undefined on CPU backends and before the window exists).
   virtual TensorView local_buffer() const { return {}; }
+  /// See Buffer::get_next_low_latency_combine_buffer.
+  virtual TensorView next_combine_buffer(const LowLatencyHandle& handle) = 0;
 };
 
 /// One backend: both modes of one Buffer.

@@ -82,6 +82,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
   return impl_->modes.low_latency->combine(args);
 }
+TensorView Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
+  return impl_->modes.low_latency->next_combine_buffer(handle);
+}
 void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) {
   impl_->modes.low_latency->clean(num_max_dispatch_tokens_per_rank, hidden, num_experts);
 }

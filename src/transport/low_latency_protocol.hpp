@@ -67,6 +67,9 @@ struct Layout {
   std::size_t record_bytes = 0;  // payload of one dispatched token (bf16 row, or fp8 row + scales)
   std::size_t meta_bytes = 0;    // TokenMeta of one dispatched token
   std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0;  // offsets
+  /// The zero-copy combine's input, bfloat16 [E_local, R * tmax, H] (DeepEP's combine send buffer): the caller
+  /// writes it (Buffer::get_next_low_latency_combine_buffer), a combine with zero_copy reads it; no call writes it.
+  std::size_t combine_slab = 0;
   std::size_t staging = 0;              // offset of the area peers put into
   std::size_t dispatch_slot_bytes = 0;  // one source's dispatch staging (meta + records)
   std::size_t half_bytes = 0;

@@ -62,6 +62,7 @@ struct Case {
   float global_scale = 0.0f;    // 0: 448 * 6 / amax of each call's x on its rank (the producers' convention)
   bool device_scale = false;    // x_global_scale on the GPU (else a CPU tensor)
   bool wait_cost = false;       // dispatch_ / combine_wait_recv_cost_stats (int64 [R] from kWaitCostBase), checked apart
+  bool zero_copy = false;       // each dispatch combined again (DeepEP's test): comb_x through the window's slab
   std::string name() const {
     std::ostringstream os;
     os << "T=[" << T[0] << "," << T[1] << "] H=" << H << " K=" << K << " E=" << E << " Tmax=" << tmax
@@ -72,7 +73,7 @@ struct Case {
        << (int32_idx ? " int32 ids" : "") << " p(-1)=" << p_minus_one << " only_expert=" << only_expert
        << " all-1 rank=" << all_minus_one_rank << " calls=" << calls << (hooks ? " hooks" : "")
        << (async ? " async" : "") << (stats ? " stats" : "") << (separate_quant ? " separate quant" : "")
-       << (nvfp4 ? (device_scale ? " nvfp4 (device global scale)" : " nvfp4") : "") << (wait_cost ? " wait cost" : "");
+       << (nvfp4 ? (device_scale ? " nvfp4 (device global scale)" : " nvfp4") : "") << (wait_cost ? " wait cost" : "") << (zero_copy ? " zero-copy" : "");
     return os.str();
   }
 };
@@ -275,6 +276,27 @@ Outs run(const Case& c, const RankIns& in, int R, bool gpu, std::uint64_t seed) 
       if (c.hooks) cr.hook();
       if (c.async) cr.event.current_stream_wait();
       o[p + "combined_x"] = to_cpu(cr.combined_x);
+      if (c.zero_copy) {
+        // The same dispatch combined again from the next call's slab (a view into the window), x a poisoned decoy.
+        const TensorView slab = buf.get_next_low_latency_combine_buffer(d.handle);
+        EXPECT_EQ(slab.device, cx.device());
+        EXPECT_EQ(slab.shape, cx.shape());
+        if (gpu) {
+          cuda_ok(cudaMemcpy(slab.data, cx.data(), cx.nbytes(), cudaMemcpyDeviceToDevice), "slab copy");
+        } else {
+          std::memcpy(slab.data, cx.data(), cx.nbytes());
+        }
+        Tensor decoy = put(Tensor::empty(DType::bf16, cx.shape()));
+        if (gpu) poison_gpu(decoy);
+        LowLatencyCombineArgs za = ca;
+        za.x = decoy;
+        za.zero_copy = true;
+        za.out = TensorView{};
+        const LowLatencyCombineResult zr = buf.low_latency_combine(za);
+        if (c.hooks) zr.hook();
+        if (c.async) zr.event.current_stream_wait();
+        o[p + "combined_x zero-copy"] = to_cpu(zr.combined_x);
+      }
       if (gpu) poison_dispatch(d);
     }
     if (c.stats) o["stats"] = to_cpu(stats_d);
@@ -374,6 +396,11 @@ TEST(GpuCudaIpcLowLatency, HooksAndAsyncFinish) {
 
 // DeepEP V1's wait-cost statistics written by the receive kernels (nanoseconds per source, semantics §5): the
 // results bit for bit as the threads backend's, the entries grown from the caller's value, with and without hooks.
+TEST(GpuCudaIpcLowLatency, ZeroCopyCombineSendsTheWindowSlab) {
+  check_case({.calls = 2, .zero_copy = true});
+  check_case({.calls = 2, .hooks = true, .zero_copy = true});
+}
+
 TEST(GpuCudaIpcLowLatency, WaitCostStatsAccumulateAndChangeNoResult) {
   check_case({.calls = 3, .wait_cost = true});
   check_case({.fp8 = true, .calls = 2, .hooks = true, .wait_cost = true});

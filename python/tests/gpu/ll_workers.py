@@ -98,8 +98,8 @@ def _strides_in_elements(a: Any) -> np.ndarray:
 def run_ll_rank(buf: Any, case: LLCase, inputs: List[Dict[str, Any]], to_fw: Callable[[np.ndarray], Any],
                 to_np: Callable[[Any], np.ndarray], variant: str = "sync",
                 sync: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
-    """One rank's calls: low_latency_dispatch, then low_latency_combine of the case's expert output, `calls`
-    times. variant: 'sync', 'hook' (return_recv_hook on both), 'async' (async_finish on both, then
+    """One rank's calls: low_latency_dispatch, then low_latency_combine of the case's expert output, then the
+    same combine again with zero_copy from get_next_low_latency_combine_buffer, `calls` times. variant: 'sync', 'hook' (return_recv_hook on both), 'async' (async_finish on both, then
     event.current_stream_wait()), 'out' (combine into a given, poisoned array). `sync` waits for the device
     (GPU) before the outputs are read. Returns every output as NumPy arrays."""
     sync = sync or (lambda: None)
@@ -142,6 +142,23 @@ def run_ll_rank(buf: Any, case: LLCase, inputs: List[Dict[str, Any]], to_fw: Cal
             event.current_stream_wait()
         sync()
         got[f"call{i}.combined"] = to_np(combined)
+        # The same handle combined again from the next call's slab (DeepEP's test: zero_copy off, then on); on the
+        # GPU the slab is a view into the low-latency window, x only checked.
+        slab = buf.get_next_low_latency_combine_buffer(handle)
+        slab[:, :, :] = y
+        if getattr(slab, "is_cuda", False):
+            import torch
+            window = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+            assert window.data_ptr() <= slab.data_ptr() < window.data_ptr() + window.numel(), "slab outside window"
+        combined, event, recv_hook = buf.low_latency_combine(to_fw(np.zeros_like(ci["y"])), idx, w, handle,
+                                                             zero_copy=True, async_finish=async_finish,
+                                                             return_recv_hook=hook)
+        if hook:
+            recv_hook()
+        if async_finish:
+            event.current_stream_wait()
+        sync()
+        got[f"call{i}.combined_zero_copy"] = to_np(combined)
     sync()
     got["stats"] = to_np(stats)
     return got

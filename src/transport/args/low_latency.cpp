@@ -208,6 +208,22 @@ void check_combine_x(const TensorView& x, int El, std::int64_t rows, std::int64_
                     "x", "unit stride in dimension 2 and 16-byte aligned rows on CUDA", strides_of(x));
 }
 
+TensorView combine_input(const LowLatencyCombineArgs& a, const TensorView& slab, int El, std::int64_t rows,
+                         std::int64_t H, Device device) {
+  if (!a.zero_copy) {
+    check_combine_x(a.x, El, rows, H, device);
+    return a.x;
+  }
+  if (a.x.defined()) check_combine_x(a.x, El, rows, H, device);
+  return slab;
+}
+
+TensorView combine_slab_view(const low_latency_protocol::Layout& L, void* half, Device device) {
+  const std::int64_t El = L.local_experts, rows = static_cast<std::int64_t>(L.num_ranks) * L.tmax, H = L.hidden;
+  return TensorView(static_cast<std::byte*>(half) + L.combine_slab, DType::bf16, {El, rows, H}, {rows * H, H, 1},
+                    device);
+}
+
 void check_combine_out(const TensorView& out, std::int64_t T, std::int64_t H, Device device) {
   check_on(out, "out", device);
   if (device.is_cpu())

@@ -44,6 +44,12 @@ const LowLatencyHandle& combine_handle(const LowLatencyCombineArgs& a, std::uint
 /// Combine's x: bfloat16 [E_local, rows, H] on `device` with unit stride in dimension 2 (on CUDA also 16-byte aligned
 /// rows). Errors: invalid_argument naming 'x'.
 void check_combine_x(const TensorView& x, int local_experts, std::int64_t rows, std::int64_t hidden, Device device);
+/// What a combine sends: with zero_copy the buffer's combine slab of the call's half (`slab`; x, when given, must
+/// still pass check_combine_x, as DeepEP's x keeps its shape), else x (checked). Errors: those of check_combine_x.
+TensorView combine_input(const LowLatencyCombineArgs& a, const TensorView& slab, int local_experts, std::int64_t rows,
+                         std::int64_t hidden, Device device);
+/// The combine slab of a half (Layout::combine_slab at `half`) as bfloat16 [E_local, R * tmax, H] on `device`.
+TensorView combine_slab_view(const low_latency_protocol::Layout& L, void* half, Device device);
 /// A wait-cost statistic (dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats): undefined, or a contiguous
 /// int64 [R] on `device`. Errors: invalid_argument naming `name`.
 void check_wait_cost_stats(const TensorView& stats, std::string_view name, int R, Device device);

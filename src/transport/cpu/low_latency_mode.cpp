@@ -14,6 +14,8 @@
 //     src_info      [E_local, R*Tmax]      int32: source token index
 //     layout_range  [E_local, R]           int64: begin << 32 | count
 //     packed_k      [E_local, R*Tmax]      uint8: the k of the row's (token, k) pair (for combine)
+//   combine slab (written only by this rank's caller, read by a zero_copy combine of this half):
+//     combine_slab  [E_local, R*Tmax, H]   bfloat16
 //   staging area (peers put into it):
 //     headers       [R] x 64 bytes         one Header per source
 //     dispatch: per source s, TokenMeta[Tmax] then records[Tmax] (a record is the bf16 row, or the
@@ -136,6 +138,7 @@ low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::i
   L.src_info = take(rows * 4);
   L.layout_range = take(static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * 8);
   L.packed_k = take(rows);
+  L.combine_slab = take(rows * H * 2);
   L.dispatch_slot_bytes = align_up(static_cast<std::size_t>(tmax) * (L.meta_bytes + L.record_bytes), 64);
   const std::size_t dispatch_body = static_cast<std::size_t>(R) * L.dispatch_slot_bytes;
   const std::size_t combine_body = static_cast<std::size_t>(tmax) * kMaxTopk * H * 2;
@@ -483,6 +486,14 @@ void LowLatencyMode::receive_dispatch(Pending& p) {
 // ------------------------------------------------------------------------------------------------
 // combine
 
+TensorView LowLatencyMode::next_combine_buffer(const LowLatencyHandle& handle) {
+  LowLatencyCombineArgs a;
+  a.handle = &handle;
+  low_latency_args::combine_handle(a, buffer_id_);
+  EPMOE_ASSERT(config_.set);  // a handle of this buffer implies a configured buffer
+  return low_latency_args::combine_slab_view(layout_, half_base(generation_ - base_), Device::cpu());
+}
+
 LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) {
   Group& g = transport_.group();
   const int R = g.size(), me = g.rank();
@@ -502,7 +513,9 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
                                          unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
-  low_latency_args::check_combine_x(a.x, El, rows, H, Device::cpu());
+  const TensorView x = low_latency_args::combine_input(
+      a, low_latency_args::combine_slab_view(L, half_base(generation_ - base_), Device::cpu()), El, rows, H,
+      Device::cpu());
   low_latency_args::check_combine_idx_shape(a.topk_idx, T, K);
   std::vector<std::int32_t> idx = read_topk_idx(a.topk_idx, T, L.num_experts);
   for (std::size_t i = 0; i < idx.size(); ++i)
@@ -533,7 +546,7 @@ LowLatencyCombineResult LowLatencyMode::combine(const LowLatencyCombineArgs& a) 
   const std::uint64_t gen = generation_, index = gen - base_;
   std::optional<std::string> signal_timeout;
   try {
-    signal_timeout = send_combine(a.x, hd.generation - base_, overlap, index);
+    signal_timeout = send_combine(x, hd.generation - base_, overlap, index);
   } catch (...) {
     broken_ = true;
     throw;

@@ -42,6 +42,7 @@ class LowLatencyMode final : public LowLatencyBackend {
                                 int num_experts);
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args) override;
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) override;
+  TensorView next_combine_buffer(const LowLatencyHandle& handle) override;
   /// Collective: re-creates the (zeroed) window; pending hooks and earlier handles become stale.
   void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override;
 

@@ -30,6 +30,10 @@ class CudaIpcLowLatencyModes final : public LowLatencyBackend {
     if (args.x.device.is_cuda()) return gpu().dispatch(args);
     return cpu().dispatch(args);
   }
+  TensorView next_combine_buffer(const LowLatencyHandle& handle) override {
+    if (handle.src_info.device.is_cuda()) return gpu().next_combine_buffer(handle);
+    return cpu().next_combine_buffer(handle);
+  }
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& args) override {
     if (args.x.device.is_cuda() || (args.handle != nullptr && args.handle->src_info.device.is_cuda()))
       return gpu().combine(args);

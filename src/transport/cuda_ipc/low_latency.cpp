@@ -110,6 +110,14 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& a) override;
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& a) override;
   void clean(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts) override;
+  TensorView next_combine_buffer(const LowLatencyHandle& handle) override {
+    LowLatencyCombineArgs a;
+    a.handle = &handle;
+    args::combine_handle(a, buffer_id_);
+    EPMOE_CHECK_ARG(config_.set, "handle", "the handle of a low_latency_dispatch on CUDA tensors of this buffer",
+                    "a handle of its CPU low-latency mode");
+    return args::combine_slab_view(layout_, half_base(generation_ - base_), Device::cuda(device_));
+  }
   bool configured() const override { return config_.set; }
   /// The window past its control block (both halves: num_rdma_bytes), as DeepEP's RDMA buffer.
   TensorView local_buffer() const override {
@@ -551,7 +559,8 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
                              unreceived.active && unreceived.generation == hd.generation);
   const std::int64_t T = sent.num_tokens, K = sent.topk;
 
-  args::check_combine_x(a.x, El, rows, H, gpu);
+  const TensorView x = args::combine_input(a, args::combine_slab_view(L, half_base(generation_ - base_), gpu), El,
+                                           rows, H, gpu);
   args::check_combine_idx_shape(a.topk_idx, T, K);
   args::check_on(a.topk_idx, "topk_idx", gpu);
   EPMOE_CHECK_ARG(a.topk_idx.dtype == DType::int64 || a.topk_idx.dtype == DType::int32, "topk_idx",
@@ -569,8 +578,8 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
   EPMOE_CHECK_ARG(!(a.return_recv_hook && a.async_finish), "async_finish",
                   "false with return_recv_hook (the hook and async_finish exclude each other)", "true");
   const args::OverlapSpec overlap = args::check_combine_overlap(a, El, rows, gpu);
-  // zero_copy (DeepEP: x is the buffer's own combine slab) changes nothing here: the send kernel reads x where it
-  // is and stores each row straight into its destination, so every combine is zero-copy in DeepEP's sense.
+  // zero_copy sends the window's slab instead of x; either way the send kernel reads its input where it is and
+  // stores each row straight into its destination (no staging copy, which is what DeepEP's zero_copy saves).
   DeviceGuard guard(gpu);
   const cudaStream_t caller = cuda_util::to_cuda(current_stream());
   if (debug_validate_ && !capturing(caller) && !sent.topk_idx.empty()) {
@@ -604,9 +613,9 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
       out = a.out.defined() ? Tensor::wrap(a.out, nullptr) : Tensor::empty(DType::bf16, {T, H}, gpu);
     }
     ll::CombineSendArgs sa;
-    sa.x = a.x.data;
-    sa.stride0 = a.x.stride(0);
-    sa.stride1 = a.x.stride(1);
+    sa.x = x.data;
+    sa.stride0 = x.stride(0);
+    sa.stride1 = x.stride(1);
     if (overlap.active()) {
       sa.signal_form = overlap.form == args::OverlapSpec::Form::blocks ? ll::kSignalBlocks : ll::kSignalExperts;
       sa.signal = overlap.signal;
