@@ -195,7 +195,10 @@ void check_overlap(Mode mode) {
       std::printf("[ stamps   ] %-40s side [0, %.1f] us, dispatch [%.1f, %.1f] us, after forward %.1f us\n",
                   what.c_str(), us(1), us(2), us(3), us(4));
       EXPECT_LT(t[0], t[3]) << what << ": the shared experts started after the dispatch ended";
-      EXPECT_LT(t[2], t[1]) << what << ": the dispatch waited for the shared experts";
+      // The first forward's first launches of some kernels load their modules (CUDA's lazy loading, the default
+      // since 12.2), which waits for the running kernels, the side stream's among them: the overlap is asserted
+      // from the second forward on (docs/semantics.md: one eager forward first).
+      if (f > 0) EXPECT_LT(t[2], t[1]) << what << ": the dispatch waited for the shared experts";
       EXPECT_GE(t[4], t[1]) << what << ": the caller's stream did not wait for the side stream";
       check_routed(p, routed, what);
       check_shared(p, p.x, shared, what);
