@@ -17,6 +17,10 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long
 __device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+/// Adds v to *p with system-scope release (no value returned): after a barrier, it publishes the block's stores.
+__device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 /// A system-scope acquire-release fence: what publishing through a counter or flag needs (release of this thread's
 /// and, after a barrier, its block's earlier stores; acquire of what the counter's other writers released).
 /// Lighter than __threadfence_system (fence.sc.sys), whose sequential consistency nothing here relies on.

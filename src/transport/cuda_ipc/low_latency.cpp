@@ -157,7 +157,10 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   void ensure_configured(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts,
                          std::string_view phase);
   void begin_call(std::string_view what);
-  ll::Common common() const;
+  /// The kernels' common arguments for a launch of call `call` (since the last clean): it raises the consumed
+  /// flags of the receives launched before it (unpublished_), which are then taken as raised. `received`: the
+  /// launch runs call's receive, whose flag the next launch raises.
+  ll::Common common(std::uint64_t call, bool received);
   /// Orders a launch on `s` after this buffer's previous launch (on whatever stream it was).
   void order(cudaStream_t s);
   void launched(cudaStream_t s);
@@ -228,6 +231,9 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   std::uint64_t generation_ = 0, base_ = 0;  // as the CPU class: calls over the buffer's life, and at the last clean
   std::array<Pending, 2> pending_;
   std::array<Sent, 2> sent_;
+  // Per half: the call (since the last clean) whose receive was launched and whose consumed flags no launch has
+  // raised yet (-1: none); the next launch raises them (Common::publish_mask).
+  std::array<long long, 2> unpublished_ = {-1, -1};
 };
 
 void CudaIpcLowLatencyImpl::check_state() {
@@ -355,8 +361,15 @@ void CudaIpcLowLatencyImpl::begin_call(std::string_view what) {
           me_, what, p.generation);
 }
 
-ll::Common CudaIpcLowLatencyImpl::common() const {
+ll::Common CudaIpcLowLatencyImpl::common(std::uint64_t call, bool received) {
   ll::Common c;
+  for (int h = 0; h < 2; ++h) {
+    if (unpublished_[h] < 0) continue;
+    c.publish_mask |= 1 << h;
+    c.publish_delta[h] = static_cast<long long>(call) - unpublished_[h];
+    unpublished_[h] = -1;
+  }
+  if (received) unpublished_[call % 2] = static_cast<long long>(call);
   static_cast<LowLatencyMode::Layout&>(c) = layout_;  // its num_ranks is R_ (made for this group)
   for (int r = 0; r < R_; ++r) c.peers[r] = mem_->peer(r);
   c.rank = me_;
@@ -435,7 +448,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   try {
     if (a.async_finish) enter(caller);
     order(s);
-    const ll::Common c = common();
+    const ll::Common c = common(index, !a.return_recv_hook);
     if (a.use_nvfp4 && T > 0) {
       // NVFP4 is quantized by the library's quantizer into the records the send kernel copies (one more pass over
       // x than a fused send, the simplest correct route): the packed row, then its linear block scales.
@@ -522,7 +535,7 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
           "rank {}: the receive of low-latency call {} is no longer pending (the buffer was cleaned since)", me_, gen);
   try {
     order(s);
-    const ll::Common c = common();
+    const ll::Common c = common(gen - base_, true);
     if (p.is_dispatch) {
       ll::DispatchSendArgs unused;
       unused.K = p.K;  // the send's instantiation: one kernel name per op, also in a profile with hooks
@@ -628,7 +641,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
     moved = bring_routing(hd.generation - base_, index, s);
     p.ids_swapped = moved;
     p.out = out;
-    ll::launch_combine(common(), sa, combine_recv_args(p, 0), phases(a.return_recv_hook), s);
+    ll::launch_combine(common(index, !a.return_recv_hook), sa, combine_recv_args(p, 0), phases(a.return_recv_hook), s);
     if (moved) {
       put_back_routing(index, s);  // after the send read the routing (the receive reads none of it)
       if (!a.return_recv_hook) swap_ids(s);  // after the receive checked the ids (same kernel)
@@ -703,6 +716,7 @@ void CudaIpcLowLatencyImpl::clean(int num_max_dispatch_tokens_per_rank, std::int
   base_ = generation_;
   pending_ = {};
   sent_ = {};
+  unpublished_ = {-1, -1};
 }
 
 }  // namespace

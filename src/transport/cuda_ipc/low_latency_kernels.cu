@@ -1,12 +1,13 @@
 // Kernels of the cuda_ipc low-latency mode: dispatch send/receive, combine send/receive. Protocol and byte layout:
 // cuda_ipc/low_latency.hpp (the CPU implementation's, cpu/low_latency_mode.cpp).
 //
-// Every kernel learns its call index on the device: Control::calls counts the send kernels that finished since the
-// last clean, so a send kernel's index is `calls` (its last block advances it) and a receive kernel's is
+// Every kernel learns its call index on the device: Control::calls counts the send kernels launched since the last
+// clean, so a send kernel's index is `calls` (the block that reads it last advances it) and a receive kernel's is
 // calls - 1 - lag, lag being the calls sent after it when it was enqueued (0 unless a recv hook runs late). A
 // captured CUDA graph therefore replays with fresh indices. Memory ordering: rows are plain stores into the peer's
-// window; the last block of a kernel (an arrive counter, with system-scope acquire-release fences around it)
-// publishes with st.release.sys; receivers poll with ld.acquire.sys and read staging with ld.global.cg. Every spin
+// window; a dispatch send's blocks publish them with one red.release.sys each into the peer's data flag (their
+// shares sum to kCallTag), a combine send's last block (an arrive counter between acquire-release fences) with
+// st.release.sys; receivers poll with ld.acquire.sys and read staging with ld.global.cg. Every spin
 // has a %globaltimer deadline: on expiry the first failing thread records (code, rank, peer, phase) in the
 // host-mapped record (atomicCAS on Control::claim) and the kernel returns (no trap).
 #include <epmoe/dtype.hpp>
@@ -141,21 +142,9 @@ __device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, l
   if (report_errors && bad_code != 0) report(c, bad_code, c.rank, phase, index, bad_value, t * K + bad_k);
 }
 
-/// The last block of the grid to get here (every thread calls it, after its stores): returns true in that block's
-/// thread 0, after a system-scope fence that orders every block's stores before what it publishes next (each block's
+/// The last block of the grid to get here (every thread calls it, after its stores): true in every thread of that
+/// block, after a system-scope fence that orders every block's stores before what it publishes next (each block's
 /// release fence before its arrival, the last block's acquire fence after it).
-__device__ bool last_block(unsigned int* arrive) {
-  __syncthreads();
-  if (threadIdx.x != 0) return false;
-  fence_acq_rel_sys();
-  const unsigned old = atomicAdd(arrive, 1u);
-  if (old != gridDim.x - 1) return false;
-  fence_acq_rel_sys();
-  *arrive = 0;  // ready for the next kernel (stream order)
-  return true;
-}
-
-/// As last_block, but true in every thread of the last block (for work that block shares out among its threads).
 __device__ bool last_block_all(unsigned int* arrive) {
   __shared__ int last;
   __syncthreads();
@@ -219,22 +208,44 @@ __device__ void quantize_row_to(const std::uint32_t* x_row, int H, bool round_sc
   }
 }
 
-/// A send kernel's start (every thread calls it): its call index (Control::calls, which its last block advances) in
-/// *index, and whether it may write: a half is written again (call index) only once every destination has read it
-/// (call index - 2); false after a timeout (recorded).
-__device__ bool begin_send(const Common& c, int phase, unsigned long long* index) {
+/// Block 0's threads d < R raise, in peer d, the consumed flags of the earlier receives Common::publish_mask names
+/// (relative to this launch's call `index`). Before any wait, so two ranks never wait for each other's flags.
+__device__ void publish_consumed(const Common& c, unsigned long long index) {
+  if (blockIdx.x != 0 || threadIdx.x >= c.num_ranks) return;
+  for (int h = 0; h < 2; ++h) {
+    if (((c.publish_mask >> h) & 1) == 0) continue;
+    const unsigned long long call = index - static_cast<unsigned long long>(c.publish_delta[h]);
+    st_release_sys(&control(c.peers[threadIdx.x])->consumed[call & 1][c.rank], call + 1);
+  }
+}
+
+/// A send kernel's start (every thread calls it): its call index (Control::calls, which the block that reads it last
+/// advances), after raising the consumed flags the launch owes (publish_consumed).
+__device__ unsigned long long begin_send(const Common& c) {
   Control* own = control(c.peers[c.rank]);
   __shared__ unsigned long long s_index;
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) {
-    s_index = read_volatile(&own->calls);
-    s_ok = 1;
-  }
+  if (threadIdx.x == 0) s_index = read_volatile(&own->calls);
   __syncthreads();
-  *index = s_index;
-  const int half = static_cast<int>(*index & 1);
-  if (*index >= 2 && threadIdx.x < c.num_ranks &&
-      !wait_geq(&own->consumed[half][threadIdx.x], *index - 1, c, threadIdx.x, phase, *index))
+  const unsigned long long index = s_index;
+  publish_consumed(c, index);
+  if (threadIdx.x == 0 && atomicAdd(&own->index_arrive, 1u) == gridDim.x - 1) {
+    own->index_arrive = 0;
+    own->calls = index + 1;
+  }
+  return index;
+}
+
+/// Whether a send of call `index` may write into the destinations (every thread calls it; the same answer in all):
+/// a half is written again only once every destination has read it (call index - 2); false after a timeout
+/// (recorded).
+__device__ bool writable(const Common& c, int phase, unsigned long long index) {
+  Control* own = control(c.peers[c.rank]);
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  const int half = static_cast<int>(index & 1);
+  if (index >= 2 && threadIdx.x < c.num_ranks &&
+      !wait_geq(&own->consumed[half][threadIdx.x], index - 1, c, threadIdx.x, phase, index))
     s_ok = 0;
   __syncthreads();
   return s_ok != 0;
@@ -257,10 +268,11 @@ struct SendTask {
   int t, d, pos;
 };
 
-/// The send phase of dispatch call `index` (begin_send passed): rows and metas into every destination's half, then
-/// (the grid's last block) the headers and data flags.
+/// The send phase of dispatch call `index`: rows and metas into every destination's half, then the headers and data
+/// flags. It waits for the destinations' consumed flags (writable) only before its first store into them, so that
+/// wait overlaps the first scan. False when the send may not write (a timeout, recorded).
 template <int kK>
-__device__ void dispatch_send(const Common& c, const DispatchSendArgs& a, unsigned long long index) {
+__device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
   const int half = static_cast<int>(index & 1), R = c.num_ranks, me = c.rank, El = c.local_experts, K = a.K;
 
@@ -288,6 +300,7 @@ __device__ void dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
   const std::size_t payload = fp8 || nvfp4 ? (quant_row + 4u * a.scale_cols + 15) / 16 * 16
                                            : static_cast<std::size_t>(2 * c.hidden);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  bool checked = false;  // writable passed
   __syncthreads();
 
   for (long long base = 0; base < a.T; base += kThreads) {
@@ -327,6 +340,10 @@ __device__ void dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       }
     }
     __syncthreads();
+    if (!checked) {
+      if (!writable(c, kPhaseDispatchSend, index)) return false;
+      checked = true;
+    }
     // Fused fp8: items (token, kQuantWords words of its row), spread over the block's warps.
     const int words = (static_cast<int>((c.hidden + 127) / 128) + 3) / 4;
     const int pieces = (words + kQuantWords - 1) / kQuantWords;
@@ -376,22 +393,27 @@ __device__ void dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
     __syncthreads();
   }
 
-  if (!last_block(&own->send_arrive)) return;
-  for (int d = 0; d < R; ++d) {
-    Header* h =
-        reinterpret_cast<Header*>(half_base(c, d, half) + c.staging + static_cast<std::size_t>(me) * kHeaderBytes);
-    h->magic = kMagic;
-    h->kind = kKindDispatch;
-    h->index = index;
-    h->count = carry[d];
-    h->hidden = c.hidden;
-    h->flags = a.flags;
-    h->tmax = c.tmax;
-    h->num_experts = c.num_experts;
-  }
-  // st.release.sys orders this thread's header stores (and, after last_block's fences, every block's rows) first.
-  for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->data[half][me], index + 1);
-  own->calls = index + 1;
+  if (!checked && !writable(c, kPhaseDispatchSend, index)) return false;
+  // No grid barrier: each block publishes its own rows (and block 0 the headers: every block's scan knows each
+  // destination's count) with one release-add per destination; the shares sum to kCallTag once every block is in.
+  __syncthreads();
+  if (threadIdx.x != 0) return true;
+  if (blockIdx.x == 0)
+    for (int d = 0; d < R; ++d) {
+      Header* h =
+          reinterpret_cast<Header*>(half_base(c, d, half) + c.staging + static_cast<std::size_t>(me) * kHeaderBytes);
+      h->magic = kMagic;
+      h->kind = kKindDispatch;
+      h->index = index;
+      h->count = carry[d];
+      h->hidden = c.hidden;
+      h->flags = a.flags;
+      h->tmax = c.tmax;
+      h->num_experts = c.num_experts;
+    }
+  const unsigned long long share = blockIdx.x == 0 ? kCallTag - (gridDim.x - 1) : 1ull;
+  for (int d = 0; d < R; ++d) red_release_sys_add(&control(c.peers[d])->data[half][me], share);
+  return true;
 }
 
 /// Threads s < R wait for source s's data flag of call `index` and check its header; false on every thread when
@@ -406,7 +428,7 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
   if (s < c.num_ranks) {
     Control* own = control(c.peers[c.rank]);
     const long long start = wait_cost != nullptr ? now_ns() : 0;
-    const bool arrived = wait_geq(&own->data[half][s], index + 1, c, s, phase, index);
+    const bool arrived = wait_geq(&own->data[half][s], data_target(index), c, s, phase, index);
     // Every block waits; block 0 alone adds, so the statistic counts each source's wait once per call.
     if (wait_cost != nullptr && blockIdx.x == 0)
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost + s), static_cast<unsigned long long>(now_ns() - start));
@@ -451,10 +473,9 @@ struct RecvItem {
   int j, k, token;
 };
 
-/// The receive phase of dispatch call `index`: every source's rows into the packed per-expert layout, then (the
-/// grid's last block) the consumed flags.
+/// The receive phase of dispatch call `index`: every source's rows into the packed per-expert layout (the consumed
+/// flags are raised by this rank's next launch: Common::publish_mask).
 __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsigned long long index) {
-  Control* own = control(c.peers[c.rank]);
   const int half = static_cast<int>(index & 1), R = c.num_ranks, El = c.local_experts;
   __shared__ long long n[kMaxRanks];
   if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv, a.wait_cost)) return;
@@ -550,9 +571,6 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
       if (a.stats) a.stats[e * a.stats_stride] += fill;
     }
   }
-
-  if (!last_block(&own->recv_arrive)) return;
-  for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->consumed[half][c.rank], index + 1);
 }
 
 // ---- combine ----
@@ -644,7 +662,25 @@ __device__ void combine_send_overlapped(const Common& c, const CombineSendArgs& 
   }
 }
 
-/// The send phase of combine call `index` (begin_send passed): each expert's rows back to their sources (block by
+/// A combine's header at source `s`: `rows_back` rows of call `index`; `marked`: an overlapped send gave up on the
+/// signal of local expert `expert`, block `block` (kFlagSignalTimeout, the rows incomplete).
+__device__ void write_combine_header(const Common& c, int s, int half, unsigned long long index, long long rows_back,
+                                     bool marked, int expert, std::int32_t block) {
+  Header* h =
+      reinterpret_cast<Header*>(half_base(c, s, half) + c.staging + static_cast<std::size_t>(c.rank) * kHeaderBytes);
+  h->magic = kMagic;
+  h->kind = kKindCombine;
+  h->index = index;
+  h->count = rows_back;
+  h->hidden = c.hidden;
+  h->flags = marked ? kFlagSignalTimeout : 0u;
+  h->reserved[0] = marked ? expert : 0;
+  h->reserved[1] = marked ? block : 0;
+  h->tmax = c.tmax;
+  h->num_experts = c.num_experts;
+}
+
+/// The send phase of combine call `index` (writable passed): each expert's rows back to their sources (block by
 /// block after the signals when overlapped), then (the grid's last block) the headers and data flags.
 __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
@@ -681,41 +717,43 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
       }
     }
 
-  if (!last_block_all(&own->send_arrive)) return;
-  // Rows sent back to each source, summed by the whole last block (not El x R dependent loads by one thread).
+  // Rows sent back to each source, summed by a whole block (not El x R dependent loads by one thread).
   __shared__ unsigned long long back[kMaxRanks];
-  if (threadIdx.x < kMaxRanks) back[threadIdx.x] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < El * R; i += blockDim.x)
-    atomicAdd(&back[i % R], static_cast<unsigned long long>(range[i] & 0xffffffffll));
-  __syncthreads();
+  const auto sum_rows_back = [&] {
+    if (threadIdx.x < kMaxRanks) back[threadIdx.x] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < El * R; i += blockDim.x)
+      atomicAdd(&back[i % R], static_cast<unsigned long long>(range[i] & 0xffffffffll));
+    __syncthreads();
+  };
+  if (a.signal_form == kSignalNone) {
+    // No grid barrier: block 0 sums the rows (the dispatch's ranges, which no block writes) and writes the headers;
+    // each block publishes its rows with one release-add share per source, the shares summing to kCallTag.
+    if (blockIdx.x == 0) sum_rows_back();
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    if (blockIdx.x == 0)
+      for (int s = 0; s < R; ++s) write_combine_header(c, s, half, index, static_cast<long long>(back[s]), false, 0, 0);
+    const unsigned long long share = blockIdx.x == 0 ? kCallTag - (gridDim.x - 1) : 1ull;
+    for (int s = 0; s < R; ++s) red_release_sys_add(&control(c.peers[s])->data[half][me], share);
+    return;
+  }
+  // Overlapped: the last block also learns whether any block gave up on a signal, and marks the headers so.
+  if (!last_block_all(&own->send_arrive)) return;
+  sum_rows_back();
   if (threadIdx.x != 0) return;
   const bool marked = own->signal_gave_up != 0;  // after last_block_all's acquire: every block's mark is seen
-  for (int s = 0; s < R; ++s) {
-    const long long rows_back = static_cast<long long>(back[s]);
-    Header* h =
-        reinterpret_cast<Header*>(half_base(c, s, half) + c.staging + static_cast<std::size_t>(me) * kHeaderBytes);
-    h->magic = kMagic;
-    h->kind = kKindCombine;
-    h->index = index;
-    h->count = rows_back;
-    h->hidden = H;
-    h->flags = marked ? kFlagSignalTimeout : 0u;
-    h->reserved[0] = marked ? own->signal_expert : 0;
-    h->reserved[1] = marked ? static_cast<std::int32_t>(own->signal_block) : 0;
-    h->tmax = c.tmax;
-    h->num_experts = c.num_experts;
-  }
+  for (int s = 0; s < R; ++s)
+    write_combine_header(c, s, half, index, static_cast<long long>(back[s]), marked, own->signal_expert,
+                         static_cast<std::int32_t>(own->signal_block));
   own->signal_gave_up = 0;
-  for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], index + 1);
-  own->calls = index + 1;
+  for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], data_target(index));
 }
 
-/// The receive phase of combine call `index`: the weighted sum of every token's rows into out, then (the grid's
-/// last block) the consumed flags.
+/// The receive phase of combine call `index`: the weighted sum of every token's rows into out (the consumed flags
+/// are raised by this rank's next launch).
 template <int kK>
 __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned long long index) {
-  Control* own = control(c.peers[c.rank]);
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, El = c.local_experts, K = a.K;
   // Rows each rank must send back: this rank's (token, k) pairs routed to it (checked by block 0, which also
   // reports id errors and a topk_idx that differs from the dispatch's).
@@ -789,31 +827,28 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
                          static_cast<int>(packed[3]));
     }
   }
-
-  if (!last_block(&own->recv_arrive)) return;
-  for (int d = 0; d < R; ++d) st_release_sys(&control(c.peers[d])->consumed[half][c.rank], index + 1);
 }
 
-/// The index of a kernel's call: a send phase reads it (begin_send, which also waits until the half may be written
-/// again); a receive-only launch is the call sent `lag` calls before the last (Control::calls counts finished sends).
-/// False (every thread) when the send may not start (a timeout, recorded).
-__device__ __forceinline__ bool call_index(const Common& c, int phases, long long lag, int send_phase,
-                                           unsigned long long* index) {
-  if ((phases & kSendPhase) != 0) return begin_send(c, send_phase, index);
-  *index = read_volatile(&control(c.peers[c.rank])->calls) - 1 - static_cast<unsigned long long>(lag);
-  return true;
+/// The index of a kernel's call: a send phase reads it (begin_send); a receive-only launch is the call sent `lag`
+/// calls before the last (Control::calls counts the send kernels launched). Either raises the consumed flags the
+/// launch owes first.
+__device__ __forceinline__ unsigned long long call_index(const Common& c, int phases, long long lag) {
+  if ((phases & kSendPhase) != 0) return begin_send(c);
+  const unsigned long long index =
+      read_volatile(&control(c.peers[c.rank])->calls) - 1 - static_cast<unsigned long long>(lag);
+  publish_consumed(c, index);
+  return index;
 }
 
 // One kernel per op, its phases a runtime argument (DeepEP's LOW_LATENCY_SEND_PHASE / _RECV_PHASE): both phases in
 // one launch unless a recv hook splits them. With both, blocks that finish sending wait in the receive for the
-// data flags the send's last block raises, so the grid must be co-resident (launch_fused bounds it).
+// data flags the send's blocks raise, so the grid must be co-resident (launch_phases bounds it).
 template <int kK>
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs sa,
                     const __grid_constant__ DispatchRecvArgs ra, int phases) {
-  unsigned long long index = 0;
-  if (!call_index(c, phases, ra.lag, kPhaseDispatchSend, &index)) return;
-  if ((phases & kSendPhase) != 0) dispatch_send<kK>(c, sa, index);
+  const unsigned long long index = call_index(c, phases, ra.lag);
+  if ((phases & kSendPhase) != 0 && !dispatch_send<kK>(c, sa, index)) return;
   if ((phases & kRecvPhase) != 0) dispatch_recv(c, ra, index);
 }
 
@@ -821,9 +856,11 @@ template <int kK>
 __global__ void __launch_bounds__(kThreads)
     combine_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs sa,
                    const __grid_constant__ CombineRecvArgs ra, int phases) {
-  unsigned long long index = 0;
-  if (!call_index(c, phases, ra.lag, kPhaseCombineSend, &index)) return;
-  if ((phases & kSendPhase) != 0) combine_send(c, sa, index);
+  const unsigned long long index = call_index(c, phases, ra.lag);
+  if ((phases & kSendPhase) != 0) {
+    if (!writable(c, kPhaseCombineSend, index)) return;
+    combine_send(c, sa, index);
+  }
   if ((phases & kRecvPhase) != 0) combine_recv<kK>(c, ra, index);
 }
 

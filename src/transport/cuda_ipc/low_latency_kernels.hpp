@@ -20,11 +20,15 @@ using namespace low_latency_protocol;
 /// Control block at the start of every rank's window (the halves follow it). Peers write `data` and `consumed`;
 /// the owner alone uses the rest.
 struct Control {
-  unsigned long long data[2][kMaxRanks];      // [half][source] = index + 1 once the source's data of call index is in
-  unsigned long long consumed[2][kMaxRanks];  // [half][reader] = index + 1 once reader read its staging of call index
+  // [half][source]: kCallTag for each call of the half the source's data is in (a dispatch send's blocks add their
+  // shares as they finish, no grid barrier; a combine's last block stores the sum)
+  unsigned long long data[2][kMaxRanks];
+  // [half][reader] = index + 1 once reader read its staging of call index: raised by the reader's first launch after
+  // that receive (Common::publish_mask), the kernel boundary being what guarantees the reads are done
+  unsigned long long consumed[2][kMaxRanks];
   unsigned long long calls;  // owner: calls since the last clean whose send kernel finished (the next call's index)
-  unsigned int send_arrive;  // owner: blocks of the running send kernel that finished
-  unsigned int recv_arrive;  // owner: blocks of the running receive kernel that finished
+  unsigned int send_arrive;  // owner: blocks of the running combine send that finished
+  unsigned int index_arrive;  // owner: blocks of the running send kernel that read their call index
   int claim;                 // first error wins the host record
   // owner: an overlapped combine's send gave up on a signal (1), of local expert signal_expert, block signal_block
   // (-1: per expert); the send's last block puts it in the headers and clears it
@@ -33,6 +37,12 @@ struct Control {
   long long signal_block;
 };
 inline constexpr std::size_t kControlBytes = 4096;
+/// What each call adds to a half's data flag: call `index`'s data is in once data[index % 2][source] >=
+/// data_target(index). Call index.. 2^40 would wrap it (years of calls between cleans).
+inline constexpr unsigned long long kCallTag = 1ull << 40;
+__host__ __device__ constexpr unsigned long long data_target(unsigned long long index) {
+  return ((index >> 1) + 1) * kCallTag;
+}
 static_assert(sizeof(Control) <= kControlBytes);
 
 /// Error codes (HostRecord::error_code).
@@ -67,6 +77,12 @@ struct Common : low_latency_protocol::Layout {
   HostRecord* host = nullptr;  ///< device pointer of the host-mapped record
   std::int32_t* sent_idx = nullptr;  ///< this rank's device scratch [2][num_max_dispatch_tokens_per_rank * kMaxTopk]:
                                      ///< dispatch ids per half
+  /// Receives of earlier launches whose consumed flags this launch raises first, in every peer: bit h set: the call
+  /// publish_delta[h] calls before this launch's own (call index - delta, of half h). Relative, so a captured graph
+  /// replays with fresh indices. Raising them here rather than at the end of the receive kernel spares that kernel
+  /// a grid-wide barrier: a source needs the flag only two calls later, after this rank's next launch.
+  int publish_mask = 0;
+  long long publish_delta[2] = {0, 0};
 };
 
 struct DispatchSendArgs {
@@ -129,7 +145,7 @@ struct CombineRecvArgs {
 enum : int { kSendPhase = 1, kRecvPhase = 2 };
 
 /// One kernel per op ("dispatch" / "combine" in its name, as profilers and DeepEP's tests look for). With both
-/// phases the grid is bounded by the blocks the device holds at once (the receive waits on the send's last block);
+/// phases the grid is bounded by the blocks the device holds at once (the receive waits for every send block);
 /// the arguments of a phase not run are ignored.
 void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const DispatchRecvArgs& ra, int phases,
                      cudaStream_t s);
