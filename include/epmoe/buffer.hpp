@@ -426,8 +426,8 @@ class Buffer {
   /// [E_local, R*Tmax, H] contiguous view into this rank's window (of half n % 2 for call n since the last clean,
   /// on the handle's device), which a combine with `zero_copy` sends instead of x. Write the experts' outputs into
   /// it, in the rows of `handle`'s dispatch, before that combine. No call writes it; the two halves' slabs are
-  /// distinct, so the one handed out stays as written until the caller writes it again (valid while the buffer
-  /// lives; a clean zeroes it). Errors: invalid_argument naming `handle` (empty, or of another buffer).
+  /// distinct, so the one handed out stays as written until the caller writes it again. On GPUs it is valid while
+  /// the buffer lives (a clean zeroes it); on CPU backends until the next clean (which re-makes the window). Errors: invalid_argument naming `handle` (empty, or of another buffer).
   TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
   /// Resets the low-latency receive buffers (after normal-mode use of a shared buffer).
   void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, std::int64_t hidden, int num_experts);

@@ -850,6 +850,9 @@ class Buffer:
             int32_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
             int64_arg("hidden", hidden), int32_arg("num_experts", num_experts))
         self._ll_calls = 0
+        for slab in self._combine_slabs:  # CPU ranks' own slabs, zeroed as the window's are (GPU slabs are in it)
+            if slab is not None:
+                slab[...] = 0
 
     def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Any = None, dispatch_wait_recv_cost_stats: Any = None,
@@ -1024,9 +1027,11 @@ class Buffer:
             slab = self._combine_slabs[self._ll_calls % 2]
             shape = self._combine_slab_shape(handle)
             if slab is None:
-                raise invalid_argument("zero_copy", "True only after get_next_low_latency_combine_buffer(handle) for "
-                                       "this call", "no slab handed out for it")
-            if tuple(getattr(x, "shape", ())) != shape:
+                raise invalid_argument("zero_copy", "True only after get_next_low_latency_combine_buffer(handle) "
+                                       "made the slab of this call's half", "no slab made for it yet")
+            # x is optional here; when given it is checked as without zero_copy (shape and dtype), then not read
+            if x is not None and (tuple(getattr(x, "shape", ())) != shape or
+                                  "bfloat16" not in str(getattr(x, "dtype", ""))):
                 raise invalid_argument("x", f"bfloat16 {list(shape)}", describe(x))
             x = slab
             zero_copy = False
@@ -1072,8 +1077,8 @@ class Buffer:
         ``low_latency_combine(..., zero_copy=True)``. Two slabs alternate with the calls' halves (DeepEP's rule: the
         slab of half n % 2 for call n). On the GPU (a torch handle on CUDA) it is a contiguous view into this rank's
         low-latency window (C++ Buffer::get_next_low_latency_combine_buffer; DeepEP's combine send buffer), valid
-        while the buffer lives; no call writes it (a clean zeroes it). On CPU ranks each slab is an array owned by
-        this buffer, made on first use (uninitialised). Errors: epmoe.Error 'invalid_argument' for a handle of
+        while the buffer lives. On CPU ranks each slab is an array owned by this buffer, made uninitialised on first
+        use. Either way no call writes a slab and a clean zeroes both. Errors: epmoe.Error 'invalid_argument' for a handle of
         another kind or buffer, 'unsupported' for CuPy handles on the GPU (CuPy has no bfloat16)."""
         if not isinstance(handle, LowLatencyHandle):
             raise invalid_argument("handle", "the handle returned by low_latency_dispatch", describe(handle))
@@ -1085,6 +1090,7 @@ class Buffer:
                               "array as x to low_latency_combine")
         if is_cuda(handle[0]):
             return self.runtime.next_low_latency_combine_buffer(handle.native, "torch")
+        self.runtime.next_low_latency_combine_buffer(handle.native, "numpy")  # checks the handle is this buffer's
         half = self._ll_calls % 2
         slab = self._combine_slabs[half]
         if slab is None or tuple(slab.shape) != shape or (framework_of(slab) == "torch") != torch_out or \

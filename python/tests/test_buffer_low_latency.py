@@ -268,6 +268,39 @@ def test_alternation_rule_rejects_reused_halves_and_clean_resets(rng):
         np.testing.assert_array_equal(bits(zc), exp)  # read from the slab, not from x (zeros)
 
 
+def test_zero_copy_slab_on_cpu_ranks(rng):
+    """semantics §5 zero_copy on CPU ranks: x may be None; a given x is checked (dtype too) and not read; the getter
+    refuses another buffer's handle; a clean zeroes the slabs."""
+    R, E = 2, 4
+    Ts, xs, idxs, ws = make_inputs(rng, R, E)
+
+    def rank_main(group):
+        r = group.rank()
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        other = epmoe.Buffer(group, low_latency_mode=True)
+        c = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_fp8=False)
+        z = buf.get_next_low_latency_combine_buffer(c[2])
+        z[...] = experts_on_packed(c[0], c[1], r, E // R)
+        none_x, _, _ = buf.low_latency_combine(None, idxs[r], ws[r], c[2], zero_copy=True)
+        z2 = buf.get_next_low_latency_combine_buffer(c[2])  # the next call's half: the other slab
+        z2[...] = z
+        with pytest.raises(epmoe.Error) as dtype:
+            buf.low_latency_combine(z.astype(np.float32), idxs[r], ws[r], c[2], zero_copy=True)
+        with pytest.raises(epmoe.Error) as foreign:
+            other.get_next_low_latency_combine_buffer(c[2])
+        buf.clean_low_latency_buffer(TMAX, H, E)
+        zeroed = not np.any(bits(z)) and not np.any(bits(z2))
+        return none_x, dtype.value, foreign.value, zeroed
+
+    out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    for d in range(R):
+        none_x, dtype, foreign, zeroed = out[d]
+        np.testing.assert_array_equal(bits(none_x), bits(combine_ref(xs[d], idxs[d], ws[d])))
+        assert dtype.code == "invalid_argument" and "'x'" in str(dtype) and "float32" in str(dtype), str(dtype)
+        assert foreign.code == "invalid_argument" and "'handle'" in str(foreign), str(foreign)
+        assert zeroed
+
+
 def test_low_latency_errors_name_the_argument(rng):
     R, E = 2, 4
     Ts, xs, idxs, ws = make_inputs(rng, R, E)
