@@ -156,6 +156,8 @@ class RankTimer {
     check_cuda(program_, cudaMemsetAsync(flush_, i & 0xff, kFlushBytes, nullptr), "flush");
     check_cuda(program_, cudaDeviceSynchronize(), "sync");
   }
+  /// Waits until the device is idle (a run without the flush).
+  void idle() { check_cuda(program_, cudaDeviceSynchronize(), "sync"); }
   /// Microseconds between events recorded before and after `fn` on the legacy default stream.
   double time_us(const std::function<void()>& fn) {
     check_cuda(program_, cudaEventRecord(start_, nullptr), "record");

@@ -22,8 +22,11 @@
 // combine, one bf16 row per (token, k) routed to another rank, plus the headers. GB/s = remote bytes / R / time (what
 // one rank sends; per direction at R = 2).
 //
+// --no-flush keeps the L2 between runs (the device is still idle before each): the warm case of DeepEP's test,
+// whose calls reuse the same buffers; with EPMOE_CUDA_IPC_TRACE=1 it gives the warm breakdown per launch.
+//
 // Usage: bench_gpu_low_latency [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R]
-//                              [--json PATH]
+//                              [--no-flush] [--json PATH]
 #include "bench_util.hpp"
 
 #if !defined(EPMOE_HAVE_CUDA)
@@ -82,14 +85,21 @@ int main(int argc, char** argv) {
   bench::OpOptions opt;
   opt.T = 128;
   int ranks = 0;  // 0: every visible GPU, up to kMaxRanks
+  bool flush = true;
   for (int i = 1; i < argc; ++i) {
     if (bench::parse_op_option(argc, argv, i, opt)) continue;
+    if (!std::strcmp(argv[i], "--no-flush")) {
+      flush = false;
+      continue;
+    }
     if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) {
       ranks = std::atoi(argv[++i]);
       continue;
     }
-    std::printf("usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R] [--json PATH]\n",
-                argv[0]);
+    std::printf(
+        "usage: %s [--runs N] [--tokens T] [--hidden H] [--topk K] [--experts E] [--ranks R] [--no-flush] "
+        "[--json PATH]\n",
+        argv[0]);
     return 2;
   }
   int devices = 0;
@@ -112,8 +122,9 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::uint64_t seed = bench::run_seed();
   const int tmax = static_cast<int>(T);
-  std::printf("bench_gpu_low_latency: %s x%d, T=%lld (Tmax) H=%lld K=%d E=%d, runs=%d, seed %llu\n", prop.name, num_ranks,
-              static_cast<long long>(T), static_cast<long long>(H), K, E, runs, static_cast<unsigned long long>(seed));
+  std::printf("bench_gpu_low_latency: %s x%d, T=%lld (Tmax) H=%lld K=%d E=%d, runs=%d, L2 %s, seed %llu\n", prop.name,
+              num_ranks, static_cast<long long>(T), static_cast<long long>(H), K, E, runs,
+              flush ? "flushed before each run" : "kept (--no-flush)", static_cast<unsigned long long>(seed));
 
   const char* ops[] = {"dispatch_fp8",      "dispatch_bf16",     "combine_bf16",     "dispatch_fp8_send",
                        "dispatch_fp8_recv", "combine_bf16_send", "combine_bf16_recv", "dispatch_fp8+combine_graph",
@@ -168,7 +179,10 @@ int main(int argc, char** argv) {
     // Fresh routing every 10 runs, only before a run's first op (a combine must see its dispatch's routing).
     auto prepare = [&](int i, bool first = false) {
       if (first && i % 10 == 0) new_routing(static_cast<std::uint64_t>(i));
-      timer.flush_l2(i);
+      if (flush)
+        timer.flush_l2(i);
+      else
+        timer.idle();
       g.barrier("bench");
     };
     auto time_it = [&](int op, int i, const std::function<void()>& fn) {

@@ -21,6 +21,7 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -30,6 +31,7 @@ std::unique_ptr<CudaIpcLowLatency> make_cuda_ipc_low_latency(std::shared_ptr<Gro
 #include "core/cuda_check.hpp"
 #include "core/cuda_util.hpp"
 #include "transport/cuda_ipc/low_latency_kernels.hpp"
+#include "transport/cuda_ipc/low_latency_trace.hpp"
 #include "transport/cuda_ipc/memory.hpp"
 #include "transport/cuda_ipc/stream.hpp"
 #include "transport/args/low_latency.hpp"
@@ -87,6 +89,9 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming));
     EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
     timeout_ns_ = static_cast<long long>(group_->timeout_s() * 1e9);
+    const char* trace = std::getenv("EPMOE_CUDA_IPC_TRACE");
+    if (trace != nullptr && trace[0] != '\0' && std::string(trace) != "0")
+      trace_ = std::make_unique<ll::LaunchTrace>(me_);
   }
 
   ~CudaIpcLowLatencyImpl() override {
@@ -97,6 +102,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     cudaSetDevice(device_);
     if (comm_) cudaStreamSynchronize(comm_);
     if (has_last_) cudaEventSynchronize(last_event_);
+    trace_.reset();  // prints the trace's figures
     mem_.reset();
     scratch_ = Tensor{};
     sent_idx_ = Tensor{};
@@ -169,6 +175,15 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(comm_, caller_done_, 0));
   }
   void receive(std::uint64_t generation, cudaStream_t s, long long lag);
+  /// EPMOE_CUDA_IPC_TRACE=1: the stamps for a launch on `s` (null otherwise), and after it the launch's sums.
+  long long* arm_trace(cudaStream_t s) { return trace_ ? trace_->arm(s) : nullptr; }
+  void collect_trace(const char* op, int ran, cudaStream_t s) {
+    if (trace_)
+      trace_->collect(std::string(op) + (ran == ll::kSendPhase   ? " send"
+                                         : ran == ll::kRecvPhase ? " recv"
+                                                                    : " (send + recv)"),
+                      s);
+  }
   static ll::DispatchRecvArgs dispatch_recv_args(const Pending& p, long long lag);
   ll::CombineRecvArgs combine_recv_args(const Pending& p, long long lag) const;
   /// The phases of a call's launch: the send alone when a hook runs the receive later, else both in one kernel.
@@ -234,6 +249,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   // Per half: the call (since the last clean) whose receive was launched and whose consumed flags no launch has
   // raised yet (-1: none); the next launch raises them (Common::publish_mask).
   std::array<long long, 2> unpublished_ = {-1, -1};
+  std::unique_ptr<ll::LaunchTrace> trace_;  // EPMOE_CUDA_IPC_TRACE=1
 };
 
 void CudaIpcLowLatencyImpl::check_state() {
@@ -448,7 +464,7 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   try {
     if (a.async_finish) enter(caller);
     order(s);
-    const ll::Common c = common(index, !a.return_recv_hook);
+    ll::Common c = common(index, !a.return_recv_hook);
     if (a.use_nvfp4 && T > 0) {
       // NVFP4 is quantized by the library's quantizer into the records the send kernel copies (one more pass over
       // x than a fused send, the simplest correct route): the packed row, then its linear block scales.
@@ -479,7 +495,9 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
     sa.T = T;
     sa.flags = flags;
     sa.scale_cols = static_cast<int>(sc_cols);
+    c.stamps = arm_trace(s);
     ll::launch_dispatch(c, sa, dispatch_recv_args(p, 0), phases(a.return_recv_hook), s);
+    collect_trace("dispatch", phases(a.return_recv_hook), s);
     launched(s);
   } catch (...) {
     broken_ = "a dispatch failed while being enqueued";
@@ -535,13 +553,16 @@ void CudaIpcLowLatencyImpl::receive(std::uint64_t gen, cudaStream_t s, long long
           "rank {}: the receive of low-latency call {} is no longer pending (the buffer was cleaned since)", me_, gen);
   try {
     order(s);
-    const ll::Common c = common(gen - base_, true);
+    ll::Common c = common(gen - base_, true);
+    c.stamps = arm_trace(s);
     if (p.is_dispatch) {
       ll::DispatchSendArgs unused;
       unused.K = p.K;  // the send's instantiation: one kernel name per op, also in a profile with hooks
       ll::launch_dispatch(c, unused, dispatch_recv_args(p, lag), ll::kRecvPhase, s);
+      collect_trace("dispatch", ll::kRecvPhase, s);
     } else {
       ll::launch_combine(c, {}, combine_recv_args(p, lag), ll::kRecvPhase, s);
+      collect_trace("combine", ll::kRecvPhase, s);
       if (p.ids_swapped) swap_ids(s);
     }
     launched(s);
@@ -641,7 +662,10 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
     moved = bring_routing(hd.generation - base_, index, s);
     p.ids_swapped = moved;
     p.out = out;
-    ll::launch_combine(common(index, !a.return_recv_hook), sa, combine_recv_args(p, 0), phases(a.return_recv_hook), s);
+    ll::Common c = common(index, !a.return_recv_hook);
+    c.stamps = arm_trace(s);
+    ll::launch_combine(c, sa, combine_recv_args(p, 0), phases(a.return_recv_hook), s);
+    collect_trace("combine", phases(a.return_recv_hook), s);
     if (moved) {
       put_back_routing(index, s);  // after the send read the routing (the receive reads none of it)
       if (!a.return_recv_hook) swap_ids(s);  // after the receive checked the ids (same kernel)

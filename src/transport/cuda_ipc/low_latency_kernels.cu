@@ -47,6 +47,14 @@ __device__ __noinline__ void report(const Common& c, int code, int peer, int pha
   report_error(&control(c.peers[c.rank])->claim, c.host, code, c.rank, peer, phase, value, value2, index, 0);
 }
 
+/// Trace (Common::stamps): thread 0 of this block passed `point`.
+__device__ __forceinline__ void stamp(const Common& c, int point) {
+  if (c.stamps == nullptr || threadIdx.x != 0) return;
+  const long long t = now_ns();
+  atomicMin(c.stamps + point, t);
+  atomicMax(c.stamps + kNumTracePoints + point, t);
+}
+
 /// Spins until *p >= target; false (and a timeout recorded) after the group's timeout.
 __device__ bool wait_geq(const unsigned long long* p, unsigned long long target, const Common& c, int peer, int phase,
                          unsigned long long index) {
@@ -343,6 +351,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
     if (!checked) {
       if (!writable(c, kPhaseDispatchSend, index)) return false;
       checked = true;
+      stamp(c, kTraceWritable);
     }
     // Fused fp8: items (token, kQuantWords words of its row), spread over the block's warps.
     const int words = (static_cast<int>((c.hidden + 127) / 128) + 3) / 4;
@@ -393,10 +402,14 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
     __syncthreads();
   }
 
-  if (!checked && !writable(c, kPhaseDispatchSend, index)) return false;
+  if (!checked) {
+    if (!writable(c, kPhaseDispatchSend, index)) return false;
+    stamp(c, kTraceWritable);
+  }
   // No grid barrier: each block publishes its own rows (and block 0 the headers: every block's scan knows each
   // destination's count) with one release-add per destination; the shares sum to kCallTag once every block is in.
   __syncthreads();
+  stamp(c, kTraceSent);
   if (threadIdx.x != 0) return true;
   if (blockIdx.x == 0)
     for (int d = 0; d < R; ++d) {
@@ -413,6 +426,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
     }
   const unsigned long long share = blockIdx.x == 0 ? kCallTag - (gridDim.x - 1) : 1ull;
   for (int d = 0; d < R; ++d) red_release_sys_add(&control(c.peers[d])->data[half][me], share);
+  stamp(c, kTracePublished);
   return true;
 }
 
@@ -429,6 +443,7 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
     Control* own = control(c.peers[c.rank]);
     const long long start = wait_cost != nullptr ? now_ns() : 0;
     const bool arrived = wait_geq(&own->data[half][s], data_target(index), c, s, phase, index);
+    stamp(c, kTraceArrived);
     // Every block waits; block 0 alone adds, so the statistic counts each source's wait once per call.
     if (wait_cost != nullptr && blockIdx.x == 0)
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost + s), static_cast<unsigned long long>(now_ns() - start));
@@ -466,6 +481,7 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
     }
   }
   __syncthreads();
+  stamp(c, kTraceHeaders);
   return ok != 0;
 }
 
@@ -529,6 +545,7 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
         const int at = block_scan(match, &total);
         if (match) items[at] = RecvItem{static_cast<int>(j), k, token};
         __syncthreads();
+        if (s == 0 && j0 == 0) stamp(c, kTraceScanned);
         // Items (row, kPieceBytes of it) over the block's warps: a warp per row waited one load round per piece.
         const int pieces = static_cast<int>((x_row + kPieceBytes - 1) / kPieceBytes);
         for (int w0 = warp; w0 < total * pieces; w0 += kWarps) {
@@ -731,11 +748,13 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
     // each block publishes its rows with one release-add share per source, the shares summing to kCallTag.
     if (blockIdx.x == 0) sum_rows_back();
     __syncthreads();
+    stamp(c, kTraceSent);
     if (threadIdx.x != 0) return;
     if (blockIdx.x == 0)
       for (int s = 0; s < R; ++s) write_combine_header(c, s, half, index, static_cast<long long>(back[s]), false, 0, 0);
     const unsigned long long share = blockIdx.x == 0 ? kCallTag - (gridDim.x - 1) : 1ull;
     for (int s = 0; s < R; ++s) red_release_sys_add(&control(c.peers[s])->data[half][me], share);
+    stamp(c, kTracePublished);
     return;
   }
   // Overlapped: the last block also learns whether any block gave up on a signal, and marks the headers so.
@@ -748,6 +767,7 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
                          static_cast<std::int32_t>(own->signal_block));
   own->signal_gave_up = 0;
   for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], data_target(index));
+  stamp(c, kTracePublished);
 }
 
 /// The receive phase of combine call `index`: the weighted sum of every token's rows into out (the consumed flags
@@ -781,6 +801,7 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
     }
   }
   __syncthreads();
+  if (blockIdx.x == 0) stamp(c, kTraceCounted);
   if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
                        a.wait_cost))
     return;
@@ -847,21 +868,28 @@ template <int kK>
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs sa,
                     const __grid_constant__ DispatchRecvArgs ra, int phases) {
+  stamp(c, kTraceStart);
   const unsigned long long index = call_index(c, phases, ra.lag);
+  stamp(c, kTraceIndex);
   if ((phases & kSendPhase) != 0 && !dispatch_send<kK>(c, sa, index)) return;
   if ((phases & kRecvPhase) != 0) dispatch_recv(c, ra, index);
+  stamp(c, kTraceEnd);
 }
 
 template <int kK>
 __global__ void __launch_bounds__(kThreads)
     combine_kernel(const __grid_constant__ Common c, const __grid_constant__ CombineSendArgs sa,
                    const __grid_constant__ CombineRecvArgs ra, int phases) {
+  stamp(c, kTraceStart);
   const unsigned long long index = call_index(c, phases, ra.lag);
+  stamp(c, kTraceIndex);
   if ((phases & kSendPhase) != 0) {
     if (!writable(c, kPhaseCombineSend, index)) return;
+    stamp(c, kTraceWritable);
     combine_send(c, sa, index);
   }
   if ((phases & kRecvPhase) != 0) combine_recv<kK>(c, ra, index);
+  stamp(c, kTraceEnd);
 }
 
 /// The most blocks of kKernel the device holds at once (kThreads each), cached per thread and device.

@@ -68,6 +68,22 @@ enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend =
 /// Host-mapped record of the first error (error_index: the call).
 using HostRecord = cuda_ipc::ErrorRecord;
 
+/// Points of a launch's trace (Common::stamps; EPMOE_CUDA_IPC_TRACE=1, cuda_ipc/low_latency_trace.hpp): thread 0 of
+/// every block records when it passed each point it reaches, in the order a block passes them.
+enum : int {
+  kTraceStart = 0,    ///< the block started
+  kTraceIndex,        ///< the call index read (and the consumed flags the launch owes raised)
+  kTraceWritable,     ///< send: every destination's consumed flag of the half seen
+  kTraceSent,         ///< send: the block's rows (and metas) stored
+  kTracePublished,    ///< send: the block's share of the data flags released
+  kTraceCounted,      ///< combine receive: the rows each source must send back counted (block 0)
+  kTraceArrived,      ///< receive: source 0's data flag seen
+  kTraceHeaders,      ///< receive: every source's header checked
+  kTraceScanned,      ///< dispatch receive: the first TokenMetas matched against the block's expert
+  kTraceEnd,          ///< the block's work done
+  kNumTracePoints
+};
+
 /// What every kernel needs: the layout of one half (LowLatencyMode::Layout; num_ranks is the group's size) and the
 /// mapped windows.
 struct Common : low_latency_protocol::Layout {
@@ -83,6 +99,9 @@ struct Common : low_latency_protocol::Layout {
   /// a grid-wide barrier: a source needs the flag only two calls later, after this rank's next launch.
   int publish_mask = 0;
   long long publish_delta[2] = {0, 0};
+  /// EPMOE_CUDA_IPC_TRACE=1: %globaltimer ns, [0, kNumTracePoints) the first block to pass each point, then the
+  /// last (atomicMin / atomicMax of thread 0's clock); null otherwise (no cost but a branch).
+  long long* stamps = nullptr;
 };
 
 struct DispatchSendArgs {
