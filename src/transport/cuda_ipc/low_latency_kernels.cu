@@ -430,11 +430,14 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
   return true;
 }
 
-/// Threads s < R wait for source s's data flag of call `index` and check its header; false on every thread when
-/// some source failed (recorded). `counts` receives each source's count.
+/// Threads s < R wait for source s's data flag of call `index`; then every thread runs `prefetch` (loads of the
+/// sources' data issued in the same round trip as the headers': after the flags, before anything is checked; what
+/// they read is used only when this returns true) while threads s < R check source s's header. False on every
+/// thread when some source failed (recorded). `counts` receives each source's count.
+template <class Prefetch>
 __device__ bool receive_headers(const Common& c, int half, unsigned long long index, std::uint32_t kind,
                                 std::uint32_t flags, const long long* expected, long long* counts, int phase,
-                                long long* wait_cost) {
+                                long long* wait_cost, Prefetch&& prefetch) {
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
@@ -447,37 +450,40 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
     // Every block waits; block 0 alone adds, so the statistic counts each source's wait once per call.
     if (wait_cost != nullptr && blockIdx.x == 0)
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost + s), static_cast<unsigned long long>(now_ns() - start));
-    if (!arrived) {
+    if (!arrived) ok = 0;
+  }
+  // The barrier orders every thread's loads after the waiters' acquires (and so after the sources' releases).
+  __syncthreads();
+  if (ok == 0) return false;
+  prefetch();
+  if (s < c.num_ranks) {
+    const Header* hp = reinterpret_cast<const Header*>(half_base(c, c.rank, half) + c.staging +
+                                                       static_cast<std::size_t>(s) * kHeaderBytes);
+    const std::uint32_t magic = __ldcg(&hp->magic), hkind = __ldcg(&hp->kind), hflags = __ldcg(&hp->flags);
+    const unsigned long long hindex = __ldcg(reinterpret_cast<const unsigned long long*>(&hp->index));
+    const long long count = __ldcg(reinterpret_cast<const long long*>(&hp->count));
+    const long long hidden = __ldcg(reinterpret_cast<const long long*>(&hp->hidden));
+    const int num_max_dispatch_tokens_per_rank = __ldcg(&hp->tmax), E = __ldcg(&hp->num_experts);
+    if (magic != kMagic || hkind != kind || hindex != index) {
+      report(c, kErrOtherCall, s, phase, index, static_cast<long long>(hindex), magic != kMagic ? 0 : hkind);
+      ok = 0;
+    } else if (hidden != c.hidden || num_max_dispatch_tokens_per_rank != c.tmax || E != c.num_experts) {
+      report(c, kErrShape, s, phase, index, hidden,
+             static_cast<long long>(num_max_dispatch_tokens_per_rank) << 32 | E);
+      ok = 0;
+    } else if (kind == kKindCombine && (hflags & kFlagSignalTimeout) != 0) {
+      // the source's overlapped send gave up on a signal: its rows are incomplete
+      report(c, kErrSignalTimeout, s, phase, index, __ldcg(&hp->reserved[0]), __ldcg(&hp->reserved[1]));
+      ok = 0;
+    } else if (kind == kKindDispatch && hflags != flags) {
+      report(c, kErrFlags, s, phase, index, hflags, flags);
+      ok = 0;
+    } else if (count < 0 || (kind == kKindDispatch && count > c.tmax) ||
+               (expected != nullptr && count != expected[s])) {
+      report(c, kErrCount, s, phase, index, count, expected != nullptr ? expected[s] : c.tmax);
       ok = 0;
     } else {
-      const Header* hp = reinterpret_cast<const Header*>(half_base(c, c.rank, half) + c.staging +
-                                                         static_cast<std::size_t>(s) * kHeaderBytes);
-      const std::uint32_t magic = __ldcg(&hp->magic), hkind = __ldcg(&hp->kind), hflags = __ldcg(&hp->flags);
-      const unsigned long long hindex = __ldcg(reinterpret_cast<const unsigned long long*>(&hp->index));
-      const long long count = __ldcg(reinterpret_cast<const long long*>(&hp->count));
-      const long long hidden = __ldcg(reinterpret_cast<const long long*>(&hp->hidden));
-      const int num_max_dispatch_tokens_per_rank = __ldcg(&hp->tmax), E = __ldcg(&hp->num_experts);
-      if (magic != kMagic || hkind != kind || hindex != index) {
-        report(c, kErrOtherCall, s, phase, index, static_cast<long long>(hindex), magic != kMagic ? 0 : hkind);
-        ok = 0;
-      } else if (hidden != c.hidden || num_max_dispatch_tokens_per_rank != c.tmax || E != c.num_experts) {
-        report(c, kErrShape, s, phase, index, hidden,
-               static_cast<long long>(num_max_dispatch_tokens_per_rank) << 32 | E);
-        ok = 0;
-      } else if (kind == kKindCombine && (hflags & kFlagSignalTimeout) != 0) {
-        // the source's overlapped send gave up on a signal: its rows are incomplete
-        report(c, kErrSignalTimeout, s, phase, index, __ldcg(&hp->reserved[0]), __ldcg(&hp->reserved[1]));
-        ok = 0;
-      } else if (kind == kKindDispatch && hflags != flags) {
-        report(c, kErrFlags, s, phase, index, hflags, flags);
-        ok = 0;
-      } else if (count < 0 || (kind == kKindDispatch && count > c.tmax) ||
-                 (expected != nullptr && count != expected[s])) {
-        report(c, kErrCount, s, phase, index, count, expected != nullptr ? expected[s] : c.tmax);
-        ok = 0;
-      } else {
-        counts[s] = count;
-      }
+      counts[s] = count;
     }
   }
   __syncthreads();
@@ -489,12 +495,35 @@ struct RecvItem {
   int j, k, token;
 };
 
+/// A TokenMeta as loaded: four 16-byte vectors and one 8-byte one (one round of loads; a load per entry waited K
+/// latencies).
+struct MetaWords {
+  int4 q[4];
+  int2 q4;
+};
+static_assert(sizeof(TokenMeta) == 72, "TokenMeta: four 16-byte vectors and one 8-byte one");
+__device__ __forceinline__ MetaWords load_meta(const char* at) {
+  const int4* mv = reinterpret_cast<const int4*>(at);
+  MetaWords m;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m.q[i] = __ldcg(mv + i);
+  m.q4 = __ldcg(reinterpret_cast<const int2*>(mv + 4));
+  return m;
+}
+
 /// The receive phase of dispatch call `index`: every source's rows into the packed per-expert layout (the consumed
 /// flags are raised by this rank's next launch: Common::publish_mask).
 __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsigned long long index) {
   const int half = static_cast<int>(index & 1), R = c.num_ranks, El = c.local_experts;
   __shared__ long long n[kMaxRanks];
-  if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv, a.wait_cost)) return;
+  const char* staging = half_base(c, c.rank, half) + c.staging;
+  const auto metas_of = [&](int s) {
+    return staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(s) * c.dispatch_slot_bytes;
+  };
+  // No TokenMeta is loaded with the headers: the count is not known yet, and every expert's block loading up to
+  // tmax metas of the same source (one hot region of the L2) slowed the receive by ~1 us at T = 1.
+  if (!receive_headers(c, half, index, kKindDispatch, a.flags, nullptr, n, kPhaseDispatchRecv, a.wait_cost, [] {}))
+    return;
 
   const bool fp8 = (a.flags & 1u) != 0, nvfp4 = (a.flags & kFlagNvfp4) != 0;
   const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
@@ -508,7 +537,6 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
   auto* src_info = reinterpret_cast<std::int32_t*>(base + c.src_info);
   auto* range = reinterpret_cast<long long*>(base + c.layout_range);
   auto* packed_k = reinterpret_cast<std::uint8_t*>(base + c.packed_k);
-  const char* staging = base + c.staging;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ RecvItem items[kThreads];
 
@@ -516,20 +544,16 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
     int fill = 0;  // uniform over the block
     for (int s = 0; s < R; ++s) {
       const int begin = fill;
-      const char* metas =
-          staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(s) * c.dispatch_slot_bytes;
+      const char* metas = metas_of(s);
       const char* records = metas + static_cast<std::size_t>(c.tmax) * c.meta_bytes;
       for (long long j0 = 0; j0 < n[s]; j0 += kThreads) {
         const long long j = j0 + threadIdx.x;
         int match = 0, k = 0, token = 0;
         if (j < n[s]) {
-          // The whole TokenMeta in one round of vector loads (a load per entry waited K latencies).
-          static_assert(sizeof(TokenMeta) == 72, "TokenMeta: four 16-byte vectors and one 8-byte one");
-          const int4* mv = reinterpret_cast<const int4*>(metas + static_cast<std::size_t>(j) * c.meta_bytes);
-          const int4 q0 = __ldcg(mv), q1 = __ldcg(mv + 1), q2 = __ldcg(mv + 2), q3 = __ldcg(mv + 3);
-          const int2 q4 = __ldcg(reinterpret_cast<const int2*>(mv + 4));
-          const int words[18] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w, q2.x,
-                                 q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w, q4.x, q4.y};
+          const MetaWords m = load_meta(metas + static_cast<std::size_t>(j) * c.meta_bytes);
+          const int words[18] = {m.q[0].x, m.q[0].y, m.q[0].z, m.q[0].w, m.q[1].x, m.q[1].y,
+                                 m.q[1].z, m.q[1].w, m.q[2].x, m.q[2].y, m.q[2].z, m.q[2].w,
+                                 m.q[3].x, m.q[3].y, m.q[3].z, m.q[3].w, m.q4.x,   m.q4.y};
           token = words[0];
           const int ne = words[1];
 #pragma unroll
@@ -802,51 +826,74 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   }
   __syncthreads();
   if (blockIdx.x == 0) stamp(c, kTraceCounted);
-  if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
-                       a.wait_cost))
-    return;
 
   // out[t] = sum over k ascending of w[t, k] * row(t, k): float32 from +0.0f, each product rounded before it is
-  // added (no fused multiply-add, as the CPU), one rounding to bf16. A block per token, its threads across the row,
-  // each with its K loads in flight before the sum (one load at a time made this ~150 us at T = 128, H = 7168).
+  // added (no fused multiply-add, as the CPU), one rounding to bf16. Items (token, chunk of kThreads 16-byte vectors
+  // of its row): a thread per vector, its K loads in flight before the sum, so a token's row is one round of loads
+  // whatever H (a block per token took H / 8 / kThreads rounds: ~4 us at T = 1, H = 7168). When the grid has more
+  // than one block, block 0 only counts (above) and the others take the items, so the count is off their path.
   const long long H = c.hidden;
+  const int nvec = static_cast<int>(H / 8);
+  const long long chunks = (nvec + kThreads - 1) / kThreads, items = a.T * chunks;
+  const long long first = gridDim.x > 1 ? static_cast<long long>(blockIdx.x) - 1 : 0;
+  const long long stride = gridDim.x > 1 ? gridDim.x - 1 : 1;
   const auto* body = reinterpret_cast<const int4*>(half_base(c, c.rank, half) + c.staging +
                                                    static_cast<std::size_t>(R) * kHeaderBytes);
-  for (long long t = blockIdx.x; t < a.T; t += gridDim.x) {
-    int ids[kK];
-    float w[kK];
+  int ids[kK];
+  float w[kK];
+  int4 raw[kK];
+  long long t = 0;
+  int v = 0;
+  const auto prepare = [&](long long item) {  // the item's ids and weights: inputs, not data of the sources
+    t = item / chunks;
+    v = static_cast<int>(item % chunks) * kThreads + static_cast<int>(threadIdx.x);
     clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, false, kPhaseCombineRecv, index);
 #pragma unroll
     for (int k = 0; k < kK; ++k) w[k] = k < K ? a.weights[t * K + k] : 0.0f;
-    const int nvec = static_cast<int>(H / 8);
-    const int4* rows = body + static_cast<std::size_t>(t) * kMaxTopk * static_cast<std::size_t>(nvec);
-    int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
-    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-      int4 raw[kK];
+  };
+  const auto load = [&] {
+    if (v >= nvec) return;
 #pragma unroll
-      for (int k = 0; k < kK; ++k)
-        if (k < K && ids[k] >= 0) raw[k] = __ldcg(rows + static_cast<std::size_t>(k) * nvec + v);
-      float acc[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kK; ++k) {
-        if (k >= K || ids[k] < 0) continue;
-        const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw[k].x), static_cast<std::uint32_t>(raw[k].y),
-                                        static_cast<std::uint32_t>(raw[k].z), static_cast<std::uint32_t>(raw[k].w)};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[k], __uint_as_float(words[j] << 16)));
-          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[k], __uint_as_float(words[j] & 0xffff0000u)));
-        }
-      }
-      std::uint32_t packed[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
-      out[v] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                         static_cast<int>(packed[3]));
+    for (int k = 0; k < kK; ++k)
+      if (k < K && ids[k] >= 0) raw[k] = __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec + v);
+  };
+  const bool has_first = first >= 0 && first < items;
+  // A block without items leaves (block 0 stays: it checks the counts): pollers of the one data flag slow the
+  // blocks still sending.
+  if (!has_first && blockIdx.x != 0) return;
+  if (has_first) prepare(first);
+  // The first item's rows are loaded with the headers.
+  if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
+                       a.wait_cost, [&] {
+                         if (has_first) load();
+                       }))
+    return;
+  for (long long item = first; item >= 0 && item < items; item += stride) {
+    if (item != first) {
+      prepare(item);
+      load();
     }
+    if (v >= nvec) continue;
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      if (k >= K || ids[k] < 0) continue;
+      const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw[k].x), static_cast<std::uint32_t>(raw[k].y),
+                                      static_cast<std::uint32_t>(raw[k].z), static_cast<std::uint32_t>(raw[k].w)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[k], __uint_as_float(words[j] << 16)));
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[k], __uint_as_float(words[j] & 0xffff0000u)));
+      }
+    }
+    std::uint32_t packed[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
+    int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
+    out[v] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                       static_cast<int>(packed[3]));
   }
 }
 
@@ -928,6 +975,8 @@ void launch_phases(const Common& c, const SendArgs& sa, const RecvArgs& ra, int 
 
 void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const DispatchRecvArgs& ra, int phases,
                      cudaStream_t s) {
+  // Every block of a launch with both phases sends (scans the tokens and publishes a share of the data flags):
+  // blocks that skipped the send to poll the flags early slowed the senders (all poll one flag), by ~4 us at T = 1.
   long long send_blocks = sa.T;  // a token per block (its row's quantization split among the block's warps)
   send_blocks = send_blocks < 1 ? 1 : (send_blocks > kMaxSendBlocks ? kMaxSendBlocks : send_blocks);
   const long long recv_blocks = c.local_experts;  // a block per local expert
@@ -941,9 +990,14 @@ void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const Dispatch
 void launch_combine(const Common& c, const CombineSendArgs& sa, const CombineRecvArgs& ra, int phases,
                     cudaStream_t s) {
   const long long send_blocks = sa.grid > 0 && sa.grid < c.local_experts ? sa.grid : c.local_experts;
-  long long recv_blocks = ra.T < kMaxRecvBlocks ? ra.T : kMaxRecvBlocks;  // a block per token (loops beyond)
+  // a block per (token, chunk of kThreads vectors of its row), loops beyond kMaxRecvBlocks; plus block 0, which counts
+  const long long chunks = (c.hidden / 8 + kThreads - 1) / kThreads, items = ra.T * chunks;
+  long long recv_blocks = (items < kMaxRecvBlocks ? items : kMaxRecvBlocks) + 1;
   // Overlapped: the send shares the GPU with the down GEMM, so the launch keeps to the send's blocks (num_sms).
   if (sa.signal_form != kSignalNone && (phases & kSendPhase) != 0) recv_blocks = send_blocks;
+  // With both phases, no block beyond the senders: it would only poll the data flag while they send (and its share
+  // of the flag would come first); the items loop over the senders instead.
+  if (phases == (kSendPhase | kRecvPhase) && recv_blocks > send_blocks) recv_blocks = send_blocks;
   if (ra.K <= 8)
     launch_phases<combine_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
   else
