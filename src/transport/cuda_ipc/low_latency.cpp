@@ -663,7 +663,9 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
     p.ids_swapped = moved;
     p.out = out;
     ll::Common c = common(index, !a.return_recv_hook);
-    c.stamps = arm_trace(s);
+    // An overlapped combine is not traced: the trace's wait after the launch could precede the caller's enqueue of
+    // the signals' producer, and the send would give up on them.
+    c.stamps = overlap.active() ? nullptr : arm_trace(s);
     ll::launch_combine(c, sa, combine_recv_args(p, 0), phases(a.return_recv_hook), s);
     collect_trace("combine", phases(a.return_recv_hook), s);
     if (moved) {

@@ -47,12 +47,15 @@ __device__ __noinline__ void report(const Common& c, int code, int peer, int pha
   report_error(&control(c.peers[c.rank])->claim, c.host, code, c.rank, peer, phase, value, value2, index, 0);
 }
 
-/// Trace (Common::stamps): thread 0 of this block passed `point`.
-__device__ __forceinline__ void stamp(const Common& c, int point) {
-  if (c.stamps == nullptr || threadIdx.x != 0) return;
+/// Trace (Common::stamps): thread 0 of this block passed `point`. The body is out of line so that the kernels carry
+/// only the branch when tracing is off (their code is fetched cold at small T).
+__device__ __noinline__ void record_stamp(long long* stamps, int point) {
   const long long t = now_ns();
-  atomicMin(c.stamps + point, t);
-  atomicMax(c.stamps + kNumTracePoints + point, t);
+  atomicMin(stamps + point, t);
+  atomicMax(stamps + kNumTracePoints + point, t);
+}
+__device__ __forceinline__ void stamp(const Common& c, int point) {
+  if (c.stamps != nullptr && threadIdx.x == 0) record_stamp(c.stamps, point);
 }
 
 /// Spins until *p >= target; false (and a timeout recorded) after the group's timeout.
@@ -438,8 +441,13 @@ template <class Prefetch>
 __device__ bool receive_headers(const Common& c, int half, unsigned long long index, std::uint32_t kind,
                                 std::uint32_t flags, const long long* expected, long long* counts, int phase,
                                 long long* wait_cost, Prefetch&& prefetch) {
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
+  // `arrived` is written before the barrier that every thread reads it after; `ok` after it, read after the last one
+  // (one flag for both would let a header check's write race with another warp's read of the arrivals).
+  __shared__ int arrived_all, ok;
+  if (threadIdx.x == 0) {
+    arrived_all = 1;
+    ok = 1;
+  }
   __syncthreads();
   const int s = threadIdx.x;
   if (s < c.num_ranks) {
@@ -450,11 +458,11 @@ __device__ bool receive_headers(const Common& c, int half, unsigned long long in
     // Every block waits; block 0 alone adds, so the statistic counts each source's wait once per call.
     if (wait_cost != nullptr && blockIdx.x == 0)
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost + s), static_cast<unsigned long long>(now_ns() - start));
-    if (!arrived) ok = 0;
+    if (!arrived) arrived_all = 0;
   }
   // The barrier orders every thread's loads after the waiters' acquires (and so after the sources' releases).
   __syncthreads();
-  if (ok == 0) return false;
+  if (arrived_all == 0) return false;
   prefetch();
   if (s < c.num_ranks) {
     const Header* hp = reinterpret_cast<const Header*>(half_base(c, c.rank, half) + c.staging +
@@ -995,9 +1003,15 @@ void launch_combine(const Common& c, const CombineSendArgs& sa, const CombineRec
   long long recv_blocks = (items < kMaxRecvBlocks ? items : kMaxRecvBlocks) + 1;
   // Overlapped: the send shares the GPU with the down GEMM, so the launch keeps to the send's blocks (num_sms).
   if (sa.signal_form != kSignalNone && (phases & kSendPhase) != 0) recv_blocks = send_blocks;
-  // With both phases, no block beyond the senders: it would only poll the data flag while they send (and its share
-  // of the flag would come first); the items loop over the senders instead.
-  if (phases == (kSendPhase | kRecvPhase) && recv_blocks > send_blocks) recv_blocks = send_blocks;
+  // With both phases, no more blocks than the senders (or a block per token): a block beyond them would only poll the
+  // data flag while they send (and its share of the flag would come first); the items loop instead.
+  // Never fewer than a block per token (plus the counting block), so a small E_local (many ranks) keeps the
+  // receive's parallelism.
+  if (phases == (kSendPhase | kRecvPhase)) {
+    const long long per_token = (ra.T < kMaxRecvBlocks ? ra.T : kMaxRecvBlocks) + 1;
+    const long long bound = send_blocks > per_token ? send_blocks : per_token;
+    if (recv_blocks > bound) recv_blocks = bound;
+  }
   if (ra.K <= 8)
     launch_phases<combine_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
   else

@@ -1,7 +1,8 @@
 // Where a low-latency launch's time goes (EPMOE_CUDA_IPC_TRACE=1): device stamps of every launch of the cuda_ipc
 // low-latency mode (the points of cuda_ipc_ll::kTrace*), summed per kind of launch and printed to stderr when the
 // buffer is destroyed. A diagnosis tool: each traced launch is waited for (a host synchronisation after it), and
-// launches inside a CUDA-graph capture are not traced. CUDA builds only.
+// launches inside a CUDA-graph capture and overlapped combines (whose signals may be produced later) are not
+// traced. CUDA builds only.
 #pragma once
 
 #include <cuda_runtime.h>
