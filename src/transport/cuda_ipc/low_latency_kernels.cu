@@ -34,6 +34,10 @@ constexpr int kVec = 4;  // 16-byte vectors each lane keeps in flight when movin
 constexpr int kMaxSendBlocks = 132;  // a block per token up to one per SM of an H100/H200
 constexpr int kQuantWords = 2;       // UE8M0 words (4 groups of 128 channels each) per warp item of a fused fp8 send
 constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // a row piece per warp item: one round of kVec loads per lane
+// The combine send's items: twice the bytes in flight per warp (the send is bound by load latency, not bandwidth: ~1.4
+// TB/s at T = 128); its kernel keeps the same occupancy (registers bound it at 2 blocks per SM either way).
+constexpr int kSendVec = 8;
+constexpr std::size_t kSendPieceBytes = 32 * kSendVec * 16;
 constexpr int kMaxRecvBlocks = 1024;
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
@@ -311,11 +315,27 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
   const std::size_t payload = fp8 || nvfp4 ? (quant_row + 4u * a.scale_cols + 15) / 16 * 16
                                            : static_cast<std::size_t>(2 * c.hidden);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  bool checked = false;  // writable passed
+  // The destinations' consumed flags (writable's wait): the last warp's lanes d < R wait on destination d while the
+  // other threads load and clean their ids, so the wait's round trip overlaps the ids' loads instead of following the
+  // scan. The scan's barriers publish the answers before the first store.
+  __shared__ int dest_ok[kMaxRanks];
+  const int waiter = static_cast<int>(threadIdx.x) - (kThreads - 32);
+  const auto wait_writable = [&] {
+    if (waiter >= 0 && waiter < R)
+      dest_ok[waiter] = index < 2 || wait_geq(&own->consumed[half][waiter], index - 1, c, waiter, kPhaseDispatchSend,
+                                              index);
+  };
+  const auto all_writable = [&] {
+    bool ok = true;
+    for (int d = 0; d < R; ++d) ok = ok && dest_ok[d] != 0;
+    return ok;
+  };
+  bool checked = false;  // the answers were read (after a barrier)
   __syncthreads();
 
   for (long long base = 0; base < a.T; base += kThreads) {
     const long long t = base + threadIdx.x;
+    if (base == 0) wait_writable();
     int ids[kK];
     unsigned mask = 0;
     if (t < a.T) {
@@ -352,7 +372,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
     }
     __syncthreads();
     if (!checked) {
-      if (!writable(c, kPhaseDispatchSend, index)) return false;
+      if (!all_writable()) return false;
       checked = true;
       stamp(c, kTraceWritable);
     }
@@ -405,8 +425,10 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
     __syncthreads();
   }
 
-  if (!checked) {
-    if (!writable(c, kPhaseDispatchSend, index)) return false;
+  if (!checked) {  // T = 0: no scan ran
+    wait_writable();
+    __syncthreads();
+    if (!all_writable()) return false;
     stamp(c, kTraceWritable);
   }
   // No grid barrier: each block publishes its own rows (and block 0 the headers: every block's scan knows each
@@ -503,19 +525,38 @@ struct RecvItem {
   int j, k, token;
 };
 
-/// A TokenMeta as loaded: four 16-byte vectors and one 8-byte one (one round of loads; a load per entry waited K
-/// latencies).
+/// A TokenMeta as loaded, its 18 words: the first 12 (token, num_entries, up to 10 entries: any K <= 8) in one
+/// round of 16-byte loads, the rest only for a token with more entries on this rank (a load per entry waited K
+/// latencies; loading all 72 bytes for every token cost the receive's scan ~40% more traffic on one hot region).
 struct MetaWords {
-  int4 q[4];
-  int2 q4;
+  int w[18];
 };
-static_assert(sizeof(TokenMeta) == 72, "TokenMeta: four 16-byte vectors and one 8-byte one");
+static_assert(sizeof(TokenMeta) == 72, "TokenMeta: 18 words");
 __device__ __forceinline__ MetaWords load_meta(const char* at) {
   const int4* mv = reinterpret_cast<const int4*>(at);
   MetaWords m;
+  int4 q[3];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) m.q[i] = __ldcg(mv + i);
-  m.q4 = __ldcg(reinterpret_cast<const int2*>(mv + 4));
+  for (int i = 0; i < 3; ++i) q[i] = __ldcg(mv + i);
+#pragma unroll
+  for (int i = 0; i < 3; ++i) {
+    m.w[4 * i] = q[i].x;
+    m.w[4 * i + 1] = q[i].y;
+    m.w[4 * i + 2] = q[i].z;
+    m.w[4 * i + 3] = q[i].w;
+  }
+  int4 q3 = make_int4(0, 0, 0, 0);
+  int2 q4 = make_int2(0, 0);
+  if (m.w[1] > 10) {
+    q3 = __ldcg(mv + 3);
+    q4 = __ldcg(reinterpret_cast<const int2*>(mv + 4));
+  }
+  m.w[12] = q3.x;
+  m.w[13] = q3.y;
+  m.w[14] = q3.z;
+  m.w[15] = q3.w;
+  m.w[16] = q4.x;
+  m.w[17] = q4.y;
   return m;
 }
 
@@ -559,14 +600,11 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
         int match = 0, k = 0, token = 0;
         if (j < n[s]) {
           const MetaWords m = load_meta(metas + static_cast<std::size_t>(j) * c.meta_bytes);
-          const int words[18] = {m.q[0].x, m.q[0].y, m.q[0].z, m.q[0].w, m.q[1].x, m.q[1].y,
-                                 m.q[1].z, m.q[1].w, m.q[2].x, m.q[2].y, m.q[2].z, m.q[2].w,
-                                 m.q[3].x, m.q[3].y, m.q[3].z, m.q[3].w, m.q4.x,   m.q4.y};
-          token = words[0];
-          const int ne = words[1];
+          token = m.w[0];
+          const int ne = m.w[1];
 #pragma unroll
           for (int q = 0; q < kMaxTopk; ++q) {
-            const auto ent = static_cast<std::uint32_t>(words[2 + q]);
+            const auto ent = static_cast<std::uint32_t>(m.w[2 + q]);
             if (!match && q < ne && static_cast<int>(ent & 0xffffu) == e) {
               match = 1;
               k = static_cast<int>(ent >> 16);
@@ -729,42 +767,56 @@ __device__ void write_combine_header(const Common& c, int s, int half, unsigned 
   h->num_experts = c.num_experts;
 }
 
-/// The send phase of combine call `index` (writable passed): each expert's rows back to their sources (block by
-/// block after the signals when overlapped), then (the grid's last block) the headers and data flags.
-__device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned long long index) {
-  Control* own = control(c.peers[c.rank]);
-  const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, me = c.rank, El = c.local_experts;
-
-  const long long H = c.hidden, rows = static_cast<long long>(R) * c.tmax;
-  const char* dbase = half_base(c, me, dh);  // the dispatch's half (the call just before)
+/// Rows of expert `e` back to their sources: items (row, kSendPieceBytes of it) from `first` by `stride` over the
+/// warps that share the expert, each row to the source its layout range names.
+__device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int e, int half, const char* dbase,
+                                 long long first, long long stride) {
+  const int R = c.num_ranks;
+  const long long rows = static_cast<long long>(R) * c.tmax;
   const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + c.src_info);
   const auto* range = reinterpret_cast<const long long*>(dbase + c.layout_range);
   const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + c.packed_k);
   const std::size_t body = c.staging + static_cast<std::size_t>(R) * kHeaderBytes;
-  const std::size_t row_bytes = static_cast<std::size_t>(2 * H);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const std::size_t row_bytes = static_cast<std::size_t>(2 * c.hidden);
+  constexpr std::size_t kPiece = kSendPieceBytes;
+  const int pieces = static_cast<int>((row_bytes + kPiece - 1) / kPiece);
+  const int lane = threadIdx.x & 31;
+  for (int s = 0; s < R; ++s) {
+    const long long rg = range[static_cast<std::size_t>(e) * R + s];
+    const long long b = rg >> 32, cnt = rg & 0xffffffffll;
+    char* dst_body = half_base(c, s, half) + body;
+    for (long long w0 = first; w0 < cnt * pieces; w0 += stride) {
+      const long long r = b + w0 / pieces;
+      const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kPiece;
+      const long long row = static_cast<long long>(e) * rows + r;
+      const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
+      const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
+      warp_copy_vectors<kSendVec, false>(reinterpret_cast<const int4*>(src + at),
+                                   reinterpret_cast<int4*>(dst_body + dst * row_bytes + at),
+                                   static_cast<int>((row_bytes - at < kPiece ? row_bytes - at : kPiece) / 16), lane);
+    }
+  }
+}
+
+/// The send phase of combine call `index` (writable passed): each expert's rows back to their sources (over
+/// CombineSendArgs::split blocks; block by block after the signals when overlapped), then the headers and data flags.
+__device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned long long index) {
+  Control* own = control(c.peers[c.rank]);
+  const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, me = c.rank, El = c.local_experts;
+
+  const char* dbase = half_base(c, me, dh);  // the dispatch's half (the call just before)
+  const auto* range = reinterpret_cast<const long long*>(dbase + c.layout_range);
+  const int warp = threadIdx.x >> 5;
   __shared__ int gave_up;
   if (threadIdx.x == 0) gave_up = 0;
   __syncthreads();
   for (int e = blockIdx.x; e < El && a.signal_form != kSignalNone; e += gridDim.x)
     combine_send_overlapped(c, a, e, half, index, dbase, &gave_up);
-  for (int e = blockIdx.x; e < El && a.signal_form == kSignalNone; e += gridDim.x)
-    for (int s = 0; s < R; ++s) {
-      const long long rg = range[static_cast<std::size_t>(e) * R + s];
-      const long long b = rg >> 32, cnt = rg & 0xffffffffll;
-      char* dst_body = half_base(c, s, half) + body;
-      // Items (row, kPieceBytes of it) over the block's warps (a warp per row waited one load round per piece).
-      const int pieces = static_cast<int>((row_bytes + kPieceBytes - 1) / kPieceBytes);
-      for (long long w0 = warp; w0 < cnt * pieces; w0 += kWarps) {
-        const long long r = b + w0 / pieces;
-        const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kPieceBytes;
-        const long long row = static_cast<long long>(e) * rows + r;
-        const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
-        const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
-        warp_copy<false>(src + at, dst_body + dst * row_bytes + at,
-                         row_bytes - at < kPieceBytes ? row_bytes - at : kPieceBytes, lane);
-      }
-    }
+  const int split = a.split > 0 ? a.split : 1;
+  for (int u = blockIdx.x; u < El * split && a.signal_form == kSignalNone; u += gridDim.x) {
+    const int e = u % El, part = u / El;
+    send_expert_rows(c, a, e, half, dbase, part * kWarps + warp, split * kWarps);
+  }
 
   // Rows sent back to each source, summed by a whole block (not El x R dependent loads by one thread).
   __shared__ unsigned long long back[kMaxRanks];
@@ -995,9 +1047,17 @@ void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const Dispatch
     launch_phases<dispatch_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
 }
 
-void launch_combine(const Common& c, const CombineSendArgs& sa, const CombineRecvArgs& ra, int phases,
+void launch_combine(const Common& c, const CombineSendArgs& sa_in, const CombineRecvArgs& ra, int phases,
                     cudaStream_t s) {
-  const long long send_blocks = sa.grid > 0 && sa.grid < c.local_experts ? sa.grid : c.local_experts;
+  // Not overlapped: `split` blocks per expert where the experts average two rows or more (R * T * K / E from this
+  // rank's T, the peers' being alike in decode): an expert's rows were one block's, and the busiest expert's block
+  // (~11 rows where the mean is 4 at T = 128, K = 8, E = 256) set the send's time. Below that, the second block of an
+  // expert would find no rows, and its extra look at the layout delayed its block's share of the data flag.
+  CombineSendArgs sa = sa_in;
+  const long long mean_rows = c.num_experts > 0 ? c.num_ranks * ra.T * ra.K / c.num_experts : 0;
+  sa.split = sa.signal_form == kSignalNone && mean_rows >= 2 ? 2 : 1;
+  const long long send_blocks = sa.signal_form == kSignalNone ? c.local_experts * static_cast<long long>(sa.split)
+                                : (sa.grid > 0 && sa.grid < c.local_experts ? sa.grid : c.local_experts);
   // a block per (token, chunk of kThreads vectors of its row), loops beyond kMaxRecvBlocks; plus block 0, which counts
   const long long chunks = (c.hidden / 8 + kThreads - 1) / kThreads, items = ra.T * chunks;
   long long recv_blocks = (items < kMaxRecvBlocks ? items : kMaxRecvBlocks) + 1;

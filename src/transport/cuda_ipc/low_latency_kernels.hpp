@@ -145,6 +145,8 @@ struct CombineSendArgs {
   unsigned expect = 0;
   int grid = 0;  ///< send blocks (0: E_local); with overlap, num_sms bounds it
   long long* stamps = nullptr;  ///< LowLatencyCombineArgs::send_stamps: %globaltimer of the first / last row store
+  /// Not overlapped: blocks per expert (launch_combine sets it; an expert's rows are spread over its blocks' warps)
+  int split = 1;
 };
 
 struct CombineRecvArgs {
