@@ -31,8 +31,8 @@ using namespace cuda_ipc_device;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 4;  // 16-byte vectors each lane keeps in flight when moving a row
-constexpr int kMaxSendBlocks = 132;  // a block per token up to one per SM of an H100/H200
-constexpr int kQuantWords = 2;       // UE8M0 words (4 groups of 128 channels each) per warp item of a fused fp8 send
+constexpr int kMaxSendBlocks = 132;  // a dispatch send alone: up to a block per SM of an H100/H200
+constexpr int kQuantWords = 2;  // most UE8M0 words (4 groups of 128 channels each) per warp item of a fused fp8 send
 constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // a row piece per warp item: one round of kVec loads per lane
 // The combine send's items: twice the bytes in flight per warp (the send is bound by load latency, not bandwidth: ~1.4
 // TB/s at T = 128); its kernel keeps the same occupancy (registers bound it at 2 blocks per SM either way).
@@ -279,10 +279,6 @@ __device__ void write_meta(char* at, int token, const int* ids, int K, int d, in
   m->num_entries = n;
 }
 
-struct SendTask {
-  int t, d, pos;
-};
-
 /// The send phase of dispatch call `index`: rows and metas into every destination's half, then the headers and data
 /// flags. It waits for the destinations' consumed flags (writable) only before its first store into them, so that
 /// wait overlaps the first scan. False when the send may not write (a timeout, recorded).
@@ -298,14 +294,11 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       report(c, kErrGlobalScale, c.rank, kPhaseDispatchSend, index, static_cast<long long>(__float_as_uint(g)));
   }
   __shared__ int carry[kMaxRanks];
-  __shared__ SendTask tasks[kThreads * kMaxRanks];
-  __shared__ int num_tasks;
-  // Fused fp8 path: a warp per token (quantized once, stored at every destination).
+  // The chunk's tokens as the scan left them (slot j = token base + j): each destination's slot, and the mask of
+  // destinations (0: the token goes nowhere, or past T).
   __shared__ int tok_pos[kThreads][kMaxRanks];
   __shared__ unsigned tok_mask[kThreads];
-  __shared__ int tok_tasks[kThreads];
-  __shared__ int num_tok_tasks;
-  const bool fused = fp8 && a.records == nullptr;
+  const bool fused = fp8 && a.records == nullptr;  // quantized here, once per token, stored at every destination
   if (threadIdx.x < kMaxRanks) carry[threadIdx.x] = 0;
   const std::size_t slot_off =
       c.staging + static_cast<std::size_t>(R) * kHeaderBytes + static_cast<std::size_t>(me) * c.dispatch_slot_bytes;
@@ -353,36 +346,30 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       pos[d] = before + block_scan((mask >> d) & 1u, &total);
       if (threadIdx.x == 0) carry[d] = before + total;
     }
-    if (threadIdx.x == 0) {
-      num_tasks = 0;
-      num_tok_tasks = 0;
-    }
-    __syncthreads();
-    if (t < a.T && t % gridDim.x == blockIdx.x) {
-      if (fused) {
-        if (mask != 0) {
-          for (int d = 0; d < R; ++d) tok_pos[threadIdx.x][d] = pos[d];
-          tok_mask[threadIdx.x] = mask;
-          tok_tasks[atomicAdd(&num_tok_tasks, 1)] = threadIdx.x;
-        }
-      } else {
-        for (int d = 0; d < R; ++d)
-          if ((mask >> d) & 1u) tasks[atomicAdd(&num_tasks, 1)] = SendTask{static_cast<int>(t), d, pos[d]};
-      }
-    }
+    for (int d = 0; d < R; ++d) tok_pos[threadIdx.x][d] = pos[d];
+    tok_mask[threadIdx.x] = t < a.T ? mask : 0u;
     __syncthreads();
     if (!checked) {
       if (!all_writable()) return false;
       checked = true;
       stamp(c, kTraceWritable);
     }
-    // Fused fp8: items (token, kQuantWords words of its row), spread over the block's warps.
+    // The chunk's rows as items over every warp of the grid (every block's scan knows every token's slots; a block
+    // per token left the others idle at small T and kept a row's pieces on one SM). The order is the same in every
+    // block, so each item is taken once.
+    const int chunk = static_cast<int>(a.T - base < kThreads ? a.T - base : kThreads);
+    const long long grid_warp = static_cast<long long>(blockIdx.x) * kWarps + warp;
+    const long long grid_warps = static_cast<long long>(gridDim.x) * kWarps;
+    // Fused fp8: items (token, 1 or kQuantWords words of its row): one word where the grid has a warp per word, so
+    // a row's quantization is spread widest at small T.
     const int words = (static_cast<int>((c.hidden + 127) / 128) + 3) / 4;
-    const int pieces = (words + kQuantWords - 1) / kQuantWords;
-    for (int i = warp; i < num_tok_tasks * pieces; i += kWarps) {
-      const int j = tok_tasks[i / pieces], piece = i % pieces;
+    const int item_words = static_cast<long long>(chunk) * words <= grid_warps ? 1 : kQuantWords;
+    const int pieces = (words + item_words - 1) / item_words;
+    for (long long i = grid_warp; fused && i < static_cast<long long>(chunk) * pieces; i += grid_warps) {
+      const int j = static_cast<int>(i / pieces), piece = static_cast<int>(i % pieces);
       const long long tt = base + j;
       const unsigned m_d = tok_mask[j];
+      if (m_d == 0) continue;
       char* dst[kMaxRanks];
       int nd = 0;
       for (int d = 0; d < R; ++d)
@@ -400,26 +387,28 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       quantize_row_to(reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(a.x) +
                                                              static_cast<std::size_t>(tt) * a.x_stride * 2),
                       static_cast<int>(c.hidden), (a.flags & 2u) != 0, (a.flags & 4u) != 0, dst, nd, lane,
-                      piece * kQuantWords, min(words, (piece + 1) * kQuantWords));
+                      piece * item_words, min(words, (piece + 1) * item_words));
     }
-    // Rows by SM stores: items (task, kPieceBytes of its payload), spread over the block's warps.
+    // Rows by SM stores: items (token, destination, kPieceBytes of its payload).
     const int row_pieces = static_cast<int>((payload + kPieceBytes - 1) / kPieceBytes);
-    for (int i = warp; i < num_tasks * row_pieces; i += kWarps) {
-      const SendTask task = tasks[i / row_pieces];
-      const int piece = i % row_pieces;
-      char* dst_half = half_base(c, task.d, half);
+    for (long long i = grid_warp; !fused && i < static_cast<long long>(chunk) * R * row_pieces; i += grid_warps) {
+      const int j = static_cast<int>(i / (static_cast<long long>(R) * row_pieces));
+      const int d = static_cast<int>(i / row_pieces % R), piece = static_cast<int>(i % row_pieces);
+      if (((tok_mask[j] >> d) & 1u) == 0) continue;
+      const long long tt = base + j;
+      const std::size_t slot = static_cast<std::size_t>(tok_pos[j][d]);
+      char* dst_half = half_base(c, d, half);
       if (piece == 0 && lane == 0) {
         int row_ids[kK];
         // The same cleaning as the scan (without reporting again).
-        clean_ids<kK>(c, a.topk_idx, a.idx64, K, task.t, row_ids, false, kPhaseDispatchSend, index);
-        write_meta(dst_half + slot_off + static_cast<std::size_t>(task.pos) * c.meta_bytes, task.t, row_ids, K,
-                   task.d, El);
+        clean_ids<kK>(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
+        write_meta(dst_half + slot_off + slot * c.meta_bytes, static_cast<int>(tt), row_ids, K, d, El);
       }
       const char* src = a.records != nullptr
-                            ? static_cast<const char*>(a.records) + static_cast<std::size_t>(task.t) * c.record_bytes
-                            : static_cast<const char*>(a.x) + static_cast<std::size_t>(task.t) * a.x_stride * 2;
+                            ? static_cast<const char*>(a.records) + static_cast<std::size_t>(tt) * c.record_bytes
+                            : static_cast<const char*>(a.x) + static_cast<std::size_t>(tt) * a.x_stride * 2;
       const std::size_t at = static_cast<std::size_t>(piece) * kPieceBytes;
-      warp_copy<false>(src + at, dst_half + records_off + static_cast<std::size_t>(task.pos) * c.record_bytes + at,
+      warp_copy<false>(src + at, dst_half + records_off + slot * c.record_bytes + at,
                        payload - at < kPieceBytes ? payload - at : kPieceBytes, lane);
     }
     __syncthreads();
@@ -1017,6 +1006,8 @@ int co_resident_blocks() {
 
 /// Launches kKernel on one grid: the send phase's or the receive phase's block count, or the larger when both
 /// run (every phase loops over its work by gridDim), then bounded by co-residency (the receive waits on the send).
+/// A launch of one phase is not bounded: a second wave's blocks start as the first's leave, which balances uneven
+/// blocks (the combine send's experts) better than a loop fixed at launch (DeepEP's test, E = 288: 17.6 -> 23.2 us).
 template <auto kKernel, typename SendArgs, typename RecvArgs>
 void launch_phases(const Common& c, const SendArgs& sa, const RecvArgs& ra, int phases, long long send_blocks,
                    long long recv_blocks, cudaStream_t s) {
@@ -1037,7 +1028,15 @@ void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const Dispatch
                      cudaStream_t s) {
   // Every block of a launch with both phases sends (scans the tokens and publishes a share of the data flags):
   // blocks that skipped the send to poll the flags early slowed the senders (all poll one flag), by ~4 us at T = 1.
-  long long send_blocks = sa.T;  // a token per block (its row's quantization split among the block's warps)
+  // A send alone: a warp per item (a word of a row to quantize, or a row piece per destination), at most one block
+  // per SM.
+  const bool fused = (sa.flags & 1u) != 0 && sa.records == nullptr;
+  const long long words = ((c.hidden + 127) / 128 + 3) / 4;
+  const long long row_pieces =
+      static_cast<long long>(((sa.records != nullptr ? c.record_bytes : static_cast<std::size_t>(2 * c.hidden)) +
+                              kPieceBytes - 1) / kPieceBytes);
+  const long long items = sa.T * (fused ? words : row_pieces);
+  long long send_blocks = (items + kWarps - 1) / kWarps;
   send_blocks = send_blocks < 1 ? 1 : (send_blocks > kMaxSendBlocks ? kMaxSendBlocks : send_blocks);
   const long long recv_blocks = c.local_experts;  // a block per local expert
   // K <= 8 (the common case) takes the instantiation with 8 register slots per token: half the code to fetch.
