@@ -280,8 +280,8 @@ __device__ void write_meta(char* at, int token, const int* ids, int K, int d, in
 }
 
 /// The send phase of dispatch call `index`: rows and metas into every destination's half, then the headers and data
-/// flags. It waits for the destinations' consumed flags (writable) only before its first store into them, so that
-/// wait overlaps the first scan. False when the send may not write (a timeout, recorded).
+/// flags. It waits for the destinations' consumed flags (writable's condition, on lanes of the last warp) beside the
+/// first chunk's ids, before its first store into them. False when the send may not write (a timeout, recorded).
 template <int kK>
 __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsigned long long index) {
   Control* own = control(c.peers[c.rank]);
@@ -1035,7 +1035,9 @@ void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const Dispatch
   const long long row_pieces =
       static_cast<long long>(((sa.records != nullptr ? c.record_bytes : static_cast<std::size_t>(2 * c.hidden)) +
                               kPieceBytes - 1) / kPieceBytes);
-  const long long items = sa.T * (fused ? words : row_pieces);
+  // (a row piece per destination: up to min(K, R) destinations per token)
+  const long long dests = sa.K < c.num_ranks ? sa.K : c.num_ranks;
+  const long long items = sa.T * (fused ? words : row_pieces * (dests > 0 ? dests : 1));
   long long send_blocks = (items + kWarps - 1) / kWarps;
   send_blocks = send_blocks < 1 ? 1 : (send_blocks > kMaxSendBlocks ? kMaxSendBlocks : send_blocks);
   const long long recv_blocks = c.local_experts;  // a block per local expert

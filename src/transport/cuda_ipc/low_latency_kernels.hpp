@@ -108,7 +108,8 @@ struct DispatchSendArgs {
   const void* x = nullptr;  ///< bf16 [T, H] rows of x_stride elements (bf16 dispatch)
   long long x_stride = 0;
   /// fp8 with BufferOptions::low_latency_separate_quant, and nvfp4: quantized rows + scales, record_bytes apart
-  /// (device scratch); null: an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per token)
+  /// (device scratch); null: an fp8 dispatch quantizes x in the send kernel (quant/fp8_device.cuh, a warp per
+  /// UE8M0 word or two of a row)
   const void* records = nullptr;
   /// nvfp4 with a device x_global_scale: block 0 checks it (finite, > 0) and records kErrGlobalScale otherwise
   const float* global_scale = nullptr;
