@@ -1,6 +1,7 @@
 # Part `sanitizer` of scripts/gpu_check.sh (sourced): test_gpu's suites again under compute-sanitizer, at the
 # tests' quick sizes (EPMOE_GPU_TEST_QUICK=1): memcheck of the stage kernels, racecheck of the kernels that use
-# shared memory, memcheck of the fp8 experts and the MoE layer, and memcheck of cuda_ipc (both modes).
+# shared memory, memcheck of the fp8 experts and the MoE layer, memcheck of cuda_ipc (both modes), and synccheck and
+# racecheck of the cuda_ipc low-latency kernels.
 
 # racecheck over RACE_FILTER, failing on a failed test or on a hazard outside cuBLAS. cuBLAS's own GEMM kernels
 # (nvjet*, called by the MoE layer's experts) synchronise through mbarriers, which racecheck does not model; leaving
@@ -43,8 +44,13 @@ part_sanitizer() {
   else
     skip "memcheck cuda_ipc normal mode" "needs 2 GPUs"
   fi
-  # The low-latency suite runs one rank per GPU, so also on one GPU (R = 1).
-  step "memcheck cuda_ipc low-latency" 150 "$SANITIZER" --tool memcheck --error-exitcode 99 \
-    "$BUILD/tests/test_gpu" --gtest_filter='GpuCudaIpcLowLatency.*-*Timeout*'
+  # The low-latency suite runs one rank per GPU, so also on one GPU (R = 1). Its kernels share shared-memory
+  # tables across warps and keep every barrier uniform (a timeout returns the whole block): synccheck and
+  # racecheck check both.
+  local tool
+  for tool in memcheck synccheck racecheck; do
+    step "$tool cuda_ipc low-latency" 200 "$SANITIZER" --tool "$tool" --error-exitcode 99 \
+      "$BUILD/tests/test_gpu" --gtest_filter='GpuCudaIpcLowLatency.*-*Timeout*'
+  done
   unset EPMOE_GPU_TEST_QUICK
 }
