@@ -15,9 +15,10 @@
 #                                                                                     scripts/gpu/cli.sh
 #   python     the Python package built there with CUDA, offline, and its whole suite  scripts/gpu/python.sh
 #   bench      every bench_gpu_* benchmark                                            scripts/gpu/bench.sh
-#   sanitizer  compute-sanitizer memcheck and racecheck over test_gpu's suites, quick sizes
+#   sanitizer  compute-sanitizer memcheck, synccheck and racecheck over test_gpu's suites, quick sizes
 #                                                                                     scripts/gpu/sanitizer.sh
-#   anchors    DeepEP from --anchors DIR built in a temporary folder, its test_low_latency.py --num-processes 1;
+#   anchors    DeepEP from --anchors DIR built in a temporary folder; both libraries through
+#              bench/low_latency_vs_deepep.py and DeepEP's test_low_latency.py --num-processes 1 over each;
 #              skipped with a note without DIR                                        scripts/gpu/anchors.sh
 #   deepep     DeepEP's own test_intranode.py and test_low_latency.py from --anchors DIR, unchanged, against
 #              epmoe's Python Buffer (a one-line deep_ep.py), --num-processes 1; skipped without DIR

@@ -11,8 +11,10 @@
 # The source is copied to a temporary folder and built there with `python3 setup.py build_ext --inplace`
 # (TORCH_CUDA_ARCH_LIST 9.0, NVSHMEM from the nvidia-nvshmem wheel; CUDA 13's CCCL headers and, when the machine has
 # no rdma-core headers, DIR/../fallback_include added to CPATH), then its tests/test_low_latency.py runs with
-# --num-processes 1 (one GPU; DeepEP's intranode kernels need 2, 4 or 8 ranks) at DeepEP's decode shapes.
-# Logs: deepep_build.log, deepep_low_latency.log; the timing lines are copied into the summary.
+# --num-processes 1 (one GPU; DeepEP's intranode kernels need 2, 4 or 8 ranks) at DeepEP's decode shapes, over
+# DeepEP and then over epmoe (after bench/low_latency_vs_deepep.py for both).
+# Logs: deepep_build.log, deepep_low_latency.log, deepep_low_latency_over_epmoe.log; the timing lines are copied into
+# the summary.
 part_anchors() {
   part_begin anchors 570
   local dir="${ANCHORS_DIR:-}"
@@ -27,6 +29,8 @@ part_anchors() {
   fi
   dir="$(cd "$dir" && pwd)"
   local py="${EPMOE_PYTHON:-python3}" work
+  # DeepEP's decode shapes; its test runs over epmoe with the same arguments (anchors_low_latency_side_by_side).
+  ANCHOR_TEST_ARGS="--num-processes 1 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256"
   work="$(mktemp -d /tmp/epmoe-deepep.XXXXXX)"
   cp -a "$dir/." "$work/"
   local cuda_home="${CUDA_HOME:-/usr/local/cuda}"
@@ -60,7 +64,7 @@ part_anchors() {
   step "DeepEP test_low_latency.py --num-processes 1" 150 env -u WORLD_SIZE -u RANK -u LOCAL_RANK \
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29500 + RANDOM % 2000)) PYTHONPATH="$work${PYTHONPATH:+:$PYTHONPATH}" \
     bash -c 'cd "$1/tests" && shift && "$@" >"$0" 2>&1' "$RESULTS/deepep_low_latency.log" "$work" \
-    "$py" test_low_latency.py --num-processes 1 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256
+    "$py" test_low_latency.py $ANCHOR_TEST_ARGS
   ANCHOR_LINES="$(grep -E '\[rank [0-9]+\] (Dispatch|Combine)' "$RESULTS/deepep_low_latency.log" 2>/dev/null)"
   [ -n "$ANCHOR_LINES" ] && note "$ANCHOR_LINES"
   anchors_low_latency_side_by_side "$work"
@@ -80,6 +84,24 @@ anchors_low_latency_side_by_side() {
   fi
   step "side by side: epmoe through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
     PYTHONPATH="$target" "$py" "$bench" --lib epmoe --tokens "$tokens" --json "$RESULTS/ll_epmoe.json"
+  # DeepEP's test over epmoe (the one-line deep_ep module), the same arguments as over DeepEP above: its hook halves
+  # (send / recv kernel times) and event-timed pair beside DeepEP's, like for like.
+  local shim="$work/epmoe_shim"
+  mkdir -p "$shim"
+  echo 'from epmoe import Buffer, Config, EventOverlap, topk_idx_t  # noqa: F401' >"$shim/deep_ep.py"
+  step "DeepEP test_low_latency.py over epmoe, the same arguments" 150 env -u WORLD_SIZE -u RANK -u LOCAL_RANK \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29500 + RANDOM % 2000)) PYTHONPATH="$shim:$target" \
+    bash -c 'cd "$1/tests" && shift && "$@" >"$0" 2>&1' "$RESULTS/deepep_low_latency_over_epmoe.log" "$work" \
+    "$py" test_low_latency.py $ANCHOR_TEST_ARGS
+  local over
+  over="$(grep -E '\[rank [0-9]+\] (Dispatch|Combine)' "$RESULTS/deepep_low_latency_over_epmoe.log" 2>/dev/null)"
+  if [ -n "$over" ]; then
+    ANCHOR_LINES="${ANCHOR_LINES:+$ANCHOR_LINES
+}DeepEP's test over epmoe:
+$over"
+    note "DeepEP's test over epmoe:
+$over"
+  fi
   if [ -f "$RESULTS/ll_deepep.json" ] && [ -f "$RESULTS/ll_epmoe.json" ]; then
     "$py" "$bench" --compare "$RESULTS/ll_epmoe.json" "$RESULTS/ll_deepep.json" >"$RESULTS/ll_compare.md" 2>&1
     ANCHOR_LINES="${ANCHOR_LINES:+$ANCHOR_LINES
