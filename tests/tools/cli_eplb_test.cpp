@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
@@ -40,7 +41,10 @@ CliResult run_cli(const std::string& args) {
   const std::string cli = env && *env ? env : EPMOE_CLI_PATH;
   const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
   const int status = std::system(("'" + cli + "' " + args + " >'" + o + "' 2>'" + e + "'").c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(o), slurp(e)};
+  CliResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(o), slurp(e)};
+  std::remove(o.c_str());
+  std::remove(e.c_str());
+  return r;
 }
 
 const std::string kTrace = std::string(EPMOE_TEST_DATA_DIR) + "/olmoe-routing";

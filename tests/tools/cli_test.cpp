@@ -64,6 +64,8 @@ CliResult run_cli(const std::string& args, const std::string& env = "") {
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.out = slurp(o);
   r.err = slurp(e);
+  std::remove(o.c_str());  // the captures only: a test removes what it wrote itself
+  std::remove(e.c_str());
   return r;
 }
 
@@ -471,6 +473,8 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"run --device cpu --config ''", "--config: expected a path, got ''"},
       {"bench --device cpu --config ''", "--config: expected a path, got ''"},
       {"tune --config ''", "--config: expected a path, got ''"},
+      // Found by a fresh user: a flag where the command goes said only that a subcommand was required.
+      {"--bogus", "invalid argument '--bogus': expected a command first (run, bench or tune"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);

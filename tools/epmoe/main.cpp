@@ -37,7 +37,10 @@ int main(int argc, char** argv) {
     // same shape as the commands' own errors.
     const bool say = first_or_only_process();
     if (e.get_exit_code() == 0) return say ? app.exit(e) : 0;
-    if (say)
+    if (say && app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
+      std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command first (run, bench or tune; see --help)\n",
+                   argv[1]);
+    else if (say)
       std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
     else  // mpirun stops the job at the first non-zero exit: the first process's message goes out first
       std::this_thread::sleep_for(std::chrono::milliseconds(300));

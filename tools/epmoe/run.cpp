@@ -750,11 +750,12 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
     jphases.push_back({{"phase", p.name}, {"time_ms", s * 1e3}, {"bytes", p.bytes}, {"gb_per_s", gbs}});
   }
   fmt::print("{:<10} {:>12.3f}\n", "total", total * 1e3);
+  fmt::print("time: per phase the slowest rank of each iteration, median of {} iterations (--iters)\n", c.iters);
   // The payload as DeepEP counts it (see run_rank): not only what crossed ranks, unlike bench's "remote MB".
   fmt::print("bytes: x rows each rank received (dispatch) or sent back (combine), its own rows included, summed over "
              "ranks; bench's remote MB counts only rows crossing ranks\n");
-  fmt::print("\nrelative L2 error vs float64 reference ({} tokens checked): {:.3e} (tolerance {:.0e})\n", checked, rel,
-             c.tolerance);
+  fmt::print("\nrelative L2 error vs float64 reference ({} tokens checked over {} ranks): {:.3e} (tolerance {:.0e})\n",
+             checked, results.size(), rel, c.tolerance);
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
 
   if (!c.json.empty()) {
