@@ -183,9 +183,19 @@ def describe(x: Any) -> str:
 def int_arg(name: str, value: Any, low: int = 0, high: int = 2**31 - 1) -> int:
     """`value` as a Python int in [low, high] (what the C++ side takes), else epmoe.Error('invalid_argument') naming
     `name` (bools, strings and floats included: the binding's own TypeError would not name the argument)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__") or not low <= int(value) <= high:
-        raise invalid_argument(name, f"an int in {low}..{high}", repr(value))
-    return int(value)
+    v = None
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        try:
+            v = int(value)
+        except (TypeError, ValueError):  # e.g. an array of more than one element (NumPy's __index__ raises)
+            v = None
+    if v is None or not low <= v <= high:
+        shape = getattr(value, "shape", None)
+        got = repr(value)
+        if shape is not None and v is None:
+            got = f"an array of shape {tuple(shape)} ({dtype_name(value)})"
+        raise invalid_argument(name, f"an int in {low}..{high}", got)
+    return v
 
 
 def int32_arg(name: str, value: Any) -> int:

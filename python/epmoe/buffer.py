@@ -920,12 +920,14 @@ class Buffer:
         """
         required("x", x)
         required("topk_idx", topk_idx)
-        _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
-        writable("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
-        writable("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
+        # The scalars first: an array passed positionally where DeepEP's signature puts Tmax (e.g. topk_weights, as
+        # in some other libraries' order) is named there, not at a later argument it shifted.
         num_max_dispatch_tokens_per_rank = int32_arg("num_max_dispatch_tokens_per_rank",
                                                      num_max_dispatch_tokens_per_rank)
         num_experts = int32_arg("num_experts", num_experts)
+        _check_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, self.group_size)
+        writable("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+        writable("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
         gpu = x is not None and is_cuda(x)
         inputs = (x, topk_idx, cumulative_local_expert_recv_stats, x_global_scale, dispatch_wait_recv_cost_stats)
         stream = current_stream(*inputs) if gpu else None

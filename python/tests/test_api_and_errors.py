@@ -206,6 +206,33 @@ def test_integers_that_do_not_fit_are_named_with_the_range_and_the_value(rng):
         assert rows > 0 and routed > 0
 
 
+def test_an_array_where_an_integer_goes_is_named_there(rng):
+    """Found by a fresh user: topk_weights passed positionally where DeepEP's low_latency_dispatch takes
+    num_max_dispatch_tokens_per_rank came back as NumPy's bare TypeError, or as an error about a later argument the
+    shift moved (dispatch_wait_recv_cost_stats). The integer's own name, range and the array's shape come first."""
+    E, H, K, T = 8, 128, 2, 4
+    x = nice_bf16(rng, (T, H))
+    idx = random_topk_idx(rng, T, K, E)
+    weights = rng.random((T, K), dtype=np.float32)
+    expected = f"an array of shape {(T, K)} (float32)"
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        for call in (lambda: buf.low_latency_dispatch(x, idx, weights, E),
+                     lambda: buf.low_latency_dispatch(x, idx, weights, E, None, np.zeros(16, np.int32))):
+            with pytest.raises(epmoe.Error) as e:
+                call()
+            assert e.value.code == "invalid_argument"
+            assert str(e.value) == (f"epmoe: invalid argument 'num_max_dispatch_tokens_per_rank': expected "
+                                    f"{INT32_RANGE}, got {expected}"), str(e.value)
+        # a 0-d integer array is an integer
+        recv_x, count, _, _, _ = buf.low_latency_dispatch(x, idx, np.array(T), E)
+        return int(np.asarray(count).sum())
+
+    got = epmoe.run_thread_ranks(1, rank_main, timeout_s=TIMEOUT_S)
+    assert got == [int((idx >= 0).sum())]
+
+
 def test_num_worst_tokens_past_this_machines_memory_is_named_before_allocating(rng):
     """Found by a fresh user: a num_worst_tokens in range whose padded outputs cannot be allocated failed (or was
     killed) in the allocation, naming no argument. It is named with the bytes needed, before any exchange, and the
