@@ -253,15 +253,17 @@ __device__ unsigned long long begin_send(const Common& c) {
 /// Whether a send of call `index` may write into the destinations (every thread calls it; the same answer in all):
 /// a half is written again only once every destination has read it (call index - 2); false after a timeout
 /// (recorded).
+/// One thread's part of it: whether destination `d` has read this rank's call index - 2 in the half call `index`
+/// writes (waits for it; false after a timeout, recorded).
+__device__ bool destination_read(const Common& c, int d, int phase, unsigned long long index) {
+  const int half = static_cast<int>(index & 1);
+  return index < 2 || wait_geq(&control(c.peers[c.rank])->consumed[half][d], index - 1, c, d, phase, index);
+}
 __device__ bool writable(const Common& c, int phase, unsigned long long index) {
-  Control* own = control(c.peers[c.rank]);
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
-  const int half = static_cast<int>(index & 1);
-  if (index >= 2 && threadIdx.x < c.num_ranks &&
-      !wait_geq(&own->consumed[half][threadIdx.x], index - 1, c, threadIdx.x, phase, index))
-    s_ok = 0;
+  if (threadIdx.x < c.num_ranks && !destination_read(c, threadIdx.x, phase, index)) s_ok = 0;
   __syncthreads();
   return s_ok != 0;
 }
@@ -314,9 +316,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
   __shared__ int dest_ok[kMaxRanks];
   const int waiter = static_cast<int>(threadIdx.x) - (kThreads - 32);
   const auto wait_writable = [&] {
-    if (waiter >= 0 && waiter < R)
-      dest_ok[waiter] = index < 2 || wait_geq(&own->consumed[half][waiter], index - 1, c, waiter, kPhaseDispatchSend,
-                                              index);
+    if (waiter >= 0 && waiter < R) dest_ok[waiter] = destination_read(c, waiter, kPhaseDispatchSend, index);
   };
   const auto all_writable = [&] {
     bool ok = true;
@@ -767,8 +767,7 @@ __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int 
   const auto* packed_k = reinterpret_cast<const std::uint8_t*>(dbase + c.packed_k);
   const std::size_t body = c.staging + static_cast<std::size_t>(R) * kHeaderBytes;
   const std::size_t row_bytes = static_cast<std::size_t>(2 * c.hidden);
-  constexpr std::size_t kPiece = kSendPieceBytes;
-  const int pieces = static_cast<int>((row_bytes + kPiece - 1) / kPiece);
+  const int pieces = static_cast<int>((row_bytes + kSendPieceBytes - 1) / kSendPieceBytes);
   const int lane = threadIdx.x & 31;
   for (int s = 0; s < R; ++s) {
     const long long rg = range[static_cast<std::size_t>(e) * R + s];
@@ -776,13 +775,14 @@ __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int 
     char* dst_body = half_base(c, s, half) + body;
     for (long long w0 = first; w0 < cnt * pieces; w0 += stride) {
       const long long r = b + w0 / pieces;
-      const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kPiece;
+      const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kSendPieceBytes;
       const long long row = static_cast<long long>(e) * rows + r;
       const std::size_t dst = static_cast<std::size_t>(src_info[row]) * kMaxTopk + packed_k[row];
       const char* src = static_cast<const char*>(a.x) + (e * a.stride0 + r * a.stride1) * 2;
+      const std::size_t bytes = row_bytes - at < kSendPieceBytes ? row_bytes - at : kSendPieceBytes;
       warp_copy_vectors<kSendVec, false>(reinterpret_cast<const int4*>(src + at),
-                                   reinterpret_cast<int4*>(dst_body + dst * row_bytes + at),
-                                   static_cast<int>((row_bytes - at < kPiece ? row_bytes - at : kPiece) / 16), lane);
+                                         reinterpret_cast<int4*>(dst_body + dst * row_bytes + at),
+                                         static_cast<int>(bytes / 16), lane);
     }
   }
 }
