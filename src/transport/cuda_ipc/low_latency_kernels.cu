@@ -39,6 +39,13 @@ constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // a row piece per warp ite
 constexpr int kSendVec = 8;
 constexpr std::size_t kSendPieceBytes = 32 * kSendVec * 16;
 constexpr int kMaxRecvBlocks = 1024;
+// The combine receive's items: a token's row in chunks of kCombineVecs 16-byte vectors per thread (the K loads of each
+// in flight together), so T = 128, H = 7168 is 257 blocks, one wave of 2 blocks per SM (513 with one vector per thread:
+// the last blocks started 7.4 us after the first). K = 16 keeps one (its registers would spill).
+template <int kK>
+inline constexpr int kCombineVecs = kK <= 8 ? 2 : 1;
+template <int kK>
+inline constexpr int kCombineChunk = kCombineVecs<kK> * kThreads;
 
 __device__ __forceinline__ Control* control(void* base) { return static_cast<Control*>(base); }
 __device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
@@ -354,6 +361,13 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       checked = true;
       stamp(c, kTraceWritable);
     }
+    // The token's metas, by its scan thread (the ids in its registers) in one block (j mod the grid: that block's
+    // release publishes them): an item's warp loading the ids again put a round trip before its row's loads.
+    if (t < a.T && mask != 0 && static_cast<unsigned>(threadIdx.x) % gridDim.x == blockIdx.x)
+      for (int d = 0; d < R; ++d)
+        if ((mask >> d) & 1u)
+          write_meta(half_base(c, d, half) + slot_off + static_cast<std::size_t>(pos[d]) * c.meta_bytes,
+                     static_cast<int>(t), ids, K, d, El);
     // The chunk's rows as items over every warp of the grid (every block's scan knows every token's slots; a block
     // per token left the others idle at small T and kept a row's pieces on one SM). The order is the same in every
     // block, so each item is taken once.
@@ -375,15 +389,6 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       for (int d = 0; d < R; ++d)
         if ((m_d >> d) & 1u)
           dst[nd++] = half_base(c, d, half) + records_off + static_cast<std::size_t>(tok_pos[j][d]) * c.record_bytes;
-      if (piece == 0 && lane == 0) {
-        int row_ids[kK];
-        clean_ids<kK>(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
-        for (int d = 0; d < R; ++d) {
-          if (!((m_d >> d) & 1u)) continue;
-          write_meta(half_base(c, d, half) + slot_off + static_cast<std::size_t>(tok_pos[j][d]) * c.meta_bytes,
-                     static_cast<int>(tt), row_ids, K, d, El);
-        }
-      }
       quantize_row_to(reinterpret_cast<const std::uint32_t*>(static_cast<const char*>(a.x) +
                                                              static_cast<std::size_t>(tt) * a.x_stride * 2),
                       static_cast<int>(c.hidden), (a.flags & 2u) != 0, (a.flags & 4u) != 0, dst, nd, lane,
@@ -398,12 +403,6 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       const long long tt = base + j;
       const std::size_t slot = static_cast<std::size_t>(tok_pos[j][d]);
       char* dst_half = half_base(c, d, half);
-      if (piece == 0 && lane == 0) {
-        int row_ids[kK];
-        // The same cleaning as the scan (without reporting again).
-        clean_ids<kK>(c, a.topk_idx, a.idx64, K, tt, row_ids, false, kPhaseDispatchSend, index);
-        write_meta(dst_half + slot_off + slot * c.meta_bytes, static_cast<int>(tt), row_ids, K, d, El);
-      }
       const char* src = a.records != nullptr
                             ? static_cast<const char*>(a.records) + static_cast<std::size_t>(tt) * c.record_bytes
                             : static_cast<const char*>(a.x) + static_cast<std::size_t>(tt) * a.x_stride * 2;
@@ -877,41 +876,54 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   if (blockIdx.x == 0) stamp(c, kTraceCounted);
 
   // out[t] = sum over k ascending of w[t, k] * row(t, k): float32 from +0.0f, each product rounded before it is
-  // added (no fused multiply-add, as the CPU), one rounding to bf16. Items (token, chunk of kThreads 16-byte vectors
-  // of its row): a thread per vector, its K loads in flight before the sum, so a token's row is one round of loads
-  // whatever H (a block per token took H / 8 / kThreads rounds: ~4 us at T = 1, H = 7168). When the grid has more
-  // than one block, block 0 only counts (above) and the others take the items, so the count is off their path.
+  // added (no fused multiply-add, as the CPU), one rounding to bf16. Items (token, chunk of kCombineChunk 16-byte
+  // vectors of its row): kCombineVecs vectors per thread, all their K loads in flight before the sums, so a token's row
+  // is one round of loads whatever H (a block per token took H / 8 / kThreads rounds: ~4 us at T = 1, H = 7168). When
+  // the grid has more than one block, block 0 only counts (above) and the others take the items, so the count is off
+  // their path.
   const long long H = c.hidden;
   const int nvec = static_cast<int>(H / 8);
-  const long long chunks = (nvec + kThreads - 1) / kThreads, items = a.T * chunks;
+  const long long chunks = (nvec + kCombineChunk<kK> - 1) / kCombineChunk<kK>, items = a.T * chunks;
   const long long first = gridDim.x > 1 ? static_cast<long long>(blockIdx.x) - 1 : 0;
   const long long stride = gridDim.x > 1 ? gridDim.x - 1 : 1;
   const auto* body = reinterpret_cast<const int4*>(half_base(c, c.rank, half) + c.staging +
                                                    static_cast<std::size_t>(R) * kHeaderBytes);
-  int ids[kK];
-  float w[kK];
-  int4 raw[kK];
+  // The item's ids and weights, the same for the whole block (an item is one token's): in shared memory, read where
+  // used, so the registers hold the rows' loads.
+  __shared__ int ids[kK];
+  __shared__ float w[kK];
+  int4 raw[kCombineVecs<kK>][kK];
   long long t = 0;
-  int v = 0;
-  const auto prepare = [&](long long item) {  // the item's ids and weights: inputs, not data of the sources
+  int v = 0;  // the thread's first vector; the others kThreads apart
+  const auto prepare = [&](long long item) {  // inputs, not data of the sources; a barrier follows before any use
     t = item / chunks;
-    v = static_cast<int>(item % chunks) * kThreads + static_cast<int>(threadIdx.x);
-    clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, false, kPhaseCombineRecv, index);
+    v = static_cast<int>(item % chunks) * kCombineChunk<kK> + static_cast<int>(threadIdx.x);
+    if (threadIdx.x == 0) {
+      int cleaned[kK];
+      clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, cleaned, false, kPhaseCombineRecv, index);
 #pragma unroll
-    for (int k = 0; k < kK; ++k) w[k] = k < K ? a.weights[t * K + k] : 0.0f;
+      for (int k = 0; k < kK; ++k) {
+        ids[k] = cleaned[k];
+        w[k] = k < K ? a.weights[t * K + k] : 0.0f;
+      }
+    }
   };
   const auto load = [&] {
-    if (v >= nvec) return;
 #pragma unroll
-    for (int k = 0; k < kK; ++k)
-      if (k < K && ids[k] >= 0) raw[k] = __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec + v);
+    for (int u = 0; u < kCombineVecs<kK>; ++u) {
+      const int vu = v + u * kThreads;
+#pragma unroll
+      for (int k = 0; k < kK; ++k)
+        if (vu < nvec && k < K && ids[k] >= 0)
+          raw[u][k] = __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec + vu);
+    }
   };
   const bool has_first = first >= 0 && first < items;
   // A block without items leaves (block 0 stays: it checks the counts): pollers of the one data flag slow the
   // blocks still sending.
   if (!has_first && blockIdx.x != 0) return;
   if (has_first) prepare(first);
-  // The first item's rows are loaded with the headers.
+  // The first item's rows are loaded with the headers (after receive_headers' first barrier).
   if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
                        a.wait_cost, [&] {
                          if (has_first) load();
@@ -919,30 +931,36 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
     return;
   for (long long item = first; item >= 0 && item < items; item += stride) {
     if (item != first) {
+      __syncthreads();  // the block's reads of the last item's ids are done
       prepare(item);
+      __syncthreads();
       load();
     }
-    if (v >= nvec) continue;
-    float acc[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+    for (int u = 0; u < kCombineVecs<kK>; ++u) {
+      const int vu = v + u * kThreads;
+      if (vu >= nvec) continue;
+      float acc[8];
 #pragma unroll
-    for (int k = 0; k < kK; ++k) {
-      if (k >= K || ids[k] < 0) continue;
-      const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw[k].x), static_cast<std::uint32_t>(raw[k].y),
-                                      static_cast<std::uint32_t>(raw[k].z), static_cast<std::uint32_t>(raw[k].w)};
+      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[k], __uint_as_float(words[j] << 16)));
-        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[k], __uint_as_float(words[j] & 0xffff0000u)));
+      for (int k = 0; k < kK; ++k) {
+        if (k >= K || ids[k] < 0) continue;
+        const std::uint32_t words[4] = {static_cast<std::uint32_t>(raw[u][k].x), static_cast<std::uint32_t>(raw[u][k].y),
+                                        static_cast<std::uint32_t>(raw[u][k].z), static_cast<std::uint32_t>(raw[u][k].w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w[k], __uint_as_float(words[j] << 16)));
+          acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w[k], __uint_as_float(words[j] & 0xffff0000u)));
+        }
       }
-    }
-    std::uint32_t packed[4];
+      std::uint32_t packed[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
-    int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
-    out[v] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                       static_cast<int>(packed[3]));
+      for (int j = 0; j < 4; ++j) packed[j] = pack_bf16x2(acc[2 * j], acc[2 * j + 1]);
+      int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + t * a.out_stride * 2);
+      out[vu] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                          static_cast<int>(packed[3]));
+    }
   }
 }
 
@@ -1060,7 +1078,8 @@ void launch_combine(const Common& c, const CombineSendArgs& sa_in, const Combine
   const long long send_blocks = sa.signal_form == kSignalNone ? c.local_experts * static_cast<long long>(sa.split)
                                 : (sa.grid > 0 && sa.grid < c.local_experts ? sa.grid : c.local_experts);
   // a block per (token, chunk of kThreads vectors of its row), loops beyond kMaxRecvBlocks; plus block 0, which counts
-  const long long chunks = (c.hidden / 8 + kThreads - 1) / kThreads, items = ra.T * chunks;
+  const long long chunk = ra.K <= 8 ? kCombineChunk<8> : kCombineChunk<kMaxTopk>;  // the kernel's instantiation
+  const long long chunks = (c.hidden / 8 + chunk - 1) / chunk, items = ra.T * chunks;
   long long recv_blocks = (items < kMaxRecvBlocks ? items : kMaxRecvBlocks) + 1;
   // Overlapped: the send shares the GPU with the down GEMM, so the launch keeps to the send's blocks (num_sms).
   if (sa.signal_form != kSignalNone && (phases & kSendPhase) != 0) recv_blocks = send_blocks;
