@@ -40,8 +40,9 @@ constexpr int kSendVec = 8;
 constexpr std::size_t kSendPieceBytes = 32 * kSendVec * 16;
 constexpr int kMaxRecvBlocks = 1024;
 // The combine receive's items: a token's row in chunks of kCombineVecs 16-byte vectors per thread (the K loads of each
-// in flight together), so T = 128, H = 7168 is 257 blocks, one wave of 2 blocks per SM (513 with one vector per thread:
-// the last blocks started 7.4 us after the first). K = 16 keeps one (its registers would spill).
+// in flight together), so a receive-only launch (the hook) at T = 128, H = 7168 is 257 blocks, one wave of 2 blocks per
+// SM (513 with one vector per thread: the last blocks started 7.4 us after the first); with both phases the grid is
+// the co-resident one either way, each block taking half as many items. K = 16 keeps one (its registers would spill).
 template <int kK>
 inline constexpr int kCombineVecs = kK <= 8 ? 2 : 1;
 template <int kK>
@@ -1077,7 +1078,8 @@ void launch_combine(const Common& c, const CombineSendArgs& sa_in, const Combine
   sa.split = sa.signal_form == kSignalNone && mean_rows >= 2 ? 2 : 1;
   const long long send_blocks = sa.signal_form == kSignalNone ? c.local_experts * static_cast<long long>(sa.split)
                                 : (sa.grid > 0 && sa.grid < c.local_experts ? sa.grid : c.local_experts);
-  // a block per (token, chunk of kThreads vectors of its row), loops beyond kMaxRecvBlocks; plus block 0, which counts
+  // a block per (token, chunk of kCombineChunk vectors of its row), loops beyond kMaxRecvBlocks; plus block 0, which
+  // counts
   const long long chunk = ra.K <= 8 ? kCombineChunk<8> : kCombineChunk<kMaxTopk>;  // the kernel's instantiation
   const long long chunks = (c.hidden / 8 + chunk - 1) / chunk, items = ra.T * chunks;
   long long recv_blocks = (items < kMaxRecvBlocks ? items : kMaxRecvBlocks) + 1;
