@@ -428,6 +428,30 @@ TEST(Cli, MpirunProcessesWithDifferentSeedsAreRefusedNamingTheFlag) {
 #endif
 }
 
+// A flag refused on one process alone (here a --json folder that does not exist there, as a path missing on one node)
+// stops every process at once: the others name the refusing rank instead of waiting in their first collective until
+// the group's timeout (30 s here, so a wait would show as "timed out").
+TEST(Cli, MpirunFlagRefusedOnOneProcessStopsEveryProcess) {
+#if defined(EPMOE_HAVE_MPI)
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  const std::string o = temp_path("mpmd.txt");
+  const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
+  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
+                          "mpirun --oversubscribe -np 1 " + job + " : -np 1 " + job + " --json '" +
+                          temp_path("no-such-folder") + "/out.json' >'" + o + "' 2>&1";
+  const int status = std::system(cmd.c_str());
+  const std::string out = slurp(o);
+  std::filesystem::remove(o);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
+  EXPECT_NE(out.find("invalid argument '--json'"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 0: its flags were accepted, but rank(s) 1 refused theirs"), std::string::npos) << out;
+  EXPECT_EQ(out.find("timed out"), std::string::npos) << out;
+  EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
 TEST(Cli, TuneRefusesWithoutGpus) {
   CliResult r = run_cli("tune --device cpu");
   EXPECT_EQ(r.code, 2);
@@ -562,6 +586,21 @@ TEST(Cli, RunBadRoutingTracesAndOffsetsAreNamedBeforeAnyWork) {
       {"--routing '" + make_trace("ids", 4, [](auto& ids, auto&) { ids[6] = 64; }) + "'",
        "invalid argument '--routing topk_idx': expected ids in [-1, 64)", "64 at [3, 0, 0]"},
   };
+  // A trace whose K is past the mode's range (32 in normal mode, 16 in low-latency mode) is refused when loaded,
+  // naming --routing, as --topk would be (found by a fresh user: K = 40 reached the layer after the weights).
+  for (const auto& [mode, K] : {std::pair<std::string, std::int64_t>{"normal", 33}, {"low-latency", 17}}) {
+    const std::string dir = temp_path("wide_" + mode);
+    std::vector<std::int16_t> ids;
+    for (std::int64_t t = 0; t < 4; ++t)
+      for (std::int64_t k = 0; k < K; ++k) ids.push_back(static_cast<std::int16_t>((t + k) % 64));
+    epmoe::test::write_routing_trace(dir, "general", 4, 1, K, ids, std::vector<float>(ids.size(), 1.0f / K));
+    r = run_cli("run --mode " + mode + " --routing '" + dir + "'" + tiny);
+    EXPECT_EQ(r.code, 2) << mode << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("invalid argument '--routing': expected a trace of K in 1.."), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("got K = " + std::to_string(K)), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << mode << ": refused only after starting\n" << r.out;
+    std::filesystem::remove_all(dir);
+  }
   // A file the .npy reader refuses is named as --routing too, with the reader's reason.
   const std::string text = make_trace("text");
   write_file(text + "/general.topk_idx.npy", "not a numpy file\n");

@@ -466,6 +466,9 @@ int resolve_devices(RunConfig& c) {
   return gpus;
 }
 
+/// The most experts per token the --mode's dispatch takes (semantics §1).
+int mode_max_topk(const RunConfig& c) { return c.mode == "normal" ? kNormalMaxTopk : kLowLatencyMaxTopk; }
+
 // The sizes and counts of the job, each named by its flag.
 void check_job_flags(const RunConfig& c) {
   if (c.ranks < 1) bad("--ranks", ">= 1", c.ranks);
@@ -495,10 +498,10 @@ void check_job_flags(const RunConfig& c) {
         fmt::format("a positive multiple of {} for --dispatch-dtype {}", hidden_multiple, c.dispatch_dtype),
         c.hidden);
   if (c.intermediate < 1) bad("--intermediate", ">= 1", c.intermediate);
-  const int max_topk = std::min(c.experts, c.mode == "normal" ? kNormalMaxTopk : kLowLatencyMaxTopk);
+  const int max_topk = std::min(c.experts, mode_max_topk(c));
   if (c.topk < 1 || c.topk > max_topk)
-    bad("--topk", fmt::format("in [1, {}] (at most --experts and {} in {} mode)", max_topk,
-                              c.mode == "normal" ? kNormalMaxTopk : kLowLatencyMaxTopk, c.mode), c.topk);
+    bad("--topk", fmt::format("in [1, {}] (at most --experts and {} in {} mode)", max_topk, mode_max_topk(c), c.mode),
+        c.topk);
   if (c.check_tokens < 1) bad("--check-tokens", ">= 1", c.check_tokens);
   if (!(c.tolerance > 0) || !std::isfinite(c.tolerance)) bad("--tolerance", "a positive finite number", c.tolerance);
   if (c.layer < 0) bad("--layer", ">= 0", c.layer);
@@ -535,6 +538,10 @@ RoutingTrace load_replayed_trace(RunConfig& c, bool root) {
     bad("--experts", fmt::format("a multiple of the trace's {} experts", trace.num_experts), c.experts);
   if (c.topk_given && c.topk != trace.num_topk())
     bad("--topk", fmt::format("the trace's K = {} (or nothing) with --routing", trace.num_topk()), c.topk);
+  // The trace's K replaces --topk: held to the mode's range here, as --topk is, not refused by the layer later.
+  if (trace.num_topk() > mode_max_topk(c))
+    bad("--routing", fmt::format("a trace of K in 1..{} in {} mode", mode_max_topk(c), c.mode),
+        fmt::format("K = {} in {}", trace.num_topk(), c.routing));
   c.topk = trace.num_topk();
   if (root && c.offset + c.ranks * c.tokens > trace.num_tokens())
     fmt::print("note: tokens [{}, {}) wrap around the trace's {} recorded tokens\n", c.offset,
@@ -609,30 +616,28 @@ void check_flags_agree(Group& g, const RunConfig& c) {
 }
 #endif
 
-int run(RunConfig c) {
-  if (c.backend != "threads" && c.backend != "mpi")
-    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
-  bool root = true;
-  // Started by mpirun without --backend mpi, every process would run its own independent job: refuse.
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
-    if (const char* n = std::getenv(var); c.backend == "threads" && n != nullptr && std::atoi(n) > 1)
-      bad("--backend", fmt::format("mpi when started by mpirun with several processes ({}={})", var, n), c.backend);
 #if defined(EPMOE_HAVE_MPI)
-  std::optional<MpiSession> session;
-  std::shared_ptr<Group> mpi_group;
-  if (c.backend == "mpi") {
-    session.emplace(nullptr, nullptr);
-    mpi_group = make_mpi_group();
-    // One rank per process of mpirun: --ranks, when given, must say the same (outside mpirun there is 1 process).
-    if (c.ranks_given && c.ranks != mpi_group->size())
-      bad("--ranks", fmt::format("the number of MPI processes ({}: set it with mpirun -np) or nothing with --backend mpi",
-                                 mpi_group->size()),
-          c.ranks);
-    c.ranks = mpi_group->size();
-    root = mpi_group->rank() == 0;
-    check_flags_agree(*mpi_group, c);
-  }
+// Under mpirun a flag refused on some ranks alone (a --json folder or a --routing file that only their nodes lack, an
+// MPMD launch) must stop every rank at once, not leave the others in their first collective until its timeout: the
+// ranks exchange whether their own checks passed, and those that passed raise an error naming the ranks that did not.
+void stop_unless_every_rank_passed(Group& g, bool passed) {
+  const int mine = passed ? 1 : 0;
+  std::vector<int> all(static_cast<std::size_t>(g.size()));
+  g.all_gather(&mine, all.data(), sizeof(int), "epmoe run flags checked");
+  std::string refused;
+  for (int r = 0; r < g.size(); ++r)
+    if (all[static_cast<std::size_t>(r)] == 0) refused += (refused.empty() ? "" : ", ") + std::to_string(r);
+  if (passed && !refused.empty())
+    throw Error(ErrorCode::invalid_argument,
+                fmt::format("epmoe: rank {}: its flags were accepted, but rank(s) {} refused theirs (their messages name "
+                            "the flag); no rank runs",
+                            g.rank(), refused));
+}
 #endif
+
+/// The flags' checks that need no other rank (run's first part): the activation and the GPUs to use, and the replayed
+/// trace when --routing gives one; true when --eplb ran its report instead (its exit code in eplb_code).
+bool check_run_flags(RunConfig& c, bool root, Activation& act, int& gpus, RoutingTrace& trace, int& eplb_code) {
   if (c.overlap && c.mode != "low-latency")
     bad("--overlap", "--mode low-latency beside it (it overlaps the low-latency combine's send with the experts)",
         c.mode);
@@ -656,11 +661,12 @@ int run(RunConfig c) {
     check_job_flags(c);
     if (!c.replay_flags_given.empty() && c.replay_flags_given != "--domain")
       fmt::print(stderr, "note: --layer and --offset are ignored with --eplb (every layer, both halves of the trace)\n");
-    const RoutingTrace trace = load_replayed_trace(c, /*root=*/false);  // its replay lines are a layer run's
-    return run_eplb_report(trace, c.experts, c.ranks, c.redundant_experts, c.json, c.routing);
+    const RoutingTrace eplb_trace = load_replayed_trace(c, /*root=*/false);  // its replay lines are a layer run's
+    eplb_code = run_eplb_report(eplb_trace, c.experts, c.ranks, c.redundant_experts, c.json, c.routing);
+    return true;
   }
-  const Activation act = parse_activation_flag(c.activation);
-  const int gpus = resolve_devices(c);
+  act = parse_activation_flag(c.activation);
+  gpus = resolve_devices(c);
   if (c.overlap && c.experts_impl == "blas")
     bad("--experts-impl", "reference or cuda with --overlap (the BLAS experts write no combine signal)", "blas");
   apply_config_flag(c.config, c.buffer_options);
@@ -668,12 +674,60 @@ int run(RunConfig c) {
     fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
   check_job_flags(c);
 
-  const bool replay = !c.routing.empty();
-  if (!replay && !c.replay_flags_given.empty() && root)
+  if (c.routing.empty() && !c.replay_flags_given.empty() && root)
     fmt::print(stderr, "note: ignored without --routing: {} (the routing is random here)\n", c.replay_flags_given);
-  RoutingTrace trace;
-  if (replay) trace = load_replayed_trace(c, root);
+  if (!c.routing.empty()) trace = load_replayed_trace(c, root);
   check_job_memory(c, act);
+  return false;
+}
+
+int run(RunConfig c) {
+  if (c.backend != "threads" && c.backend != "mpi")
+    throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '--backend': expected threads or mpi, got {}", c.backend));
+  bool root = true;
+  // Started by mpirun without --backend mpi, every process would run its own independent job: refuse.
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char* n = std::getenv(var); c.backend == "threads" && n != nullptr && std::atoi(n) > 1)
+      bad("--backend", fmt::format("mpi when started by mpirun with several processes ({}={})", var, n), c.backend);
+  Activation act{};
+  int gpus = 0, eplb_code = 0;
+  RoutingTrace trace;
+#if defined(EPMOE_HAVE_MPI)
+  std::optional<MpiSession> session;
+  std::shared_ptr<Group> mpi_group;
+  if (c.backend == "mpi") {
+    session.emplace(nullptr, nullptr);
+    mpi_group = make_mpi_group();
+    root = mpi_group->rank() == 0;
+  }
+#endif
+  std::exception_ptr refused;  // this rank's checks failed (raised once every rank knows)
+  bool eplb = false;
+  try {
+#if defined(EPMOE_HAVE_MPI)
+    if (mpi_group) {
+      // One rank per process of mpirun: --ranks, when given, must say the same (outside mpirun there is 1 process).
+      if (c.ranks_given && c.ranks != mpi_group->size())
+        bad("--ranks",
+            fmt::format("the number of MPI processes ({}: set it with mpirun -np) or nothing with --backend mpi",
+                        mpi_group->size()),
+            c.ranks);
+      c.ranks = mpi_group->size();
+    }
+#endif
+    eplb = check_run_flags(c, root, act, gpus, trace, eplb_code);
+  } catch (...) {
+    refused = std::current_exception();
+  }
+#if defined(EPMOE_HAVE_MPI)
+  if (mpi_group) {
+    stop_unless_every_rank_passed(*mpi_group, refused == nullptr);
+    if (refused == nullptr) check_flags_agree(*mpi_group, c);
+  }
+#endif
+  if (refused != nullptr) std::rethrow_exception(refused);
+  if (eplb) return eplb_code;
+  const bool replay = !c.routing.empty();
   if (root) print_run_header(c);
 
   const auto tg = Clock::now();
