@@ -275,8 +275,12 @@ TEST(Cli, RunConfigBadFieldsAreNamed) {
   write_file(cfg, R"({"num_sms": 16, "warp_count": 3})");
   CliResult r = run_cli("run --device cpu --config '" + cfg + "' " + kTinyRun);
   EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.err.find("warp_count"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("'--config " + cfg + ":warp_count'"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("unknown field"), std::string::npos) << r.err;
+  write_file(cfg, R"({"num_sms": 16,)");  // not JSON: the flag and the file are named (found by a fresh user)
+  r = run_cli("run --device cpu --config '" + cfg + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("invalid argument '--config " + cfg), std::string::npos) << r.err;
   write_file(cfg, R"({"num_sms": 100})");
   r = run_cli("run --device cpu --config '" + cfg + "' " + kTinyRun);
   EXPECT_EQ(r.code, 2);

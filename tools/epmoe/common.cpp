@@ -132,7 +132,15 @@ double threads_normal_bytes_per_rank(int num_ranks, std::int64_t tokens, int liv
 void apply_config_flag(const std::string& path, BufferOptions& options) {
   if (path.empty()) return;
   if (!std::filesystem::is_regular_file(path)) bad("--config", "a readable JSON file of BufferOptions fields", path);
-  load_buffer_config(path, options);
+  try {
+    load_buffer_config(path, options);
+  } catch (const Error& e) {
+    // The library names the file (and field: 'FILE:num_sms'); on the command line it is the flag's value.
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    std::string message = e.what();
+    if (const auto at = message.find("'" + path); at != std::string::npos) message.insert(at + 1, "--config ");
+    throw Error(ErrorCode::invalid_argument, message);
+  }
 }
 
 void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {
