@@ -488,7 +488,10 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
        "invalid argument '--experts': expected at most 1024 (1024 per rank on 1 rank), got 2048"},
       {"run --device cpu --ranks 2 --experts 2050 --topk 2 --mode low-latency",
        "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
-      {"run --device cpu --tokens abc", "epmoe: invalid argument: "},
+      // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
+      {"run --device cpu --tokens abc", "invalid argument '--tokens': expected an integer in range (see --help), got abc"},
+      {"run --device cpu --ranks 99999999999", "invalid argument '--ranks': expected an integer in range"},
+      {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a number in range"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",
        "invalid argument '--ll-tokens-max': expected >= the sweep's smallest T (256"},

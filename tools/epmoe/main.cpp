@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 
 #include "commands.hpp"
@@ -19,6 +20,24 @@ bool first_or_only_process() {
   for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
     if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return std::strcmp(v, "0") == 0;
   return true;
+}
+
+/// CLI11 says "Could not convert: --ranks = abc" for a value its option's type cannot hold: said here as the
+/// commands' own errors are, with what the option takes ("an integer"; its range is in --help), or "" when `e` is not
+/// such an error.
+std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
+  const std::string what = e.what(), head = "Could not convert: ";
+  const auto eq = what.find(" = ");
+  if (what.rfind(head, 0) != 0 || eq == std::string::npos) return "";
+  const std::string flag = what.substr(head.size(), eq - head.size()), value = what.substr(eq + 3);
+  std::string type;
+  for (const CLI::App* sub : app.get_subcommands())
+    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr) type = o->get_type_name();
+  const std::string expected = type.rfind("UINT", 0) == 0 ? "a non-negative integer"
+                               : type.rfind("INT", 0) == 0 ? "an integer"
+                               : type.rfind("FLOAT", 0) == 0 ? "a number"
+                                                              : "a value of type " + (type.empty() ? "?" : type);
+  return "epmoe: invalid argument '" + flag + "': expected " + expected + " in range (see --help), got " + value;
 }
 
 }  // namespace
@@ -40,6 +59,8 @@ int main(int argc, char** argv) {
     if (say && app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
       std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command first (run, bench or tune; see --help)\n",
                    argv[1]);
+    else if (const std::string m = conversion_message(app, e); say && !m.empty())
+      std::fprintf(stderr, "%s\n", m.c_str());
     else if (say)
       std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
     else  // mpirun stops the job at the first non-zero exit: the first process's message goes out first
