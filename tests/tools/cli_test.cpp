@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #if defined(EPMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -412,17 +413,28 @@ TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
   EXPECT_NE(run_cli("run --help", "OMPI_COMM_WORLD_RANK=0").out.find("--tokens"), std::string::npos);
 }
 
+#if defined(EPMOE_HAVE_MPI)
+/// An MPMD launch of two `epmoe run --backend mpi --device cpu` processes on kTinyRun, each with its own extra flags
+/// (the group's timeout 30 s, so a wait shows as a timeout, not as a hung test): the exit status and the output of both.
+std::pair<int, std::string> run_two_processes(const std::string& flags0, const std::string& flags1) {
+  const std::string o = temp_path("mpmd.txt");
+  const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
+  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
+                          "mpirun --oversubscribe -np 1 " + job + " " + flags0 + " : -np 1 " + job + " " + flags1 +
+                          " >'" + o + "' 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::string out = slurp(o);
+  std::filesystem::remove(o);
+  return {status, std::move(out)};
+}
+#endif
+
 // Under mpirun each process parses its own flags: an MPMD launch whose processes differ in a job flag (--seed) is a
 // rank_mismatch naming the flag on every rank, before any work, not a run whose check then fails.
 TEST(Cli, MpirunProcessesWithDifferentSeedsAreRefusedNamingTheFlag) {
 #if defined(EPMOE_HAVE_MPI)
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
-  const std::string o = temp_path("mpmd.txt");
-  const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
-  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpirun "
-                          "--oversubscribe -np 1 " + job + " --seed 1 : -np 1 " + job + " --seed 2 >'" + o + "' 2>&1";
-  const int status = std::system(cmd.c_str());
-  const std::string out = slurp(o);
+  const auto [status, out] = run_two_processes("--seed 1", "--seed 2");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
   EXPECT_NE(out.find("setting '--seed' must be equal on all ranks"), std::string::npos) << out;
   EXPECT_NE(out.find("rank 0 has 1, rank 1 has 2"), std::string::npos) << out;
@@ -434,18 +446,11 @@ TEST(Cli, MpirunProcessesWithDifferentSeedsAreRefusedNamingTheFlag) {
 
 // A flag refused on one process alone (here a --json folder that does not exist there, as a path missing on one node)
 // stops every process at once: the others name the refusing rank instead of waiting in their first collective until
-// the group's timeout (30 s here, so a wait would show as "timed out").
+// the group's timeout.
 TEST(Cli, MpirunFlagRefusedOnOneProcessStopsEveryProcess) {
 #if defined(EPMOE_HAVE_MPI)
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
-  const std::string o = temp_path("mpmd.txt");
-  const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
-  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
-                          "mpirun --oversubscribe -np 1 " + job + " : -np 1 " + job + " --json '" +
-                          temp_path("no-such-folder") + "/out.json' >'" + o + "' 2>&1";
-  const int status = std::system(cmd.c_str());
-  const std::string out = slurp(o);
-  std::filesystem::remove(o);
+  const auto [status, out] = run_two_processes("", "--json '" + temp_path("no-such-folder") + "/out.json'");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
   EXPECT_NE(out.find("invalid argument '--json'"), std::string::npos) << out;
   EXPECT_NE(out.find("rank 0: its flags were accepted, but rank(s) 1 refused theirs"), std::string::npos) << out;
