@@ -101,6 +101,8 @@ TEST(Cli, HelpListsTheCommandsAndFlags) {
   const CliResult top = run_cli("--help");
   EXPECT_EQ(top.code, 0);
   for (const char* s : {"run", "bench", "tune"}) EXPECT_NE(top.out.find(s), std::string::npos) << s << "\n" << top.out;
+  // Found by a fresh user: no help said what the exit codes mean (README: 0, 1, 2).
+  EXPECT_NE(top.out.find("Exit status: 0 success (run: PASS); 1 a failed check"), std::string::npos) << top.out;
   const CliResult run = run_cli("run --help");
   for (const char* s : {"--device", "--config", "int16 [tokens, layers, K]", "float32, same shape"})
     EXPECT_NE(run.out.find(s), std::string::npos) << s << "\n" << run.out;

@@ -45,6 +45,9 @@ std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
 int main(int argc, char** argv) {
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts dispatch, experts and combine"};
   app.require_subcommand(1);
+  app.footer("Exit status: 0 success (run: PASS); 1 a failed check (run: FAIL) or a failure while running (a timeout, "
+             "an internal error); 2 bad arguments, or a request this machine cannot serve (no GPU, sizes past its "
+             "memory).");
   app.set_version_flag("--version", std::string(epmoe::version()));
   auto run = epmoe::cli::add_run_command(app);
   auto bench = epmoe::cli::add_bench_command(app);

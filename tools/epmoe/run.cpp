@@ -876,7 +876,7 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_flag("--overlap", c.overlap,
                 "--mode low-latency: the combine's send overlaps the experts, each block sent once the experts signal "
                 "it done (MoELayerOptions::overlap; the experts phase then holds the send, the combine phase the "
-                "receive); needs --experts-impl reference or cuda");
+                "receive); needs experts that signal: --experts-impl reference or cuda (auto picks them), not blas");
   cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
   cmd->add_option("--check-tokens", c.check_tokens,
                   "tokens per rank checked against the float64 reference (all of them when fewer)")
