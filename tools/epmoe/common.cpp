@@ -135,12 +135,16 @@ void apply_config_flag(const std::string& path, BufferOptions& options) {
   try {
     load_buffer_config(path, options);
   } catch (const Error& e) {
-    // The library names the file (and field: 'FILE:num_sms'); on the command line it is the flag's value.
-    if (e.code() != ErrorCode::invalid_argument) throw;
-    std::string message = e.what();
-    if (const auto at = message.find("'" + path); at != std::string::npos) message.insert(at + 1, "--config ");
-    throw Error(ErrorCode::invalid_argument, message);
+    rethrow_naming_flag(e, path, "--config " + path);  // the library names the file (and field: 'FILE:num_sms')
   }
+}
+
+void rethrow_naming_flag(const Error& e, std::string_view name, std::string_view flag) {
+  if (e.code() != ErrorCode::invalid_argument) throw e;
+  std::string message = e.what();
+  if (const auto at = message.find("'" + std::string(name)); at != std::string::npos)
+    message.replace(at + 1, name.size(), flag);
+  throw Error(ErrorCode::invalid_argument, message);
 }
 
 void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {

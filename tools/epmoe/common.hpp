@@ -25,6 +25,11 @@ template <class T>
   throw Error(ErrorCode::invalid_argument, fmt::format("epmoe: invalid argument '{}': expected {}, got {}", flag, expected, actual));
 }
 
+/// Rethrows a library error `e` whose argument the library names `name` (e.g. 'routing topk_idx', or a --config
+/// file's path) with that name said as the command line says it (`flag`: '--routing topk_idx', '--config PATH');
+/// other errors are rethrown as they are.
+[[noreturn]] void rethrow_naming_flag(const Error& e, std::string_view name, std::string_view flag);
+
 /// Where the ranks of a command run.
 enum class DeviceKind { cpu, cuda };
 

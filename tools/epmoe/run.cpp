@@ -524,11 +524,7 @@ RoutingTrace load_replayed_trace(RunConfig& c, bool root) {
   try {
     trace = load_routing_trace(c.routing, c.domain);
   } catch (const Error& e) {
-    // The library names its argument 'routing'; on the command line it is the flag.
-    if (e.code() != ErrorCode::invalid_argument) throw;
-    std::string message = e.what();
-    if (const auto at = message.find("'routing"); at != std::string::npos) message.insert(at + 1, "--");
-    throw Error(ErrorCode::invalid_argument, message);
+    rethrow_naming_flag(e, "routing", "--routing");  // the library names its argument 'routing'
   }
   if (c.layer >= trace.num_layers()) bad("--layer", fmt::format("in [0, {})", trace.num_layers()), c.layer);
   // Ranks take tokens from the offset on, wrapping at the end: an offset past the trace means nothing.
@@ -635,9 +631,18 @@ void stop_unless_every_rank_passed(Group& g, bool passed) {
 }
 #endif
 
-/// The flags' checks that need no other rank (run's first part): the activation and the GPUs to use, and the replayed
-/// trace when --routing gives one; true when --eplb ran its report instead (its exit code in eplb_code).
-bool check_run_flags(RunConfig& c, bool root, Activation& act, int& gpus, RoutingTrace& trace, int& eplb_code) {
+/// What run's checks found: the activation and the GPUs to use, the replayed trace when --routing gives one, or the
+/// exit code of the --eplb report that ran instead.
+struct CheckedRun {
+  Activation act{};
+  int gpus = 0;
+  RoutingTrace trace;
+  std::optional<int> eplb_code;
+};
+
+/// The flags' checks that need no other rank (run's first part).
+CheckedRun check_run_flags(RunConfig& c, bool root) {
+  CheckedRun r;
   if (c.overlap && c.mode != "low-latency")
     bad("--overlap", "--mode low-latency beside it (it overlaps the low-latency combine's send with the experts)",
         c.mode);
@@ -662,11 +667,11 @@ bool check_run_flags(RunConfig& c, bool root, Activation& act, int& gpus, Routin
     if (!c.replay_flags_given.empty() && c.replay_flags_given != "--domain")
       fmt::print(stderr, "note: --layer and --offset are ignored with --eplb (every layer, both halves of the trace)\n");
     const RoutingTrace eplb_trace = load_replayed_trace(c, /*root=*/false);  // its replay lines are a layer run's
-    eplb_code = run_eplb_report(eplb_trace, c.experts, c.ranks, c.redundant_experts, c.json, c.routing);
-    return true;
+    r.eplb_code = run_eplb_report(eplb_trace, c.experts, c.ranks, c.redundant_experts, c.json, c.routing);
+    return r;
   }
-  act = parse_activation_flag(c.activation);
-  gpus = resolve_devices(c);
+  r.act = parse_activation_flag(c.activation);
+  r.gpus = resolve_devices(c);
   if (c.overlap && c.experts_impl == "blas")
     bad("--experts-impl", "reference or cuda with --overlap (the BLAS experts write no combine signal)", "blas");
   apply_config_flag(c.config, c.buffer_options);
@@ -676,9 +681,9 @@ bool check_run_flags(RunConfig& c, bool root, Activation& act, int& gpus, Routin
 
   if (c.routing.empty() && !c.replay_flags_given.empty() && root)
     fmt::print(stderr, "note: ignored without --routing: {} (the routing is random here)\n", c.replay_flags_given);
-  if (!c.routing.empty()) trace = load_replayed_trace(c, root);
-  check_job_memory(c, act);
-  return false;
+  if (!c.routing.empty()) r.trace = load_replayed_trace(c, root);
+  check_job_memory(c, r.act);
+  return r;
 }
 
 int run(RunConfig c) {
@@ -689,9 +694,6 @@ int run(RunConfig c) {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
     if (const char* n = std::getenv(var); c.backend == "threads" && n != nullptr && std::atoi(n) > 1)
       bad("--backend", fmt::format("mpi when started by mpirun with several processes ({}={})", var, n), c.backend);
-  Activation act{};
-  int gpus = 0, eplb_code = 0;
-  RoutingTrace trace;
 #if defined(EPMOE_HAVE_MPI)
   std::optional<MpiSession> session;
   std::shared_ptr<Group> mpi_group;
@@ -702,7 +704,7 @@ int run(RunConfig c) {
   }
 #endif
   std::exception_ptr refused;  // this rank's checks failed (raised once every rank knows)
-  bool eplb = false;
+  CheckedRun checked;
   try {
 #if defined(EPMOE_HAVE_MPI)
     if (mpi_group) {
@@ -715,7 +717,7 @@ int run(RunConfig c) {
       c.ranks = mpi_group->size();
     }
 #endif
-    eplb = check_run_flags(c, root, act, gpus, trace, eplb_code);
+    checked = check_run_flags(c, root);
   } catch (...) {
     refused = std::current_exception();
   }
@@ -726,7 +728,10 @@ int run(RunConfig c) {
   }
 #endif
   if (refused != nullptr) std::rethrow_exception(refused);
-  if (eplb) return eplb_code;
+  if (checked.eplb_code) return *checked.eplb_code;
+  const Activation act = checked.act;
+  const int gpus = checked.gpus;
+  const RoutingTrace& trace = checked.trace;
   const bool replay = !c.routing.empty();
   if (root) print_run_header(c);
 
