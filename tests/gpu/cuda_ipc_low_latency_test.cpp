@@ -388,12 +388,14 @@ TEST(GpuCudaIpcLowLatency, Fp8ScalesColumnMajorWithPaddedColumns) {
 // Large Tmax with E = 256 and T past 256: the dispatch send's and receive's block scans take the tokens in several
 // rounds; at T = 600 with rows of two combine chunks (H = 7168, or 4224 in quick runs) the combine receive's 1200
 // items outnumber the co-resident grid of a launch with both phases, so blocks take several items (the next token's
-// ids behind a barrier).
+// ids behind a barrier); with hooks the receive-only launch stops at its most blocks and loops past them.
 TEST(GpuCudaIpcLowLatency, LargeTmaxAndMoreItemsThanBlocks) {
   for (bool fp8 : {false, true})
     check_case({.T = {300, 77}, .H = 1024, .E = 256, .tmax = 512, .fp8 = fp8, .round_scale = fp8, .ue8m0 = fp8,
                 .calls = 2});
-  check_case({.T = {600, 77}, .H = gputest::quick() ? 4224 : 7168, .E = 256, .tmax = 1024, .calls = 2});
+  for (bool hooks : {false, true})
+    check_case({.T = {600, 77}, .H = gputest::quick() ? 4224 : 7168, .E = 256, .tmax = 1024, .calls = 2,
+                .hooks = hooks});
 }
 
 TEST(GpuCudaIpcLowLatency, TopK1And8And16) {

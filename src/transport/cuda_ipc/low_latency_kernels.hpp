@@ -28,7 +28,7 @@ struct Control {
   unsigned long long consumed[2][kMaxRanks];
   unsigned long long calls;  // owner: calls since the last clean whose send kernel finished (the next call's index)
   unsigned int send_arrive;  // owner: blocks of the running combine send that finished
-  unsigned int index_arrive;  // owner: blocks of the running send kernel that read their call index
+  unsigned int index_arrive;  // owner: blocks of the running send kernel that ended their send (each read the index)
   int claim;                 // first error wins the host record
   // owner: an overlapped combine's send gave up on a signal (1), of local expert signal_expert, block signal_block
   // (-1: per expert); the send's last block puts it in the headers and clears it
