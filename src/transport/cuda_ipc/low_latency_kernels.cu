@@ -986,7 +986,8 @@ __device__ __forceinline__ unsigned long long call_index(const Common& c, int ph
 
 // One kernel per op, its phases a runtime argument (DeepEP's LOW_LATENCY_SEND_PHASE / _RECV_PHASE): both phases in
 // one launch unless a recv hook splits them. With both, blocks that finish sending wait in the receive for the
-// data flags the send's blocks raise, so the grid must be co-resident (launch_phases bounds it).
+// data flags the send's blocks raise, so the grid must be co-resident (launch_phases bounds it). A hook's two
+// launches stay one instantiation: DeepEP's bench_kineto asserts one profiler row per op name.
 template <int kK>
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(const __grid_constant__ Common c, const __grid_constant__ DispatchSendArgs sa,
