@@ -1,13 +1,20 @@
 """Low-latency dispatch and combine of epmoe and DeepEP, measured one way, in one process per library.
 
     python3 bench/low_latency_vs_deepep.py --lib epmoe|deepep [--tokens 1,128] [--hidden 7168] [--topk 8]
-                                           [--experts 256] [--runs 30] [--json PATH]
+                                           [--experts 256] [--dispatch-dtype fp8|bf16] [--runs 30] [--json PATH]
+    python3 bench/low_latency_vs_deepep.py --lib epmoe|deepep --sweep [--tokens 1,32,128] [--json PATH]
     python3 bench/low_latency_vs_deepep.py --compare EPMOE.json DEEPEP.json     # the table of ratios
 
 One GPU, one rank (a one-rank NCCL group, as DeepEP's tests make it). `--lib deepep` imports DeepEP's `deep_ep`
 (its build folder on PYTHONPATH), `--lib epmoe` imports `epmoe`; both are driven through the same DeepEP V1 calls
-(`low_latency_dispatch` with fp8, `low_latency_combine` in bf16), on the same inputs: T tokens of hidden H, top-K of E
-experts from random scores, ten random (token, k) entries masked to -1 (DeepEP's test masks the same way), seeded.
+(`low_latency_dispatch` in fp8, or bf16 with --dispatch-dtype, `low_latency_combine` in bf16), on the same inputs: T
+tokens of hidden H, top-K of E experts from random scores, ten random (token, k) entries masked to -1 (DeepEP's test
+masks the same way), seeded.
+
+--sweep measures the shapes around DeepEP's decode default (fp8, K = 8, H = 7168, E = 256), one setting changed at a
+time: bf16 dispatch; K = 1, 2, 4; H = 2048, 2880, 4096 (SWEEP below), each at every T of --tokens (default 1,32,128),
+one buffer per shape. A shape a library refuses (DeepEP compiles a fixed set of hidden sizes) is recorded with its
+error and the next shape runs.
 
 Three figures per op and T (semantics §12 gives the rules; DeepEP's test reports the first):
   - kernel time: torch profiler over `--runs` back-to-back dispatch + combine pairs, no L2 flush; every kernel and
@@ -31,14 +38,21 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", choices=["epmoe", "deepep"])
     p.add_argument("--compare", nargs=2, metavar=("EPMOE_JSON", "DEEPEP_JSON"))
-    p.add_argument("--tokens", default="1,128", help="comma-separated T values (tokens per rank)")
+    p.add_argument("--tokens", default="", help="comma-separated T values (tokens per rank); default 1,128, with "
+                   "--sweep 1,32,128")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--sweep", action="store_true", help="the shapes of SWEEP instead of one (dtype, K, H)")
     p.add_argument("--runs", type=int, default=30, help="back-to-back pairs under the profiler")
     p.add_argument("--seed", type=int, default=int(os.environ.get("EPMOE_SEED", "1")))
     p.add_argument("--json", default="")
     return p.parse_args()
+
+
+# (dispatch dtype, K, H) of --sweep: DeepEP's decode shape with one setting changed at a time.
+SWEEP = [("bf16", 8, 7168)] + [("fp8", k, 7168) for k in (1, 2, 4)] + [("fp8", 8, h) for h in (2048, 2880, 4096)]
 
 
 def main():
@@ -59,19 +73,30 @@ def main():
         import deep_ep as lib
     else:
         import epmoe as lib
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = [int(t) for t in (args.tokens or ("1,32,128" if args.sweep else "1,128")).split(",")]
     tmax = max(tokens)
-    H, K, E = args.hidden, args.topk, args.experts
-    nbytes = lib.Buffer.get_low_latency_rdma_size_hint(tmax, H, 1, E)
-    buf = lib.Buffer(group, 0, nbytes, low_latency_mode=True, num_qps_per_rank=E)
-    print(f"{args.lib}: {torch.cuda.get_device_name(0)}, T={tokens} (Tmax {tmax}) H={H} K={K} E={E}, "
-          f"runs={args.runs}, seed {args.seed}", flush=True)
-    out = {"lib": args.lib, "device": torch.cuda.get_device_name(0), "hidden": H, "topk": K, "experts": E,
-           "num_max_dispatch_tokens_per_rank": tmax, "runs": args.runs, "seed": args.seed, "results": []}
+    E = args.experts
+    shapes = SWEEP if args.sweep else [(args.dispatch_dtype, args.topk, args.hidden)]
+    print(f"{args.lib}: {torch.cuda.get_device_name(0)}, T={tokens} (Tmax {tmax}) E={E}, shapes (dtype, K, H) "
+          f"{shapes}, runs={args.runs}, seed {args.seed}", flush=True)
+    out = {"lib": args.lib, "device": torch.cuda.get_device_name(0), "hidden": args.hidden, "topk": args.topk,
+           "experts": E, "num_max_dispatch_tokens_per_rank": tmax, "runs": args.runs, "seed": args.seed,
+           "results": []}
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    graphs = []
     try:
-        run_all(torch, lib, buf, tokens, tmax, H, K, E, args, flush, graphs, out)
+        for dtype, K, H in shapes:
+            try:
+                nbytes = lib.Buffer.get_low_latency_rdma_size_hint(tmax, H, 1, E)
+                buf = lib.Buffer(group, 0, nbytes, low_latency_mode=True, num_qps_per_rank=E)
+                run_all(torch, lib, buf, tokens, tmax, (dtype, K, H), E, args, flush, out)
+            except Exception as exc:  # a shape the library refuses: recorded, the next shape runs
+                if not args.sweep:
+                    raise
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                print(f"dtype={dtype} K={K} H={H}: failed: {msg}", flush=True)
+                out["results"].append({"dtype": dtype, "K": K, "H": H, "T": None, "error": msg})
+                torch.cuda.synchronize()
+            buf = None
     finally:  # what was measured is kept when a later step fails
         if args.json:
             with open(args.json, "w") as f:
@@ -79,9 +104,10 @@ def main():
     dist.destroy_process_group()
 
 
-def run_all(torch, lib, buf, tokens, tmax, H, K, E, args, flush, graphs, out):
+def run_all(torch, lib, buf, tokens, tmax, shape, E, args, flush, out):
+    graphs = []
     for T in tokens:
-        out["results"].append(measure(torch, lib, buf, T, tmax, H, K, E, args, flush, graphs))
+        out["results"].append(measure(torch, lib, buf, T, tmax, shape, E, args, flush, graphs))
     # CUDA graphs last: a library whose calls cannot be captured may leave the context unusable.
     for res, dispatch, combine in graphs:
         if out.get("graph_failed"):
@@ -89,7 +115,7 @@ def run_all(torch, lib, buf, tokens, tmax, H, K, E, args, flush, graphs, out):
             continue
         res["graph_pair_us"], res["graph_error"] = graph_time(torch, dispatch, combine)
         out["graph_failed"] = res["graph_error"] is not None
-        print(f"T={res['T']}: CUDA graph fp8 dispatch + combine "
+        print(f"dtype={res['dtype']} K={res['K']} H={res['H']} T={res['T']}: CUDA graph dispatch + combine "
               + (f"{res['graph_pair_us']:.2f} us" if res["graph_error"] is None else f"failed: {res['graph_error']}"),
               flush=True)
 
@@ -110,17 +136,19 @@ def make_inputs(torch, T, H, K, E, seed):
     return x, topk_idx, topk_weights
 
 
-def measure(torch, lib, buf, T, tmax, H, K, E, args, flush, graphs):
+def measure(torch, lib, buf, T, tmax, shape, E, args, flush, graphs):
+    dtype, K, H = shape
     x, topk_idx, topk_weights = make_inputs(torch, T, H, K, E, args.seed + T)
+    fp8 = dtype == "fp8"
 
     def dispatch():
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, tmax, E, use_fp8=True,
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, tmax, E, use_fp8=fp8,
                                                              async_finish=False, return_recv_hook=False)
         return recv, handle
 
     recv, _ = dispatch()
     # The experts' output stand-in: bf16 of the received shape, random, made once (no expert runs here).
-    expert_out = torch.randn(recv[0].shape, dtype=torch.bfloat16, device="cuda")
+    expert_out = torch.randn((recv[0] if fp8 else recv).shape, dtype=torch.bfloat16, device="cuda")
 
     def combine(handle):
         y, _, _ = buf.low_latency_combine(expert_out, topk_idx, topk_weights, handle, async_finish=False,
@@ -134,10 +162,10 @@ def measure(torch, lib, buf, T, tmax, H, K, E, args, flush, graphs):
     # Combine: each timed call gets a fresh dispatch's handle, made before the flush, outside the timed region.
     flushed = {"dispatch": call_time(torch, flush, lambda _: dispatch()),
                "combine": call_time(torch, flush, combine, prepare=lambda: dispatch()[1])}
-    res = {"T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed, "graph_pair_us": None, "graph_error": None}
+    res = {"dtype": dtype, "K": K, "H": H, "T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed, "graph_pair_us": None, "graph_error": None}
     graphs.append((res, dispatch, combine))
     d, c = kernels["dispatch"], kernels["combine"]
-    print(f"T={T}: kernel time dispatch {d['per_call_us']:.2f} us ({d['num_kernels_per_call']:.0f} kernels; "
+    print(f"dtype={dtype} K={K} H={H} T={T}: kernel time dispatch {d['per_call_us']:.2f} us ({d['num_kernels_per_call']:.0f} kernels; "
           f"by name {d['by_name_us']:.2f}), combine {c['per_call_us']:.2f} us ({c['num_kernels_per_call']:.0f}; "
           f"by name {c['by_name_us']:.2f}); call time L2 flushed {flushed['dispatch']:.2f} / {flushed['combine']:.2f}"
           f" us; unattributed device time {kernels['unattributed_us_per_call']:.2f} us/call", flush=True)
@@ -252,25 +280,43 @@ def graph_time(torch, dispatch, combine, runs=50):
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
+def shape_key(doc, r):
+    """(dtype, K, H, T) of a result; files written before --sweep name the shape once, at the top (fp8)."""
+    return (r.get("dtype", "fp8"), r.get("K", doc.get("topk")), r.get("H", doc.get("hidden")), r["T"])
+
+
 def compare(epmoe_json, deepep_json):
-    """Markdown table of epmoe / DeepEP per figure (below 1.0: epmoe faster), both files from one call."""
-    with open(epmoe_json) as f:
-        ours = {r["T"]: r for r in json.load(f)["results"]}
-    with open(deepep_json) as f:
-        theirs = {r["T"]: r for r in json.load(f)["results"]}
+    """Markdown table of epmoe / DeepEP per figure (below 1.0: epmoe faster), both files from one call. A shape that
+    one library refused gets one row with its error; shapes other than DeepEP's decode default (fp8, K = 8,
+    H = 7168) are named in the T column."""
+    tables = []
+    for path in (epmoe_json, deepep_json):
+        with open(path) as f:
+            doc = json.load(f)
+        tables.append({shape_key(doc, r): r for r in doc["results"]})
+    ours, theirs = tables
     print("| T | figure | epmoe us | DeepEP us | epmoe / DeepEP |\n| --- | --- | --- | --- | --- |")
-    for T in sorted(set(ours) & set(theirs)):
-        a, b = ours[T], theirs[T]
+    for key in sorted(set(ours) | set(theirs), key=lambda k: (k[0] != "fp8", -(k[1] or 0), -(k[2] or 0), k[3] or 0)):
+        dtype, K, H, T = key
+        label = (f"{T}" if (dtype, K, H) == ("fp8", 8, 7168) else f"{T} ({dtype}, K = {K}, H = {H})") \
+            if T is not None else f"- ({dtype}, K = {K}, H = {H})"
+        a, b = ours.get(key), theirs.get(key)
+        if a is None or b is None or T is None:
+            errors = "; ".join(f"{lib}: {r['error']}" for lib, r in (("epmoe", a), ("DeepEP", b))
+                               if r is not None and r.get("error"))
+            missing = [lib for lib, r in (("epmoe", a), ("DeepEP", b)) if r is None]
+            print(f"| {label} | not compared | - | - | {errors or 'not measured by ' + ', '.join(missing)} |")
+            continue
         rows = [(f"{op} kernel time (every kernel)", a["kernel_us"][op]["per_call_us"], b["kernel_us"][op]["per_call_us"])
                 for op in ("dispatch", "combine")]
         rows += [(f"{op} call time, L2 flushed", a["call_us_l2_flushed"][op], b["call_us_l2_flushed"][op])
                  for op in ("dispatch", "combine")]
-        rows.append(("CUDA graph, fp8 dispatch + combine", a["graph_pair_us"], b["graph_pair_us"]))
+        rows.append((f"CUDA graph, {dtype} dispatch + combine", a["graph_pair_us"], b["graph_pair_us"]))
         for name, x, y in rows:
             ratio = f"{x / y:.2f}" if x and y else "-"
             fx = f"{x:.2f}" if x else "-"
             fy = f"{y:.2f}" if y else "-"
-            print(f"| {T} | {name} | {fx} | {fy} | {ratio} |")
+            print(f"| {label} | {name} | {fx} | {fy} | {ratio} |")
     return 0
 
 

@@ -18,8 +18,9 @@
 #   sanitizer  compute-sanitizer memcheck, synccheck and racecheck over test_gpu's suites, quick sizes
 #                                                                                     scripts/gpu/sanitizer.sh
 #   anchors    DeepEP from --anchors DIR built in a temporary folder; both libraries through
-#              bench/low_latency_vs_deepep.py and DeepEP's test_low_latency.py --num-processes 1 over each;
-#              skipped with a note without DIR                                        scripts/gpu/anchors.sh
+#              bench/low_latency_vs_deepep.py and DeepEP's test_low_latency.py --num-processes 1 over each
+#              (EPMOE_ANCHOR_SWEEP=1: and the shape sweep); skipped with a note without DIR
+#                                                                                     scripts/gpu/anchors.sh
 #   deepep     DeepEP's own test_intranode.py and test_low_latency.py from --anchors DIR, unchanged, against
 #              epmoe's Python Buffer (a one-line deep_ep.py), --num-processes 1; skipped without DIR
 #                                                                                     scripts/gpu/deepep.sh

@@ -14,7 +14,8 @@
 # --num-processes 1 (one GPU; DeepEP's intranode kernels need 2, 4 or 8 ranks) at DeepEP's decode shapes, over
 # DeepEP and then over epmoe (after bench/low_latency_vs_deepep.py for both).
 # Logs: deepep_build.log, deepep_low_latency.log, deepep_low_latency_over_epmoe.log; the timing lines are copied into
-# the summary.
+# the summary. EPMOE_ANCHOR_SWEEP=1 adds bench/low_latency_vs_deepep.py --sweep over both libraries (bf16 dispatch;
+# K = 1, 2, 4; H = 2048, 2880, 4096; T = 1, 32, 128, or EPMOE_ANCHOR_SWEEP_TOKENS): ll_sweep_compare.md.
 part_anchors() {
   part_begin anchors 570
   local dir="${ANCHORS_DIR:-}"
@@ -107,5 +108,24 @@ $over"
     ANCHOR_LINES="${ANCHOR_LINES:+$ANCHOR_LINES
 }$(cat "$RESULTS/ll_compare.md")"
     note "$(cat "$RESULTS/ll_compare.md")"
+  fi
+  [ "${EPMOE_ANCHOR_SWEEP:-0}" = 1 ] && anchors_low_latency_sweep "$work" "$target"
+}
+
+# The sweep of shapes around DeepEP's decode default (bench/low_latency_vs_deepep.py SWEEP), both
+# libraries in this call; a shape DeepEP does not compile is a row with its error.
+anchors_low_latency_sweep() {
+  local work="$1" target="$2" py="${EPMOE_PYTHON:-python3}" bench="$ROOT/bench/low_latency_vs_deepep.py"
+  local tokens="${EPMOE_ANCHOR_SWEEP_TOKENS:-1,32,128}" lib path
+  for lib in deepep epmoe; do
+    path="$work"
+    [ "$lib" = epmoe ] && path="$target"
+    step "sweep: $lib through bench/low_latency_vs_deepep.py --sweep" 300 env -u WORLD_SIZE -u RANK \
+      PYTHONPATH="$path" "$py" "$bench" --lib "$lib" --sweep --tokens "$tokens" --json "$RESULTS/ll_sweep_$lib.json"
+  done
+  if [ -f "$RESULTS/ll_sweep_deepep.json" ] && [ -f "$RESULTS/ll_sweep_epmoe.json" ]; then
+    "$py" "$bench" --compare "$RESULTS/ll_sweep_epmoe.json" "$RESULTS/ll_sweep_deepep.json" \
+      >"$RESULTS/ll_sweep_compare.md" 2>&1
+    note "sweep, epmoe / DeepEP: $RESULTS/ll_sweep_compare.md"
   fi
 }
