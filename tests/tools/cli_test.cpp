@@ -22,6 +22,7 @@
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #if defined(EPMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -66,6 +67,34 @@ CliResult run_cli(const std::string& args, const std::string& env = "") {
   r.out = slurp(o);
   r.err = slurp(e);
   std::remove(o.c_str());  // the captures only: a test removes what it wrote itself
+  std::remove(e.c_str());
+  return r;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+
+// run_cli under an 8 GiB virtual-memory limit (not under AddressSanitizer, whose shadow needs more): a size that
+// slipped past the memory checks fails its allocation instead of swapping the machine.
+CliResult run_cli_limited(const std::string& args) {
+  const std::string limit = kAsan ? "" : "ulimit -v 8388608 2>/dev/null; ";
+  const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
+  const int status =
+      std::system(("(" + limit + "'" + cli_path() + "' " + args + ") >'" + o + "' 2>'" + e + "'").c_str());
+  CliResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(o);
+  r.err = slurp(e);
+  std::remove(o.c_str());
   std::remove(e.c_str());
   return r;
 }
@@ -140,6 +169,39 @@ TEST(Cli, BenchOnCpuRanksKeepsTheRowsOffTheProgressLine) {
   }
   EXPECT_EQ(progress, 2) << slurp(both);
   EXPECT_EQ(rows, 2 * 6) << slurp(both);  // T = 1, 2; three normal-mode and three low-latency ops each
+}
+
+// Found by a fresh user: through a pipe (`epmoe run 2>&1 | tee log`) the run's header came after the progress lines
+// ("iteration 1/3 done"), stdout being block-buffered there. Both commands' lines come in a terminal's order.
+TEST(Cli, HeaderComesBeforeTheProgressLinesThroughAPipe) {
+  const std::string both = temp_path("both.txt");
+  const auto lines_through_pipe = [&](const std::string& args) {
+    const std::string cmd = "'" + cli_path() + "' " + args + " 2>&1 | cat >'" + both + "'";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << args;
+    std::vector<std::string> lines;
+    std::istringstream text(slurp(both));
+    for (std::string line; std::getline(text, line);) lines.push_back(line);
+    return lines;
+  };
+  // The first line starting with `prefix`, or lines.size().
+  const auto at = [](const std::vector<std::string>& lines, const std::string& prefix) {
+    return static_cast<std::size_t>(std::find_if(lines.begin(), lines.end(),
+                                                 [&](const std::string& l) { return l.starts_with(prefix); }) -
+                                    lines.begin());
+  };
+  std::vector<std::string> lines = lines_through_pipe("run --device cpu --ranks 2 " + kTinyRun);
+  const std::size_t header = at(lines, "epmoe "), weights = at(lines, "  generating expert weights"),
+                    iteration = at(lines, "  iteration 1/1 done"), table = at(lines, "phase ");
+  ASSERT_LT(at(lines, "PASS"), lines.size()) << slurp(both);
+  EXPECT_LT(header, weights) << slurp(both);
+  EXPECT_LT(weights, iteration) << slurp(both);
+  EXPECT_LT(iteration, table) << slurp(both);
+  lines = lines_through_pipe("bench --device cpu --ranks 2 --modes normal --tokens-max 1 --hidden 64 --experts 4 "
+                             "--topk 1 --runs 1 --warmup 0");
+  const std::size_t bench_header = at(lines, "epmoe "), columns = at(lines, "     T op"), progress = at(lines, "[1/1]");
+  ASSERT_LT(progress, lines.size()) << slurp(both);
+  EXPECT_LT(bench_header, columns) << slurp(both);
+  EXPECT_LT(columns, progress) << slurp(both);
 }
 
 TEST(Cli, RunWithoutDeviceFlagPicksGpusWhenPresentElseCpuRanks) {
@@ -513,6 +575,13 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"tune --config ''", "--config: expected a path, got ''"},
       // Found by a fresh user: a flag where the command goes said only that a subcommand was required.
       {"--bogus", "invalid argument '--bogus': expected a command first (run, bench or tune"},
+      // Found by a fresh user: an option of one value given twice said CLI11's "At Most 1 required but received 2".
+      {"run --device cpu --device cuda",
+       "epmoe: invalid argument '--device': expected once (it takes one value), got 2 values: cpu, cuda"},
+      {"run -t 3 --tokens 4", "invalid argument '--tokens': expected once (it takes one value), got 2 values: 3, 4"},
+      {"bench --json a.json --json b.json --json c.json", "invalid argument '--json': expected once (it takes one "
+                                                          "value), got 3 values: a.json, b.json, c.json"},
+      {"tune -o a.json --output b.json", "invalid argument '--output': expected once"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);
@@ -659,8 +728,8 @@ TEST(Cli, RunDomainWithARoutingFileIsRefusedNamingBothFlags) {
   EXPECT_NE(r.out.find("routing: replaying 'math' layer 0"), std::string::npos) << r.out;
 }
 
-// Found by a fresh user: --json /proc/x.json passed the early check and failed after the whole job;
-// /dev/full failed with no reason. The early check opens the file as the final write will.
+// Found by a fresh user: --json /proc/x.json passed the early check and failed after the whole job. The early check
+// opens the file as the final write will (a full device passes it: RunResultsThatCannotBeWrittenAfterTheRunExitOne).
 TEST(Cli, RunJsonPathsThatCannotBeWrittenAreNamedWithTheReason) {
   CliResult r = run_cli("run --device cpu --json /proc/epmoe_cli_test.json " + kTinyRun);
   EXPECT_EQ(r.code, 2) << r.out << r.err;
@@ -681,10 +750,23 @@ TEST(Cli, RunJsonPathsThatCannotBeWrittenAreNamedWithTheReason) {
   write_file(fresh, "old");
   r = run_cli("run --device cpu --json '" + fresh + "' --routing '" + temp_path("no-such-routing") + "' " + kTinyRun);
   EXPECT_EQ(slurp(fresh), "old");
-  if (!std::filesystem::exists("/dev/full")) return;
-  r = run_cli("run --device cpu --json /dev/full " + kTinyRun);
-  EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("got /dev/full (No space left on device)"), std::string::npos) << r.err;
+}
+
+// Found by a fresh user: `run --json /dev/full` ran, printed PASS and exited 2, "bad arguments". A write that fails
+// once the job has run is a failure while running: exit 1, naming the flag, the path and the reason.
+TEST(Cli, RunResultsThatCannotBeWrittenAfterTheRunExitOne) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  CliResult r = run_cli("run --device cpu --json /dev/full " + kTinyRun);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("PASS"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("epmoe: --json: could not write the results to /dev/full (No space left on device)"),
+            std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("invalid argument"), std::string::npos) << r.err;
+  r = run_cli("bench --device cpu --modes normal --tokens-max 1 --hidden 64 --experts 4 --topk 1 --runs 1 --warmup 0 "
+              "--json /dev/full");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("epmoe: --json: could not write the results to /dev/full (No space left on device)"),
+            std::string::npos) << r.err;
 }
 
 TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {
@@ -700,23 +782,9 @@ TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {
 // host-memory pre-check and was OOM-killed at ~24 GB (peak RSS roughly cubic in R: each of R thread ranks holds
 // R x R count and prefix matrices); `run --ranks 1000 --experts-impl reference` likewise. At 40000 ranks and T = 1
 // every estimate exceeds any machine's memory (low-latency run: ~718 GiB; 8000 ranks fit the GPU machine's 128 GiB,
-// where 8000 threads then could not start). Both must be refused naming --ranks before any thread rank starts. The commands run under a virtual-memory
-// limit (not in sanitizer builds, whose shadow memory needs more), so that a regression fails here instead of
-// taking the machine's memory.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAsan = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAsan = true;
-#else
-constexpr bool kAsan = false;
-#endif
-#else
-constexpr bool kAsan = false;
-#endif
-
+// where 8000 threads then could not start). Both must be refused naming --ranks before any thread rank starts, under
+// run_cli_limited's virtual-memory limit, so that a regression fails here instead of taking the machine's memory.
 TEST(Cli, RanksWhoseCountExchangeOutgrowsHostMemoryAreRefusedNamingRanks) {
-  const std::string limit = kAsan ? "" : "ulimit -v 8388608 2>/dev/null; ";
   const struct {
     std::string args;
   } cases[] = {
@@ -729,11 +797,8 @@ TEST(Cli, RanksWhoseCountExchangeOutgrowsHostMemoryAreRefusedNamingRanks) {
        "--hidden 16 --intermediate 8 --topk 1 --iters 1 --check-tokens 1"},
   };
   for (const auto& c : cases) {
-    const std::string o = temp_path("stdout.txt"), e = temp_path("stderr.txt");
-    const int status =
-        std::system(("(" + limit + "'" + cli_path() + "' " + c.args + ") >'" + o + "' 2>'" + e + "'").c_str());
-    const std::string out = slurp(o), err = slurp(e);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << c.args << "\n" << out << err;
+    const auto [code, out, err] = run_cli_limited(c.args);
+    EXPECT_EQ(code, 2) << c.args << "\n" << out << err;
     EXPECT_NE(err.find("epmoe: invalid argument '--ranks/"), std::string::npos) << c.args << "\n" << err;
     EXPECT_NE(err.find("expected sizes whose host memory fits this machine's"), std::string::npos)
         << c.args << "\n" << err;
@@ -742,6 +807,65 @@ TEST(Cli, RanksWhoseCountExchangeOutgrowsHostMemoryAreRefusedNamingRanks) {
     EXPECT_EQ(err.find("T=1:"), std::string::npos) << c.args << ": refused only after starting\n" << err;
     EXPECT_EQ(err.find("generating"), std::string::npos) << c.args << ": refused only after starting\n" << err;
   }
+}
+
+// Found by a fresh user: sizes past 64-bit byte counts printed 20-digit GiB figures (a run's 1e30 stand-in for
+// R x T >= 2^31 too), and the low-latency window's hint wrapped around: `bench --modes low-latency --hidden 2^60`
+// was estimated at 0.0 GiB, passed the check and started. Such sizes are refused before any work, the figures
+// saturated ("more than 1 EiB"). Under the same virtual-memory limit as above.
+TEST(Cli, SizesPastSixtyFourBitCountsAreRefusedWithSaneFigures) {
+  const std::string huge = "4611686018427387904";  // 2^62
+  const struct {
+    std::string args, want;
+  } cases[] = {
+      {"run --device cpu --ranks 1 --experts 8 --topk 2 --tokens " + huge + " --hidden " + huge + " --intermediate " +
+           huge,
+       "got more than 1 EiB (weights more than 1 EiB, 1 rank's tokens and buffers more than 1 EiB)"},
+      {"run --device cpu --mode low-latency --ranks 64 --experts 64 --tokens 99999999",
+       "64 ranks' tokens and buffers more than 1 EiB"},
+      {"bench --device cpu --modes low-latency --tokens-max 1 --hidden 1152921504606846976 --experts 4 --topk 2 "
+       "--runs 1 --warmup 0",
+       "low-latency more than 1 EiB"},
+      {"bench --device cpu --tokens-max 1 --hidden " + huge + " --experts 4 --topk 2 --runs 1 --warmup 0",
+       "normal mode more than 1 EiB, low-latency more than 1 EiB"},
+  };
+  const std::regex long_figure("[0-9]{11,}\\.[0-9] GiB");
+  for (const auto& c : cases) {
+    const auto [code, out, err] = run_cli_limited(c.args);
+    EXPECT_EQ(code, 2) << c.args << "\n" << out << err;
+    EXPECT_NE(err.find("expected sizes whose host memory fits this machine's"), std::string::npos)
+        << c.args << "\n" << err;
+    EXPECT_NE(err.find(c.want), std::string::npos) << c.args << "\n" << err;
+    EXPECT_FALSE(std::regex_search(err, long_figure)) << c.args << "\n" << err;
+    EXPECT_EQ(out.find("epmoe 0."), std::string::npos) << c.args << ": refused only after starting\n" << out;
+    EXPECT_EQ(err.find("T=1:"), std::string::npos) << c.args << ": refused only after starting\n" << err;
+  }
+}
+
+// Found by a fresh user: "4 tokens checked over 1 ranks", "median of 1 iterations", "1 ranks' tokens", "1 CPU ranks".
+TEST(Cli, CountsOfOneAreSaidInTheSingular) {
+  const std::regex plural_one(R"(\b1 (CPU |GPU )?(ranks|iterations|tokens|layers|runs|recorded tokens)\b)");
+  CliResult r = run_cli("run --device cpu --ranks 1 " + kTinyRun);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("1 CPU rank (threads"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("median of 1 iteration (--iters)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(4 tokens checked over 1 rank)"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::regex_search(r.out + r.err, plural_one)) << r.out << r.err;
+  r = run_cli("run --device cpu --ranks 1 --tokens 99999999999");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find(", 1 rank's tokens and buffers "), std::string::npos) << r.err;
+  EXPECT_FALSE(std::regex_search(r.err, plural_one)) << r.err;
+  r = run_cli("bench --device cpu --ranks 1 --modes normal --tokens-max 1 --hidden 64 --experts 4 --topk 1 --runs 1 "
+              "--warmup 0 --no-floors");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("bench: 1 CPU rank (threads; --device cpu)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(", 1 run after 0 warm-up"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::regex_search(r.out + r.err, plural_one)) << r.out << r.err;
+  r = run_cli("run --eplb --routing '" + make_trace("eplb") + "' --ranks 1 --experts 64");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("(1 layer, 4 tokens)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" slots on 1 rank ("), std::string::npos) << r.out;
+  EXPECT_FALSE(std::regex_search(r.out + r.err, plural_one)) << r.out << r.err;
 }
 
 // Found by a fresh user: --config read as inline JSON in the help; tune's help offered --device cpu (always
@@ -763,6 +887,26 @@ TEST(Cli, HelpSaysConfigIsAFileAndTuneRunsOnGpus) {
   const CliResult bad = run_cli("tune --device tpu");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.err.find("--device: expected auto or cuda, got tpu"), std::string::npos) << bad.err;
+}
+
+// Found by a fresh user: the help read "--json TEXT:PATH" and "--no-floors{false}" (CLI11's type with its check's
+// name, and the negated flag's value). Paths say PATH; flags say nothing but their name, and still work.
+TEST(Cli, HelpSaysPathsAndFlagsPlainly) {
+  const CliResult run = run_cli("run --help"), bench = run_cli("bench --help"), tune = run_cli("tune --help");
+  for (const char* s : {"--json PATH ", "--routing PATH ", "--overlap ", "--eplb "})
+    EXPECT_NE(run.out.find(s), std::string::npos) << s << "\n" << run.out;
+  for (const char* s : {"--json PATH ", "--no-floors "})
+    EXPECT_NE(bench.out.find(s), std::string::npos) << s << "\n" << bench.out;
+  EXPECT_NE(tune.out.find("-o,--output PATH=epmoe_tune.json"), std::string::npos) << tune.out;
+  for (const CliResult* r : {&run, &bench, &tune}) {
+    EXPECT_EQ(r->code, 0);
+    for (const char* s : {"TEXT:PATH", "{false}", "{true}", "--routing TEXT", "--output TEXT"})
+      EXPECT_EQ(r->out.find(s), std::string::npos) << s << "\n" << r->out;
+  }
+  const CliResult r = run_cli("bench --device cpu --modes normal --tokens-max 1 --hidden 64 --experts 4 --topk 1 "
+                              "--runs 1 --warmup 0 --no-floors");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("floor: off (--no-floors); nccl: off (--no-floors)"), std::string::npos) << r.out;
 }
 
 // Found by a fresh user: the header said "4 CPU ranks (threads)" without why, and the table's bytes column was

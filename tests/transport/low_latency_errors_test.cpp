@@ -147,6 +147,27 @@ TEST(LowLatencyErrors, BadShapesAndOptions) {
   EXPECT_THROW(Buffer::get_low_latency_rdma_size_hint(4, 128, 3, 8), Error);
 }
 
+// A window past 64-bit sizes is refused naming hidden, where its 64-bit sums wrapped around to a small figure (hidden
+// 2^60 gave 2^32 GiB, 2^62 gave 0) that passed memory checks; the largest accepted sizes stay exact and monotonic.
+TEST(LowLatencyErrors, WindowPastSixtyFourBitsIsRefusedNamingHidden) {
+  for (const std::int64_t hidden : {std::int64_t{1} << 60, std::int64_t{1} << 62, std::int64_t{1} << 50}) {
+    try {
+      (void)Buffer::get_low_latency_rdma_size_hint(128, hidden, 8, 256);
+      ADD_FAILURE() << "hidden = " << hidden << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_TRUE(contains(e.what(), "'hidden'")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "2^62")) << e.what();
+    }
+  }
+  // DeepEP's decode shape and a large one below the bound: the hint grows with hidden (no wrap-around).
+  const std::int64_t small = Buffer::get_low_latency_rdma_size_hint(128, 7168, 8, 256);
+  const std::int64_t large = Buffer::get_low_latency_rdma_size_hint(128, std::int64_t{1} << 40, 8, 256);
+  EXPECT_GT(small, 0);
+  EXPECT_GT(large, small);
+  EXPECT_GT(static_cast<double>(large), 0x1p40 * 128 * 32 * 8 * 4);  // at least the two bf16 slabs of every row
+}
+
 TEST(LowLatencyErrors, BufferTooSmallNamesBytesNeeded) {
   const Case c = small_case();
   const std::int64_t need = Buffer::get_low_latency_rdma_size_hint(c.tmax, c.H, c.R, c.E);

@@ -679,7 +679,7 @@ void check_shape(const BenchConfig& c, int R) {
   if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
   if (c.experts % R != 0) bad("--experts", fmt::format("a multiple of the {} ranks", R), c.experts);
-  if (c.experts / R > 1024) bad("--experts", fmt::format("at most 1024 per rank ({} ranks)", R), c.experts);
+  if (c.experts / R > 1024) bad("--experts", fmt::format("at most 1024 per rank ({})", plural(R, "rank")), c.experts);
   if (c.topk < 1 || c.topk > std::min(kNormalMaxTopk, c.experts))
     bad("--topk", fmt::format("in [1, {}]", std::min(kNormalMaxTopk, c.experts)), c.topk);
   if (c.runs < 1) bad("--runs", ">= 1", c.runs);
@@ -736,26 +736,23 @@ int bench(BenchConfig c) {
     for (const std::int64_t t : sweep(c))
       if (t <= c.ll_tokens_max) t_ll = t;
     if (modes.count("low-latency") && c.topk <= kLowLatencyMaxTopk && t_ll > 0)
-      // R x Tmax >= 2^31 is beyond the library's limit (and any memory): counted as such.
-      ll = static_cast<double>(t_ll) * R >= 2147483648.0
-               ? 1e30
-               : R * static_cast<double>(Buffer::get_low_latency_rdma_size_hint(static_cast<int>(t_ll), c.hidden, R,
-                                                                                 c.experts));
+      // Infinite past the library's limit (R x Tmax >= 2^31) or past 64-bit counts, never a wrapped-around figure.
+      ll = R * low_latency_window_estimate(t_ll, c.hidden, R, c.experts);
     check_host_memory(normal + ll,
                       ll > 0 ? "--ranks/--tokens-max/--ll-tokens-max/--hidden/--experts"
                              : "--ranks/--tokens-max/--hidden",
-                      fmt::format("{} CPU ranks at T = {}: normal mode {:.1f} GiB, low-latency {:.1f} GiB", R, t_max,
-                                  normal / 1073741824.0, ll / 1073741824.0));
+                      fmt::format("{} at T = {}: normal mode {}, low-latency {}", plural(R, "CPU rank"), t_max,
+                                  gib(normal), gib(ll)));
   }
   if (!c.json.empty()) check_writable("--json", c.json);
   const std::uint64_t seed = fresh_seed(c.seed);
   const bool gpu = c.kind == DeviceKind::cuda;
   const std::string nccl = gpu ? nccl_status() : "n/a on CPU ranks";
 
-  fmt::print("epmoe {} bench: {} {} ranks ({}), H={}, K={}, E={}, T in {}..{} (powers of two), {} runs after {} warm-up, seed {}\n",
-             version(), R, gpu ? "GPU" : "CPU",
+  fmt::print("epmoe {} bench: {} ({}), H={}, K={}, E={}, T in {}..{} (powers of two), {} after {} warm-up, seed {}\n",
+             version(), plural(R, gpu ? "GPU rank" : "CPU rank"),
              gpu ? fmt::format("cuda_ipc, {} x {}", R, device_name(0)) : "threads; " + cpu_ranks_reason(c.device),
-             c.hidden, c.topk, c.experts, sweep(c).front(), sweep(c).back(), c.runs, c.warmup, seed);
+             c.hidden, c.topk, c.experts, sweep(c).front(), sweep(c).back(), plural(c.runs, "run"), c.warmup, seed);
   fmt::print("floor: {}; nccl: {}; buffer config: {}\n",
              !c.floors ? "off (--no-floors)"
              : gpu     ? "cudaMemcpyPeerAsync of the same bytes, every direction at once"
@@ -855,11 +852,11 @@ int tune(BenchConfig c) {
   check_shape(c, R);
   const std::uint64_t seed = fresh_seed(c.seed);
   const std::string dop = c.dispatch_dtype == "fp8" ? "dispatch_fp8" : "dispatch_bf16";
-  fmt::print("epmoe {} tune: {} GPU ranks ({} x {}), T={} H={} K={} E={}, num_sms in {{{}}}{}, objective {} of {} and combine, "
-             "{} runs after {} warm-up, seed {}\n",
-             version(), R, R, device_name(0), c.tokens, c.hidden, c.topk, c.experts, c.sms_list,
-             c.chunks_list.empty() ? "" : fmt::format(", num_chunks in {{{}}}", c.chunks_list), c.objective, dop, c.runs,
-             c.warmup, seed);
+  fmt::print("epmoe {} tune: {} ({} x {}), T={} H={} K={} E={}, num_sms in {{{}}}{}, objective {} of {} and combine, "
+             "{} after {} warm-up, seed {}\n",
+             version(), plural(R, "GPU rank"), R, device_name(0), c.tokens, c.hidden, c.topk, c.experts, c.sms_list,
+             c.chunks_list.empty() ? "" : fmt::format(", num_chunks in {{{}}}", c.chunks_list), c.objective, dop,
+             plural(c.runs, "run"), c.warmup, seed);
   struct Row {
     int sms, chunks;  // chunks -1: not swept
     double dispatch_us, combine_us, objective;
@@ -947,8 +944,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
   cmd->add_option("--modes", c.modes, "normal,low-latency or one of them")->capture_default_str();
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
-  cmd->add_flag("!--no-floors", c.floors, "skip the peer-copy/memcpy floors and NCCL");
-  cmd->add_option("--json", c.json, "write the results as JSON (scripts/plot_bench.py plots it)")->check(non_empty_path());
+  // A callback, not CLI11's negated flag ("!--no-floors"), whose help would read "--no-floors{false}".
+  cmd->add_flag_callback("--no-floors", [&c] { c.floors = false; }, "skip the peer-copy/memcpy floors and NCCL");
+  cmd->add_option("--json", c.json, "write the results as JSON (scripts/plot_bench.py plots it)")
+      ->type_name("PATH")
+      ->check(non_empty_path());
   add_shape_options(cmd, c,
                     "ranks (on CPU: threads of this process; on GPUs: default all visible GPUs, one rank each)");
   return [config, cmd] {
@@ -967,7 +967,7 @@ std::function<int()> add_tune_command(CLI::App& app) {
   cmd->add_option("--chunks", c.chunks_list, "also sweep num_chunks (copy-engine pipeline stages, 1..16), e.g. 2,4,8");
   cmd->add_option("--objective", c.objective, "max (of dispatch and combine), sum, dispatch or combine")->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
-  cmd->add_option("-o,--output", c.output, "where to write the best config")->capture_default_str();
+  cmd->add_option("-o,--output", c.output, "where to write the best config")->type_name("PATH")->capture_default_str();
   // tune runs on GPUs only: the help offers auto and cuda; cpu is still accepted here so that tune() refuses it
   // with the reason (num_sms is a GPU setting) instead of CLI11's bare "not in" message.
   const CLI::Validator gpu_device(

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -75,7 +76,7 @@ std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed, std::st
 
 const CLI::Validator& non_empty_path() {
   static const CLI::Validator check([](std::string& v) { return v.empty() ? std::string("expected a path, got ''") : std::string(); },
-                                    "PATH");
+                                    "");
   return check;
 }
 
@@ -84,6 +85,8 @@ const CLI::Validator& non_empty_input() {
                                     "");
   return check;
 }
+
+std::string plural(std::int64_t n, std::string_view noun) { return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s"); }
 
 void check_writable(std::string_view flag, const std::string& path) {
   namespace fs = std::filesystem;
@@ -107,20 +110,46 @@ void check_writable(std::string_view flag, const std::string& path) {
 }
 
 void write_text_file(std::string_view flag, const std::string& path, const std::string& text) {
+  // The job has run: not a bad argument (exit 2) but a failure while running (exit 1), e.g. a disk that filled up.
+  const auto failed = [&](int err) {
+    throw Error(ErrorCode::internal, fmt::format("epmoe: {}: could not write the results to {} ({})", flag, path,
+                                                 std::strerror(err)));
+  };
   std::FILE* f = std::fopen(path.c_str(), "w");
-  if (!f) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(errno)));
+  if (!f) failed(errno);
   int err = 0;
   if (std::fwrite(text.data(), 1, text.size(), f) != text.size()) err = errno;
   if (std::fflush(f) != 0 && err == 0) err = errno;  // a full disk (/dev/full) shows here, not in fwrite
   if (std::fclose(f) != 0 && err == 0) err = errno;
-  if (err != 0) bad(flag, "a writable file", fmt::format("{} ({})", path, std::strerror(err)));
+  if (err != 0) failed(err);
+}
+
+namespace {
+constexpr double kEib = 1152921504606846976.0;  // 2^60 bytes
+}  // namespace
+
+std::string gib(double bytes) {
+  return bytes >= kEib ? std::string("more than 1 EiB") : fmt::format("{:.1f} GiB", bytes / 1073741824.0);
 }
 
 void check_host_memory(double need, std::string_view flags, std::string_view what) {
   const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   if (have > 0 && need > have)
-    bad(flags, fmt::format("sizes whose host memory fits this machine's {:.1f} GiB", have / 1073741824.0),
-        fmt::format("about {:.1f} GiB ({})", need / 1073741824.0, what));
+    bad(flags, fmt::format("sizes whose host memory fits this machine's {}", gib(have)),
+        fmt::format("{}{} ({})", need >= kEib ? "" : "about ", gib(need), what));
+}
+
+double low_latency_window_estimate(std::int64_t tokens, std::int64_t hidden, int num_ranks, int num_experts) {
+  const double R = num_ranks, T = static_cast<double>(tokens), H = static_cast<double>(hidden);
+  if (T * R >= 2147483648.0) return std::numeric_limits<double>::infinity();
+  // Above the window's layout, in double: two halves of E_local x R x T rows (and up to 128 padding rows per expert
+  // in the scale slabs) of 8H + 256 bytes, twice a row's 4H + 5 there. The hint is asked only where its size_t sums
+  // stay far (16x) below 2^64.
+  const double local_experts = std::max(1, num_experts / std::max(1, num_ranks));
+  const double bound = 2.0 * (local_experts * R * T + 128.0 * local_experts) * (8.0 * H + 256.0);
+  if (bound >= kEib) return std::numeric_limits<double>::infinity();
+  return static_cast<double>(
+      Buffer::get_low_latency_rdma_size_hint(static_cast<int>(tokens), hidden, num_ranks, num_experts));
 }
 
 double threads_normal_bytes_per_rank(int num_ranks, std::int64_t tokens, int live_handles) {

@@ -48,26 +48,40 @@ DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std
 /// ("--device auto" if that is empty, or if GPUs are there and allowed: not a CPU run of resolve_device).
 std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed = true, std::string_view no_gpu_path = "");
 
-/// A CLI11 check for path options: an empty path is refused (it would silently write nothing).
+/// A CLI11 check for path options: an empty path is refused (it would silently write nothing). No type of its own in
+/// --help: the option says PATH (type_name), not "TEXT:PATH".
 const CLI::Validator& non_empty_path();
 
 /// The same for input paths (--config, --routing), where '' would silently mean the flag was not given (e.g. an
-/// unset shell variable: random routing, no config); no type of its own in --help (theirs say FILE or TEXT).
+/// unset shell variable: random routing, no config); no type of its own in --help (theirs say FILE or PATH).
 const CLI::Validator& non_empty_input();
+
+/// "1 rank", "4 ranks": `n` and `noun`, plural unless n is 1.
+std::string plural(std::int64_t n, std::string_view noun);
 
 /// Raises invalid_argument naming `flag` (and the OS's reason) unless `path` opens for writing now: an existing
 /// regular file is opened without truncation, a new name is created and removed again, so a command refused
 /// afterwards leaves no file behind; an existing device or pipe is only checked for write permission.
 void check_writable(std::string_view flag, const std::string& path);
 
-/// Writes `text` to `path` (truncating); raises invalid_argument naming `flag`, the path and the OS's reason
-/// (strerror, e.g. "No space left on device") when opening, writing or closing fails.
+/// Writes a command's results, `text`, to `path` (truncating) once the job has run; raises ErrorCode::internal
+/// (exit 1, a failure while running: the flags were good, check_writable passed them) naming `flag`, the path and
+/// the OS's reason (strerror, e.g. "No space left on device") when opening, writing or closing fails.
 void write_text_file(std::string_view flag, const std::string& path, const std::string& text);
 
+/// A byte count for messages: "12.3 GiB", or "more than 1 EiB" past 2^60 bytes (no machine has that much; figures
+/// of 20 digits, or an infinite estimate, say nothing more).
+std::string gib(double bytes);
+
 /// Raises invalid_argument naming `flags` when `need` bytes (a command's rough host-memory estimate, `what`
-/// describes it) exceed this machine's physical memory: an impossible size is named up front, not by a failed
-/// allocation later.
+/// describes it; infinite for sizes past any count) exceed this machine's physical memory: an impossible size is
+/// named up front, not by a failed allocation later.
 void check_host_memory(double need, std::string_view flags, std::string_view what);
+
+/// The CPU low-latency window (Buffer::get_low_latency_rdma_size_hint) of `tokens` per rank, in bytes: infinity where
+/// R x T >= 2^31 (the library's limit) or the window passes 2^60 bytes, where the hint's own 64-bit arithmetic would
+/// wrap around to a small figure that passes any memory check. Errors: the hint's, for settings the window cannot have.
+double low_latency_window_estimate(std::int64_t tokens, std::int64_t hidden, int num_ranks, int num_experts);
 
 /// Host bytes per rank that the CPU threads backend's normal mode allocates besides the payload rows, which grow
 /// with the rank count R: the count all-gather of a dispatch (R x (R + 16) int64 on every rank) and, per live

@@ -43,7 +43,7 @@ int run_eplb_report(const RoutingTrace& trace, int E, int R, int redundant, cons
   const std::int64_t N = trace.num_tokens(), half = N / 2, T = half / R;
   if (T < 1)
     bad("--routing", fmt::format("a trace of at least {} tokens (2 halves of --ranks {} x 1 token) with --eplb", 2 * R, R),
-        fmt::format("{} tokens", N));
+        plural(N, "token"));
   const int P = E + redundant;
   // The halves' rank batches: rank r of half h gets tokens [h*half + r*T, h*half + (r+1)*T).
   std::vector<std::vector<Tensor>> ids(static_cast<std::size_t>(L));  // [layer][half * R + r]
@@ -58,8 +58,8 @@ int run_eplb_report(const RoutingTrace& trace, int E, int R, int redundant, cons
   const std::vector<double> weight(loads.begin(), loads.end());
   const EplbPlan plan = rebalance_experts(weight, L, E, P, 1, 1, R);
 
-  fmt::print("eplb: '{}' ({} layers, {} tokens), {} experts + {} redundant = {} slots on {} ranks ({} per rank)\n",
-             trace.domain, L, N, E, redundant, P, R, P / R);
+  fmt::print("eplb: '{}' ({}, {}), {} experts + {} redundant = {} slots on {} ({} per rank)\n", trace.domain,
+             plural(L, "layer"), plural(N, "token"), E, redundant, P, plural(R, "rank"), P / R);
   fmt::print("      plan from tokens [0, {}), measured on [0, {}) and [{}, {}); max / mean (token, k) choices per rank\n",
              R * T, R * T, half, half + R * T);
   fmt::print("{:>5}  {:>12} {:>12}  {:>12} {:>12}  {:>12}\n", "layer", "plan before", "plan after", "test before",

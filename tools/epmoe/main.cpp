@@ -40,14 +40,33 @@ std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
   return "epmoe: invalid argument '" + flag + "': expected " + expected + " in range (see --help), got " + value;
 }
 
+/// CLI11 says "--device: At Most 1 required but received 2" for an option of one value given twice (its policy
+/// refuses rather than keep one silently): said as the commands' own errors are, with the values given, or "" when `e`
+/// is not such an error.
+std::string repeated_message(const CLI::App& app, const CLI::ParseError& e) {
+  const std::string what = e.what(), mid = ": At Most 1 required but received ";
+  const auto at = what.find(mid);
+  if (e.get_name() != "ArgumentMismatch" || at == std::string::npos) return "";
+  const std::string flag = what.substr(0, at), count = what.substr(at + mid.size());
+  std::string values;
+  for (const CLI::App* sub : app.get_subcommands())
+    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr)
+      values = CLI::detail::join(o->results(), ", ");
+  return "epmoe: invalid argument '" + flag + "': expected once (it takes one value), got " + count + " values" +
+         (values.empty() ? "" : ": " + values);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // stdout line-buffered, as on a terminal: through a pipe or file shared with stderr (2>&1), the header and table
+  // lines then come out where they do on a terminal, not after the progress lines written to stderr meanwhile.
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts dispatch, experts and combine"};
   app.require_subcommand(1);
   app.footer("Exit status: 0 success (run: PASS); 1 a failed check (run: FAIL) or a failure while running (a timeout, "
-             "an internal error); 2 bad arguments, or a request this machine cannot serve (no GPU, sizes past its "
-             "memory).");
+             "an internal error, results that could not be written); 2 bad arguments, or a request this machine cannot "
+             "serve (no GPU, sizes past its memory).");
   app.set_version_flag("--version", std::string(epmoe::version()));
   auto run = epmoe::cli::add_run_command(app);
   auto bench = epmoe::cli::add_bench_command(app);
@@ -64,6 +83,8 @@ int main(int argc, char** argv) {
                    argv[1]);
     else if (const std::string m = conversion_message(app, e); say && !m.empty())
       std::fprintf(stderr, "%s\n", m.c_str());
+    else if (const std::string r = repeated_message(app, e); say && !r.empty())
+      std::fprintf(stderr, "%s\n", r.c_str());
     else if (say)
       std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
     else  // mpirun stops the job at the first non-zero exit: the first process's message goes out first
@@ -77,7 +98,8 @@ int main(int argc, char** argv) {
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     // Bad arguments (and requests this machine cannot serve: sizes past its memory, no GPU): 2. A failure while
-    // running (a timeout, a broken group or buffer, an internal error): 1, as a failed check.
+    // running (a timeout, a broken group or buffer, an internal error, results that could not be written): 1, as a
+    // failed check.
     const epmoe::ErrorCode code = e.code();
     const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
                          code == epmoe::ErrorCode::unusable;

@@ -540,11 +540,11 @@ RoutingTrace load_replayed_trace(RunConfig& c, bool root) {
         fmt::format("K = {} in {}", trace.num_topk(), c.routing));
   c.topk = trace.num_topk();
   if (root && c.offset + c.ranks * c.tokens > trace.num_tokens())
-    fmt::print("note: tokens [{}, {}) wrap around the trace's {} recorded tokens\n", c.offset,
-               c.offset + c.ranks * c.tokens, trace.num_tokens());
+    fmt::print("note: tokens [{}, {}) wrap around the trace's {}\n", c.offset, c.offset + c.ranks * c.tokens,
+               plural(trace.num_tokens(), "recorded token"));
   if (root)
-    fmt::print("routing: replaying '{}' layer {} from offset {} ({} recorded tokens, ids mapped onto {} experts)\n",
-               trace.domain, c.layer, c.offset, trace.num_tokens(), c.experts);
+    fmt::print("routing: replaying '{}' layer {} from offset {} ({}, ids mapped onto {} experts)\n", trace.domain,
+               c.layer, c.offset, plural(trace.num_tokens(), "recorded token"), c.experts);
   return trace;
 }
 
@@ -559,22 +559,17 @@ void check_job_memory(const RunConfig& c, Activation act) {
   if (c.kind == DeviceKind::cpu && c.mode == "normal") {
     per_rank += threads_normal_bytes_per_rank(c.ranks, c.tokens, 1);
   } else if (c.kind == DeviceKind::cpu) {
-    // R x T >= 2^31 is beyond the library's limit (and any memory): counted as such. Settings the window
-    // cannot have (more than 1024 experts per rank) are left for the layer to name.
-    if (static_cast<double>(c.tokens) * c.ranks >= 2147483648.0) {
-      per_rank += 1e30;
-    } else {
-      try {
-        per_rank += static_cast<double>(
-            Buffer::get_low_latency_rdma_size_hint(static_cast<int>(c.tokens), c.hidden, c.ranks, c.experts));
-      } catch (const Error&) {
-      }
+    // Sizes past the library's limit or past 64-bit counts are infinite here. Settings the window cannot have (more
+    // than 1024 experts per rank) are left for the layer to name.
+    try {
+      per_rank += low_latency_window_estimate(c.tokens, c.hidden, c.ranks, c.experts);
+    } catch (const Error&) {
     }
   }
   // With MPI each process holds its own rank's share; the machine's memory is still shared by all of them.
   check_host_memory(weights + per_rank * c.ranks, "--ranks/--tokens/--hidden/--experts/--intermediate",
-                    fmt::format("weights {:.1f} GiB, {} ranks' tokens and buffers {:.1f} GiB", weights / 1073741824.0,
-                                c.ranks, per_rank * c.ranks / 1073741824.0));
+                    fmt::format("weights {}, {}{} tokens and buffers {}", gib(weights), plural(c.ranks, "rank"),
+                                c.ranks == 1 ? "'s" : "'", gib(per_rank * c.ranks)));
 }
 
 void print_run_header(const RunConfig& c) {
@@ -809,12 +804,13 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
     jphases.push_back({{"phase", p.name}, {"time_ms", s * 1e3}, {"bytes", p.bytes}, {"gb_per_s", gbs}});
   }
   fmt::print("{:<10} {:>12.3f}\n", "total", total * 1e3);
-  fmt::print("time: per phase the slowest rank of each iteration, median of {} iterations (--iters)\n", c.iters);
+  fmt::print("time: per phase the slowest rank of each iteration, median of {} (--iters)\n",
+             plural(c.iters, "iteration"));
   // The payload as DeepEP counts it (see run_rank): not only what crossed ranks, unlike bench's "remote MB".
   fmt::print("bytes: x rows each rank received (dispatch) or sent back (combine), its own rows included, summed over "
              "ranks; bench's remote MB counts only rows crossing ranks\n");
-  fmt::print("\nrelative L2 error vs float64 reference ({} tokens checked over {} ranks): {:.3e} (tolerance {:.0e})\n",
-             checked, results.size(), rel, c.tolerance);
+  fmt::print("\nrelative L2 error vs float64 reference ({} checked over {}): {:.3e} (tolerance {:.0e})\n",
+             plural(checked, "token"), plural(static_cast<std::int64_t>(results.size()), "rank"), rel, c.tolerance);
   fmt::print("{}\n", pass ? "PASS" : "FAIL");
 
   if (!c.json.empty()) {
@@ -869,6 +865,7 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--routing", c.routing,
                   "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file; .npy files DOMAIN.topk_idx "
                   "(int16 [tokens, layers, K], ids in [-1, 64)) and DOMAIN.topk_weights (float32, same shape, finite)")
+      ->type_name("PATH")
       ->check(non_empty_input());
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory (refused with a --routing file: "
                                         "the file's name gives its domain)")
@@ -887,7 +884,9 @@ std::function<int()> add_run_command(CLI::App& app) {
                   "tokens per rank checked against the float64 reference (all of them when fewer)")
       ->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")->capture_default_str();
-  cmd->add_option("--json", c.json, "also write the results as JSON to this file")->check(non_empty_path());
+  cmd->add_option("--json", c.json, "also write the results as JSON to this file")
+      ->type_name("PATH")
+      ->check(non_empty_path());
   cmd->add_flag("--eplb", c.eplb,
                 "EPLB report of --routing instead of a layer run: every layer planned on the first half of the tokens "
                 "(rebalance_experts), max/mean choices per rank of both halves before and after (semantics §9)");

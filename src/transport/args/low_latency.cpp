@@ -81,6 +81,18 @@ void check_settings(int tmax, std::int64_t hidden, int R, int E) {
   EPMOE_CHECK_ARG(E >= 1 && E % R == 0, "num_experts", fmt::format("a positive multiple of num_ranks = {}", R), E);
   EPMOE_CHECK_ARG(E / R <= kMaxLocalExperts, "num_experts",
                   fmt::format("at most {} experts per rank ({} ranks)", kMaxLocalExperts, R), E);
+  // The window's layout (low_latency_protocol.hpp) sums products of these in 64 bits: past ~2^64 bytes its size
+  // would wrap around to a small figure that passes any memory check. A bound above every term of Layout::make, in
+  // double: E_local x R x Tmax rows of two bf16 slabs plus their per-row words and scale columns (padded), and the
+  // staging of R sources' records or Tmax x 16 combine rows.
+  const double H = static_cast<double>(hidden), Tm = tmax, Rd = R, El = E / R, rows = El * Rd * Tm;
+  const double bound = 2.0 * (rows * (4.0 * H + 64.0) + El * (Rd * Tm + 256.0) * (H / 8.0 + 64.0) +
+                              Rd * Tm * (3.0 * H + 256.0) + Tm * 32.0 * H + Rd * 4096.0);
+  EPMOE_CHECK_ARG(bound < 0x1p62, "hidden",
+                  fmt::format("settings whose low-latency window stays below 2^62 bytes (Tmax = {}, R = {}, E = {}: "
+                              "about {:.3g} bytes)",
+                              tmax, R, E, bound),
+                  hidden);
 }
 
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
