@@ -462,6 +462,23 @@ TEST(Cli, SeedsOutsideSixtyFourBitsAreNamed) {
   EXPECT_EQ(r.code, 0) << r.out << r.err;
 }
 
+// Found by a fresh user: integers were converted as C does (base 0): `--tokens 010` ran T = 8 (octal) and
+// `--hidden 9223372036854775808` (2^63) was refused as "got 9223372036854775807", a value never typed. Decimal, as
+// typed: leading zeros dropped, a value past 64 bits named as given.
+TEST(Cli, IntegersAreReadInDecimalAsTyped) {
+  const CliResult r = run_cli("run --device cpu --tokens 010 --hidden 0128 --intermediate 64 --experts 8 --topk 2 "
+                              "--iters 1 --check-tokens 4 --seed 007");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("T=10 per rank, H=128,"), std::string::npos) << r.out;
+  for (const std::string v : {"9223372036854775808", "-9223372036854775809", "99999999999999999999"}) {
+    const CliResult bad = run_cli("run --device cpu --hidden " + v);
+    EXPECT_EQ(bad.code, 2) << v;
+    EXPECT_NE(bad.err.find("--hidden: expected an integer in [-9223372036854775808, 9223372036854775807], got " + v),
+              std::string::npos)
+        << bad.err;
+  }
+}
+
 // Under mpirun every process parsed the same bad command line and printed the same error, once per rank: only the
 // first process says it now (the others exit 2 in silence), and --help prints once.
 TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
@@ -828,6 +845,10 @@ TEST(Cli, SizesPastSixtyFourBitCountsAreRefusedWithSaneFigures) {
        "low-latency more than 1 EiB"},
       {"bench --device cpu --tokens-max 1 --hidden " + huge + " --experts 4 --topk 2 --runs 1 --warmup 0",
        "normal mode more than 1 EiB, low-latency more than 1 EiB"},
+      // A replayed trace's span (offset + R x T) overflowed before the memory check (undefined behaviour).
+      {"run --device cpu --routing '" + make_trace("huge") + "' --ranks 4 --experts 64 --tokens " + huge +
+           " --hidden 16 --intermediate 8",
+       "4 ranks' tokens and buffers more than 1 EiB"},
   };
   const std::regex long_figure("[0-9]{11,}\\.[0-9] GiB");
   for (const auto& c : cases) {

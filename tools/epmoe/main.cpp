@@ -56,6 +56,37 @@ std::string repeated_message(const CLI::App& app, const CLI::ParseError& e) {
          (values.empty() ? "" : ": " + values);
 }
 
+/// Integer options read their values in decimal, as typed: CLI11 converts with strtoll(v, 0, 0), so "010" was 8
+/// (octal) and a value past 64 bits was clamped to the type's limit, which the range checks then named as if typed.
+/// A decimal value loses its leading zeros; one past the option's type is refused with the value as given. Other
+/// spellings ("0x10") are left to CLI11.
+void read_integers_in_decimal(CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands({}))
+    for (CLI::Option* o : sub->get_options()) {
+      const std::string type = o->get_type_name();
+      const bool is_unsigned = type.rfind("UINT", 0) == 0;
+      if (!is_unsigned && type.rfind("INT", 0) != 0) continue;
+      o->transform(CLI::Validator(
+          [is_unsigned](std::string& v) -> std::string {
+            const std::size_t sign = !v.empty() && (v[0] == '-' || v[0] == '+') ? 1 : 0;
+            if (v.size() == sign || v.find_first_not_of("0123456789", sign) != std::string::npos) return "";
+            std::size_t first = v.find_first_not_of('0', sign);
+            if (first == std::string::npos) first = v.size() - 1;  // all zeros: keep one
+            const std::string digits = v.substr(first);
+            const std::string most = is_unsigned ? "18446744073709551615"
+                                     : v[0] == '-' ? "9223372036854775808"
+                                                   : "9223372036854775807";
+            if (digits.size() > most.size() || (digits.size() == most.size() && digits > most))
+              return std::string("expected an integer in ") +
+                     (is_unsigned ? "[0, 18446744073709551615]" : "[-9223372036854775808, 9223372036854775807]") +
+                     ", got " + v;
+            v = v.substr(0, sign) + digits;
+            return "";
+          },
+          "", "decimal"));
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,6 +102,7 @@ int main(int argc, char** argv) {
   auto run = epmoe::cli::add_run_command(app);
   auto bench = epmoe::cli::add_bench_command(app);
   auto tune = epmoe::cli::add_tune_command(app);
+  read_integers_in_decimal(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

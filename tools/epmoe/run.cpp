@@ -539,8 +539,12 @@ RoutingTrace load_replayed_trace(RunConfig& c, bool root) {
     bad("--routing", fmt::format("a trace of K in 1..{} in {} mode", mode_max_topk(c), c.mode),
         fmt::format("K = {} in {}", trace.num_topk(), c.routing));
   c.topk = trace.num_topk();
-  if (root && c.offset + c.ranks * c.tokens > trace.num_tokens())
-    fmt::print("note: tokens [{}, {}) wrap around the trace's {}\n", c.offset, c.offset + c.ranks * c.tokens,
+  // The replayed span's end, saturated: sizes past 64-bit counts reach the memory check (which refuses them) after
+  // this note, and a wrapped product was undefined behaviour.
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::int64_t end = c.tokens > (kMax - c.offset) / c.ranks ? kMax : c.offset + c.ranks * c.tokens;
+  if (root && end > trace.num_tokens())
+    fmt::print("note: tokens [{}, {}) wrap around the trace's {}\n", c.offset, end,
                plural(trace.num_tokens(), "recorded token"));
   if (root)
     fmt::print("routing: replaying '{}' layer {} from offset {} ({}, ids mapped onto {} experts)\n", trace.domain,
