@@ -592,6 +592,9 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"tune --config ''", "--config: expected a path, got ''"},
       // Found by a fresh user: a flag where the command goes said only that a subcommand was required.
       {"--bogus", "invalid argument '--bogus': expected a command first (run, bench or tune"},
+      // Found by a fresh user: a word that is no command said CLI11's "A subcommand is required".
+      {"frobnicate --tokens 4", "invalid argument 'frobnicate': expected a command (run, bench or tune"},
+      {"RUN", "invalid argument 'RUN': expected a command (run, bench or tune"},
       // Found by a fresh user: an option of one value given twice said CLI11's "At Most 1 required but received 2".
       {"run --device cpu --device cuda",
        "epmoe: invalid argument '--device': expected once (it takes one value), got 2 values: cpu, cuda"},

@@ -113,6 +113,9 @@ int main(int argc, char** argv) {
     if (say && app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
       std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command first (run, bench or tune; see --help)\n",
                    argv[1]);
+    else if (say && app.get_subcommands().empty() && argc > 1)  // a word that is no command (not CLI11's message)
+      std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command (run, bench or tune; see --help)\n",
+                   argv[1]);
     else if (const std::string m = conversion_message(app, e); say && !m.empty())
       std::fprintf(stderr, "%s\n", m.c_str());
     else if (const std::string r = repeated_message(app, e); say && !r.empty())
