@@ -595,6 +595,12 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       // Found by a fresh user: a word that is no command said CLI11's "A subcommand is required".
       {"frobnicate --tokens 4", "invalid argument 'frobnicate': expected a command (run, bench or tune"},
       {"RUN", "invalid argument 'RUN': expected a command (run, bench or tune"},
+      // Found by a fresh user: a mistyped flag said CLI11's "The following arguments were not expected: 4 --tokne".
+      {"run --tokne 4", "invalid argument '--tokne': expected a flag of run; did you mean --tokens? (see epmoe run"},
+      {"run --device cpu --Hidden=64", "invalid argument '--Hidden': expected a flag of run; did you mean --hidden?"},
+      {"bench --no-floor", "invalid argument '--no-floor': expected a flag of bench; did you mean --no-floors?"},
+      {"run --zzzzzzzz 3", "invalid argument '--zzzzzzzz': expected a flag of run (see epmoe run --help)"},
+      {"run 4", "invalid argument '4': expected a flag (run takes no positional arguments"},
       // Found by a fresh user: an option of one value given twice said CLI11's "At Most 1 required but received 2".
       {"run --device cpu --device cuda",
        "epmoe: invalid argument '--device': expected once (it takes one value), got 2 values: cpu, cuda"},

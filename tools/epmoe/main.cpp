@@ -2,6 +2,8 @@
 #include <epmoe/error.hpp>
 #include <epmoe/version.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +11,7 @@
 #include <exception>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "commands.hpp"
 
@@ -54,6 +57,52 @@ std::string repeated_message(const CLI::App& app, const CLI::ParseError& e) {
       values = CLI::detail::join(o->results(), ", ");
   return "epmoe: invalid argument '" + flag + "': expected once (it takes one value), got " + count + " values" +
          (values.empty() ? "" : ": " + values);
+}
+
+/// Edit distance of two flag names (case-insensitive), for the suggestion of extras_message.
+std::size_t flag_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
+                        std::tolower(static_cast<unsigned char>(b[j - 1]));
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (same ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// CLI11 says "The following arguments were not expected: 4 --tokne" (the words reversed) for an unknown flag: said
+/// as the commands' own errors are, naming the first unknown word and, for a flag, the command's nearest flag (at
+/// most two edits away, or the same but for case); "" when `e` is not such an error.
+std::string extras_message(const CLI::App& app, const CLI::ParseError& e) {
+  if (dynamic_cast<const CLI::ExtrasError*>(&e) == nullptr) return "";  // its name is the command's
+  const std::vector<CLI::App*> subs = app.get_subcommands();
+  const CLI::App* sub = subs.empty() ? &app : subs.front();
+  std::vector<std::string> extras = sub->remaining();
+  if (extras.empty()) extras = app.remaining();  // a subcommand hands its extras up to the app
+  if (extras.empty()) return "";
+  const std::string command = subs.empty() ? std::string("epmoe") : sub->get_name();
+  const auto flag =
+      std::find_if(extras.begin(), extras.end(), [](const std::string& w) { return w.size() > 1 && w[0] == '-'; });
+  if (flag == extras.end())
+    return "epmoe: invalid argument '" + extras.front() + "': expected a flag (" + command +
+           " takes no positional arguments; see --help)";
+  const std::string name = flag->substr(0, flag->find('='));
+  std::string best;
+  std::size_t best_distance = 3;
+  for (const CLI::Option* o : sub->get_options())
+    for (const std::string& l : o->get_lnames()) {
+      const std::size_t d = flag_distance(name, "--" + l);
+      if (d < best_distance) best = "--" + l, best_distance = d;
+    }
+  return "epmoe: invalid argument '" + name + "': expected a flag of " + command +
+         (best.empty() ? "" : "; did you mean " + best + "?") + " (see epmoe " + command + " --help)";
 }
 
 /// Integer options read their values in decimal, as typed: CLI11 converts with strtoll(v, 0, 0), so "010" was 8
@@ -120,6 +169,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", m.c_str());
     else if (const std::string r = repeated_message(app, e); say && !r.empty())
       std::fprintf(stderr, "%s\n", r.c_str());
+    else if (const std::string x = extras_message(app, e); say && !x.empty())
+      std::fprintf(stderr, "%s\n", x.c_str());
     else if (say)
       std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
     else  // mpirun stops the job at the first non-zero exit: the first process's message goes out first
