@@ -795,6 +795,19 @@ TEST(Cli, RunResultsThatCannotBeWrittenAfterTheRunExitOne) {
             std::string::npos) << r.err;
 }
 
+// Found by a fresh user: `run > /dev/full` said "internal error: cannot write to file" (as if a bug).
+TEST(Cli, StandardOutputThatCannotBeWrittenIsNamed) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const std::string e = temp_path("stderr.txt");
+  const int status =
+      std::system(("'" + cli_path() + "' run --device cpu " + kTinyRun + " >/dev/full 2>'" + e + "'").c_str());
+  const std::string err = slurp(e);
+  std::remove(e.c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << err;
+  EXPECT_NE(err.find("epmoe: could not write to standard output (No space left on device)"), std::string::npos) << err;
+  EXPECT_EQ(err.find("internal error"), std::string::npos) << err;
+}
+
 TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {
   // 1e11 tokens of H=2048 need petabytes: named as a size problem (exit 2), not a failed allocation.
   const CliResult r = run_cli("run --device cpu --tokens 99999999999");

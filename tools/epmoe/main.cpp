@@ -10,6 +10,8 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <string_view>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -190,6 +192,13 @@ int main(int argc, char** argv) {
     const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
                          code == epmoe::ErrorCode::unusable;
     return failure ? 1 : 2;
+  } catch (const std::system_error& e) {
+    // fmt's print to a full or closed standard output (`> /dev/full`): said as that, not as a bug.
+    if (std::ferror(stdout) != 0 || std::string_view(e.what()).find("cannot write to file") != std::string_view::npos)
+      std::fprintf(stderr, "epmoe: could not write to standard output (%s)\n", e.code().message().c_str());
+    else
+      std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     // Not an epmoe error: a bug or a library's own failure. Said, never a crash (exit 1: not a bad argument).
     std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
