@@ -162,12 +162,13 @@ def measure(torch, lib, buf, T, tmax, shape, E, args, flush, graphs):
     # Combine: each timed call gets a fresh dispatch's handle, made before the flush, outside the timed region.
     flushed = {"dispatch": call_time(torch, flush, lambda _: dispatch()),
                "combine": call_time(torch, flush, combine, prepare=lambda: dispatch()[1])}
-    res = {"dtype": dtype, "K": K, "H": H, "T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed, "graph_pair_us": None, "graph_error": None}
+    res = {"dtype": dtype, "K": K, "H": H, "T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed,
+           "graph_pair_us": None, "graph_error": None}
     graphs.append((res, dispatch, combine))
     d, c = kernels["dispatch"], kernels["combine"]
-    print(f"dtype={dtype} K={K} H={H} T={T}: kernel time dispatch {d['per_call_us']:.2f} us ({d['num_kernels_per_call']:.0f} kernels; "
-          f"by name {d['by_name_us']:.2f}), combine {c['per_call_us']:.2f} us ({c['num_kernels_per_call']:.0f}; "
-          f"by name {c['by_name_us']:.2f}); call time L2 flushed {flushed['dispatch']:.2f} / {flushed['combine']:.2f}"
+    print(f"dtype={dtype} K={K} H={H} T={T}: kernel time dispatch {d['per_call_us']:.2f} us "
+          f"({d['num_kernels_per_call']:.0f} kernels; by name {d['by_name_us']:.2f}), combine {c['per_call_us']:.2f} us "
+          f"({c['num_kernels_per_call']:.0f}; by name {c['by_name_us']:.2f}); call time L2 flushed {flushed['dispatch']:.2f} / {flushed['combine']:.2f}"
           f" us; unattributed device time {kernels['unattributed_us_per_call']:.2f} us/call", flush=True)
     for op in ("dispatch", "combine"):
         for name, us in kernels[op]["kernels"].items():
@@ -285,6 +286,13 @@ def shape_key(doc, r):
     return (r.get("dtype", "fp8"), r.get("K", doc.get("topk")), r.get("H", doc.get("hidden")), r["T"])
 
 
+def shape_label(dtype, K, H, T):
+    """The T column: T alone for DeepEP's decode default (fp8, K = 8, H = 7168), else with the shape; '-' for a
+    refused shape (no T)."""
+    t = "-" if T is None else f"{T}"
+    return t if (dtype, K, H) == ("fp8", 8, 7168) and T is not None else f"{t} ({dtype}, K = {K}, H = {H})"
+
+
 def compare(epmoe_json, deepep_json):
     """Markdown table of epmoe / DeepEP per figure (below 1.0: epmoe faster), both files from one call. A shape that
     one library refused gets one row with its error; shapes other than DeepEP's decode default (fp8, K = 8,
@@ -297,9 +305,8 @@ def compare(epmoe_json, deepep_json):
     ours, theirs = tables
     print("| T | figure | epmoe us | DeepEP us | epmoe / DeepEP |\n| --- | --- | --- | --- | --- |")
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k[0] != "fp8", -(k[1] or 0), -(k[2] or 0), k[3] or 0)):
-        dtype, K, H, T = key
-        label = (f"{T}" if (dtype, K, H) == ("fp8", 8, 7168) else f"{T} ({dtype}, K = {K}, H = {H})") \
-            if T is not None else f"- ({dtype}, K = {K}, H = {H})"
+        dtype, T = key[0], key[3]
+        label = shape_label(*key)
         a, b = ours.get(key), theirs.get(key)
         if a is None or b is None or T is None:
             errors = "; ".join(f"{lib}: {r['error']}" for lib, r in (("epmoe", a), ("DeepEP", b))

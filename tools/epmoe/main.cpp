@@ -10,7 +10,6 @@
 #include <cstring>
 #include <exception>
 #include <string>
-#include <string_view>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -27,6 +26,13 @@ bool first_or_only_process() {
   return true;
 }
 
+/// The option `flag` ("--ranks") of the command that was parsed, or null.
+const CLI::Option* parsed_option(const CLI::App& app, const std::string& flag) {
+  for (const CLI::App* sub : app.get_subcommands())
+    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr) return o;
+  return nullptr;
+}
+
 /// CLI11 says "Could not convert: --ranks = abc" for a value its option's type cannot hold: said here as the
 /// commands' own errors are, with what the option takes ("an integer"; its range is in --help), or "" when `e` is not
 /// such an error.
@@ -35,9 +41,8 @@ std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
   const auto eq = what.find(" = ");
   if (what.rfind(head, 0) != 0 || eq == std::string::npos) return "";
   const std::string flag = what.substr(head.size(), eq - head.size()), value = what.substr(eq + 3);
-  std::string type;
-  for (const CLI::App* sub : app.get_subcommands())
-    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr) type = o->get_type_name();
+  const CLI::Option* o = parsed_option(app, flag);
+  const std::string type = o != nullptr ? o->get_type_name() : "";
   const std::string expected = type.rfind("UINT", 0) == 0 ? "a non-negative integer"
                                : type.rfind("INT", 0) == 0 ? "an integer"
                                : type.rfind("FLOAT", 0) == 0 ? "a number"
@@ -53,10 +58,8 @@ std::string repeated_message(const CLI::App& app, const CLI::ParseError& e) {
   const auto at = what.find(mid);
   if (e.get_name() != "ArgumentMismatch" || at == std::string::npos) return "";
   const std::string flag = what.substr(0, at), count = what.substr(at + mid.size());
-  std::string values;
-  for (const CLI::App* sub : app.get_subcommands())
-    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr)
-      values = CLI::detail::join(o->results(), ", ");
+  const CLI::Option* o = parsed_option(app, flag);
+  const std::string values = o != nullptr ? CLI::detail::join(o->results(), ", ") : "";
   return "epmoe: invalid argument '" + flag + "': expected once (it takes one value), got " + count + " values" +
          (values.empty() ? "" : ": " + values);
 }
@@ -193,8 +196,8 @@ int main(int argc, char** argv) {
                          code == epmoe::ErrorCode::unusable;
     return failure ? 1 : 2;
   } catch (const std::system_error& e) {
-    // fmt's print to a full or closed standard output (`> /dev/full`): said as that, not as a bug.
-    if (std::ferror(stdout) != 0 || std::string_view(e.what()).find("cannot write to file") != std::string_view::npos)
+    // fmt's print to a full or closed standard output (`> /dev/full`, its error flag set): said as that, not as a bug.
+    if (std::ferror(stdout) != 0)
       std::fprintf(stderr, "epmoe: could not write to standard output (%s)\n", e.code().message().c_str());
     else
       std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
