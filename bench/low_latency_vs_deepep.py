@@ -24,6 +24,9 @@ Three figures per op and T (semantics §12 gives the rules; DeepEP's test report
   - call time, L2 flushed: CUDA events around one call on the caller's stream (host enqueue included), a 256 MiB
     memset before each, median of 50 after 5 warm-up calls.
   - graph: one CUDA-graph replay of an fp8 dispatch + its combine, events around the replay, median of 50.
+  - eager pair: DeepEP's `avg_t` (tests/utils.py `bench`): events around each of 50 back-to-back dispatch + combine
+    calls on the caller's stream, mean of the last 49. Where the host enqueues slower than the GPU runs, this is
+    the host's time per pair; its host time alone (no synchronisation) is recorded beside it.
 Writes one JSON object (--json) with every figure and the kernel list; `scripts/gpu_check.sh anchors` runs it for
 both libraries in the same call and prints epmoe / DeepEP.
 """
@@ -162,14 +165,16 @@ def measure(torch, lib, buf, T, tmax, shape, E, args, flush, graphs):
     # Combine: each timed call gets a fresh dispatch's handle, made before the flush, outside the timed region.
     flushed = {"dispatch": call_time(torch, flush, lambda _: dispatch()),
                "combine": call_time(torch, flush, combine, prepare=lambda: dispatch()[1])}
+    eager, host = eager_pair_time(torch, dispatch, combine)
     res = {"dtype": dtype, "K": K, "H": H, "T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed,
-           "graph_pair_us": None, "graph_error": None}
+           "eager_pair_us": eager, "eager_pair_host_us": host, "graph_pair_us": None, "graph_error": None}
     graphs.append((res, dispatch, combine))
     d, c = kernels["dispatch"], kernels["combine"]
     print(f"dtype={dtype} K={K} H={H} T={T}: kernel time dispatch {d['per_call_us']:.2f} us "
           f"({d['num_kernels_per_call']:.0f} kernels; by name {d['by_name_us']:.2f}), combine {c['per_call_us']:.2f} us "
           f"({c['num_kernels_per_call']:.0f}; by name {c['by_name_us']:.2f}); call time L2 flushed {flushed['dispatch']:.2f} / {flushed['combine']:.2f}"
-          f" us; unattributed device time {kernels['unattributed_us_per_call']:.2f} us/call", flush=True)
+          f" us; eager pair {eager:.2f} us (host {host:.2f}); unattributed device time "
+          f"{kernels['unattributed_us_per_call']:.2f} us/call", flush=True)
     for op in ("dispatch", "combine"):
         for name, us in kernels[op]["kernels"].items():
             print(f"    {op:8s} {us:8.2f} us/call  {name[:100]}")
@@ -254,6 +259,25 @@ def call_time(torch, flush, fn, prepare=lambda: None, warmup=5, runs=50):
     return statistics.median(times)
 
 
+def eager_pair_time(torch, dispatch, combine, runs=50):
+    """DeepEP's avg_t: the mean event time of back-to-back dispatch + combine pairs (the first left out), in us; and
+    the host's time per pair (perf_counter around the same loop, before the synchronisation)."""
+    import time
+    for _ in range(10):
+        combine(dispatch()[1])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    t0 = time.perf_counter()
+    for i in range(runs):
+        starts[i].record()
+        combine(dispatch()[1])
+        ends[i].record()
+    host = (time.perf_counter() - t0) / runs * 1e6
+    torch.cuda.synchronize()
+    return statistics.mean(s.elapsed_time(e) * 1e3 for s, e in list(zip(starts, ends))[1:]), host
+
+
 def graph_time(torch, dispatch, combine, runs=50):
     try:
         stream = torch.cuda.Stream()
@@ -319,6 +343,9 @@ def compare(epmoe_json, deepep_json):
         rows += [(f"{op} call time, L2 flushed", a["call_us_l2_flushed"][op], b["call_us_l2_flushed"][op])
                  for op in ("dispatch", "combine")]
         rows.append((f"CUDA graph, {dtype} dispatch + combine", a["graph_pair_us"], b["graph_pair_us"]))
+        if "eager_pair_us" in a and "eager_pair_us" in b:  # (files written before it was measured have none)
+            rows.append((f"eager {dtype} dispatch + combine (DeepEP's avg_t)", a["eager_pair_us"], b["eager_pair_us"]))
+            rows.append(("  its host time per pair", a["eager_pair_host_us"], b["eager_pair_host_us"]))
         for name, x, y in rows:
             ratio = f"{x / y:.2f}" if x and y else "-"
             fx = f"{x:.2f}" if x else "-"

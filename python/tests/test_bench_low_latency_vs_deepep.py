@@ -22,11 +22,14 @@ def load_bench():
     return module
 
 
-def result(rng, dtype, K, H, T):
+def result(rng, dtype, K, H, T, eager=True):
     fig = lambda: float(rng.uniform(5.0, 60.0))  # noqa: E731 - microseconds, never zero
-    return {"dtype": dtype, "K": K, "H": H, "T": T,
-            "kernel_us": {op: {"per_call_us": fig()} for op in ("dispatch", "combine")},
-            "call_us_l2_flushed": {"dispatch": fig(), "combine": fig()}, "graph_pair_us": fig(), "graph_error": None}
+    r = {"dtype": dtype, "K": K, "H": H, "T": T,
+         "kernel_us": {op: {"per_call_us": fig()} for op in ("dispatch", "combine")},
+         "call_us_l2_flushed": {"dispatch": fig(), "combine": fig()}, "graph_pair_us": fig(), "graph_error": None}
+    if eager:  # files written before the eager pair was measured have neither key
+        r.update(eager_pair_us=fig(), eager_pair_host_us=fig())
+    return r
 
 
 def write(tmp_path, name, doc):
@@ -59,27 +62,31 @@ def test_compare_sweep_shapes_and_refused_shape(tmp_path, capsys, rng):
     for (dtype, K, H, T), x, y in zip(shapes, ours, theirs):
         label = f"{T}" if (dtype, K, H) == ("fp8", 8, 7168) else f"{T} ({dtype}, K = {K}, H = {H})"
         got = {row[1]: row for row in by_label[label]}
-        assert len(got) == 5, label
+        assert len(got) == 7, label
         kernel = got["dispatch kernel time (every kernel)"]
         want = x["kernel_us"]["dispatch"]["per_call_us"] / y["kernel_us"]["dispatch"]["per_call_us"]
         assert kernel[2] == f"{x['kernel_us']['dispatch']['per_call_us']:.2f}"
         assert kernel[4] == f"{want:.2f}"
         graph = got[f"CUDA graph, {dtype} dispatch + combine"]
         assert graph[4] == f"{x['graph_pair_us'] / y['graph_pair_us']:.2f}"
+        eager = got[f"eager {dtype} dispatch + combine (DeepEP's avg_t)"]
+        assert eager[4] == f"{x['eager_pair_us'] / y['eager_pair_us']:.2f}"
+        host = got["its host time per pair"]
+        assert (host[2], host[3]) == (f"{x['eager_pair_host_us']:.2f}", f"{y['eager_pair_host_us']:.2f}")
     # The refused shape: DeepEP's error in one row; epmoe's figure for it is not set against anything.
     refused = [row for row in rows if "H = 2880" in row[0]]
     assert [row[1] for row in refused] == ["not compared", "not compared"]
     assert any("DeepEP: RuntimeError: Unsupported hidden" in row[4] for row in refused)
     assert any("not measured by DeepEP" in row[4] for row in refused)
     # The default shape comes first, T ascending.
-    assert [row[0] for row in rows[:10]] == ["1"] * 5 + ["128"] * 5
+    assert [row[0] for row in rows[:14]] == ["1"] * 7 + ["128"] * 7
 
 
 def test_compare_reads_files_written_before_sweep(tmp_path, capsys, rng):
     bench = load_bench()
     old = []
     for _ in range(2):
-        r = result(rng, "fp8", 8, 7168, 1)
+        r = result(rng, "fp8", 8, 7168, 1, eager=False)
         for key in ("dtype", "K", "H"):
             del r[key]
         old.append(r)
