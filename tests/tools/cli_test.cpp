@@ -479,6 +479,42 @@ TEST(Cli, IntegersAreReadInDecimalAsTyped) {
   }
 }
 
+// Found by a fresh user: `run --ranks 99999999999` said "expected an integer in range" without the range (CLI11's
+// conversion into an int failed). A value past an int option's 32 bits is named as typed with the int's range, as a
+// value past 64 bits is for the 64-bit options; a value past 64 bits given to an int names the int's range too.
+TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
+  const std::string int_range = "expected an integer in [-2147483648, 2147483647], got ";
+  const struct {
+    std::string args, want;
+  } cases[] = {
+      {"run --device cpu --ranks 99999999999", "--ranks: " + int_range + "99999999999"},
+      {"run --device cpu --experts 2147483648", "--experts: " + int_range + "2147483648"},
+      {"run --device cpu --topk -2147483649", "--topk: " + int_range + "-2147483649"},
+      {"run --device cpu --iters 0099999999999", "--iters: " + int_range + "0099999999999"},
+      {"run --device cpu --ranks 99999999999999999999", "--ranks: " + int_range + "99999999999999999999"},
+      {"bench --device cpu --runs 3000000000", "--runs: " + int_range + "3000000000"},
+      {"tune --topk 3000000000", "--topk: " + int_range + "3000000000"},
+      {"run --device cpu --tokens 99999999999999999999",
+       "--tokens: expected an integer in [-9223372036854775808, 9223372036854775807], got 99999999999999999999"},
+  };
+  for (const auto& c : cases) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.err.find("in range (see --help)"), std::string::npos) << c.args << "\n" << r.err;
+  }
+  // The bounds themselves are read as typed: the largest int runs (--layer is unused without --routing and recorded
+  // in the JSON), the smallest reaches the flag's own check.
+  const std::string json = temp_path("layer.json");
+  CliResult r = run_cli("run --device cpu --layer 2147483647 --json '" + json + "' " + kTinyRun);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(read_json(json)["layer"], 2147483647);
+  std::filesystem::remove(json);
+  r = run_cli("run --device cpu --layer -2147483648 " + kTinyRun);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("invalid argument '--layer': expected >= 0, got -2147483648"), std::string::npos) << r.err;
+}
+
 // Under mpirun every process parsed the same bad command line and printed the same error, once per rank: only the
 // first process says it now (the others exit 2 in silence), and --help prints once.
 TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
@@ -576,7 +612,7 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
        "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
       // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
       {"run --device cpu --tokens abc", "invalid argument '--tokens': expected an integer in range (see --help), got abc"},
-      {"run --device cpu --ranks 99999999999", "invalid argument '--ranks': expected an integer in range"},
+      {"run --device cpu --ranks 99999999999", "--ranks: expected an integer in [-2147483648, 2147483647]"},
       {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a number in range"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",
@@ -627,6 +663,31 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
   EXPECT_FALSE(v.out.empty());
 }
 
+// Found by a fresh user: `run --overlap --overlap` ran as if given once, where an option of one value given twice is
+// refused. A flag given twice is refused the same way, before any work; --help given twice still prints the help.
+TEST(Cli, FlagsGivenTwiceAreRefusedNamingTheFlag) {
+  const struct {
+    std::string args, want;
+  } cases[] = {
+      {"run --device cpu --mode low-latency --overlap --overlap " + kTinyRun,
+       "epmoe: invalid argument '--overlap': expected once (it takes no value), got --overlap given twice"},
+      {"run --eplb --routing '" + std::string(EPMOE_TEST_DATA_DIR) + "/olmoe-routing' --eplb --eplb",
+       "invalid argument '--eplb': expected once (it takes no value), got --eplb given 3 times"},
+      {"bench --device cpu --no-floors --tokens-max 1 --no-floors",
+       "invalid argument '--no-floors': expected once (it takes no value), got --no-floors given twice"},
+  };
+  for (const auto& c : cases) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
+    EXPECT_EQ(r.err.find("generating"), std::string::npos) << c.args << ": refused only after starting\n" << r.err;
+  }
+  const CliResult r = run_cli("run --help --help");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("--overlap"), std::string::npos) << r.out;
+}
+
 TEST(Cli, RunRoutingAndMpirunMistakesNameTheFlag) {
   CliResult r = run_cli("run --device cpu --routing '" + temp_path("no-such-routing") + "'");
   EXPECT_EQ(r.code, 2);
@@ -635,6 +696,29 @@ TEST(Cli, RunRoutingAndMpirunMistakesNameTheFlag) {
   r = run_cli("run --device cpu", "OMPI_COMM_WORLD_SIZE=2");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("'--backend'"), std::string::npos) << r.err;
+}
+
+// Found by a fresh user: a --routing path that does not exist said "expected a directory or a DOMAIN.topk_idx.npy
+// file", as if the path were of the wrong kind. It is named with the OS's reason before any work (with --eplb too,
+// and beside a flag refused later).
+TEST(Cli, RunRoutingThatDoesNotExistIsNamedWithTheReason) {
+  const std::string missing = temp_path("no-such-routing");
+  const std::string want = "epmoe: invalid argument '--routing': expected an existing directory or DOMAIN.topk_idx.npy "
+                           "file, got ";
+  for (const std::string extra : {"", " --eplb", " --overlap", " --tolerance 0"}) {
+    const CliResult r = run_cli("run --device cpu --routing '" + missing + "'" + extra + " " + kTinyRun);
+    EXPECT_EQ(r.code, 2) << extra << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(want + missing + " (No such file or directory)"), std::string::npos) << extra << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << extra << ": refused only after starting\n" << r.out;
+    EXPECT_EQ(r.err.find("generating"), std::string::npos) << extra << ": refused only after starting\n" << r.err;
+  }
+  // A path through a regular file: the reason is the OS's, not always "no such file".
+  const std::string file = temp_path("plain.txt");
+  write_file(file, "x");
+  const CliResult r = run_cli("run --device cpu --routing '" + file + "/general.topk_idx.npy' " + kTinyRun);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find(want + file + "/general.topk_idx.npy (Not a directory)"), std::string::npos) << r.err;
+  std::filesystem::remove(file);
 }
 
 // Found by a fresh user: thread ranks past OpenBLAS's buffer table crashed it (513 ranks: "precompiled
@@ -795,17 +879,37 @@ TEST(Cli, RunResultsThatCannotBeWrittenAfterTheRunExitOne) {
             std::string::npos) << r.err;
 }
 
+/// Runs the CLI with `args` and its standard output on /dev/full (every write fails: "No space left on device").
+CliResult run_cli_to_full_device(const std::string& args) {
+  const std::string e = temp_path("stderr.txt");
+  const int status = std::system(("'" + cli_path() + "' " + args + " >/dev/full 2>'" + e + "'").c_str());
+  CliResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.err = slurp(e);
+  std::remove(e.c_str());
+  return r;
+}
+
 // Found by a fresh user: `run > /dev/full` said "internal error: cannot write to file" (as if a bug).
 TEST(Cli, StandardOutputThatCannotBeWrittenIsNamed) {
   if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
-  const std::string e = temp_path("stderr.txt");
-  const int status =
-      std::system(("'" + cli_path() + "' run --device cpu " + kTinyRun + " >/dev/full 2>'" + e + "'").c_str());
-  const std::string err = slurp(e);
-  std::remove(e.c_str());
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << err;
-  EXPECT_NE(err.find("epmoe: could not write to standard output (No space left on device)"), std::string::npos) << err;
-  EXPECT_EQ(err.find("internal error"), std::string::npos) << err;
+  const CliResult r = run_cli_to_full_device("run --device cpu " + kTinyRun);
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_NE(r.err.find("epmoe: could not write to standard output (No space left on device)"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+}
+
+// Found by a fresh user: `epmoe --help > /dev/full` exited 0, as if the help had been read. A help or version text
+// that cannot be written exits 1 naming standard output, as a command's output does.
+TEST(Cli, HelpThatCannotBeWrittenExitsOne) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  for (const std::string args : {"--help", "run --help", "bench --help", "tune -h", "--version"}) {
+    const CliResult r = run_cli_to_full_device(args);
+    EXPECT_EQ(r.code, 1) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find("epmoe: could not write to standard output (No space left on device)"), std::string::npos)
+        << args << "\n" << r.err;
+  }
 }
 
 TEST(Cli, RunSizesBeyondHostMemoryAreNamedBeforeAnyAllocation) {

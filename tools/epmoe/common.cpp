@@ -109,6 +109,10 @@ void check_writable(std::string_view flag, const std::string& path) {
   if (!exists) ::unlink(path.c_str());
 }
 
+void check_exists(std::string_view flag, std::string_view expected, const std::string& path) {
+  if (::access(path.c_str(), F_OK) != 0) bad(flag, expected, fmt::format("{} ({})", path, std::strerror(errno)));
+}
+
 void write_text_file(std::string_view flag, const std::string& path, const std::string& text) {
   // The job has run: not a bad argument (exit 2) but a failure while running (exit 1), e.g. a disk that filled up.
   const auto failed = [&](int err) {

@@ -64,6 +64,11 @@ std::string plural(std::int64_t n, std::string_view noun);
 /// afterwards leaves no file behind; an existing device or pipe is only checked for write permission.
 void check_writable(std::string_view flag, const std::string& path);
 
+/// Raises invalid_argument naming `flag`, `path` and the OS's reason (strerror, e.g. "No such file or directory")
+/// unless `path` exists now: an input missing on this machine is said as that, before any work, not as a path of the
+/// wrong kind. `expected` says what the flag takes.
+void check_exists(std::string_view flag, std::string_view expected, const std::string& path);
+
 /// Writes a command's results, `text`, to `path` (truncating) once the job has run; raises ErrorCode::internal
 /// (exit 1, a failure while running: the flags were good, check_writable passed them) naming `flag`, the path and
 /// the OS's reason (strerror, e.g. "No space left on device") when opening, writing or closing fails.

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -33,9 +35,9 @@ const CLI::Option* parsed_option(const CLI::App& app, const std::string& flag) {
   return nullptr;
 }
 
-/// CLI11 says "Could not convert: --ranks = abc" for a value its option's type cannot hold: said here as the
-/// commands' own errors are, with what the option takes ("an integer"; its range is in --help), or "" when `e` is not
-/// such an error.
+/// CLI11 says "Could not convert: --ranks = abc" for a value its option's type cannot read (a decimal integer past
+/// the type's range is refused before, by read_integers_in_decimal, naming the range): said here as the commands' own
+/// errors are, with what the option takes ("an integer"), or "" when `e` is not such an error.
 std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
   const std::string what = e.what(), head = "Could not convert: ";
   const auto eq = what.find(" = ");
@@ -51,14 +53,17 @@ std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
 }
 
 /// CLI11 says "--device: At Most 1 required but received 2" for an option of one value given twice (its policy
-/// refuses rather than keep one silently): said as the commands' own errors are, with the values given, or "" when `e`
-/// is not such an error.
+/// refuses rather than keep one silently; refuse_repeated_flags gives flags that policy too): said as the commands'
+/// own errors are, with the values given ("--overlap given twice" for a flag), or "" when `e` is not such an error.
 std::string repeated_message(const CLI::App& app, const CLI::ParseError& e) {
   const std::string what = e.what(), mid = ": At Most 1 required but received ";
   const auto at = what.find(mid);
   if (e.get_name() != "ArgumentMismatch" || at == std::string::npos) return "";
   const std::string flag = what.substr(0, at), count = what.substr(at + mid.size());
   const CLI::Option* o = parsed_option(app, flag);
+  if (o != nullptr && o->get_expected_max() == 0)  // a flag: no values to list
+    return "epmoe: invalid argument '" + flag + "': expected once (it takes no value), got " + flag +
+           " given " + (count == "2" ? std::string("twice") : count + " times");
   const std::string values = o != nullptr ? CLI::detail::join(o->results(), ", ") : "";
   return "epmoe: invalid argument '" + flag + "': expected once (it takes one value), got " + count + " values" +
          (values.empty() ? "" : ": " + values);
@@ -110,10 +115,26 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e) {
          (best.empty() ? "" : "; did you mean " + best + "?") + " (see epmoe " + command + " --help)";
 }
 
+/// The range of integer option `o`'s type, "[-2147483648, 2147483647]" for an int: CLI11 names every integer type
+/// INT or UINT, so the widest of 8, 16, 32 and 64 bits whose largest value the option's own conversion takes. That
+/// conversion writes the option's variable: called only for a value about to be refused.
+std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
+  const CLI::callback_t convert = o.get_callback();
+  const auto most = [is_unsigned](int bits) { return ~std::uint64_t{0} >> (64 - bits + (is_unsigned ? 0 : 1)); };
+  int bits = 8;
+  for (const int wider : {16, 32, 64}) {
+    if (!convert({std::to_string(most(wider))})) break;
+    bits = wider;
+  }
+  return is_unsigned ? "[0, " + std::to_string(most(bits)) + "]"
+                     : "[-" + std::to_string(most(bits) + 1) + ", " + std::to_string(most(bits)) + "]";
+}
+
 /// Integer options read their values in decimal, as typed: CLI11 converts with strtoll(v, 0, 0), so "010" was 8
 /// (octal) and a value past 64 bits was clamped to the type's limit, which the range checks then named as if typed.
-/// A decimal value loses its leading zeros; one past the option's type is refused with the value as given. Other
-/// spellings ("0x10") are left to CLI11.
+/// A decimal value loses its leading zeros; one past the option's type (64 bits, or 32 for an int, whose conversion
+/// CLI11 refused as "Could not convert") is refused with the value as given and that type's range. Other spellings
+/// ("0x10") are left to CLI11.
 void read_integers_in_decimal(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands({}))
     for (CLI::Option* o : sub->get_options()) {
@@ -121,24 +142,40 @@ void read_integers_in_decimal(CLI::App& app) {
       const bool is_unsigned = type.rfind("UINT", 0) == 0;
       if (!is_unsigned && type.rfind("INT", 0) != 0) continue;
       o->transform(CLI::Validator(
-          [is_unsigned](std::string& v) -> std::string {
+          [o, is_unsigned](std::string& v) -> std::string {
             const std::size_t sign = !v.empty() && (v[0] == '-' || v[0] == '+') ? 1 : 0;
             if (v.size() == sign || v.find_first_not_of("0123456789", sign) != std::string::npos) return "";
             std::size_t first = v.find_first_not_of('0', sign);
             if (first == std::string::npos) first = v.size() - 1;  // all zeros: keep one
-            const std::string digits = v.substr(first);
+            const std::string digits = v.substr(first), decimal = v.substr(0, sign) + digits;
             const std::string most = is_unsigned ? "18446744073709551615"
                                      : v[0] == '-' ? "9223372036854775808"
                                                    : "9223372036854775807";
-            if (digits.size() > most.size() || (digits.size() == most.size() && digits > most))
-              return std::string("expected an integer in ") +
-                     (is_unsigned ? "[0, 18446744073709551615]" : "[-9223372036854775808, 9223372036854775807]") +
-                     ", got " + v;
-            v = v.substr(0, sign) + digits;
+            // Past 64 bits strtoll saturates (a conversion that "works"); below, the option's own conversion says
+            // (writing the value into the option's variable, as the conversion right after this check does).
+            const bool past_64_bits = digits.size() > most.size() || (digits.size() == most.size() && digits > most);
+            if (past_64_bits || !o->get_callback()({decimal}))
+              return "expected an integer in " + integer_type_range(*o, is_unsigned) + ", got " + v;
+            v = decimal;
             return "";
           },
           "", "decimal"));
     }
+}
+
+/// A flag given twice (`--overlap --overlap`) is refused as an option of one value given twice is (repeated_message):
+/// CLI11 keeps the last silently (no flag here counts its repeats). --help given twice still prints the help.
+void refuse_repeated_flags(CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands({}))
+    for (CLI::Option* o : sub->get_options())
+      if (o->get_expected_max() == 0 && o != sub->get_help_ptr()) o->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+}
+
+/// A standard output that cannot be written (`> /dev/full`, closed): said as that, not as a bug or a success; exit 1
+/// (a failure while running), whether the job's output or the help failed.
+int standard_output_failed(const std::string& reason) {
+  std::fprintf(stderr, "epmoe: could not write to standard output (%s)\n", reason.c_str());
+  return 1;
 }
 
 }  // namespace
@@ -157,13 +194,22 @@ int main(int argc, char** argv) {
   auto bench = epmoe::cli::add_bench_command(app);
   auto tune = epmoe::cli::add_tune_command(app);
   read_integers_in_decimal(app);
+  refuse_repeated_flags(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version exit 0; every other parse error is a bad argument: 2, as the README says, in the
     // same shape as the commands' own errors.
     const bool say = first_or_only_process();
-    if (e.get_exit_code() == 0) return say ? app.exit(e) : 0;
+    if (e.get_exit_code() == 0 && !say) return 0;
+    if (e.get_exit_code() == 0) {
+      // The help or version goes to std::cout, which writes through stdout: a failed write sets its error flag.
+      errno = 0;
+      const int code = app.exit(e);
+      if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0)
+        return standard_output_failed(errno != 0 ? std::strerror(errno) : "a write failed");
+      return code;
+    }
     if (say && app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
       std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command first (run, bench or tune; see --help)\n",
                    argv[1]);
@@ -197,10 +243,8 @@ int main(int argc, char** argv) {
     return failure ? 1 : 2;
   } catch (const std::system_error& e) {
     // fmt's print to a full or closed standard output (`> /dev/full`, its error flag set): said as that, not as a bug.
-    if (std::ferror(stdout) != 0)
-      std::fprintf(stderr, "epmoe: could not write to standard output (%s)\n", e.code().message().c_str());
-    else
-      std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
+    if (std::ferror(stdout) != 0) return standard_output_failed(e.code().message());
+    std::fprintf(stderr, "epmoe: internal error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
     // Not an epmoe error: a bug or a library's own failure. Said, never a crash (exit 1: not a bad argument).

@@ -642,6 +642,9 @@ struct CheckedRun {
 /// The flags' checks that need no other rank (run's first part).
 CheckedRun check_run_flags(RunConfig& c, bool root) {
   CheckedRun r;
+  // A trace missing on this machine is named first, with the OS's reason (the library's loader would call the path
+  // neither a directory nor a .npy file).
+  if (!c.routing.empty()) check_exists("--routing", "an existing directory or DOMAIN.topk_idx.npy file", c.routing);
   if (c.overlap && c.mode != "low-latency")
     bad("--overlap", "--mode low-latency beside it (it overlaps the low-latency combine's send with the experts)",
         c.mode);
