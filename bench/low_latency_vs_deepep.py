@@ -2,6 +2,7 @@
 
     python3 bench/low_latency_vs_deepep.py --lib epmoe|deepep [--tokens 1,128] [--hidden 7168] [--topk 8]
                                            [--experts 256] [--dispatch-dtype fp8|bf16] [--runs 30] [--json PATH]
+                                           [--host-profile PATH]
     python3 bench/low_latency_vs_deepep.py --lib epmoe|deepep --sweep [--tokens 1,32,128] [--json PATH]
     python3 bench/low_latency_vs_deepep.py --compare EPMOE.json DEEPEP.json     # the table of ratios
 
@@ -27,6 +28,7 @@ Three figures per op and T (semantics §12 gives the rules; DeepEP's test report
   - eager pair: DeepEP's `avg_t` (tests/utils.py `bench`): events around each of 50 back-to-back dispatch + combine
     calls on the caller's stream, mean of the last 49. Where the host enqueues slower than the GPU runs, this is
     the host's time per pair; its host time alone (no synchronisation) is recorded beside it.
+--host-profile PATH writes a cProfile of 200 eager pairs (the host's own time, by function) at the largest T.
 Writes one JSON object (--json) with every figure and the kernel list; `scripts/gpu_check.sh anchors` runs it for
 both libraries in the same call and prints epmoe / DeepEP.
 """
@@ -51,6 +53,9 @@ def parse_args():
     p.add_argument("--runs", type=int, default=30, help="back-to-back pairs under the profiler")
     p.add_argument("--seed", type=int, default=int(os.environ.get("EPMOE_SEED", "1")))
     p.add_argument("--json", default="")
+    p.add_argument("--host-profile", default="", metavar="PATH",
+                   help="write where the host's time of an eager dispatch + combine pair goes (cProfile of 200 pairs "
+                   "at the largest T of the first shape, top functions by own and by cumulative time) to PATH")
     return p.parse_args()
 
 
@@ -166,8 +171,15 @@ def measure(torch, lib, buf, T, tmax, shape, E, args, flush, graphs):
     flushed = {"dispatch": call_time(torch, flush, lambda _: dispatch()),
                "combine": call_time(torch, flush, combine, prepare=lambda: dispatch()[1])}
     eager, host = eager_pair_time(torch, dispatch, combine)
+    profiled = None
+    if args.host_profile and T == tmax:  # once: the first shape's largest T
+        profiled = host_profile(dispatch, combine, args.host_profile, f"{args.lib}, {dtype} K={K} H={H} T={T}")
+        args.host_profile = ""
+        torch.cuda.synchronize()
     res = {"dtype": dtype, "K": K, "H": H, "T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed,
            "eager_pair_us": eager, "eager_pair_host_us": host, "graph_pair_us": None, "graph_error": None}
+    if profiled:
+        res["host_profile"] = profiled
     graphs.append((res, dispatch, combine))
     d, c = kernels["dispatch"], kernels["combine"]
     print(f"dtype={dtype} K={K} H={H} T={T}: kernel time dispatch {d['per_call_us']:.2f} us "
@@ -257,6 +269,28 @@ def call_time(torch, flush, fn, prepare=lambda: None, warmup=5, runs=50):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def host_profile(dispatch, combine, path, title, runs=200):
+    """cProfile of `runs` eager dispatch + combine pairs (no synchronisation: the host's own time), written to `path`
+    as the top 30 functions by own time and by cumulative time under `title`; returns `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(runs):
+        combine(dispatch()[1])
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    text.write(f"host profile of {runs} eager dispatch + combine pairs: {title}\n")
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    return path
 
 
 def eager_pair_time(torch, dispatch, combine, runs=50):

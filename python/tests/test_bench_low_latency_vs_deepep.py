@@ -98,3 +98,28 @@ def test_compare_reads_files_written_before_sweep(tmp_path, capsys, rng):
     combine = [row for row in rows if row[1] == "combine call time, L2 flushed"][0]
     want = old[0]["call_us_l2_flushed"]["combine"] / old[1]["call_us_l2_flushed"]["combine"]
     assert combine[4] == f"{want:.2f}"
+
+
+def test_host_profile_names_the_calls_that_took_the_time(tmp_path, rng):
+    bench = load_bench()
+    calls = {"dispatch": 0, "combine": 0}
+    work = int(rng.integers(200, 400))  # a little host work per call, so each shows in the profile
+
+    def spend_in_dispatch():
+        calls["dispatch"] += 1
+        return sum(range(work)), "handle"
+
+    def spend_in_combine(handle):
+        assert handle == "handle"
+        calls["combine"] += 1
+        return sum(range(work))
+
+    path = tmp_path / "host_profile.txt"
+    runs = int(rng.integers(20, 40))
+    assert bench.host_profile(spend_in_dispatch, spend_in_combine, str(path), "test shape", runs=runs) == str(path)
+    assert calls == {"dispatch": runs, "combine": runs}
+    text = path.read_text()
+    assert text.startswith(f"host profile of {runs} eager dispatch + combine pairs: test shape")
+    # Both orders (own time, cumulative) name both calls, each called `runs` times.
+    assert text.count("spend_in_dispatch") >= 2 and text.count("spend_in_combine") >= 2
+    assert f"{runs}    " in text or f" {runs} " in text

@@ -14,8 +14,9 @@
 # --num-processes 1 (one GPU; DeepEP's intranode kernels need 2, 4 or 8 ranks) at DeepEP's decode shapes, over
 # DeepEP and then over epmoe (after bench/low_latency_vs_deepep.py for both).
 # Logs: deepep_build.log, deepep_low_latency.log, deepep_low_latency_over_epmoe.log; the timing lines are copied into
-# the summary. EPMOE_ANCHOR_SWEEP=1 adds bench/low_latency_vs_deepep.py --sweep over both libraries (bf16 dispatch;
-# K = 1, 2, 4; H = 2048, 2880, 4096; T = 1, 32, 128, or EPMOE_ANCHOR_SWEEP_TOKENS): ll_sweep_compare.md.
+# the summary. ll_host_profile_{deepep,epmoe}.txt: where each library's host time of an eager pair goes.
+# EPMOE_ANCHOR_SWEEP=1 adds bench/low_latency_vs_deepep.py --sweep over both libraries (bf16 dispatch; K = 1, 2, 4;
+# H = 2048, 2880, 4096; T = 1, 32, 128, or EPMOE_ANCHOR_SWEEP_TOKENS): ll_sweep_compare.md.
 part_anchors() {
   part_begin anchors 570
   local dir="${ANCHORS_DIR:-}"
@@ -78,13 +79,15 @@ anchors_low_latency_side_by_side() {
   local work="$1" py="${EPMOE_PYTHON:-python3}" target="${EPMOE_PY_TARGET:-/tmp/epmoe-py}"
   local tokens="${EPMOE_ANCHOR_TOKENS:-1,128}" bench="$ROOT/bench/low_latency_vs_deepep.py"
   step "side by side: DeepEP through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
-    PYTHONPATH="$work" "$py" "$bench" --lib deepep --tokens "$tokens" --json "$RESULTS/ll_deepep.json"
+    PYTHONPATH="$work" "$py" "$bench" --lib deepep --tokens "$tokens" --json "$RESULTS/ll_deepep.json" \
+    --host-profile "$RESULTS/ll_host_profile_deepep.txt"
   if [ ! -f "$target/epmoe/__init__.py" ]; then
     export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
     build_python_package "$py" "$target" "${DEPS_PREFIX:-${EPMOE_DEPS_PREFIX:-$ROOT/build/deps}}" || return 0
   fi
   step "side by side: epmoe through bench/low_latency_vs_deepep.py" 90 env -u WORLD_SIZE -u RANK \
-    PYTHONPATH="$target" "$py" "$bench" --lib epmoe --tokens "$tokens" --json "$RESULTS/ll_epmoe.json"
+    PYTHONPATH="$target" "$py" "$bench" --lib epmoe --tokens "$tokens" --json "$RESULTS/ll_epmoe.json" \
+    --host-profile "$RESULTS/ll_host_profile_epmoe.txt"
   # DeepEP's test over epmoe (the one-line deep_ep module), the same arguments as over DeepEP above: its hook halves
   # (send / recv kernel times) and event-timed pair beside DeepEP's, like for like.
   local shim="$work/epmoe_shim"
