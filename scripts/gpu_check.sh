@@ -4,7 +4,8 @@
 # a job with a 10-minute limit can run any one part (a step that would outlast the bound is cut short or skipped,
 # and the summary says so).
 #
-#   scripts/gpu_check.sh [PART...] [--build DIR] [--out DIR] [--anchors DEEPEP_SRC] [--deps DIR] [--no-build]
+#   scripts/gpu_check.sh [PART...] [--build DIR] [--out DIR] [--anchors DEEPEP_SRC] [--deps DIR] [--base DIR]
+#                        [--no-build]
 #   scripts/gpu_check.sh pack [PART...] [--build DIR] [--to DIR]   # on a build machine: binaries + libraries
 #   scripts/gpu_check.sh deps [--to DIR]                           # on a build machine: C++ libraries for `python`
 #
@@ -26,6 +27,9 @@
 #                                                                                     scripts/gpu/deepep.sh
 #   ipc        the cuda_ipc tests and bench_gpu_normal_mode (the quick check on 2 or more GPUs)
 #   ab         the normal-mode A/B: copy engine, zero-copy at 16..64 blocks, SM stores, OLMoE routing, K = 2
+#   llab       the low-latency A/B of two builds: bench_gpu_low_latency of --base DIR (the commit before a change,
+#              a pack or build folder) and of --build, alternating, at T = 128 and 1, then a traced run of each;
+#              llab.md: every run's medians, base | new, new / base                   scripts/gpu/bench.sh
 #   all        tests cli python bench sanitizer anchors (more than one call's time)
 #
 # Binaries: --build DIR (default build/release). What a part needs and DIR lacks is built there (configuring
@@ -46,6 +50,7 @@ usage() { sed -n '2,/^set -u/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; 
 BUILD=build/release
 RESULTS="$ROOT/gpu-results"
 ANCHORS_DIR=""
+BASE_DIR=""
 DEPS_PREFIX=""
 NO_BUILD=0
 PACK_TO=""
@@ -56,11 +61,12 @@ while [ $# -gt 0 ]; do
     --out) RESULTS="$2"; shift 2 ;;
     --anchors) ANCHORS_DIR="$2"; shift 2 ;;
     --deps) DEPS_PREFIX="$2"; shift 2 ;;
+    --base) BASE_DIR="$2"; shift 2 ;;
     --to) PACK_TO="$2"; shift 2 ;;
     --no-build) NO_BUILD=1; shift ;;
     -h | --help) usage; exit 0 ;;
     all) PARTS+=(tests cli python bench sanitizer anchors); shift ;;
-    tests | cli | python | bench | sanitizer | anchors | deepep | ipc | ab | pack | deps) PARTS+=("$1"); shift ;;
+    tests | cli | python | bench | sanitizer | anchors | deepep | ipc | ab | llab | pack | deps) PARTS+=("$1"); shift ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -123,6 +129,12 @@ done
     echo "## DeepEP test_low_latency.py (one GPU)"
     echo
     printf '%s\n' "$ANCHOR_LINES" | sed 's/^/    /'
+  fi
+  if [ -f "$RESULTS/llab.md" ]; then
+    echo
+    echo "## Low-latency A/B (llab)"
+    echo
+    cat "$RESULTS/llab.md"
   fi
   if [ -n "$DEEPEP_LINES" ]; then
     echo

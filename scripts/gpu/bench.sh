@@ -62,3 +62,49 @@ part_ab() {
   step "normal mode: traced zero_copy_48" 90 env EPMOE_CUDA_IPC_TRACE=1 "$AB_BENCH" --runs 50 --recv-slots 2 \
     --sms 48 --json "$RESULTS/ab_trace_zero_copy_48.json"
 }
+
+# llab: the low-latency A/B of two builds in one call (a change against the commit before it, both on this GPU):
+# bench_gpu_low_latency of --base DIR and of --build, R = 1, L2 kept, 60 runs each, alternating base and new
+# EPMOE_LLAB_ROUNDS times (default 3) at each T of EPMOE_LLAB_TOKENS (default 128,1), so a drift of the machine
+# touches both alike; then one traced run of each per T (EPMOE_CUDA_IPC_TRACE=1: where the time goes, in
+# llab_trace_{base,new}_T<T>.txt). llab.md: every run's median per op, base | new, new / base (bench/low_latency_ab.py).
+part_llab() {
+  part_begin llab 570
+  local base_bin="${BASE_DIR:+$BASE_DIR/bench/bench_gpu_low_latency}"
+  if [ -z "$base_bin" ] || [ ! -x "$base_bin" ]; then
+    skip "low-latency A/B" "no --base DIR holding bench/bench_gpu_low_latency (the base commit's pack or build)"
+    return
+  fi
+  ensure_built bench_gpu_low_latency:bench/bench_gpu_low_latency || { fail build "binaries missing"; return; }
+  local new_bin="$BUILD/bench/bench_gpu_low_latency" tokens="${EPMOE_LLAB_TOKENS:-128,1}"
+  local rounds="${EPMOE_LLAB_ROUNDS:-3}" T i v bin base_json=() new_json=()
+  export EPMOE_TIMEOUT_S="${EPMOE_TIMEOUT_S:-20}"
+  for T in ${tokens//,/ }; do
+    for ((i = 0; i < rounds; ++i)); do
+      for v in base new; do
+        bin="$base_bin"
+        [ "$v" = new ] && bin="$new_bin"
+        step "low latency $v T=$T run $i" 60 "$bin" --ranks 1 --tokens "$T" --no-flush --runs 60 \
+          --json "$RESULTS/llab_${v}_T${T}_$i.json"
+        if [ -f "$RESULTS/llab_${v}_T${T}_$i.json" ]; then
+          if [ "$v" = base ]; then base_json+=("$RESULTS/llab_${v}_T${T}_$i.json"); else new_json+=("$RESULTS/llab_${v}_T${T}_$i.json"); fi
+        fi
+      done
+    done
+  done
+  for T in ${tokens//,/ }; do
+    for v in base new; do
+      bin="$base_bin"
+      [ "$v" = new ] && bin="$new_bin"
+      step "low latency traced $v T=$T" 60 env EPMOE_CUDA_IPC_TRACE=1 bash -c '"$1" --ranks 1 --tokens "$2" --no-flush \
+        --runs 40 >"$3" 2>&1' _ "$bin" "$T" "$RESULTS/llab_trace_${v}_T$T.txt"
+    done
+  done
+  if [ ${#base_json[@]} -gt 0 ] && [ ${#new_json[@]} -gt 0 ]; then
+    local base_commit="base"
+    [ -f "$BASE_DIR/COMMIT" ] && base_commit="$(head -1 "$BASE_DIR/COMMIT")"
+    "${EPMOE_PYTHON:-python3}" "$ROOT/bench/low_latency_ab.py" --base "${base_json[@]}" --new "${new_json[@]}" \
+      --labels "$base_commit" "$COMMIT" >"$RESULTS/llab.md" 2>&1
+    note "$(cat "$RESULTS/llab.md")"
+  fi
+}

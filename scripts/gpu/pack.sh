@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh pack [PART...] [--build build/release] [--to build/release-pack]
 #
 # PARTs pick the binaries (default: every part's): tests and sanitizer test_gpu and test_mpi; cli epmoe and
-# test_tools; bench every bench_gpu_*; ipc test_gpu and bench_gpu_normal_mode; ab bench_gpu_normal_mode. The
+# test_tools; bench every bench_gpu_*; ipc test_gpu and bench_gpu_normal_mode; ab bench_gpu_normal_mode; llab
+# bench_gpu_low_latency (pack the base commit's too, into another folder, for --base). The
 # layout mirrors the build (tests/, tests/mpi/, tools/, bench/) so gpu_check.sh finds them the same way; the
 # binaries are stripped; lib/ holds the libraries; COMMIT names the commit they were built at. The build must
 # exist (scripts/setup.sh release, with nvcc present).
@@ -22,6 +23,7 @@ pack_binaries_of() {  # pack_binaries_of PART: binaries (relative to the build) 
     bench) (cd "$BUILD" && ls bench/bench_gpu_* 2>/dev/null) ;;
     ipc) echo tests/test_gpu bench/bench_gpu_normal_mode ;;
     ab) echo bench/bench_gpu_normal_mode ;;
+    llab) echo bench/bench_gpu_low_latency ;;
     python | anchors) ;;  # built on the GPU machine
     *) echo "pack: unknown part '$1'" >&2 ;;
   esac
