@@ -2,7 +2,8 @@
 
 # tests: every GPU test binary (test_gpu: router, layout, permute, quant, experts, MoE layer, cuda_ipc both modes)
 # in full, then the cuda_ipc MPI tests: one process per GPU, or two processes sharing a lone GPU (the protocol,
-# not the speed).
+# not the speed). EPMOE_GPU_TEST_FILTER (a --gtest_filter, e.g. '*LowLatency*') runs a subset of test_gpu, and
+# EPMOE_GPU_TEST_QUICK=1 its small sizes: a change's own suites beside other parts in one call.
 part_tests() {
   part_begin tests 570
   ensure_built test_gpu:tests/test_gpu test_mpi:tests/mpi/test_mpi || { fail build "binaries missing"; return; }
@@ -10,7 +11,8 @@ part_tests() {
   mapfile -t tests < <(ls "$BUILD"/tests/test_gpu* 2>/dev/null)
   report_missing_libraries "${tests[@]}" "$BUILD/tests/mpi/test_mpi"
   for t in "${tests[@]}"; do
-    step "$(basename "$t")" 420 "$t" --gtest_output="xml:$RESULTS/$(basename "$t").xml"
+    step "$(basename "$t")${EPMOE_GPU_TEST_FILTER:+ ($EPMOE_GPU_TEST_FILTER)}" 420 "$t" \
+      --gtest_filter="${EPMOE_GPU_TEST_FILTER:-*}" --gtest_output="xml:$RESULTS/$(basename "$t").xml"
   done
   local ngpu
   ngpu="$(gpu_count)"
