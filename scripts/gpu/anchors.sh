@@ -13,6 +13,8 @@
 # no rdma-core headers, DIR/../fallback_include added to CPATH), then its tests/test_low_latency.py runs with
 # --num-processes 1 (one GPU; DeepEP's intranode kernels need 2, 4 or 8 ranks) at DeepEP's decode shapes, over
 # DeepEP and then over epmoe (after bench/low_latency_vs_deepep.py for both).
+# A deep_ep_cpp*.so beside setup.py in DIR (a build for that machine's Python and torch) is used as it is:
+# EPMOE_ANCHOR_KEEP=FOLDER copies a fresh build into FOLDER for that (~80 s less in each later call).
 # Logs: deepep_build.log, deepep_low_latency.log, deepep_low_latency_over_epmoe.log; the timing lines are copied into
 # the summary. ll_host_profile_{deepep,epmoe}.txt: where each library's host time of an eager pair goes.
 # EPMOE_ANCHOR_SWEEP=1 adds bench/low_latency_vs_deepep.py --sweep over both libraries (bf16 dispatch; K = 1, 2, 4;
@@ -55,8 +57,17 @@ part_anchors() {
   [ -n "$nvshmem" ] && export LD_LIBRARY_PATH="$nvshmem/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   note "DeepEP source $dir, built in $work; NVSHMEM ${nvshmem:-not found (setup.py then drops the low-latency kernels)}"
   local t0=$SECONDS
-  step "DeepEP build (setup.py build_ext --inplace)" 420 bash -c 'cd "$1" && shift && "$@" >"$0" 2>&1' \
-    "$RESULTS/deepep_build.log" "$work" "$py" setup.py build_ext --inplace
+  if ls "$work"/deep_ep_cpp*.so >/dev/null 2>&1; then
+    # DIR holds a build of this source already (a deep_ep_cpp*.so from EPMOE_ANCHOR_KEEP, for this Python and torch)
+    note "DeepEP: the build in $dir is used ($(cd "$work" && ls deep_ep_cpp*.so)), not rebuilt"
+  else
+    step "DeepEP build (setup.py build_ext --inplace)" 420 bash -c 'cd "$1" && shift && "$@" >"$0" 2>&1' \
+      "$RESULTS/deepep_build.log" "$work" "$py" setup.py build_ext --inplace
+    if [ -n "${EPMOE_ANCHOR_KEEP:-}" ] && ls "$work"/deep_ep_cpp*.so >/dev/null 2>&1; then
+      mkdir -p "$EPMOE_ANCHOR_KEEP" && cp "$work"/deep_ep_cpp*.so "$EPMOE_ANCHOR_KEEP/" &&
+        note "DeepEP's build kept in $EPMOE_ANCHOR_KEEP (put it beside setup.py in DIR to skip the build next time)"
+    fi
+  fi
   if ! ls "$work"/deep_ep_cpp*.so >/dev/null 2>&1; then
     note "DeepEP did not build (after $((SECONDS - t0)) s); the end of deepep_build.log:"
     grep -E 'error|FAILED' "$RESULTS/deepep_build.log" | head -10 | tee -a "$LOG"
