@@ -515,6 +515,126 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
   EXPECT_NE(r.err.find("invalid argument '--layer': expected >= 0, got -2147483648"), std::string::npos) << r.err;
 }
 
+// Found by a fresh user: the README says integers are read in decimal as typed, yet `run --ranks 0x10` ran 16 ranks
+// (CLI11 converts in base 0) and `--seed 0x10` was refused as out of [0, 2^64 - 1]. Only an optional sign and decimal
+// digits are taken, for every integer option and the integer lists of tune; "010" and "+2" still read as 10 and 2.
+TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
+  const struct {
+    std::string args, want;
+  } cases[] = {
+      {"run --device cpu --ranks 0x10", "--ranks: expected a decimal integer, got 0x10"},
+      {"run --device cpu --tokens 0x8", "--tokens: expected a decimal integer, got 0x8"},
+      {"bench --device cpu --tokens-max 0x10", "--tokens-max: expected a decimal integer, got 0x10"},
+      {"run --device cpu --seed 0x10", "--seed: expected a decimal integer, got 0x10"},
+      {"bench --device cpu --tokens-max 1 --seed 0x10", "--seed: expected a decimal integer, got 0x10"},
+      {"run --device cpu --ranks 0b1", "--ranks: expected a decimal integer, got 0b1"},
+      {"run --device cpu --ranks ' 2'", "--ranks: expected a decimal integer, got  2"},
+      {"run --device cpu --iters 1e3", "--iters: expected a decimal integer, got 1e3"},
+      {"tune --topk +0x2", "--topk: expected a decimal integer, got +0x2"},
+      {"tune --sms 8,0x10", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got 8,0x10"},
+      {"tune --sms ' 8'", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got  8"},
+  };
+  for (const auto& c : cases) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.err.find("expected an integer in"), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
+  }
+  const CliResult r = run_cli("run --device cpu --ranks +2 --seed +5 " + kTinyRun);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("2 CPU ranks"), std::string::npos) << r.out;
+}
+
+// Found by a fresh user: an empty value (an unset shell variable) ran as 0 (`run --ranks ""` said "expected >= 1,
+// got 0", `--tolerance ""` "got 0") or was named as "got " with nothing after it (`bench --modes ""`), and
+// `tune --chunks ""` swept nothing silently. Every option that takes a value refuses it as that; paths keep "got ''".
+TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
+  const struct {
+    std::string args, want;
+  } cases[] = {
+      {"run --device cpu --ranks ''", "--ranks: expected a decimal integer, got an empty value"},
+      {"run --device cpu --tokens ''", "--tokens: expected a decimal integer, got an empty value"},
+      {"run --device cpu --tolerance ''", "--tolerance: expected a number, got an empty value"},
+      {"run --device cpu --seed ''", "--seed: expected a decimal integer, got an empty value"},
+      {"run --device cpu --domain ''", "--domain: expected a value, got an empty value"},
+      {"run --device cpu --redundant-experts ''", "--redundant-experts: expected a decimal integer, got an empty value"},
+      {"run --device ''", "--device: expected a value, got an empty value"},
+      {"bench --device cpu --modes ''", "--modes: expected a value, got an empty value"},
+      {"bench --device cpu --tokens-max=", "--tokens-max: expected a decimal integer, got an empty value"},
+      {"run --device cpu --json=", "--json: expected a path, got ''"},
+      {"tune --sms ''", "--sms: expected a value, got an empty value"},
+      {"tune --chunks ''", "--chunks: expected a value, got an empty value"},
+      {"tune --objective ''", "--objective: expected a value, got an empty value"},
+      {"tune --output ''", "--output: expected a path, got ''"},
+  };
+  for (const auto& c : cases) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.err.find("got 0"), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
+  }
+}
+
+// Found by a fresh user: `run --ranks 4 -- --tokens 8` said "expected a flag of run; did you mean --tokens?", the
+// word it named being that very flag. After "--" every word is positional: said as that.
+TEST(Cli, WordsAfterDoubleDashAreNamedAsPositional) {
+  CliResult r = run_cli("run --device cpu --ranks 4 -- --tokens 8");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("invalid argument '--tokens': expected no positional arguments (run takes none; see epmoe "
+                       "run --help), got '--tokens' after '--' (so it was not read as a flag)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("did you mean"), std::string::npos) << r.err;
+  r = run_cli("bench --device cpu -- 4");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("invalid argument '4': expected no positional arguments (bench takes none"), std::string::npos)
+      << r.err;
+  // A mistyped flag before the "--" is still named as one.
+  r = run_cli("run --device cpu --tokne 4 -- --tokens 8");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("invalid argument '--tokne': expected a flag of run; did you mean --tokens?"), std::string::npos)
+      << r.err;
+}
+
+// Found by a fresh user: `run --tolerance 1e400` was refused as "got inf" (and 1e-400 as "got 0"), values never
+// typed. The value is named as given, with the range the option takes.
+TEST(Cli, ToleranceOutsideADoubleIsNamedAsTyped) {
+  for (const std::string v : {"1e400", "-1e400", "1e-400"}) {
+    const CliResult r = run_cli("run --device cpu --tolerance " + v + " " + kTinyRun);
+    EXPECT_EQ(r.code, 2) << v << "\n" << r.err;
+    EXPECT_NE(r.err.find("invalid argument '--tolerance': expected a positive finite number (a double: in [5e-324, "
+                         "1.7976931348623157e+308]), got " + v + "\n"),
+              std::string::npos)
+        << v << "\n" << r.err;
+  }
+}
+
+// Found by a fresh user: `--config /nonexistent` gave no reason, `--config /tmp` did not say it is a directory, and
+// inline JSON (`--config '{"num_sms":16}'`, as the README's example reads) got no hint that a path is taken.
+TEST(Cli, ConfigThatIsNoFileSaysWhy) {
+  const std::string want = "invalid argument '--config': expected a readable JSON file of BufferOptions fields";
+  const std::string missing = temp_path("missing.json"), folder = temp_path("folder");
+  std::filesystem::create_directories(folder);
+  const struct {
+    std::string args, want;
+  } cases[] = {
+      {"run --device cpu --config '" + missing + "'", want + ", got " + missing + " (No such file or directory)"},
+      {"bench --device cpu --tokens-max 1 --config '" + missing + "'",
+       want + ", got " + missing + " (No such file or directory)"},
+      {"run --device cpu --config '" + folder + "'", want + ", got " + folder + " (a directory)"},
+      {"run --device cpu --config '{\"num_sms\":16}'",
+       want + " (a path to a JSON file; inline JSON is not taken), got {\"num_sms\":16}"},
+  };
+  for (const auto& c : cases) {
+    const CliResult r = run_cli(c.args + (c.args.rfind("run", 0) == 0 ? " " + kTinyRun : std::string()));
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+  }
+  std::filesystem::remove(folder);
+}
+
 // Under mpirun every process parsed the same bad command line and printed the same error, once per rank: only the
 // first process says it now (the others exit 2 in silence), and --help prints once.
 TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
@@ -611,7 +731,7 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"run --device cpu --ranks 2 --experts 2050 --topk 2 --mode low-latency",
        "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
       // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
-      {"run --device cpu --tokens abc", "invalid argument '--tokens': expected an integer in range (see --help), got abc"},
+      {"run --device cpu --tokens abc", "invalid argument: --tokens: expected a decimal integer, got abc"},
       {"run --device cpu --ranks 99999999999", "--ranks: expected an integer in [-2147483648, 2147483647]"},
       {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a number in range"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -813,19 +814,18 @@ int tune(BenchConfig c) {
   auto parse_list = [](std::string_view flag, const std::string& text, int lo, int hi) {
     std::vector<int> out;
     const std::string expected = fmt::format("a comma-separated list of integers in [{}, {}]", lo, hi);
-    std::stringstream ss(text);
-    for (std::string v; std::getline(ss, v, ',');) {
-      std::size_t used = 0;
-      int n = -1;
-      try {
-        n = std::stoi(v, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != v.size() || n < lo || n > hi) bad(flag, expected, text);
-      out.push_back(n);
+    // Each item decimal as typed, as integer options are ("0x10", " 8" and an empty item such as "8,," or "8," are
+    // refused; std::stoi would skip blanks and stop at the "x" or a trailing comma).
+    for (std::size_t start = 0;;) {
+      const std::size_t comma = std::min(text.find(',', start), text.size());
+      const std::string v = text.substr(start, comma - start);
+      const bool decimal = decimal_integer_error(v).empty();
+      const long long n = decimal ? std::strtoll(v.c_str(), nullptr, 10) : -1;  // past 64 bits: saturated, refused
+      if (!decimal || n < lo || n > hi) bad(flag, expected, text);
+      out.push_back(static_cast<int>(n));
+      if (comma == text.size()) break;
+      start = comma + 1;
     }
-    if (out.empty()) bad(flag, expected, text);
     return out;
   };
   const std::vector<int> sms = parse_list("--sms", c.sms_list, 1, 64);
@@ -967,7 +967,10 @@ std::function<int()> add_tune_command(CLI::App& app) {
   cmd->add_option("--chunks", c.chunks_list, "also sweep num_chunks (copy-engine pipeline stages, 1..16), e.g. 2,4,8");
   cmd->add_option("--objective", c.objective, "max (of dispatch and combine), sum, dispatch or combine")->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
-  cmd->add_option("-o,--output", c.output, "where to write the best config")->type_name("PATH")->capture_default_str();
+  cmd->add_option("-o,--output", c.output, "where to write the best config")
+      ->type_name("PATH")
+      ->check(non_empty_path())
+      ->capture_default_str();
   // tune runs on GPUs only: the help offers auto and cuda; cpu is still accepted here so that tune() refuses it
   // with the reason (num_sms is a GPU setting) instead of CLI11's bare "not in" message.
   const CLI::Validator gpu_device(

@@ -12,17 +12,28 @@
 
 namespace epmoe::cli {
 
+/// Why `v` is not an integer as the README says integers are read (an optional sign, then decimal digits: not "0x10",
+/// "1e3", " 2" or ""), as an option's message ends ("expected a decimal integer, got 0x10"); "" when it is one.
+inline std::string decimal_integer_error(const std::string& v) {
+  if (v.empty()) return "expected a decimal integer, got an empty value";
+  const std::size_t sign = v[0] == '-' || v[0] == '+' ? 1 : 0;
+  if (v.size() == sign || v.find_first_not_of("0123456789", sign) != std::string::npos)
+    return "expected a decimal integer, got " + v;
+  return "";
+}
+
 /// A CLI11 check for unsigned 64-bit flags (CLI11 would wrap "-1" around and saturate past 2^64 - 1): names the
-/// value when it is negative, not an integer or out of range.
+/// value when it is not a decimal integer, negative or out of range.
 /// No description: CLI11 appends it to the type in --help, which already says UINT ("--seed UINT:UINT").
 inline CLI::Validator non_negative_integer() {
   return CLI::Validator(
       [](std::string& v) {
+        if (std::string not_decimal = decimal_integer_error(v); !not_decimal.empty()) return not_decimal;
+        if (v[0] == '-') return "expected a non-negative integer, got " + v;
         // CLI11 would saturate a value past 2^64 - 1 silently: parsed here first.
+        const std::size_t sign = v[0] == '+' ? 1 : 0;
         std::uint64_t n = 0;
-        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-        if (v.empty() || v[0] == '-' || ec == std::errc::invalid_argument) return "expected a non-negative integer, got " + v;
-        if (ec == std::errc::result_out_of_range || end != v.data() + v.size())
+        if (std::from_chars(v.data() + sign, v.data() + v.size(), n).ec == std::errc::result_out_of_range)
           return "expected an integer in [0, 18446744073709551615], got " + v;
         return std::string();
       },

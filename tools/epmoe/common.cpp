@@ -164,7 +164,12 @@ double threads_normal_bytes_per_rank(int num_ranks, std::int64_t tokens, int liv
 
 void apply_config_flag(const std::string& path, BufferOptions& options) {
   if (path.empty()) return;
-  if (!std::filesystem::is_regular_file(path)) bad("--config", "a readable JSON file of BufferOptions fields", path);
+  // The README's example config is {"num_sms": 16}: a value that looks like it was typed inline says it is not taken.
+  const std::string expected = std::string("a readable JSON file of BufferOptions fields") +
+                               (path[0] == '{' ? " (a path to a JSON file; inline JSON is not taken)" : "");
+  check_exists("--config", expected, path);
+  if (std::filesystem::is_directory(path)) bad("--config", expected, path + " (a directory)");
+  if (!std::filesystem::is_regular_file(path)) bad("--config", expected, path + " (not a regular file)");
   try {
     load_buffer_config(path, options);
   } catch (const Error& e) {

@@ -35,9 +35,9 @@ const CLI::Option* parsed_option(const CLI::App& app, const std::string& flag) {
   return nullptr;
 }
 
-/// CLI11 says "Could not convert: --ranks = abc" for a value its option's type cannot read (a decimal integer past
-/// the type's range is refused before, by read_integers_in_decimal, naming the range): said here as the commands' own
-/// errors are, with what the option takes ("an integer"), or "" when `e` is not such an error.
+/// CLI11 says "Could not convert: --tolerance = abc" for a value its option's type cannot read (integers are refused
+/// before, by read_integers_in_decimal: a spelling that is not decimal, or a value past the type's range): said here as
+/// the commands' own errors are, with what the option takes ("a number"), or "" when `e` is not such an error.
 std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
   const std::string what = e.what(), head = "Could not convert: ";
   const auto eq = what.find(" = ");
@@ -89,8 +89,10 @@ std::size_t flag_distance(const std::string& a, const std::string& b) {
 
 /// CLI11 says "The following arguments were not expected: 4 --tokne" (the words reversed) for an unknown flag: said
 /// as the commands' own errors are, naming the first unknown word and, for a flag, the command's nearest flag (at
-/// most two edits away, or the same but for case); "" when `e` is not such an error.
-std::string extras_message(const CLI::App& app, const CLI::ParseError& e) {
+/// most two edits away, or the same but for case); "" when `e` is not such an error. `args` is the command line
+/// (argv[1..]): words after a "--" are positional (CLI11 does not say which extras came after it), so when every
+/// extra did, the first of them is named as a word after "--", not as a mistyped flag.
+std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const std::vector<std::string>& args) {
   if (dynamic_cast<const CLI::ExtrasError*>(&e) == nullptr) return "";  // its name is the command's
   const std::vector<CLI::App*> subs = app.get_subcommands();
   const CLI::App* sub = subs.empty() ? &app : subs.front();
@@ -98,6 +100,21 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e) {
   if (extras.empty()) extras = app.remaining();  // a subcommand hands its extras up to the app
   if (extras.empty()) return "";
   const std::string command = subs.empty() ? std::string("epmoe") : sub->get_name();
+  // No command takes positional arguments, so every word after "--" is an extra: when there are no more extras than
+  // those words, none came before the "--".
+  std::size_t all_extras = 0;
+  for (const std::string& w : sub->remaining()) all_extras += w != "--" ? 1 : 0;
+  if (sub != &app)
+    for (const std::string& w : app.remaining()) all_extras += w != "--" ? 1 : 0;
+  if (const auto mark = std::find(args.begin(), args.end(), "--"); mark != args.end() && mark + 1 != args.end()) {
+    const std::vector<std::string> after(mark + 1, args.end());
+    if (all_extras <= after.size()) {
+      const std::string& word = after.front();
+      return "epmoe: invalid argument '" + word + "': expected no positional arguments (" + command +
+             " takes none; see epmoe " + command + " --help), got '" + word + "' after '--'" +
+             (word.size() > 1 && word[0] == '-' ? " (so it was not read as a flag)" : "");
+    }
+  }
   const auto flag =
       std::find_if(extras.begin(), extras.end(), [](const std::string& w) { return w.size() > 1 && w[0] == '-'; });
   if (flag == extras.end())
@@ -131,10 +148,10 @@ std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
 }
 
 /// Integer options read their values in decimal, as typed: CLI11 converts with strtoll(v, 0, 0), so "010" was 8
-/// (octal) and a value past 64 bits was clamped to the type's limit, which the range checks then named as if typed.
-/// A decimal value loses its leading zeros; one past the option's type (64 bits, or 32 for an int, whose conversion
-/// CLI11 refused as "Could not convert") is refused with the value as given and that type's range. Other spellings
-/// ("0x10") are left to CLI11.
+/// (octal), "0x10" 16, and a value past 64 bits was clamped to the type's limit, which the range checks then named as
+/// if typed. Only an optional sign and decimal digits are taken (not "0x10", "1e3", " 2" or ""); a decimal value loses
+/// its leading zeros; one past the option's type (64 bits, or 32 for an int, whose conversion CLI11 refused as "Could
+/// not convert") is refused with the value as given and that type's range.
 void read_integers_in_decimal(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands({}))
     for (CLI::Option* o : sub->get_options()) {
@@ -143,8 +160,8 @@ void read_integers_in_decimal(CLI::App& app) {
       if (!is_unsigned && type.rfind("INT", 0) != 0) continue;
       o->transform(CLI::Validator(
           [o, is_unsigned](std::string& v) -> std::string {
-            const std::size_t sign = !v.empty() && (v[0] == '-' || v[0] == '+') ? 1 : 0;
-            if (v.size() == sign || v.find_first_not_of("0123456789", sign) != std::string::npos) return "";
+            if (std::string not_decimal = epmoe::cli::decimal_integer_error(v); !not_decimal.empty()) return not_decimal;
+            const std::size_t sign = v[0] == '-' || v[0] == '+' ? 1 : 0;
             std::size_t first = v.find_first_not_of('0', sign);
             if (first == std::string::npos) first = v.size() - 1;  // all zeros: keep one
             const std::string digits = v.substr(first), decimal = v.substr(0, sign) + digits;
@@ -161,6 +178,50 @@ void read_integers_in_decimal(CLI::App& app) {
           },
           "", "decimal"));
     }
+}
+
+/// What a validator says of an empty value given to an option of CLI11 type `type` (INT, UINT, FLOAT, TEXT).
+std::string empty_value_message(const std::string& type) {
+  const std::string expected = type.rfind("UINT", 0) == 0 || type.rfind("INT", 0) == 0 ? "a decimal integer"
+                               : type.rfind("FLOAT", 0) == 0                           ? "a number"
+                                                                                        : "a value";
+  return "expected " + expected + ", got an empty value";
+}
+
+/// An empty value (`--tokens ""`, an unset shell variable) is refused for every option that takes one: CLI11 read it
+/// as 0 for a number and as "" for a list, so a run went on as if a value were given. Runs before the option's own
+/// checks (a transform goes first), so it is said the same way for all; path options (PATH, FILE) keep their own
+/// message, "expected a path, got ''".
+void refuse_empty_values(CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands({}))
+    for (CLI::Option* o : sub->get_options()) {
+      const std::string type = o->get_type_name();
+      if (o->get_expected_max() == 0 || type == "PATH" || type == "FILE") continue;
+      o->transform(CLI::Validator(
+          [message = empty_value_message(type)](std::string& v) { return v.empty() ? message : std::string(); }, "",
+          "non-empty"));
+    }
+}
+
+/// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
+/// ""` is: said as refuse_empty_values says that, or "" when `e` is not such an error. `args` is the command line.
+std::string empty_after_equals_message(const CLI::App& app, const CLI::ParseError& e,
+                                       const std::vector<std::string>& args) {
+  const std::string what = e.what();
+  const auto colon = what.find(": ");
+  if (e.get_name() != "ArgumentMismatch" || colon == std::string::npos || what.find(" missing", colon) == std::string::npos)
+    return "";
+  const std::string flag = what.substr(0, colon);
+  const CLI::Option* o = parsed_option(app, flag);
+  if (o == nullptr) return "";
+  for (const std::string& name : o->get_lnames())
+    if (std::find(args.begin(), args.end(), "--" + name + "=") != args.end()) {
+      const std::string type = o->get_type_name();
+      return "epmoe: invalid argument: " + flag + ": " +
+             (type == "PATH" || type == "FILE" ? std::string("expected a path, got ''") : empty_value_message(type)) +
+             " (see --help)";
+    }
+  return "";
 }
 
 /// A flag given twice (`--overlap --overlap`) is refused as an option of one value given twice is (repeated_message):
@@ -194,6 +255,7 @@ int main(int argc, char** argv) {
   auto bench = epmoe::cli::add_bench_command(app);
   auto tune = epmoe::cli::add_tune_command(app);
   read_integers_in_decimal(app);
+  refuse_empty_values(app);  // after: its transform then runs first
   refuse_repeated_flags(app);
   try {
     app.parse(argc, argv);
@@ -218,9 +280,13 @@ int main(int argc, char** argv) {
                    argv[1]);
     else if (const std::string m = conversion_message(app, e); say && !m.empty())
       std::fprintf(stderr, "%s\n", m.c_str());
+    else if (const std::string q = empty_after_equals_message(app, e, std::vector<std::string>(argv + 1, argv + argc));
+             say && !q.empty())
+      std::fprintf(stderr, "%s\n", q.c_str());
     else if (const std::string r = repeated_message(app, e); say && !r.empty())
       std::fprintf(stderr, "%s\n", r.c_str());
-    else if (const std::string x = extras_message(app, e); say && !x.empty())
+    else if (const std::string x = extras_message(app, e, std::vector<std::string>(argv + 1, argv + argc));
+             say && !x.empty())
       std::fprintf(stderr, "%s\n", x.c_str());
     else if (say)
       std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());

@@ -63,6 +63,7 @@ struct RunConfig {
   int iters = 3;
   std::int64_t check_tokens = 32;
   double tolerance = 1e-2;
+  std::string tolerance_text;  // --tolerance as typed: 1e400 reads as inf (1e-400 as 0), named as given
   std::string json;
   std::string backend = "threads";
   std::string device = "auto";
@@ -503,7 +504,11 @@ void check_job_flags(const RunConfig& c) {
     bad("--topk", fmt::format("in [1, {}] (at most --experts and {} in {} mode)", max_topk, mode_max_topk(c), c.mode),
         c.topk);
   if (c.check_tokens < 1) bad("--check-tokens", ">= 1", c.check_tokens);
-  if (!(c.tolerance > 0) || !std::isfinite(c.tolerance)) bad("--tolerance", "a positive finite number", c.tolerance);
+  if (!(c.tolerance > 0) || !std::isfinite(c.tolerance))
+    bad("--tolerance",
+        fmt::format("a positive finite number (a double: in [{}, {}])", std::numeric_limits<double>::denorm_min(),
+                    std::numeric_limits<double>::max()),
+        c.tolerance_text.empty() ? fmt::format("{}", c.tolerance) : c.tolerance_text);
   if (c.layer < 0) bad("--layer", ">= 0", c.layer);
   if (c.offset < 0) bad("--offset", ">= 0", c.offset);
   if (c.chunk_size < 0) bad("--chunk-size", ">= 0", c.chunk_size);
@@ -890,7 +895,9 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--check-tokens", c.check_tokens,
                   "tokens per rank checked against the float64 reference (all of them when fewer)")
       ->capture_default_str();
-  cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")->capture_default_str();
+  cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")
+      ->each([&c](const std::string& v) { c.tolerance_text = v; })
+      ->capture_default_str();
   cmd->add_option("--json", c.json, "also write the results as JSON to this file")
       ->type_name("PATH")
       ->check(non_empty_path());
