@@ -99,6 +99,20 @@ CliResult run_cli_limited(const std::string& args) {
   return r;
 }
 
+/// A command line refused before any work (exit 2, nothing run) with `want` in its message, and never `unwanted`.
+struct Refusal {
+  std::string args, want;
+};
+void expect_refused_before_work(const std::vector<Refusal>& cases, const std::string& unwanted) {
+  for (const auto& c : cases) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.err.find(unwanted), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
+  }
+}
+
 int gpu_count() {
 #if defined(EPMOE_HAVE_CUDA)
   int n = 0;
@@ -519,9 +533,7 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
 // (CLI11 converts in base 0) and `--seed 0x10` was refused as out of [0, 2^64 - 1]. Only an optional sign and decimal
 // digits are taken, for every integer option and the integer lists of tune; "010" and "+2" still read as 10 and 2.
 TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
-  const struct {
-    std::string args, want;
-  } cases[] = {
+  expect_refused_before_work({
       {"run --device cpu --ranks 0x10", "--ranks: expected a decimal integer, got 0x10"},
       {"run --device cpu --tokens 0x8", "--tokens: expected a decimal integer, got 0x8"},
       {"bench --device cpu --tokens-max 0x10", "--tokens-max: expected a decimal integer, got 0x10"},
@@ -533,14 +545,7 @@ TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
       {"tune --topk +0x2", "--topk: expected a decimal integer, got +0x2"},
       {"tune --sms 8,0x10", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got 8,0x10"},
       {"tune --sms ' 8'", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got  8"},
-  };
-  for (const auto& c : cases) {
-    const CliResult r = run_cli(c.args);
-    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
-    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
-    EXPECT_EQ(r.err.find("expected an integer in"), std::string::npos) << c.args << "\n" << r.err;
-    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
-  }
+  }, "expected an integer in");
   const CliResult r = run_cli("run --device cpu --ranks +2 --seed +5 " + kTinyRun);
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("2 CPU ranks"), std::string::npos) << r.out;
@@ -550,9 +555,7 @@ TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
 // got 0", `--tolerance ""` "got 0") or was named as "got " with nothing after it (`bench --modes ""`), and
 // `tune --chunks ""` swept nothing silently. Every option that takes a value refuses it as that; paths keep "got ''".
 TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
-  const struct {
-    std::string args, want;
-  } cases[] = {
+  expect_refused_before_work({
       {"run --device cpu --ranks ''", "--ranks: expected a decimal integer, got an empty value"},
       {"run --device cpu --tokens ''", "--tokens: expected a decimal integer, got an empty value"},
       {"run --device cpu --tolerance ''", "--tolerance: expected a number, got an empty value"},
@@ -567,14 +570,7 @@ TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
       {"tune --chunks ''", "--chunks: expected a value, got an empty value"},
       {"tune --objective ''", "--objective: expected a value, got an empty value"},
       {"tune --output ''", "--output: expected a path, got ''"},
-  };
-  for (const auto& c : cases) {
-    const CliResult r = run_cli(c.args);
-    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
-    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
-    EXPECT_EQ(r.err.find("got 0"), std::string::npos) << c.args << "\n" << r.err;
-    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << c.args << ": refused only after starting\n" << r.out;
-  }
+  }, "got 0");
 }
 
 // Found by a fresh user: `run --ranks 4 -- --tokens 8` said "expected a flag of run; did you mean --tokens?", the
