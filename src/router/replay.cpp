@@ -42,8 +42,12 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
     idx_path = dir_or_file;
   }
   w_path = idx_path.substr(0, idx_path.size() - suffix.size()) + ".topk_weights.npy";
-  EPMOE_CHECK_ARG(fs::exists(idx_path), "routing", fmt::format("an existing file {}", idx_path), "no such file");
-  EPMOE_CHECK_ARG(fs::exists(w_path), "routing", fmt::format("an existing file {}", w_path), "no such file");
+  // A directory's file is named by the domain asked for, which the caller may not have typed (a default): said.
+  const std::string of_domain =
+      fs::is_directory(dir_or_file) ? fmt::format(" (domain '{}' of that directory)", domain) : std::string();
+  EPMOE_CHECK_ARG(fs::exists(idx_path), "routing", fmt::format("an existing file {}{}", idx_path, of_domain),
+                  "no such file");
+  EPMOE_CHECK_ARG(fs::exists(w_path), "routing", fmt::format("an existing file {}{}", w_path, of_domain), "no such file");
   trace.topk_idx = load_trace_file(idx_path, "topk_idx");
   trace.topk_weights = load_trace_file(w_path, "topk_weights");
   EPMOE_CHECK_ARG(trace.topk_idx.dtype() == DType::int16 && trace.topk_idx.shape().ndim() == 3, "routing topk_idx",

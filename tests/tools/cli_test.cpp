@@ -573,6 +573,27 @@ TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
   }, "got 0");
 }
 
+// Found by a fresh user: an option last on the line with no value (`run --ranks`) said CLI11's "1 required INT
+// missing"; and a --routing directory without the default domain's file named the file but not that its name came
+// from --domain's default.
+TEST(Cli, MissingValueAndRoutingDomainAreSaid) {
+  CliResult r = run_cli("run --device cpu --ranks");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--ranks: expected a decimal integer after it, got nothing"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("required INT missing"), std::string::npos) << r.err;
+  r = run_cli("run --device cpu --tolerance");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--tolerance: expected a number after it, got nothing"), std::string::npos) << r.err;
+  const std::string dir = temp_path("routing-dir");
+  std::filesystem::create_directories(dir);
+  r = run_cli("run --device cpu --routing '" + dir + "' " + kTinyRun);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("general.topk_idx.npy (domain 'general' of that directory), got no such file"),
+            std::string::npos)
+      << r.err;
+  std::filesystem::remove_all(dir);
+}
+
 // Found by a fresh user: `run --ranks 4 -- --tokens 8` said "expected a flag of run; did you mean --tokens?", the
 // word it named being that very flag. After "--" every word is positional: said as that.
 TEST(Cli, WordsAfterDoubleDashAreNamedAsPositional) {

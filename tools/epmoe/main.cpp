@@ -180,13 +180,16 @@ void read_integers_in_decimal(CLI::App& app) {
     }
 }
 
-/// What a validator says of an empty value given to an option of CLI11 type `type` (INT, UINT, FLOAT, TEXT).
-std::string empty_value_message(const std::string& type) {
-  const std::string expected = type.rfind("UINT", 0) == 0 || type.rfind("INT", 0) == 0 ? "a decimal integer"
-                               : type.rfind("FLOAT", 0) == 0                           ? "a number"
-                                                                                        : "a value";
-  return "expected " + expected + ", got an empty value";
+/// What an option of CLI11 type `type` (INT, UINT, FLOAT, TEXT, PATH, FILE) takes, as its messages say it.
+std::string value_kind(const std::string& type) {
+  return type.rfind("UINT", 0) == 0 || type.rfind("INT", 0) == 0 ? "a decimal integer"
+         : type.rfind("FLOAT", 0) == 0                           ? "a number"
+         : type == "PATH" || type == "FILE"                      ? "a path"
+                                                                  : "a value";
 }
+
+/// What a validator says of an empty value given to an option of CLI11 type `type` (INT, UINT, FLOAT, TEXT).
+std::string empty_value_message(const std::string& type) { return "expected " + value_kind(type) + ", got an empty value"; }
 
 /// An empty value (`--tokens ""`, an unset shell variable) is refused for every option that takes one: CLI11 read it
 /// as 0 for a number and as "" for a list, so a run went on as if a value were given. Runs before the option's own
@@ -204,7 +207,8 @@ void refuse_empty_values(CLI::App& app) {
 }
 
 /// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
-/// ""` is: said as refuse_empty_values says that, or "" when `e` is not such an error. `args` is the command line.
+/// ""` is: said as refuse_empty_values says that; and for `--tokens` last on the line, with no value at all: said as
+/// "expected a decimal integer after it, got nothing". "" when `e` is not such an error. `args` is the command line.
 std::string empty_after_equals_message(const CLI::App& app, const CLI::ParseError& e,
                                        const std::vector<std::string>& args) {
   const std::string what = e.what();
@@ -221,7 +225,8 @@ std::string empty_after_equals_message(const CLI::App& app, const CLI::ParseErro
              (type == "PATH" || type == "FILE" ? std::string("expected a path, got ''") : empty_value_message(type)) +
              " (see --help)";
     }
-  return "";
+  return "epmoe: invalid argument: " + flag + ": expected " + value_kind(o->get_type_name()) +
+         " after it, got nothing (see --help)";
 }
 
 /// A flag given twice (`--overlap --overlap`) is refused as an option of one value given twice is (repeated_message):
