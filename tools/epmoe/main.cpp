@@ -209,7 +209,7 @@ void refuse_empty_values(CLI::App& app) {
 /// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
 /// ""` is: said as refuse_empty_values says that; and for `--tokens` last on the line, with no value at all: said as
 /// "expected a decimal integer after it, got nothing". "" when `e` is not such an error. `args` is the command line.
-std::string empty_after_equals_message(const CLI::App& app, const CLI::ParseError& e,
+std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
                                        const std::vector<std::string>& args) {
   const std::string what = e.what();
   const auto colon = what.find(": ");
@@ -285,7 +285,7 @@ int main(int argc, char** argv) {
                    argv[1]);
     else if (const std::string m = conversion_message(app, e); say && !m.empty())
       std::fprintf(stderr, "%s\n", m.c_str());
-    else if (const std::string q = empty_after_equals_message(app, e, std::vector<std::string>(argv + 1, argv + argc));
+    else if (const std::string q = missing_value_message(app, e, std::vector<std::string>(argv + 1, argv + argc));
              say && !q.empty())
       std::fprintf(stderr, "%s\n", q.c_str());
     else if (const std::string r = repeated_message(app, e); say && !r.empty())
