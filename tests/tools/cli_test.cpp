@@ -1212,6 +1212,13 @@ TEST(Cli, RunHeaderSaysWhyCpuRanksAndTheBytesColumnCountsEveryReceivedRow) {
   EXPECT_DOUBLE_EQ(j["phases"][1]["bytes"].get<double>(), 8.0 * 2 * H);
   EXPECT_EQ(j["phases"][3]["phase"], "combine");
   EXPECT_DOUBLE_EQ(j["phases"][3]["bytes"].get<double>(), 8.0 * 2 * H);
+  // Bytes are whole numbers; the router and the experts move no rows: null bytes and rate (the table's "-").
+  EXPECT_TRUE(j["phases"][1]["bytes"].is_number_integer()) << j["phases"][1];
+  for (const int k : {0, 2}) {
+    EXPECT_TRUE(j["phases"][k]["bytes"].is_null()) << j["phases"][k];
+    EXPECT_TRUE(j["phases"][k]["gb_per_s"].is_null()) << j["phases"][k];
+  }
+  EXPECT_GT(j["phases"][1]["gb_per_s"].get<double>(), 0.0);
   if (gpu_count() > 0) {
     r = run_cli("run --mode low-latency " + kTinyRun);  // auto with GPUs: low-latency runs on them too
     ASSERT_EQ(r.code, 0) << r.out << r.err;

@@ -813,7 +813,10 @@ int report(const RunConfig& c, const std::vector<RankResult>& results, const Rou
     const double gbs = p.bytes > 0 && s > 0 ? p.bytes / s / 1e9 : 0.0;
     fmt::print("{:<10} {:>12.3f} {:>14} {:>12}\n", p.name, s * 1e3, p.bytes > 0 ? fmt::format("{:.0f}", p.bytes) : "-",
                p.bytes > 0 ? fmt::format("{:.2f}", gbs) : "-");
-    jphases.push_back({{"phase", p.name}, {"time_ms", s * 1e3}, {"bytes", p.bytes}, {"gb_per_s", gbs}});
+    // A phase that moves no rows (router, experts) has no bytes and no rate: null, as the table's "-".
+    const nlohmann::json bytes = p.bytes > 0 ? nlohmann::json(std::llround(p.bytes)) : nlohmann::json(nullptr);
+    jphases.push_back({{"phase", p.name}, {"time_ms", s * 1e3}, {"bytes", bytes},
+                       {"gb_per_s", p.bytes > 0 ? nlohmann::json(gbs) : nlohmann::json(nullptr)}});
   }
   fmt::print("{:<10} {:>12.3f}\n", "total", total * 1e3);
   fmt::print("time: per phase the slowest rank of each iteration, median of {} (--iters)\n",
