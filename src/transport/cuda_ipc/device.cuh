@@ -1,5 +1,6 @@
 // Device helpers shared by the kernels of both cuda_ipc modes (cuda_ipc/normal_kernels.cu, cuda_ipc/low_latency_kernels.cu):
-// system-scope release/acquire flags, %globaltimer deadlines, the host-mapped error report, a warp's row copy.
+// system-scope release/acquire flags, %globaltimer deadlines, the host-mapped error report, a warp's row copy, bulk
+// copies (TMA) through shared memory.
 // CUDA sources only.
 #pragma once
 
@@ -63,6 +64,53 @@ __device__ inline bool spin_geq(const unsigned long long* p, unsigned long long 
     if (sleep_ns) __nanosleep(sleep_ns);
     if (now_ns() - start > timeout_ns) return false;
   }
+  return true;
+}
+
+// ---- bulk copies (TMA, sm_90): global -> shared under an mbarrier, shared -> global in bulk groups ----
+// PTX ISA, "Data movement: cp.async.bulk" and "mbarrier". Addresses 16-byte aligned, sizes multiples of 16. They hold
+// no registers per byte in flight, which is what a copy bound by load latency needs.
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+/// Initializes an mbarrier expecting one arrival per phase, visible to the async proxy before its first bulk load.
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+/// Orders this thread's view of global memory (what its acquires made visible) before its later bulk loads.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+/// Loads `bytes` from global `src` into shared `dst`; `bar` completes its phase once they landed.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+/// Stores `bytes` from shared `src` to global `dst` as one bulk group.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+/// Waits until this thread's bulk stores have read their shared memory (the buffers may be written again).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+/// Waits for phase `parity` of `bar`: false once `timeout_ns` passed.
+__device__ inline bool mbar_wait(unsigned long long* bar, unsigned parity, long long timeout_ns) {
+  const auto done = [&] {
+    unsigned ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    return ok != 0;
+  };
+  if (done()) return true;
+  const long long start = now_ns();
+  while (!done())
+    if (now_ns() - start > timeout_ns) return false;
   return true;
 }
 

@@ -39,6 +39,10 @@ constexpr std::size_t kPieceBytes = 32 * kVec * 16;  // a row piece per warp ite
 constexpr int kSendVec = 8;
 constexpr std::size_t kSendPieceBytes = 32 * kSendVec * 16;
 constexpr int kMaxRecvBlocks = 1024;
+// The dispatch receive's bulk copies: a piece of a row per item, two buffers per warp (dynamic shared memory of a
+// launch with the receive phase; two blocks per SM still fit beside the static arrays).
+constexpr std::size_t kRecvPiece = 4096;
+constexpr std::size_t kRecvSmemBytes = kWarps * 2 * kRecvPiece;
 // The combine receive's items: a token's row in chunks of kCombineVecs 16-byte vectors per thread (the K loads of each
 // in flight together), so a receive-only launch (the hook) at T = 128, H = 7168 is 257 blocks, one wave of 2 blocks per
 // SM (513 with one vector per thread: the last blocks started 7.4 us after the first); with both phases the grid is
@@ -557,6 +561,57 @@ __device__ __forceinline__ MetaWords load_meta(const char* at) {
   return m;
 }
 
+/// One warp's bulk copies (TMA) of pieces from global to global through its two shared-memory buffers of kRecvPiece
+/// bytes, driven by its lane 0 alone: piece q + 1 loads while piece q is stored. `piece_of(q, &src, &dst)` gives
+/// piece q's addresses and returns its bytes (16-byte aligned, a multiple of 16, at most kRecvPiece).
+struct BulkPipe {
+  unsigned char* buffers;
+  unsigned long long* bars;  // an mbarrier per buffer
+  unsigned parity = 0;       // bit b: the phase buffer b's mbarrier completes next
+  bool failed = false;       // a wait timed out: a load may still land in the buffers, so no more copies
+
+  __device__ void init() {
+    mbar_init(&bars[0]);
+    mbar_init(&bars[1]);
+    fence_proxy_async_global();  // what this thread's acquires made visible, to its bulk loads
+  }
+  template <class PieceOf>
+  __device__ void load(int q, PieceOf& piece_of) {
+    const char* src;
+    char* dst;
+    const unsigned bytes = piece_of(q, &src, &dst);
+    bulk_load(buffers + (q & 1) * kRecvPiece, src, bytes, &bars[q & 1]);
+  }
+  /// Issues piece 0's load (before the warp's other work on the same items).
+  template <class PieceOf>
+  __device__ void start(int n, PieceOf& piece_of) {
+    if (!failed && n > 0) load(0, piece_of);
+  }
+  /// Copies pieces 0..n-1 (piece 0 loading since start): false after a timeout (this call's, or an earlier one).
+  template <class PieceOf>
+  __device__ bool finish(int n, PieceOf& piece_of, long long timeout_ns) {
+    if (failed) return false;
+    for (int q = 0; q < n; ++q) {
+      const int b = q & 1;
+      if (q + 1 < n) {
+        bulk_wait_read();  // piece q - 1's store has read the other buffer
+        load(q + 1, piece_of);
+      }
+      if (!mbar_wait(&bars[b], (parity >> b) & 1u, timeout_ns)) {
+        failed = true;
+        return false;
+      }
+      parity ^= 1u << b;
+      const char* src;
+      char* dst;
+      const unsigned bytes = piece_of(q, &src, &dst);
+      bulk_store(dst, buffers + b * kRecvPiece, bytes);
+    }
+    bulk_wait_read();  // both buffers free for the next items
+    return true;
+  }
+};
+
 /// The receive phase of dispatch call `index`: every source's rows into the packed per-expert layout (the consumed
 /// flags are raised by this rank's next launch: Common::publish_mask).
 __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsigned long long index) {
@@ -585,6 +640,11 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
   auto* packed_k = reinterpret_cast<std::uint8_t*>(base + c.packed_k);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ RecvItem items[kThreads];
+  // Each warp's two bulk buffers (the launch's dynamic shared memory, kRecvSmemBytes) and their mbarriers.
+  extern __shared__ __align__(128) unsigned char recv_smem[];
+  __shared__ unsigned long long bars[kWarps][2];
+  BulkPipe pipe{recv_smem + static_cast<std::size_t>(warp) * 2 * kRecvPiece, bars[warp]};
+  if (lane == 0) pipe.init();
 
   for (int e = blockIdx.x; e < El; e += gridDim.x) {
     int fill = 0;  // uniform over the block
@@ -613,17 +673,25 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
         if (match) items[at] = RecvItem{static_cast<int>(j), k, token};
         __syncthreads();
         if (s == 0 && j0 == 0) stamp(c, kTraceScanned);
-        // Items (row, kPieceBytes of it) over the block's warps: a warp per row waited one load round per piece.
-        const int pieces = static_cast<int>((x_row + kPieceBytes - 1) / kPieceBytes);
-        for (int w0 = warp; w0 < total * pieces; w0 += kWarps) {
-          const int i = w0 / pieces, piece = w0 % pieces;
+        // The rows' bodies as items (row, kRecvPiece bytes of it) over the block's warps, by bulk copies that lane 0
+        // of each warp drives through its two buffers: a piece's load in flight while the one before is stored.
+        // They hold no registers per byte in flight: a warp's copy of 4 vectors per lane kept 16 KiB in flight per
+        // block, and the busiest expert's block took a round of loads per 2 KiB piece (T = 128: ~11 rows, 6 rounds).
+        const int pieces = static_cast<int>((x_row + kRecvPiece - 1) / kRecvPiece);
+        const int my_items = total * pieces > warp ? (total * pieces - warp + kWarps - 1) / kWarps : 0;
+        const auto piece_of = [&](int q, const char** src, char** dst) {
+          const int w0 = warp + q * kWarps, i = w0 / pieces;
+          const std::size_t at = static_cast<std::size_t>(w0 % pieces) * kRecvPiece;
+          *src = records + static_cast<std::size_t>(items[i].j) * c.record_bytes + at;
+          *dst = packed_x + static_cast<std::size_t>(static_cast<long long>(e) * rows + fill + i) * x_row + at;
+          return static_cast<unsigned>(x_row - at < kRecvPiece ? x_row - at : kRecvPiece);
+        };
+        if (lane == 0) pipe.start(my_items, piece_of);
+        // Each row's scales and source info, by the lanes of one warp while the first pieces load.
+        for (int i = warp; i < total; i += kWarps) {
           const RecvItem it = items[i];
           const long long row = static_cast<long long>(e) * rows + fill + i;
           const char* rec = records + static_cast<std::size_t>(it.j) * c.record_bytes;
-          const std::size_t at = static_cast<std::size_t>(piece) * kPieceBytes;
-          warp_copy<true>(rec + at, packed_x + static_cast<std::size_t>(row) * x_row + at,
-                          x_row - at < kPieceBytes ? x_row - at : kPieceBytes, lane);
-          if (piece != 0) continue;
           if (nvfp4) {
             // Word w holds scales 4w..4w+3 of the row: one 4-byte run of tile column w in the swizzled matrix.
             char* slab = reinterpret_cast<char*>(scales) + static_cast<std::size_t>(e) * slab_scales;
@@ -643,6 +711,8 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
             packed_k[row] = static_cast<std::uint8_t>(it.k);
           }
         }
+        if (lane == 0 && !pipe.finish(my_items, piece_of, c.timeout_ns))
+          report(c, kErrTimeout, c.rank, kPhaseDispatchRecv, index, e, fill);
         fill += total;
         __syncthreads();
       }
@@ -1024,15 +1094,29 @@ __global__ void __launch_bounds__(kThreads)
   stamp(c, kTraceEnd);
 }
 
-/// The most blocks of kKernel the device holds at once (kThreads each), cached per thread and device.
+/// Lets kKernel launch with `smem` bytes of dynamic shared memory past the default 48 KiB (once per thread and
+/// device: the limit is the device's).
 template <auto kKernel>
-int co_resident_blocks() {
+void allow_dynamic_smem(std::size_t smem) {
+  static thread_local int allowed_device = -1;
+  if (smem <= 48 * 1024) return;
+  int device = 0;
+  EPMOE_CUDA_CHECK(cudaGetDevice(&device));
+  if (device == allowed_device) return;
+  EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allowed_device = device;
+}
+
+/// The most blocks of kKernel the device holds at once (kThreads each, `smem` bytes of dynamic shared memory, the
+/// same at every call), cached per thread and device.
+template <auto kKernel>
+int co_resident_blocks(std::size_t smem) {
   static thread_local int cached_device = -1, cached = 0;
   int device = 0;
   EPMOE_CUDA_CHECK(cudaGetDevice(&device));
   if (device != cached_device) {
     int per_sm = 0, sms = 0;
-    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+    EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem));
     EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     cached = per_sm * sms > 0 ? per_sm * sms : 1;
     cached_device = device;
@@ -1044,17 +1128,20 @@ int co_resident_blocks() {
 /// run (every phase loops over its work by gridDim), then bounded by co-residency (the receive waits on the send).
 /// A launch of one phase is not bounded: a second wave's blocks start as the first's leave, which balances uneven
 /// blocks (the combine send's experts) better than a loop fixed at launch (DeepEP's test, E = 288: 17.6 -> 23.2 us).
+/// `recv_smem`: the dynamic shared memory of a launch with the receive phase.
 template <auto kKernel, typename SendArgs, typename RecvArgs>
 void launch_phases(const Common& c, const SendArgs& sa, const RecvArgs& ra, int phases, long long send_blocks,
-                   long long recv_blocks, cudaStream_t s) {
+                   long long recv_blocks, std::size_t recv_smem, cudaStream_t s) {
   long long g = phases == kSendPhase   ? send_blocks
                 : phases == kRecvPhase ? recv_blocks
                                        : (send_blocks > recv_blocks ? send_blocks : recv_blocks);
+  const std::size_t smem = (phases & kRecvPhase) != 0 ? recv_smem : 0;
+  allow_dynamic_smem<kKernel>(smem);
   if (phases == (kSendPhase | kRecvPhase)) {
-    const long long most = co_resident_blocks<kKernel>();
+    const long long most = co_resident_blocks<kKernel>(smem);
     g = g < most ? g : most;
   }
-  kKernel<<<static_cast<unsigned>(g < 1 ? 1 : g), kThreads, 0, s>>>(c, sa, ra, phases);
+  kKernel<<<static_cast<unsigned>(g < 1 ? 1 : g), kThreads, smem, s>>>(c, sa, ra, phases);
   EPMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1079,9 +1166,9 @@ void launch_dispatch(const Common& c, const DispatchSendArgs& sa, const Dispatch
   const long long recv_blocks = c.local_experts;  // a block per local expert
   // K <= 8 (the common case) takes the instantiation with 8 register slots per token: half the code to fetch.
   if (sa.K <= 8)
-    launch_phases<dispatch_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
+    launch_phases<dispatch_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, kRecvSmemBytes, s);
   else
-    launch_phases<dispatch_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
+    launch_phases<dispatch_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, kRecvSmemBytes, s);
 }
 
 void launch_combine(const Common& c, const CombineSendArgs& sa_in, const CombineRecvArgs& ra, int phases,
@@ -1112,9 +1199,9 @@ void launch_combine(const Common& c, const CombineSendArgs& sa_in, const Combine
     if (recv_blocks > bound) recv_blocks = bound;
   }
   if (ra.K <= 8)
-    launch_phases<combine_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
+    launch_phases<combine_kernel<8>>(c, sa, ra, phases, send_blocks, recv_blocks, 0, s);
   else
-    launch_phases<combine_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, s);
+    launch_phases<combine_kernel<kMaxTopk>>(c, sa, ra, phases, send_blocks, recv_blocks, 0, s);
 }
 
 }  // namespace epmoe::cuda_ipc_ll
