@@ -65,6 +65,10 @@ def current_stream(*tensors: Any) -> Optional[int]:
             continue
         if is_torch(t) and t.device.type == "cuda":
             import torch
+            # torch's raw getter (Triton's way) skips building a torch.cuda.Stream object on every call
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is not None:
+                return int(raw(t.device.index))
             return int(torch.cuda.current_stream(t.device).cuda_stream)
         if is_cupy(t):
             import cupy

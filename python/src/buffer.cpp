@@ -245,8 +245,29 @@ nb::tuple combine(PyBuffer& b, nb::handle x, const NormalHandle* handle, nb::han
 
 void clean_low_latency_buffer(PyBuffer& b, int num_max_dispatch_tokens_per_rank, std::int64_t hidden,
                               int num_experts) {
+  b.window_views.clear();  // the clean may lay the window out anew
   nb::gil_scoped_release release;
   buf(b).clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts);
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || !(a.shape == b.shape) || !(a.device == b.device)) return false;
+  for (int i = 0; i < a.ndim(); ++i)
+    if (a.stride(i) != b.stride(i)) return false;
+  return true;
+}
+
+/// `t` (a view of b's window, keeping the buffer alive) as a Python object: a fresh alias (torch: detach(), CuPy:
+/// view()) of the object made the first time this view was returned (PyBuffer::window_views).
+nb::object window_view(PyBuffer& b, const Tensor& t, Framework fw) {
+  if (!t.defined()) return nb::none();
+  if (fw == Framework::numpy) return to_py(t, fw);  // (not a GPU view; no cache)
+  const auto fresh = [&](const nb::object& o) { return o.attr(fw == Framework::torch ? "detach" : "view")(); };
+  for (const PyBuffer::WindowView& w : b.window_views)
+    if (w.framework == fw && same_view(w.view, t.view())) return fresh(w.object);
+  if (b.window_views.size() >= PyBuffer::kMaxWindowViews) b.window_views.erase(b.window_views.begin());
+  b.window_views.push_back({t.view(), fw, to_py(t, fw)});
+  return fresh(b.window_views.back().object);
 }
 
 nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
@@ -305,8 +326,10 @@ nb::tuple low_latency_dispatch(PyBuffer& b, nb::handle x, nb::handle topk_idx, n
   }
   nb::object hook = nb::none();
   if (return_recv_hook) hook = nb::cast(PyRecvHook{st->native.hook, b.buffer, gpu ? nullptr : st, st->keep});
-  return nb::make_tuple(to_py(st->x, fw), to_py_or_none(st->scales, fw), to_py(st->count, fw), to_py(st->src_info, fw),
-                        to_py(st->layout_range, fw), nb::cast(st->native.handle), nb::cast(st->native.event), hook);
+  // GPU: views of the window, the same every other call (made once each); CPU: fresh arrays.
+  const auto out = [&](const Tensor& t) { return gpu ? window_view(b, t, fw) : to_py_or_none(t, fw); };
+  return nb::make_tuple(out(st->x), out(st->scales), out(st->count), out(st->src_info), out(st->layout_range),
+                        nb::cast(st->native.handle), nb::cast(st->native.event), hook);
 }
 
 nb::tuple low_latency_combine(PyBuffer& b, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
@@ -410,7 +433,11 @@ void bind_buffer_class(nb::module_& m) {
            nb::arg("num_sms") = 0, nb::arg("num_recv_slots") = 0, nb::arg("debug_validate") = false)
       .def("rank", [](PyBuffer& b) { return buf(b).rank(); })
       .def("num_ranks", [](PyBuffer& b) { return buf(b).num_ranks(); })
-      .def("destroy", [](PyBuffer& b) { b.buffer.reset(); })
+      .def("destroy",
+           [](PyBuffer& b) {
+             b.window_views.clear();  // they hold the buffer (and its window) too
+             b.buffer.reset();
+           })
       .def(
           "comm_stream",
           [](PyBuffer& b) -> std::optional<std::uintptr_t> {
