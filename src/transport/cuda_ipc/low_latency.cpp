@@ -270,6 +270,12 @@ void CudaIpcLowLatencyImpl::check_state() {
       raise(ErrorCode::timeout,
             "rank {}: timed out after {} s on the device waiting for rank {} ({}; the flag read {})", me_,
             static_cast<double>(timeout_ns_) / 1e9, peer, where, value);
+    case ll::kErrCopyTimeout:
+      broken_ = "device copy timeout: " + where;
+      raise(ErrorCode::timeout,
+            "rank {}: a bulk copy of this rank's own memory did not complete within {} s on the device (local expert "
+            "{}, row {}; {}): the device is preempted or faulty",
+            me_, static_cast<double>(timeout_ns_) / 1e9, value, value2, where);
     case ll::kErrOtherCall:
       broken_ = "peer in another call: " + where;
       raise(ErrorCode::rank_mismatch,

@@ -562,13 +562,13 @@ __device__ __forceinline__ MetaWords load_meta(const char* at) {
 }
 
 /// One warp's bulk copies (TMA) of pieces from global to global through its two shared-memory buffers of kRecvPiece
-/// bytes, driven by its lane 0 alone: piece q + 1 loads while piece q is stored. `piece_of(q, &src, &dst)` gives
-/// piece q's addresses and returns its bytes (16-byte aligned, a multiple of 16, at most kRecvPiece).
+/// bytes, driven by its lane 0 alone: two pieces load while the warp's other work runs, and a buffer refills as soon
+/// as its store has read it. `piece_of(q, &src, &dst)` gives piece q's addresses and returns its bytes (16-byte
+/// aligned, a multiple of 16, at most kRecvPiece).
 struct BulkPipe {
   unsigned char* buffers;
   unsigned long long* bars;  // an mbarrier per buffer
   unsigned parity = 0;       // bit b: the phase buffer b's mbarrier completes next
-  bool failed = false;       // a wait timed out: a load may still land in the buffers, so no more copies
 
   __device__ void init() {
     mbar_init(&bars[0]);
@@ -582,33 +582,34 @@ struct BulkPipe {
     const unsigned bytes = piece_of(q, &src, &dst);
     bulk_load(buffers + (q & 1) * kRecvPiece, src, bytes, &bars[q & 1]);
   }
-  /// Issues piece 0's load (before the warp's other work on the same items).
+  /// Issues the first two pieces' loads (before the warp's other work on the same items).
   template <class PieceOf>
   __device__ void start(int n, PieceOf& piece_of) {
-    if (!failed && n > 0) load(0, piece_of);
+    for (int q = 0; q < n && q < 2; ++q) load(q, piece_of);
   }
-  /// Copies pieces 0..n-1 (piece 0 loading since start): false after a timeout (this call's, or an earlier one).
+  /// Copies pieces 0..n-1 (the first two loading since start). A load is of this rank's own memory: one that does
+  /// not land within the timeout is recorded (kErrCopyTimeout) and waited for once more, then the kernel traps, as
+  /// a block must not end while copies may still land in its shared memory.
   template <class PieceOf>
-  __device__ bool finish(int n, PieceOf& piece_of, long long timeout_ns) {
-    if (failed) return false;
+  __device__ void finish(int n, PieceOf& piece_of, const Common& c, int phase, unsigned long long index, int expert,
+                         long long first_row) {
     for (int q = 0; q < n; ++q) {
       const int b = q & 1;
-      if (q + 1 < n) {
-        bulk_wait_read();  // piece q - 1's store has read the other buffer
-        load(q + 1, piece_of);
-      }
-      if (!mbar_wait(&bars[b], (parity >> b) & 1u, timeout_ns)) {
-        failed = true;
-        return false;
+      if (!mbar_wait(&bars[b], (parity >> b) & 1u, c.timeout_ns)) {
+        report(c, kErrCopyTimeout, c.rank, phase, index, expert, first_row);
+        if (!mbar_wait(&bars[b], (parity >> b) & 1u, c.timeout_ns)) __trap();
       }
       parity ^= 1u << b;
       const char* src;
       char* dst;
       const unsigned bytes = piece_of(q, &src, &dst);
       bulk_store(dst, buffers + b * kRecvPiece, bytes);
+      if (q + 2 < n) {
+        bulk_wait_read();  // this store has read buffer b
+        load(q + 2, piece_of);
+      }
     }
     bulk_wait_read();  // both buffers free for the next items
-    return true;
   }
 };
 
@@ -644,6 +645,9 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
   extern __shared__ __align__(128) unsigned char recv_smem[];
   __shared__ unsigned long long bars[kWarps][2];
   BulkPipe pipe{recv_smem + static_cast<std::size_t>(warp) * 2 * kRecvPiece, bars[warp]};
+  unsigned smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (smem_bytes < kRecvSmemBytes) __trap();  // a launch without the buffers (launch_phases gives them): a bug here
   if (lane == 0) pipe.init();
 
   for (int e = blockIdx.x; e < El; e += gridDim.x) {
@@ -674,9 +678,9 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
         __syncthreads();
         if (s == 0 && j0 == 0) stamp(c, kTraceScanned);
         // The rows' bodies as items (row, kRecvPiece bytes of it) over the block's warps, by bulk copies that lane 0
-        // of each warp drives through its two buffers: a piece's load in flight while the one before is stored.
-        // They hold no registers per byte in flight: a warp's copy of 4 vectors per lane kept 16 KiB in flight per
-        // block, and the busiest expert's block took a round of loads per 2 KiB piece (T = 128: ~11 rows, 6 rounds).
+        // of each warp drives through its two buffers (BulkPipe): two 4 KiB pieces in flight per warp, 64 KiB per
+        // block, holding no registers. A warp's copy of 4 vectors per lane kept 16 KiB in flight per block, and the
+        // busiest expert's block took a round of loads per 2 KiB piece (T = 128: ~11 rows, 6 rounds).
         const int pieces = static_cast<int>((x_row + kRecvPiece - 1) / kRecvPiece);
         const int my_items = total * pieces > warp ? (total * pieces - warp + kWarps - 1) / kWarps : 0;
         const auto piece_of = [&](int q, const char** src, char** dst) {
@@ -711,8 +715,7 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
             packed_k[row] = static_cast<std::uint8_t>(it.k);
           }
         }
-        if (lane == 0 && !pipe.finish(my_items, piece_of, c.timeout_ns))
-          report(c, kErrTimeout, c.rank, kPhaseDispatchRecv, index, e, fill);
+        if (lane == 0) pipe.finish(my_items, piece_of, c, kPhaseDispatchRecv, index, e, fill);
         fill += total;
         __syncthreads();
       }
@@ -1098,28 +1101,30 @@ __global__ void __launch_bounds__(kThreads)
 /// device: the limit is the device's).
 template <auto kKernel>
 void allow_dynamic_smem(std::size_t smem) {
-  static thread_local int allowed_device = -1;
+  static thread_local std::uint64_t allowed = 0;  // bit d: set on device d (devices past 63 set it every time)
   if (smem <= 48 * 1024) return;
   int device = 0;
   EPMOE_CUDA_CHECK(cudaGetDevice(&device));
-  if (device == allowed_device) return;
+  if (device < 64 && ((allowed >> device) & 1u) != 0) return;
   EPMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  allowed_device = device;
+  if (device < 64) allowed |= std::uint64_t{1} << device;
 }
 
-/// The most blocks of kKernel the device holds at once (kThreads each, `smem` bytes of dynamic shared memory, the
-/// same at every call), cached per thread and device.
+/// The most blocks of kKernel the device holds at once (kThreads each, `smem` bytes of dynamic shared memory), cached
+/// per thread for the last (device, smem).
 template <auto kKernel>
 int co_resident_blocks(std::size_t smem) {
   static thread_local int cached_device = -1, cached = 0;
+  static thread_local std::size_t cached_smem = 0;
   int device = 0;
   EPMOE_CUDA_CHECK(cudaGetDevice(&device));
-  if (device != cached_device) {
+  if (device != cached_device || smem != cached_smem) {
     int per_sm = 0, sms = 0;
     EPMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem));
     EPMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     cached = per_sm * sms > 0 ? per_sm * sms : 1;
     cached_device = device;
+    cached_smem = smem;
   }
   return cached;
 }

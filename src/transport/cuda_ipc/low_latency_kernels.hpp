@@ -60,7 +60,10 @@ enum : int {
   kErrGlobalScale = 9,  ///< nvfp4: the device x_global_scale is not finite and > 0: value = its float32 bits
   /// overlapped combine: the send of rank `peer` gave up waiting for the signal of its local expert `value`, block
   /// `value2` (-1: the per-expert form); recorded by that rank's send and by every receive of its header
-  kErrSignalTimeout = 10
+  kErrSignalTimeout = 10,
+  /// a bulk copy (TMA) of this rank's own memory did not complete within the timeout: value = the local expert,
+  /// value2 = its row; the kernel traps after a second timeout rather than leave copies landing in freed shared memory
+  kErrCopyTimeout = 11
 };
 /// Phases (HostRecord::error_phase).
 enum : int { kPhaseDispatchSend = 0, kPhaseDispatchRecv = 1, kPhaseCombineSend = 2, kPhaseCombineRecv = 3 };
