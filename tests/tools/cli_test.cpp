@@ -1152,6 +1152,34 @@ TEST(Cli, CountsOfOneAreSaidInTheSingular) {
   EXPECT_FALSE(std::regex_search(r.out + r.err, plural_one)) << r.out << r.err;
 }
 
+// --eplb runs no layer: the layer run's options given beside it are named as ignored, not dropped silently.
+TEST(Cli, EplbNamesTheLayerOptionsItIgnores) {
+  CliResult r = run_cli("run --eplb --routing '" + make_trace("eplb_ignored") +
+                        "' --ranks 1 --experts 64 --iters 5 --dispatch-dtype fp8");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("note: ignored with --eplb (it plans and counts the trace's routing, no layer runs): "
+                       "--dispatch-dtype, --iters\n"),
+            std::string::npos)
+      << r.err;
+  r = run_cli("run --eplb --routing '" + make_trace("eplb_plain") + "' --ranks 1 --experts 64");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(r.err.find("ignored with --eplb"), std::string::npos) << r.err;
+}
+
+// bench with --ranks typed and --experts left at its default names --ranks (as run does), not the default it
+// never typed; both typed, --experts.
+TEST(Cli, BenchNamesTheRanksTypedBesideTheDefaultExperts) {
+  CliResult r = run_cli("bench --device cpu --ranks 3");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("invalid argument '--ranks': expected a divisor of --experts (256, its default), got 3"),
+            std::string::npos)
+      << r.err;
+  r = run_cli("bench --device cpu --ranks 3 --experts 256");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("invalid argument '--experts': expected a multiple of the 3 ranks, got 256"), std::string::npos)
+      << r.err;
+}
+
 // Found by a fresh user: --config read as inline JSON in the help; tune's help offered --device cpu (always
 // refused) and described --ranks as bench's.
 TEST(Cli, HelpSaysConfigIsAFileAndTuneRunsOnGpus) {

@@ -51,7 +51,7 @@ namespace {
 struct BenchConfig {
   std::int64_t tokens_min = 1, tokens_max = 16384, ll_tokens_max = 128, hidden = 7168;
   int topk = 8, experts = 256, runs = 50, warmup = 5, ranks = 2;
-  bool ranks_given = false;
+  bool ranks_given = false, experts_given = false;
   std::string device = "auto", json, config, modes = "normal,low-latency";
   std::uint64_t seed = 0;  // 0: a fresh seed, printed
   bool floors = true;
@@ -679,7 +679,12 @@ std::uint64_t fresh_seed(std::uint64_t s) {
 void check_shape(const BenchConfig& c, int R) {
   if (c.hidden < 16 || c.hidden % 16 != 0) bad("--hidden", "a positive multiple of 16", c.hidden);
   if (c.experts < 1) bad("--experts", ">= 1", c.experts);
-  if (c.experts % R != 0) bad("--experts", fmt::format("a multiple of the {} ranks", R), c.experts);
+  if (c.experts % R != 0) {
+    // --ranks typed beside the default --experts: the ranks are what was asked (as `run` names them)
+    if (c.ranks_given && !c.experts_given)
+      bad("--ranks", fmt::format("a divisor of --experts ({}, its default)", c.experts), R);
+    bad("--experts", fmt::format("a multiple of the {} ranks", R), c.experts);
+  }
   if (c.experts / R > 1024) bad("--experts", fmt::format("at most 1024 per rank ({})", plural(R, "rank")), c.experts);
   if (c.topk < 1 || c.topk > std::min(kNormalMaxTopk, c.experts))
     bad("--topk", fmt::format("in [1, {}]", std::min(kNormalMaxTopk, c.experts)), c.topk);
@@ -953,6 +958,7 @@ std::function<int()> add_bench_command(CLI::App& app) {
                     "ranks (on CPU: threads of this process; on GPUs: default all visible GPUs, one rank each)");
   return [config, cmd] {
     config->ranks_given = cmd->count("--ranks") > 0;
+    config->experts_given = cmd->count("--experts") > 0;
     return bench(*config);
   };
 }
@@ -985,6 +991,7 @@ std::function<int()> add_tune_command(CLI::App& app) {
   cmd->get_option("--ranks")->default_str("");  // bench's CPU default (2) means nothing here
   return [config, cmd] {
     config->ranks_given = cmd->count("--ranks") > 0;
+    config->experts_given = cmd->count("--experts") > 0;
     return tune(*config);
   };
 }

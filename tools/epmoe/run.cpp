@@ -70,6 +70,7 @@ struct RunConfig {
   std::string config;       // --config: BufferOptions tunables (JSON)
   bool topk_given = false;  // --topk on the command line (it must then match a replayed trace's K)
   std::string replay_flags_given;  // --domain / --layer / --offset given (they apply only with --routing)
+  std::string layer_flags_given;   // options of a layer run given (--eplb runs none: they are named as ignored)
   bool domain_given = false;       // --domain given (it applies only when --routing is a directory)
   bool ranks_given = false;
   // --eplb (eplb_report.cpp): the EPLB report of a replayed trace instead of a layer run.
@@ -673,6 +674,9 @@ CheckedRun check_run_flags(RunConfig& c, bool root) {
     check_job_flags(c);
     if (!c.replay_flags_given.empty() && c.replay_flags_given != "--domain")
       fmt::print(stderr, "note: --layer and --offset are ignored with --eplb (every layer, both halves of the trace)\n");
+    if (!c.layer_flags_given.empty())
+      fmt::print(stderr, "note: ignored with --eplb (it plans and counts the trace's routing, no layer runs): {}\n",
+                 c.layer_flags_given);
     const RoutingTrace eplb_trace = load_replayed_trace(c, /*root=*/false);  // its replay lines are a layer run's
     r.eplb_code = run_eplb_report(eplb_trace, c.experts, c.ranks, c.redundant_experts, c.json, c.routing);
     return r;
@@ -915,6 +919,9 @@ std::function<int()> add_run_command(CLI::App& app) {
     config->topk_given = cmd->count("--topk") > 0;
     for (const char* flag : {"--domain", "--layer", "--offset"})
       if (cmd->count(flag) > 0) config->replay_flags_given += (config->replay_flags_given.empty() ? "" : ", ") + std::string(flag);
+    for (const char* flag : {"--tokens", "--hidden", "--intermediate", "--dispatch-dtype", "--activation", "--experts-impl",
+                             "--device", "--config", "--seed", "--chunk-size", "--iters", "--check-tokens", "--tolerance"})
+      if (cmd->count(flag) > 0) config->layer_flags_given += (config->layer_flags_given.empty() ? "" : ", ") + std::string(flag);
     config->domain_given = cmd->count("--domain") > 0;
     config->ranks_given = cmd->count("--ranks") > 0;
     return run(*config);
