@@ -35,6 +35,24 @@ const CLI::Option* parsed_option(const CLI::App& app, const std::string& flag) {
   return nullptr;
 }
 
+/// The kind of value an option takes, read from CLI11's type name (INT, UINT, FLOAT, TEXT, PATH, FILE; INT and UINT
+/// for every integer width): the one place the messages below learn it.
+enum class ValueKind { signed_integer, unsigned_integer, number, path, text };
+ValueKind kind_of(const CLI::Option& o) {
+  const std::string type = o.get_type_name();
+  if (type.rfind("UINT", 0) == 0) return ValueKind::unsigned_integer;
+  if (type.rfind("INT", 0) == 0) return ValueKind::signed_integer;
+  if (type.rfind("FLOAT", 0) == 0) return ValueKind::number;
+  if (type == "PATH" || type == "FILE") return ValueKind::path;
+  return ValueKind::text;
+}
+bool is_integer(ValueKind k) { return k == ValueKind::signed_integer || k == ValueKind::unsigned_integer; }
+
+/// What an option of kind `k` takes, as the messages say it.
+std::string value_kind(ValueKind k) {
+  return is_integer(k) ? "a decimal integer" : k == ValueKind::number ? "a number" : k == ValueKind::path ? "a path" : "a value";
+}
+
 /// CLI11 says "Could not convert: --tolerance = abc" for a value its option's type cannot read (integers are refused
 /// before, by read_integers_in_decimal: a spelling that is not decimal, or a value past the type's range): said here as
 /// the commands' own errors are, with what the option takes ("a number"), or "" when `e` is not such an error.
@@ -44,11 +62,7 @@ std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
   if (what.rfind(head, 0) != 0 || eq == std::string::npos) return "";
   const std::string flag = what.substr(head.size(), eq - head.size()), value = what.substr(eq + 3);
   const CLI::Option* o = parsed_option(app, flag);
-  const std::string type = o != nullptr ? o->get_type_name() : "";
-  const std::string expected = type.rfind("UINT", 0) == 0 ? "a non-negative integer"
-                               : type.rfind("INT", 0) == 0 ? "an integer"
-                               : type.rfind("FLOAT", 0) == 0 ? "a number"
-                                                              : "a value of type " + (type.empty() ? "?" : type);
+  const std::string expected = o != nullptr ? value_kind(kind_of(*o)) : "a value";
   return "epmoe: invalid argument '" + flag + "': expected " + expected + " in range (see --help), got " + value;
 }
 
@@ -155,9 +169,9 @@ std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
 void read_integers_in_decimal(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands({}))
     for (CLI::Option* o : sub->get_options()) {
-      const std::string type = o->get_type_name();
-      const bool is_unsigned = type.rfind("UINT", 0) == 0;
-      if (!is_unsigned && type.rfind("INT", 0) != 0) continue;
+      const ValueKind kind = kind_of(*o);
+      if (!is_integer(kind)) continue;
+      const bool is_unsigned = kind == ValueKind::unsigned_integer;
       o->transform(CLI::Validator(
           [o, is_unsigned](std::string& v) -> std::string {
             if (std::string not_decimal = epmoe::cli::decimal_integer_error(v); !not_decimal.empty()) return not_decimal;
@@ -180,16 +194,11 @@ void read_integers_in_decimal(CLI::App& app) {
     }
 }
 
-/// What an option of CLI11 type `type` (INT, UINT, FLOAT, TEXT, PATH, FILE) takes, as its messages say it.
-std::string value_kind(const std::string& type) {
-  return type.rfind("UINT", 0) == 0 || type.rfind("INT", 0) == 0 ? "a decimal integer"
-         : type.rfind("FLOAT", 0) == 0                           ? "a number"
-         : type == "PATH" || type == "FILE"                      ? "a path"
-                                                                  : "a value";
+/// What is said of an empty value given to an option of kind `k`: a path option's own check says "expected a path,
+/// got ''"; the others "expected <kind>, got an empty value".
+std::string empty_value_message(ValueKind k) {
+  return k == ValueKind::path ? "expected a path, got ''" : "expected " + value_kind(k) + ", got an empty value";
 }
-
-/// What a validator says of an empty value given to an option of CLI11 type `type` (INT, UINT, FLOAT, TEXT).
-std::string empty_value_message(const std::string& type) { return "expected " + value_kind(type) + ", got an empty value"; }
 
 /// An empty value (`--tokens ""`, an unset shell variable) is refused for every option that takes one: CLI11 read it
 /// as 0 for a number and as "" for a list, so a run went on as if a value were given. Runs before the option's own
@@ -198,10 +207,10 @@ std::string empty_value_message(const std::string& type) { return "expected " + 
 void refuse_empty_values(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands({}))
     for (CLI::Option* o : sub->get_options()) {
-      const std::string type = o->get_type_name();
-      if (o->get_expected_max() == 0 || type == "PATH" || type == "FILE") continue;
+      const ValueKind kind = kind_of(*o);
+      if (o->get_expected_max() == 0 || kind == ValueKind::path) continue;
       o->transform(CLI::Validator(
-          [message = empty_value_message(type)](std::string& v) { return v.empty() ? message : std::string(); }, "",
+          [message = empty_value_message(kind)](std::string& v) { return v.empty() ? message : std::string(); }, "",
           "non-empty"));
     }
 }
@@ -219,13 +228,9 @@ std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
   const CLI::Option* o = parsed_option(app, flag);
   if (o == nullptr) return "";
   for (const std::string& name : o->get_lnames())
-    if (std::find(args.begin(), args.end(), "--" + name + "=") != args.end()) {
-      const std::string type = o->get_type_name();
-      return "epmoe: invalid argument: " + flag + ": " +
-             (type == "PATH" || type == "FILE" ? std::string("expected a path, got ''") : empty_value_message(type)) +
-             " (see --help)";
-    }
-  return "epmoe: invalid argument: " + flag + ": expected " + value_kind(o->get_type_name()) +
+    if (std::find(args.begin(), args.end(), "--" + name + "=") != args.end())
+      return "epmoe: invalid argument: " + flag + ": " + empty_value_message(kind_of(*o)) + " (see --help)";
+  return "epmoe: invalid argument: " + flag + ": expected " + value_kind(kind_of(*o)) +
          " after it, got nothing (see --help)";
 }
 
