@@ -36,7 +36,8 @@ def table(base_paths, new_paths, labels=("base", "new")):
     if device != new_device:
         raise ValueError(f"base runs on {device!r}, new runs on {new_device!r}: not comparable")
     b, n = labels
-    lines = [f"{b} against {n} on {device} (bench_gpu_low_latency, median us of each run, in the order they ran)", "",
+    lines = [f"{n} (new) against {b} (base) on {device} (bench_gpu_low_latency, median us of each run, in the order "
+             "they ran)", "",
              f"| T | op | {b} runs | {n} runs | {b} | {n} | {n} / {b} |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for T in sorted(set(base) & set(new), reverse=True):
         for op, b_runs in base[T].items():

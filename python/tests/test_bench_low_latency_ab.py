@@ -43,7 +43,7 @@ def test_table_gives_each_run_and_the_ratio_of_medians(tmp_path, capsys, rng):
     assert ab.main(["--base", *base, "--new", *new, "--labels", "96d91c4", "change"]) == 0
     lines = capsys.readouterr().out.splitlines()
     title = next(i for i, line in enumerate(lines) if " against " in line)  # after the seed line
-    assert lines[title].startswith("96d91c4 against change on NVIDIA H100 80GB HBM3")
+    assert lines[title].startswith("change (new) against 96d91c4 (base) on NVIDIA H100 80GB HBM3")
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[title + 4:]]
     assert [r[0] for r in rows] == ["128"] * len(OPS) + ["1"] * len(OPS)  # the larger T first
     for row in rows:
