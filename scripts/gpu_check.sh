@@ -29,7 +29,7 @@
 #   ab         the normal-mode A/B: copy engine, zero-copy at 16..64 blocks, SM stores, OLMoE routing, K = 2
 #   llab       the low-latency A/B of two builds: bench_gpu_low_latency of --base DIR (the commit before a change,
 #              a pack or build folder) and of --build, alternating, at T = 128 and 1, then a traced run of each;
-#              llab.md: every run's medians, base | new, new / base                   scripts/gpu/bench.sh
+#              llab.md: every run's medians, new / base, the traced points moved   scripts/gpu/bench.sh
 #   all        tests cli python bench sanitizer anchors (more than one call's time)
 #
 # Binaries: --build DIR (default build/release). What a part needs and DIR lacks is built there (configuring

@@ -63,3 +63,57 @@ def test_runs_of_two_devices_are_refused(tmp_path, capsys, rng):
     assert ab.main(["--base", base, "--new", new]) == 2
     err = capsys.readouterr().err
     assert "NVIDIA H100 80GB HBM3" in err and "NVIDIA H200" in err and "not comparable" in err
+
+
+POINTS = ["start", "index", "ids", "consumed", "writable", "sent", "published", "arrived", "headers", "scanned", "end"]
+
+
+def trace_file(tmp_path, name, figures, rank=0):
+    """A traced run's output as bench_gpu_low_latency prints it: a line per launch kind of (first, last) per point."""
+    lines = ["| dispatch_fp8 | 12.0 | 11.0 | 0.00 | 0 |"]  # a table line of the run, not a trace line
+    for kind, points in figures.items():
+        body = "".join(f"  {p} {a:.2f}/{b:.2f}" for p, (a, b) in points.items())
+        lines.append(f"epmoe cuda_ipc low-latency trace, rank {rank}, {kind} (50 launches after 5 left out): us after "
+                     f"the first block's start, first / last block to pass each point (%globaltimer):{body}")
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_traces_give_each_point_of_both_builds_and_the_difference(tmp_path, capsys, rng):
+    ab = load_ab()
+    medians = [float(v) for v in rng.uniform(5.0, 60.0, len(OPS))]
+    base, new = run_file(tmp_path, "b.json", 1, medians), run_file(tmp_path, "n.json", 1, medians)
+    figures = {}
+    for side in ("base", "new"):
+        for kind in ("dispatch (send + recv)", "combine recv"):
+            stamps = sorted(float(v) for v in rng.uniform(0.0, 30.0, 2 * len(POINTS)))
+            figures.setdefault(side, {})[kind] = {p: (stamps[2 * i], stamps[2 * i + 1]) for i, p in enumerate(POINTS)}
+    figures["new"]["combine recv"].pop("scanned")  # a point the new build does not pass: left out
+    bt, nt = trace_file(tmp_path, "bt.txt", figures["base"]), trace_file(tmp_path, "nt.txt", figures["new"])
+    assert ab.main(["--base", base, "--new", new, "--labels", "old", "change", "--traces", "1", bt, nt]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Where the time goes"))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[start + 4:]]
+    expected = [(kind, p) for kind in ("dispatch (send + recv)", "combine recv") for p in POINTS
+                if not (kind == "combine recv" and p == "scanned")]
+    assert [(r[1], r[2]) for r in rows] == expected
+    for T, kind, point, b, n, d in rows:
+        assert T == "1"
+        b_last, n_last = figures["base"][kind][point][1], figures["new"][kind][point][1]
+        assert (b, n) == (f"{b_last:.2f}", f"{n_last:.2f}")
+        # the trace prints 2 decimals: the difference is of the figures as printed
+        assert d == f"{round(n_last, 2) - round(b_last, 2):+.2f}"
+
+
+def test_a_trace_without_trace_lines_is_named(tmp_path, capsys, rng):
+    ab = load_ab()
+    medians = [float(v) for v in rng.uniform(5.0, 60.0, len(OPS))]
+    base, new = run_file(tmp_path, "b.json", 1, medians), run_file(tmp_path, "n.json", 1, medians)
+    empty = tmp_path / "untraced.txt"
+    empty.write_text("| dispatch_fp8 | 12.0 | 11.0 | 0.00 | 0 |\n")
+    other_rank = trace_file(tmp_path, "rank1.txt", {"combine recv": {"start": (0.0, 0.1)}}, rank=1)
+    for path in (str(empty), other_rank):
+        assert ab.main(["--base", base, "--new", new, "--traces", "1", path, path]) == 2
+        err = capsys.readouterr().err
+        assert path in err and "no low-latency trace line of rank 0" in err

@@ -103,8 +103,13 @@ part_llab() {
   if [ ${#base_json[@]} -gt 0 ] && [ ${#new_json[@]} -gt 0 ]; then
     local base_commit="base"
     [ -f "$BASE_DIR/COMMIT" ] && base_commit="$(head -1 "$BASE_DIR/COMMIT")"
+    local traces=()
+    for T in ${tokens//,/ }; do
+      [ -s "$RESULTS/llab_trace_base_T$T.txt" ] && [ -s "$RESULTS/llab_trace_new_T$T.txt" ] &&
+        traces+=(--traces "$T" "$RESULTS/llab_trace_base_T$T.txt" "$RESULTS/llab_trace_new_T$T.txt")
+    done
     "${EPMOE_PYTHON:-python3}" "$ROOT/bench/low_latency_ab.py" --base "${base_json[@]}" --new "${new_json[@]}" \
-      --labels "$base_commit" "$COMMIT" >"$RESULTS/llab.md" 2>&1
+      --labels "$base_commit" "$COMMIT" "${traces[@]}" >"$RESULTS/llab.md" 2>&1
     note "$(cat "$RESULTS/llab.md")"
   fi
 }
