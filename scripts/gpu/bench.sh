@@ -76,15 +76,13 @@ part_llab() {
     return
   fi
   ensure_built bench_gpu_low_latency:bench/bench_gpu_low_latency || { fail build "binaries missing"; return; }
-  local new_bin="$BUILD/bench/bench_gpu_low_latency" tokens="${EPMOE_LLAB_TOKENS:-128,1}"
-  local rounds="${EPMOE_LLAB_ROUNDS:-3}" T i v bin base_json=() new_json=()
+  local tokens="${EPMOE_LLAB_TOKENS:-128,1}" rounds="${EPMOE_LLAB_ROUNDS:-3}" T i v base_json=() new_json=()
+  local -A bin=([base]="$base_bin" [new]="$BUILD/bench/bench_gpu_low_latency")
   export EPMOE_TIMEOUT_S="${EPMOE_TIMEOUT_S:-20}"
   for T in ${tokens//,/ }; do
     for ((i = 0; i < rounds; ++i)); do
       for v in base new; do
-        bin="$base_bin"
-        [ "$v" = new ] && bin="$new_bin"
-        step "low latency $v T=$T run $i" 60 "$bin" --ranks 1 --tokens "$T" --no-flush --runs 60 \
+        step "low latency $v T=$T run $i" 60 "${bin[$v]}" --ranks 1 --tokens "$T" --no-flush --runs 60 \
           --json "$RESULTS/llab_${v}_T${T}_$i.json"
         if [ -f "$RESULTS/llab_${v}_T${T}_$i.json" ]; then
           if [ "$v" = base ]; then base_json+=("$RESULTS/llab_${v}_T${T}_$i.json"); else new_json+=("$RESULTS/llab_${v}_T${T}_$i.json"); fi
@@ -94,10 +92,8 @@ part_llab() {
   done
   for T in ${tokens//,/ }; do
     for v in base new; do
-      bin="$base_bin"
-      [ "$v" = new ] && bin="$new_bin"
       step "low latency traced $v T=$T" 60 env EPMOE_CUDA_IPC_TRACE=1 bash -c '"$1" --ranks 1 --tokens "$2" --no-flush \
-        --runs 40 >"$3" 2>&1' _ "$bin" "$T" "$RESULTS/llab_trace_${v}_T$T.txt"
+        --runs 40 >"$3" 2>&1' _ "${bin[$v]}" "$T" "$RESULTS/llab_trace_${v}_T$T.txt"
     done
   done
   if [ ${#base_json[@]} -gt 0 ] && [ ${#new_json[@]} -gt 0 ]; then
