@@ -33,7 +33,8 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
 /// Routing of one rank, replayed from a trace (semantics §14): rank r gets the consecutive tokens
 /// [offset + r*T, offset + (r+1)*T) of `layer` (indices wrap around the trace's end). Weights are
 /// used as recorded. For num_experts a multiple of the trace's 64, id e of token t becomes
-/// e * (E/64) + (t mod (E/64)), which keeps the skew. Returns topk_idx int64 [T, K] and
+/// e * (E/64) + (splitmix64(t) mod (E/64)), which keeps the skew and does not follow t's residue (EPLB's replica
+/// choice reads that). Returns topk_idx int64 [T, K] and
 /// topk_weights float32 [T, K]. Errors: layer out of range, E not a multiple of 64, negative offset.
 struct ReplayedRouting {
   Tensor topk_idx;

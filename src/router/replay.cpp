@@ -24,6 +24,18 @@ Tensor load_trace_file(const std::string& path, const char* array) {
   }
 }
 
+/// Which of the `spread` experts trace token `t`'s ids go to: SplitMix64's finalizer of t (Steele, Lea and Flood,
+/// "Fast splittable pseudorandom number generators", OOPSLA 2014) modulo spread. `t mod spread` tied the expert to
+/// t's residue, which EPLB's replica choice (t mod replicas, semantics §9) also reads: with spread 2 and 2 replicas
+/// every token of an expert went to one replica, and a plan with spares balanced worse than none.
+std::int64_t spread_slot(std::int64_t t, int spread) {
+  std::uint64_t z = static_cast<std::uint64_t>(t) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<std::int64_t>(z % static_cast<std::uint64_t>(spread));
+}
+
 }  // namespace
 
 RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::string& domain) {
@@ -96,7 +108,7 @@ ReplayedRouting replay_routing(const RoutingTrace& trace, int layer, std::int64_
     for (int k = 0; k < K; ++k) {
       const std::int64_t at = (t * L + layer) * K + k;
       const std::int64_t e = src_idx[at];
-      out.topk_idx.ptr<std::int64_t>()[i * K + k] = e < 0 ? -1 : e * spread + (t % spread);
+      out.topk_idx.ptr<std::int64_t>()[i * K + k] = e < 0 ? -1 : e * spread + spread_slot(t, spread);
       out.topk_weights.ptr<float>()[i * K + k] = src_w[at];
     }
   }

@@ -60,14 +60,37 @@ TEST(Replay, GivesRankRItsConsecutiveTokensAndKeepsWeights) {
     }
 }
 
+// SplitMix64's output function of x (Steele, Lea and Flood, OOPSLA 2014), written out from the paper's constants.
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 TEST(Replay, MapsIdsOntoMoreExpertsAsSpec14Says) {
   const RoutingTrace t = load_routing_trace(kDir, "coding");
-  const auto r = replay_routing(t, 0, 0, 0, 8, 256);  // E/64 = 4
+  const auto r = replay_routing(t, 0, 100, 0, 8, 256);  // E/64 = 4; trace tokens 100..107
   for (int i = 0; i < 8; ++i)
     for (int k = 0; k < 8; ++k) {
-      const int e = t.topk_idx.ptr<std::int16_t>()[(i * 16) * 8 + k];
-      EXPECT_EQ(r.topk_idx.ptr<std::int64_t>()[i * 8 + k], e * 4 + i % 4);
+      const int e = t.topk_idx.ptr<std::int16_t>()[((100 + i) * 16) * 8 + k];
+      EXPECT_EQ(r.topk_idx.ptr<std::int64_t>()[i * 8 + k], e * 4 + static_cast<int>(splitmix64(100 + i) % 4));
     }
+}
+
+// The expert a token is spread to must not follow its index's residue, which EPLB's replica choice (t mod replicas,
+// semantics §9) reads: with `t mod s` every token of a spread expert went to one of 2 replicas.
+TEST(Replay, TheSpreadExpertIsIndependentOfTheTokensParity) {
+  const RoutingTrace t = load_routing_trace(kDir, "general");
+  const std::int64_t n = t.num_tokens();
+  const auto r = replay_routing(t, 3, 0, 0, n, 128);  // E/64 = 2
+  std::int64_t pairs[2][2] = {};                      // [t mod 2][spread slot]
+  for (std::int64_t i = 0; i < n; ++i)
+    for (int k = 0; k < 8; ++k)
+      if (const std::int64_t id = r.topk_idx.ptr<std::int64_t>()[i * 8 + k]; id >= 0) ++pairs[i % 2][id % 2];
+  const double all = static_cast<double>(pairs[0][0] + pairs[0][1] + pairs[1][0] + pairs[1][1]);
+  for (int p = 0; p < 2; ++p)
+    for (int q = 0; q < 2; ++q) EXPECT_NEAR(pairs[p][q] / all, 0.25, 0.03) << "parity " << p << ", slot " << q;
 }
 
 TEST(Replay, WrapsAroundTheEndOfTheTrace) {

@@ -1166,6 +1166,29 @@ TEST(Cli, EplbNamesTheLayerOptionsItIgnores) {
   EXPECT_EQ(r.err.find("ignored with --eplb"), std::string::npos) << r.err;
 }
 
+// A plan measured on the tokens it was planned from balances them at least as well as no plan, in every layer, also
+// when --experts spreads the trace's 64 ids over more (the spread once followed t mod s, as the replica choice does,
+// and with spares 5 of 16 layers came out worse than before the plan).
+TEST(Cli, EplbPlanNeverWorsensItsOwnTokensWithSpreadExperts) {
+  for (const char* experts : {"64", "128", "256"}) {
+    const CliResult r = run_cli("run --eplb --routing '" + std::string(EPMOE_TEST_DATA_DIR) + "/olmoe-routing' --experts " +
+                                experts);
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    std::istringstream lines(r.out);
+    int layers = 0;
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream row(line);
+      int layer = 0;
+      double plan_before = 0, plan_after = 0;
+      if (!(row >> layer >> plan_before >> plan_after)) continue;  // headers and the mean row
+      ++layers;
+      EXPECT_LE(plan_after, plan_before) << "--experts " << experts << ", layer " << layer << "\n" << r.out;
+      EXPECT_LT(plan_after, 1.05) << "--experts " << experts << ", layer " << layer << "\n" << r.out;
+    }
+    EXPECT_EQ(layers, 16) << r.out;
+  }
+}
+
 // bench with --ranks typed and --experts left at its default names --ranks (as run does), not the default it
 // never typed; both typed, --experts.
 TEST(Cli, BenchNamesTheRanksTypedBesideTheDefaultExperts) {
