@@ -1189,6 +1189,21 @@ TEST(Cli, EplbPlanNeverWorsensItsOwnTokensWithSpreadExperts) {
   }
 }
 
+// bench's T sweep takes powers of two: bounds that are not one are said to narrow it (a user asked for 3..12 and
+// got 4..8 with only the header saying so); bounds that are powers of two get no note.
+TEST(Cli, BenchSaysWhenTheTokenBoundsAreNotPowersOfTwo) {
+  const std::string tiny = " --device cpu --ranks 1 --modes normal --hidden 64 --experts 4 --topk 1 --runs 1 --warmup 0 "
+                           "--no-floors";
+  CliResult r = run_cli("bench --tokens-min 3 --tokens-max 12" + tiny);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("note: T runs over the powers of two in [--tokens-min 3, --tokens-max 12]: 4..8\n"),
+            std::string::npos)
+      << r.err;
+  r = run_cli("bench --tokens-min 2 --tokens-max 4" + tiny);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(r.err.find("powers of two in"), std::string::npos) << r.err;
+}
+
 // bench with --ranks typed and --experts left at its default names --ranks (as run does), not the default it
 // never typed; both typed, --experts.
 TEST(Cli, BenchNamesTheRanksTypedBesideTheDefaultExperts) {

@@ -751,6 +751,10 @@ int bench(BenchConfig c) {
                                   gib(normal), gib(ll)));
   }
   if (!c.json.empty()) check_writable("--json", c.json);
+  // The sweep takes powers of two only: bounds that are not one are said to narrow it, not left to the header.
+  if (sweep(c).front() != c.tokens_min || sweep(c).back() != c.tokens_max)
+    fmt::print(stderr, "note: T runs over the powers of two in [--tokens-min {}, --tokens-max {}]: {}..{}\n",
+               c.tokens_min, c.tokens_max, sweep(c).front(), sweep(c).back());
   const std::uint64_t seed = fresh_seed(c.seed);
   const bool gpu = c.kind == DeviceKind::cuda;
   const std::string nccl = gpu ? nccl_status() : "n/a on CPU ranks";
