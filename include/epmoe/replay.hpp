@@ -27,7 +27,8 @@ struct RoutingTrace {
 /// a path to a DOMAIN.topk_idx.npy file (the weights file is found beside it; domain is then taken
 /// from the file name). Errors: invalid_argument naming 'routing' (the CLI's --routing) for missing files, files
 /// that are not readable .npy (format 1.0/2.0, little endian, C order; the reader's reason given), wrong dtypes,
-/// empty or disagreeing shapes, and the first id out of [-1, 64) or non-finite weight at its [token, layer, k].
+/// empty or disagreeing shapes, and the first id out of [-1, 64), non-finite weight or id repeated within a token's
+/// top-k at its [token, layer, k].
 RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::string& domain = "general");
 
 /// Routing of one rank, replayed from a trace (semantics §14): rank r gets the consecutive tokens

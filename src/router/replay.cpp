@@ -81,6 +81,12 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
                     fmt::format("{} at {}", ids[i], where(i)));
     EPMOE_CHECK_ARG(std::isfinite(w[i]), "routing topk_weights", "finite weights",
                     fmt::format("{} at {}", w[i], where(i)));
+    // A top-k choice names distinct experts: a repeat would pass normal mode and be refused by the low-latency
+    // dispatch's own check only at run time (semantics §11), not here naming the trace.
+    for (std::int64_t j = i - i % K; j < i; ++j)
+      EPMOE_CHECK_ARG(ids[i] < 0 || ids[j] != ids[i], "routing topk_idx",
+                      "distinct ids within a token's top-k (-1 aside)",
+                      fmt::format("{} at {} and at {}", ids[i], where(j), where(i)));
   }
   return trace;
 }

@@ -164,6 +164,19 @@ TEST(Replay, BadTracesAreRefusedWhenLoadingNamingTheFirstBadEntry) {
   ids_bad[4] = -2;
   test::write_routing_trace(id_dir, "general", 3, 2, 2, ids_bad, w);
   EXPECT_NE(error_of(id_dir).find("-2 at [1, 0, 0]"), std::string::npos) << error_of(id_dir);
+
+  // A repeated id within one token's top-k (token 2, layer 1: ids 10, 10); -1 twice is no repeat.
+  auto ids_dup = ids;
+  ids_dup[11] = 10;
+  ids_dup[0] = ids_dup[1] = -1;
+  test::write_routing_trace(id_dir, "general", 3, 2, 2, ids_dup, w);
+  const std::string md = error_of(id_dir);
+  EXPECT_NE(md.find("'routing topk_idx'"), std::string::npos) << md;
+  EXPECT_NE(md.find("distinct ids within a token's top-k"), std::string::npos) << md;
+  EXPECT_NE(md.find("10 at [2, 1, 0] and at [2, 1, 1]"), std::string::npos) << md;
+  ids_dup[11] = 63;
+  test::write_routing_trace(id_dir, "general", 3, 2, 2, ids_dup, w);
+  EXPECT_EQ(load_routing_trace(id_dir, "general").num_tokens(), 3);  // only -1 repeats: loads
 }
 
 // Found by a fresh user: a file the .npy reader refuses was reported under its path alone ("'x.topk_idx.npy':
