@@ -50,7 +50,8 @@ bool is_integer(ValueKind k) { return k == ValueKind::signed_integer || k == Val
 
 /// What an option of kind `k` takes, as the messages say it.
 std::string value_kind(ValueKind k) {
-  return is_integer(k) ? "a decimal integer" : k == ValueKind::number ? "a number" : k == ValueKind::path ? "a path" : "a value";
+  if (is_integer(k)) return "a decimal integer";
+  return k == ValueKind::number ? "a number" : k == ValueKind::path ? "a path" : "a value";
 }
 
 /// CLI11 says "Could not convert: --tolerance = abc" for a value its option's type cannot read (integers are refused
