@@ -251,10 +251,7 @@ void clean_low_latency_buffer(PyBuffer& b, int num_max_dispatch_tokens_per_rank,
 }
 
 bool same_view(const TensorView& a, const TensorView& b) {
-  if (a.data != b.data || a.dtype != b.dtype || !(a.shape == b.shape) || !(a.device == b.device)) return false;
-  for (int i = 0; i < a.ndim(); ++i)
-    if (a.stride(i) != b.stride(i)) return false;
-  return true;
+  return a.data == b.data && a.dtype == b.dtype && a.shape == b.shape && a.strides == b.strides && a.device == b.device;
 }
 
 /// `t` (a view of b's window, keeping the buffer alive) as a Python object: a fresh alias (torch: detach(), CuPy:

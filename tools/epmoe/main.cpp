@@ -162,37 +162,43 @@ std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
                      : "[-" + std::to_string(most(bits) + 1) + ", " + std::to_string(most(bits)) + "]";
 }
 
+/// Calls fn(sub, option) for every option of every subcommand (the edits below apply to all commands alike).
+template <class Fn>
+void for_each_option(CLI::App& app, Fn&& fn) {
+  for (CLI::App* sub : app.get_subcommands({}))
+    for (CLI::Option* o : sub->get_options()) fn(*sub, o);
+}
+
 /// Integer options read their values in decimal, as typed: CLI11 converts with strtoll(v, 0, 0), so "010" was 8
 /// (octal), "0x10" 16, and a value past 64 bits was clamped to the type's limit, which the range checks then named as
 /// if typed. Only an optional sign and decimal digits are taken (not "0x10", "1e3", " 2" or ""); a decimal value loses
 /// its leading zeros; one past the option's type (64 bits, or 32 for an int, whose conversion CLI11 refused as "Could
 /// not convert") is refused with the value as given and that type's range.
 void read_integers_in_decimal(CLI::App& app) {
-  for (CLI::App* sub : app.get_subcommands({}))
-    for (CLI::Option* o : sub->get_options()) {
-      const ValueKind kind = kind_of(*o);
-      if (!is_integer(kind)) continue;
-      const bool is_unsigned = kind == ValueKind::unsigned_integer;
-      o->transform(CLI::Validator(
-          [o, is_unsigned](std::string& v) -> std::string {
-            if (std::string not_decimal = epmoe::cli::decimal_integer_error(v); !not_decimal.empty()) return not_decimal;
-            const std::size_t sign = v[0] == '-' || v[0] == '+' ? 1 : 0;
-            std::size_t first = v.find_first_not_of('0', sign);
-            if (first == std::string::npos) first = v.size() - 1;  // all zeros: keep one
-            const std::string digits = v.substr(first), decimal = v.substr(0, sign) + digits;
-            const std::string most = is_unsigned ? "18446744073709551615"
-                                     : v[0] == '-' ? "9223372036854775808"
-                                                   : "9223372036854775807";
-            // Past 64 bits strtoll saturates (a conversion that "works"); below, the option's own conversion says
-            // (writing the value into the option's variable, as the conversion right after this check does).
-            const bool past_64_bits = digits.size() > most.size() || (digits.size() == most.size() && digits > most);
-            if (past_64_bits || !o->get_callback()({decimal}))
-              return "expected an integer in " + integer_type_range(*o, is_unsigned) + ", got " + v;
-            v = decimal;
-            return "";
-          },
-          "", "decimal"));
-    }
+  for_each_option(app, [](CLI::App&, CLI::Option* o) {
+    const ValueKind kind = kind_of(*o);
+    if (!is_integer(kind)) return;
+    const bool is_unsigned = kind == ValueKind::unsigned_integer;
+    o->transform(CLI::Validator(
+        [o, is_unsigned](std::string& v) -> std::string {
+          if (std::string not_decimal = epmoe::cli::decimal_integer_error(v); !not_decimal.empty()) return not_decimal;
+          const std::size_t sign = v[0] == '-' || v[0] == '+' ? 1 : 0;
+          std::size_t first = v.find_first_not_of('0', sign);
+          if (first == std::string::npos) first = v.size() - 1;  // all zeros: keep one
+          const std::string digits = v.substr(first), decimal = v.substr(0, sign) + digits;
+          const std::string most = is_unsigned ? "18446744073709551615"
+                                   : v[0] == '-' ? "9223372036854775808"
+                                                 : "9223372036854775807";
+          // Past 64 bits strtoll saturates (a conversion that "works"); below, the option's own conversion says
+          // (writing the value into the option's variable, as the conversion right after this check does).
+          const bool past_64_bits = digits.size() > most.size() || (digits.size() == most.size() && digits > most);
+          if (past_64_bits || !o->get_callback()({decimal}))
+            return "expected an integer in " + integer_type_range(*o, is_unsigned) + ", got " + v;
+          v = decimal;
+          return "";
+        },
+        "", "decimal"));
+  });
 }
 
 /// What is said of an empty value given to an option of kind `k`: a path option's own check says "expected a path,
@@ -206,21 +212,20 @@ std::string empty_value_message(ValueKind k) {
 /// checks (a transform goes first), so it is said the same way for all; path options (PATH, FILE) keep their own
 /// message, "expected a path, got ''".
 void refuse_empty_values(CLI::App& app) {
-  for (CLI::App* sub : app.get_subcommands({}))
-    for (CLI::Option* o : sub->get_options()) {
-      const ValueKind kind = kind_of(*o);
-      if (o->get_expected_max() == 0 || kind == ValueKind::path) continue;
-      o->transform(CLI::Validator(
-          [message = empty_value_message(kind)](std::string& v) { return v.empty() ? message : std::string(); }, "",
-          "non-empty"));
-    }
+  for_each_option(app, [](CLI::App&, CLI::Option* o) {
+    const ValueKind kind = kind_of(*o);
+    if (o->get_expected_max() == 0 || kind == ValueKind::path) return;
+    o->transform(CLI::Validator(
+        [message = empty_value_message(kind)](std::string& v) { return v.empty() ? message : std::string(); }, "",
+        "non-empty"));
+  });
 }
 
 /// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
 /// ""` is: said as refuse_empty_values says that; and for `--tokens` last on the line, with no value at all: said as
 /// "expected a decimal integer after it, got nothing". "" when `e` is not such an error. `args` is the command line.
 std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
-                                       const std::vector<std::string>& args) {
+                                  const std::vector<std::string>& args) {
   const std::string what = e.what();
   const auto colon = what.find(": ");
   if (e.get_name() != "ArgumentMismatch" || colon == std::string::npos || what.find(" missing", colon) == std::string::npos)
@@ -238,9 +243,9 @@ std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
 /// A flag given twice (`--overlap --overlap`) is refused as an option of one value given twice is (repeated_message):
 /// CLI11 keeps the last silently (no flag here counts its repeats). --help given twice still prints the help.
 void refuse_repeated_flags(CLI::App& app) {
-  for (CLI::App* sub : app.get_subcommands({}))
-    for (CLI::Option* o : sub->get_options())
-      if (o->get_expected_max() == 0 && o != sub->get_help_ptr()) o->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+  for_each_option(app, [](CLI::App& sub, CLI::Option* o) {
+    if (o->get_expected_max() == 0 && o != sub.get_help_ptr()) o->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+  });
 }
 
 /// A standard output that cannot be written (`> /dev/full`, closed): said as that, not as a bug or a success; exit 1
