@@ -168,6 +168,30 @@ TEST(LowLatencyErrors, WindowPastSixtyFourBitsIsRefusedNamingHidden) {
   EXPECT_GT(static_cast<double>(large), 0x1p40 * 128 * 32 * 8 * 4);  // at least the two bf16 slabs of every row
 }
 
+// A Tmax whose window no machine's memory holds is named before any allocation (the allocator's failure named no
+// setting), and nothing is fixed by the refused call: the next call, with a fitting Tmax, runs.
+TEST(LowLatencyErrors, WindowPastHostMemoryNamesTmaxAndTheBufferStaysUsable) {
+  const Case c = small_case();
+  std::mt19937_64 rng(fresh_seed());
+  const auto in = make_inputs(rng, c);
+  const int huge = 1 << 29;  // two halves of 4 experts x 2^30 rows of ~1.3 KB: about 11 TB
+  std::vector<DispatchCopy> got(static_cast<std::size_t>(c.R));
+  run_buffers(c.R, [&](Buffer& b, Group& g) {
+    const auto& mine = in[static_cast<std::size_t>(g.rank())];
+    auto a = dispatch_args(c, mine);
+    a.num_max_dispatch_tokens_per_rank = huge;
+    const Caught e = catch_error([&] { b.low_latency_dispatch(a); });
+    EXPECT_TRUE(e.thrown) << "num_max_dispatch_tokens_per_rank = " << huge << " was accepted";
+    EXPECT_EQ(e.code, ErrorCode::invalid_argument) << e.what;
+    EXPECT_TRUE(contains(e.what, "'num_max_dispatch_tokens_per_rank'") && contains(e.what, std::to_string(huge)) &&
+                contains(e.what, "memory"))
+        << e.what;
+    got[static_cast<std::size_t>(g.rank())] = copy_dispatch(b.low_latency_dispatch(dispatch_args(c, mine)));
+  });
+  const auto ref = reference_low_latency_dispatch(in, c.E);
+  for (int d = 0; d < c.R; ++d) expect_dispatch_matches(c, d, got[static_cast<std::size_t>(d)], in, ref, {});
+}
+
 TEST(LowLatencyErrors, BufferTooSmallNamesBytesNeeded) {
   const Case c = small_case();
   const std::int64_t need = Buffer::get_low_latency_rdma_size_hint(c.tmax, c.H, c.R, c.E);

@@ -25,6 +25,7 @@
 // Signals of one rank (4R uint64 slots): data [half][source] = i + 1 once the source's data of call i
 // is in; consumed [half][reader] = i + 1 once `reader` has read its staging area of call i.
 #include "core/check.hpp"
+#include "core/host_memory.hpp"
 #include <epmoe/error.hpp>
 #include <epmoe/nvfp4.hpp>
 #include <epmoe/quant.hpp>
@@ -172,6 +173,16 @@ void LowLatencyMode::ensure_configured(int tmax, std::int64_t hidden, int num_ex
                               {"num_experts", num_experts},
                               {"num_rdma_bytes (low-latency window bytes)", bytes}};
   g.check_agreement(settings, fmt::format("{}: low-latency settings", phase));
+  // After the agreement, so every rank raises alike rather than leaving its peers in the collective allocation.
+  const double have = host_memory_bytes();
+  if (have > 0 && static_cast<double>(bytes) > have)
+    throw_invalid_argument(num_rdma_bytes_ > 0 ? "num_rdma_bytes" : "num_max_dispatch_tokens_per_rank",
+                           fmt::format("a low-latency window within this machine's {} bytes of memory",
+                                       static_cast<std::int64_t>(have)),
+                           num_rdma_bytes_ > 0
+                               ? fmt::format("{}", bytes)
+                               : fmt::format("{} (a window of {} bytes for hidden {}, num_experts {} over {} ranks)",
+                                             tmax, bytes, hidden, num_experts, g.size()));
   transport_.allocate_window(static_cast<std::size_t>(bytes), 4 * g.size(), fmt::format("{}: allocate window", phase));
   layout_ = L;
   scratch_.assign(static_cast<std::size_t>(tmax) * L.record_bytes, std::byte{0});
