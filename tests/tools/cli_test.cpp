@@ -652,15 +652,18 @@ TEST(Cli, ConfigThatIsNoFileSaysWhy) {
   std::filesystem::remove(folder);
 }
 
-// Under mpirun every process parsed the same bad command line and printed the same error, once per rank: only the
-// first process says it now (the others exit 2 in silence), and --help prints once.
-TEST(Cli, UnderMpirunOnlyTheFirstProcessReportsAParseError) {
+// Under mpirun every process parsed the same bad command line and printed the same error, once per rank: the first
+// process says it at once and exits, which stops the job; another rank says it only after a pause, naming itself
+// (alone here, as when only its command line differs), and --help prints once.
+TEST(Cli, UnderMpirunTheFirstProcessReportsAParseErrorAndAnotherNamesItself) {
   for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
     CliResult r = run_cli("run --tokenz 3", std::string(var) + "=1");
     EXPECT_EQ(r.code, 2) << var;
-    EXPECT_TRUE(r.err.empty()) << var << ": " << r.err;
+    EXPECT_EQ(r.err.rfind("epmoe: rank 1: invalid argument", 0), 0u) << var << ": " << r.err;
+    EXPECT_NE(r.err.find("--tokenz"), std::string::npos) << var << ": " << r.err;
     r = run_cli("run --tokenz 3", std::string(var) + "=0");
     EXPECT_EQ(r.code, 2) << var;
+    EXPECT_EQ(r.err.rfind("epmoe: invalid argument", 0), 0u) << var << ": " << r.err;
     EXPECT_NE(r.err.find("--tokenz"), std::string::npos) << var << ": " << r.err;
   }
   EXPECT_TRUE(run_cli("run --help", "OMPI_COMM_WORLD_RANK=2").out.empty());
@@ -709,6 +712,21 @@ TEST(Cli, MpirunFlagRefusedOnOneProcessStopsEveryProcess) {
   EXPECT_NE(out.find("invalid argument '--json'"), std::string::npos) << out;
   EXPECT_NE(out.find("rank 0: its flags were accepted, but rank(s) 1 refused theirs"), std::string::npos) << out;
   EXPECT_EQ(out.find("timed out"), std::string::npos) << out;
+  EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
+// A flag typo on one process of an MPMD launch (rank 0's command line parses): that rank names itself and the flag,
+// where it used to exit 2 in silence and the job stopped with no word of why.
+TEST(Cli, MpirunParseErrorOnAnotherProcessAloneNamesThatRankAndTheFlag) {
+#if defined(EPMOE_HAVE_MPI)
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  const auto [status, out] = run_two_processes("", "--tokenz 3");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
+  EXPECT_NE(out.find("epmoe: rank 1: invalid argument"), std::string::npos) << out;
+  EXPECT_NE(out.find("--tokenz"), std::string::npos) << out;
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
 #else
   GTEST_SKIP() << "built without MPI";

@@ -16,17 +16,22 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "commands.hpp"
 
 namespace {
 
-/// Under mpirun every process parses the same command line: only the first says what parsing found (help, a bad
-/// flag), not one copy per rank. Launchers' rank variables: Open MPI, PMI (MPICH, Slurm), PMIx.
-bool first_or_only_process() {
+/// This process's rank as its launcher set it ("0" outside one). Launchers' rank variables: Open MPI, PMI (MPICH,
+/// Slurm), PMIx.
+const char* launcher_rank() {
   for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
-    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return std::strcmp(v, "0") == 0;
-  return true;
+    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return v;
+  return "0";
 }
+/// Under mpirun every process parses the same command line: only the first says what parsing found (help, a bad
+/// flag), not one copy per rank.
+bool first_or_only_process() { return std::strcmp(launcher_rank(), "0") == 0; }
 
 /// The option `flag` ("--ranks") of the command that was parsed, or null.
 const CLI::Option* parsed_option(const CLI::App& app, const std::string& flag) {
@@ -288,26 +293,33 @@ int main(int argc, char** argv) {
         return standard_output_failed(errno != 0 ? std::strerror(errno) : "a write failed");
       return code;
     }
-    if (say && app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
-      std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command first (run, bench or tune; see --help)\n",
-                   argv[1]);
-    else if (say && app.get_subcommands().empty() && argc > 1)  // a word that is no command (not CLI11's message)
-      std::fprintf(stderr, "epmoe: invalid argument '%s': expected a command (run, bench or tune; see --help)\n",
-                   argv[1]);
-    else if (const std::string m = conversion_message(app, e); say && !m.empty())
-      std::fprintf(stderr, "%s\n", m.c_str());
-    else if (const std::string q = missing_value_message(app, e, std::vector<std::string>(argv + 1, argv + argc));
-             say && !q.empty())
-      std::fprintf(stderr, "%s\n", q.c_str());
-    else if (const std::string r = repeated_message(app, e); say && !r.empty())
-      std::fprintf(stderr, "%s\n", r.c_str());
-    else if (const std::string x = extras_message(app, e, std::vector<std::string>(argv + 1, argv + argc));
-             say && !x.empty())
-      std::fprintf(stderr, "%s\n", x.c_str());
-    else if (say)
-      std::fprintf(stderr, "epmoe: invalid argument: %s (see --help)\n", e.what());
-    else  // mpirun stops the job at the first non-zero exit: the first process's message goes out first
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const std::vector<std::string> args(argv + 1, argv + argc);
+    std::string message;
+    if (app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
+      message = fmt::format("epmoe: invalid argument '{}': expected a command first (run, bench or tune; see --help)",
+                            argv[1]);
+    else if (app.get_subcommands().empty() && argc > 1)  // a word that is no command (not CLI11's message)
+      message = fmt::format("epmoe: invalid argument '{}': expected a command (run, bench or tune; see --help)",
+                            argv[1]);
+    else if (std::string m = conversion_message(app, e); !m.empty())
+      message = std::move(m);
+    else if (std::string q = missing_value_message(app, e, args); !q.empty())
+      message = std::move(q);
+    else if (std::string r = repeated_message(app, e); !r.empty())
+      message = std::move(r);
+    else if (std::string x = extras_message(app, e, args); !x.empty())
+      message = std::move(x);
+    else
+      message = fmt::format("epmoe: invalid argument: {} (see --help)", e.what());
+    if (say) {
+      std::fprintf(stderr, "%s\n", message.c_str());
+    } else {
+      // mpirun stops the job at the first non-zero exit. When the first process refused the same command line, it
+      // exits first and the job stops during this pause: one message, not one per rank. When only this rank's
+      // command line differs (an MPMD launch), nobody else speaks: this rank says it, naming itself.
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      std::fprintf(stderr, "epmoe: rank %s: %s\n", launcher_rank(), message.c_str() + std::strlen("epmoe: "));
+    }
     return 2;
   }
   try {
