@@ -628,6 +628,20 @@ TEST(Cli, ToleranceOutsideADoubleIsNamedAsTyped) {
   }
 }
 
+// Number options read decimal spellings only, as integer options do: CLI11 took " 0.01", "0x1p-7", "inf" and "nan".
+TEST(Cli, ToleranceIsReadInDecimalOnly) {
+  for (const std::string v : {"' 0.01'", "'0.01 '", "0x1p-7", "inf", "nan", "1e", "1.2.3", "+"}) {
+    const CliResult r = run_cli("run --device cpu --tolerance " + v + " " + kTinyRun);
+    EXPECT_EQ(r.code, 2) << v << "\n" << r.err;
+    EXPECT_NE(r.err.find("--tolerance: expected a decimal number (such as 0.01 or 1e-3), got "), std::string::npos)
+        << v << "\n" << r.err;
+  }
+  for (const std::string v : {"0.5", ".5", "5.", "+1e-1", "2E0"}) {
+    const CliResult r = run_cli("run --device cpu --tolerance " + v + " " + kTinyRun);
+    EXPECT_EQ(r.code, 0) << v << "\n" << r.err;
+  }
+}
+
 // Found by a fresh user: `--config /nonexistent` gave no reason, `--config /tmp` did not say it is a directory, and
 // inline JSON (`--config '{"num_sms":16}'`, as the README's example reads) got no hint that a path is taken.
 TEST(Cli, ConfigThatIsNoFileSaysWhy) {
@@ -768,7 +782,7 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
       {"run --device cpu --tokens abc", "invalid argument: --tokens: expected a decimal integer, got abc"},
       {"run --device cpu --ranks 99999999999", "--ranks: expected an integer in [-2147483648, 2147483647]"},
-      {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a number in range"},
+      {"run --device cpu --tolerance x", "invalid argument: --tolerance: expected a decimal number"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",
        "invalid argument '--ll-tokens-max': expected >= the sweep's smallest T (256"},

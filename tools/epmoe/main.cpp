@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <regex>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -206,6 +207,20 @@ void read_integers_in_decimal(CLI::App& app) {
   });
 }
 
+/// Number options (--tolerance) read decimal spellings only, as integers do: CLI11's conversion also took " 0.01",
+/// "0x1p-7", "inf" and "nan". A sign, digits with an optional point, an optional exponent.
+void read_numbers_in_decimal(CLI::App& app) {
+  for_each_option(app, [](CLI::App&, CLI::Option* o) {
+    if (kind_of(*o) != ValueKind::number) return;
+    o->transform(CLI::Validator(
+        [](std::string& v) -> std::string {
+          static const std::regex decimal(R"([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)");
+          return std::regex_match(v, decimal) ? "" : "expected a decimal number (such as 0.01 or 1e-3), got " + v;
+        },
+        "", "decimal number"));
+  });
+}
+
 /// What is said of an empty value given to an option of kind `k`: a path option's own check says "expected a path,
 /// got ''"; the others "expected <kind>, got an empty value".
 std::string empty_value_message(ValueKind k) {
@@ -276,6 +291,7 @@ int main(int argc, char** argv) {
   auto bench = epmoe::cli::add_bench_command(app);
   auto tune = epmoe::cli::add_tune_command(app);
   read_integers_in_decimal(app);
+  read_numbers_in_decimal(app);
   refuse_empty_values(app);  // after: its transform then runs first
   refuse_repeated_flags(app);
   try {
