@@ -44,6 +44,9 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
   std::string idx_path, w_path;
   const std::string suffix = ".topk_idx.npy";
   if (fs::is_directory(dir_or_file)) {
+    // A directory named as the file is (a failed download or unpack): said so, not a missing file inside it.
+    EPMOE_CHECK_ARG(!fs::path(dir_or_file).filename().string().ends_with(suffix), "routing",
+                    "a DOMAIN.topk_idx.npy file", fmt::format("{} (a directory)", dir_or_file));
     trace.domain = domain;
     idx_path = (fs::path(dir_or_file) / (domain + suffix)).string();
   } else {

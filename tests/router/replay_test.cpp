@@ -129,6 +129,17 @@ std::string error_of(const std::string& dir) {
   return "(no error)";
 }
 
+// A directory named as the trace file is (a failed unpack) is said to be one, not a file missing inside it.
+TEST(Replay, ADirectoryNamedAsTheFileIsSaidToBeOne) {
+  const std::string dir = temp_dir("general.topk_idx.npy");
+  std::filesystem::create_directories(dir);
+  const std::string what = error_of(dir);
+  EXPECT_NE(what.find("'routing': expected a DOMAIN.topk_idx.npy file, got " + dir + " (a directory)"),
+            std::string::npos)
+      << what;
+  std::filesystem::remove_all(dir);
+}
+
 // Hand-made traces: a bad value is named at its [token, layer, k] when loading, before any replay.
 TEST(Replay, BadTracesAreRefusedWhenLoadingNamingTheFirstBadEntry) {
   const std::string good = temp_dir("good");
