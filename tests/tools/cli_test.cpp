@@ -487,7 +487,7 @@ TEST(Cli, IntegersAreReadInDecimalAsTyped) {
   for (const std::string v : {"9223372036854775808", "-9223372036854775809", "99999999999999999999"}) {
     const CliResult bad = run_cli("run --device cpu --hidden " + v);
     EXPECT_EQ(bad.code, 2) << v;
-    EXPECT_NE(bad.err.find("--hidden: expected an integer in [-9223372036854775808, 9223372036854775807], got " + v),
+    EXPECT_NE(bad.err.find("'--hidden': expected an integer in [-9223372036854775808, 9223372036854775807], got " + v),
               std::string::npos)
         << bad.err;
   }
@@ -501,15 +501,15 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
   const struct {
     std::string args, want;
   } cases[] = {
-      {"run --device cpu --ranks 99999999999", "--ranks: " + int_range + "99999999999"},
-      {"run --device cpu --experts 2147483648", "--experts: " + int_range + "2147483648"},
-      {"run --device cpu --topk -2147483649", "--topk: " + int_range + "-2147483649"},
-      {"run --device cpu --iters 0099999999999", "--iters: " + int_range + "0099999999999"},
-      {"run --device cpu --ranks 99999999999999999999", "--ranks: " + int_range + "99999999999999999999"},
-      {"bench --device cpu --runs 3000000000", "--runs: " + int_range + "3000000000"},
-      {"tune --topk 3000000000", "--topk: " + int_range + "3000000000"},
+      {"run --device cpu --ranks 99999999999", "'--ranks': " + int_range + "99999999999"},
+      {"run --device cpu --experts 2147483648", "'--experts': " + int_range + "2147483648"},
+      {"run --device cpu --topk -2147483649", "'--topk': " + int_range + "-2147483649"},
+      {"run --device cpu --iters 0099999999999", "'--iters': " + int_range + "0099999999999"},
+      {"run --device cpu --ranks 99999999999999999999", "'--ranks': " + int_range + "99999999999999999999"},
+      {"bench --device cpu --runs 3000000000", "'--runs': " + int_range + "3000000000"},
+      {"tune --topk 3000000000", "'--topk': " + int_range + "3000000000"},
       {"run --device cpu --tokens 99999999999999999999",
-       "--tokens: expected an integer in [-9223372036854775808, 9223372036854775807], got 99999999999999999999"},
+       "'--tokens': expected an integer in [-9223372036854775808, 9223372036854775807], got 99999999999999999999"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);
@@ -534,15 +534,15 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
 // digits are taken, for every integer option and the integer lists of tune; "010" and "+2" still read as 10 and 2.
 TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
   expect_refused_before_work({
-      {"run --device cpu --ranks 0x10", "--ranks: expected a decimal integer, got 0x10"},
-      {"run --device cpu --tokens 0x8", "--tokens: expected a decimal integer, got 0x8"},
-      {"bench --device cpu --tokens-max 0x10", "--tokens-max: expected a decimal integer, got 0x10"},
-      {"run --device cpu --seed 0x10", "--seed: expected a decimal integer, got 0x10"},
-      {"bench --device cpu --tokens-max 1 --seed 0x10", "--seed: expected a decimal integer, got 0x10"},
-      {"run --device cpu --ranks 0b1", "--ranks: expected a decimal integer, got 0b1"},
-      {"run --device cpu --ranks ' 2'", "--ranks: expected a decimal integer, got  2"},
-      {"run --device cpu --iters 1e3", "--iters: expected a decimal integer, got 1e3"},
-      {"tune --topk +0x2", "--topk: expected a decimal integer, got +0x2"},
+      {"run --device cpu --ranks 0x10", "'--ranks': expected a decimal integer, got 0x10"},
+      {"run --device cpu --tokens 0x8", "'--tokens': expected a decimal integer, got 0x8"},
+      {"bench --device cpu --tokens-max 0x10", "'--tokens-max': expected a decimal integer, got 0x10"},
+      {"run --device cpu --seed 0x10", "'--seed': expected a decimal integer, got 0x10"},
+      {"bench --device cpu --tokens-max 1 --seed 0x10", "'--seed': expected a decimal integer, got 0x10"},
+      {"run --device cpu --ranks 0b1", "'--ranks': expected a decimal integer, got 0b1"},
+      {"run --device cpu --ranks ' 2'", "'--ranks': expected a decimal integer, got  2"},
+      {"run --device cpu --iters 1e3", "'--iters': expected a decimal integer, got 1e3"},
+      {"tune --topk +0x2", "'--topk': expected a decimal integer, got +0x2"},
       {"tune --sms 8,0x10", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got 8,0x10"},
       {"tune --sms ' 8'", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got  8"},
   }, "expected an integer in");
@@ -556,20 +556,20 @@ TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
 // `tune --chunks ""` swept nothing silently. Every option that takes a value refuses it as that; paths keep "got ''".
 TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
   expect_refused_before_work({
-      {"run --device cpu --ranks ''", "--ranks: expected a decimal integer, got an empty value"},
-      {"run --device cpu --tokens ''", "--tokens: expected a decimal integer, got an empty value"},
-      {"run --device cpu --tolerance ''", "--tolerance: expected a number, got an empty value"},
-      {"run --device cpu --seed ''", "--seed: expected a decimal integer, got an empty value"},
-      {"run --device cpu --domain ''", "--domain: expected a value, got an empty value"},
-      {"run --device cpu --redundant-experts ''", "--redundant-experts: expected a decimal integer, got an empty value"},
-      {"run --device ''", "--device: expected a value, got an empty value"},
-      {"bench --device cpu --modes ''", "--modes: expected a value, got an empty value"},
-      {"bench --device cpu --tokens-max=", "--tokens-max: expected a decimal integer, got an empty value"},
-      {"run --device cpu --json=", "--json: expected a path, got ''"},
-      {"tune --sms ''", "--sms: expected a value, got an empty value"},
-      {"tune --chunks ''", "--chunks: expected a value, got an empty value"},
-      {"tune --objective ''", "--objective: expected a value, got an empty value"},
-      {"tune --output ''", "--output: expected a path, got ''"},
+      {"run --device cpu --ranks ''", "'--ranks': expected a decimal integer, got an empty value"},
+      {"run --device cpu --tokens ''", "'--tokens': expected a decimal integer, got an empty value"},
+      {"run --device cpu --tolerance ''", "'--tolerance': expected a number, got an empty value"},
+      {"run --device cpu --seed ''", "'--seed': expected a decimal integer, got an empty value"},
+      {"run --device cpu --domain ''", "'--domain': expected a value, got an empty value"},
+      {"run --device cpu --redundant-experts ''", "'--redundant-experts': expected a decimal integer, got an empty value"},
+      {"run --device ''", "'--device': expected a value, got an empty value"},
+      {"bench --device cpu --modes ''", "'--modes': expected a value, got an empty value"},
+      {"bench --device cpu --tokens-max=", "'--tokens-max': expected a decimal integer, got an empty value"},
+      {"run --device cpu --json=", "'--json': expected a path, got ''"},
+      {"tune --sms ''", "'--sms': expected a value, got an empty value"},
+      {"tune --chunks ''", "'--chunks': expected a value, got an empty value"},
+      {"tune --objective ''", "'--objective': expected a value, got an empty value"},
+      {"tune --output ''", "'--output': expected a path, got ''"},
   }, "got 0");
 }
 
@@ -579,11 +579,11 @@ TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
 TEST(Cli, MissingValueAndRoutingDomainAreSaid) {
   CliResult r = run_cli("run --device cpu --ranks");
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("--ranks: expected a decimal integer after it, got nothing"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("'--ranks': expected a decimal integer after it, got nothing"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("required INT missing"), std::string::npos) << r.err;
   r = run_cli("run --device cpu --tolerance");
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("--tolerance: expected a number after it, got nothing"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("'--tolerance': expected a number after it, got nothing"), std::string::npos) << r.err;
   const std::string dir = temp_path("routing-dir");
   std::filesystem::create_directories(dir);
   r = run_cli("run --device cpu --routing '" + dir + "' " + kTinyRun);
@@ -633,7 +633,7 @@ TEST(Cli, ToleranceIsReadInDecimalOnly) {
   for (const std::string v : {"' 0.01'", "'0.01 '", "0x1p-7", "inf", "nan", "1e", "1.2.3", "+"}) {
     const CliResult r = run_cli("run --device cpu --tolerance " + v + " " + kTinyRun);
     EXPECT_EQ(r.code, 2) << v << "\n" << r.err;
-    EXPECT_NE(r.err.find("--tolerance: expected a decimal number (such as 0.01 or 1e-3), got "), std::string::npos)
+    EXPECT_NE(r.err.find("'--tolerance': expected a decimal number (such as 0.01 or 1e-3), got "), std::string::npos)
         << v << "\n" << r.err;
   }
   for (const std::string v : {"0.5", ".5", "5.", "+1e-1", "2E0"}) {
@@ -780,21 +780,21 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"run --device cpu --ranks 2 --experts 2050 --topk 2 --mode low-latency",
        "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
       // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
-      {"run --device cpu --tokens abc", "invalid argument: --tokens: expected a decimal integer, got abc"},
-      {"run --device cpu --ranks 99999999999", "--ranks: expected an integer in [-2147483648, 2147483647]"},
-      {"run --device cpu --tolerance x", "invalid argument: --tolerance: expected a decimal number"},
+      {"run --device cpu --tokens abc", "invalid argument '--tokens': expected a decimal integer, got abc"},
+      {"run --device cpu --ranks 99999999999", "'--ranks': expected an integer in [-2147483648, 2147483647]"},
+      {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a decimal number"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",
        "invalid argument '--ll-tokens-max': expected >= the sweep's smallest T (256"},
       {"bench --device cpu --tokens-min 1048576 --tokens-max 1048576", "expected sizes whose host memory fits"},
       {"tune --tokens 0", "invalid argument '--tokens'"},
-      {"run --device cpu --json ''", "--json: expected a path"},
-      {"bench --device cpu --json ''", "--json: expected a path"},
+      {"run --device cpu --json ''", "'--json': expected a path"},
+      {"bench --device cpu --json ''", "'--json': expected a path"},
       // Found by a fresh user: '' (an unset shell variable) ran with random routing or without the config.
-      {"run --device cpu --routing ''", "--routing: expected a path, got ''"},
-      {"run --device cpu --config ''", "--config: expected a path, got ''"},
-      {"bench --device cpu --config ''", "--config: expected a path, got ''"},
-      {"tune --config ''", "--config: expected a path, got ''"},
+      {"run --device cpu --routing ''", "'--routing': expected a path, got ''"},
+      {"run --device cpu --config ''", "'--config': expected a path, got ''"},
+      {"bench --device cpu --config ''", "'--config': expected a path, got ''"},
+      {"tune --config ''", "'--config': expected a path, got ''"},
       // Found by a fresh user: a flag where the command goes said only that a subcommand was required.
       {"--bogus", "invalid argument '--bogus': expected a command first (run, bench or tune"},
       // Found by a fresh user: a word that is no command said CLI11's "A subcommand is required".
@@ -1268,7 +1268,7 @@ TEST(Cli, HelpSaysConfigIsAFileAndTuneRunsOnGpus) {
   // cpu is not offered but still refused with the reason (TuneRefusesWithoutGpus); other values by the choices.
   const CliResult bad = run_cli("tune --device tpu");
   EXPECT_EQ(bad.code, 2);
-  EXPECT_NE(bad.err.find("--device: expected auto or cuda, got tpu"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("'--device': expected auto or cuda, got tpu"), std::string::npos) << bad.err;
 }
 
 // Found by a fresh user: the help read "--json TEXT:PATH" and "--no-floors{false}" (CLI11's type with its check's

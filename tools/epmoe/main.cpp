@@ -241,6 +241,16 @@ void refuse_empty_values(CLI::App& app) {
   });
 }
 
+/// Any other parse error: CLI11 says a check's refusal as "--tokens: expected ..."; said as the commands' own errors
+/// are ("invalid argument '--tokens': expected ..."), one style for every message.
+std::string option_message(const CLI::ParseError& e) {
+  const std::string what = e.what();
+  const auto colon = what.find(": ");
+  if (what.rfind("--", 0) == 0 && colon != std::string::npos && what.find(' ') > colon)
+    return "epmoe: invalid argument '" + what.substr(0, colon) + "': " + what.substr(colon + 2) + " (see --help)";
+  return "epmoe: invalid argument: " + what + " (see --help)";
+}
+
 /// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
 /// ""` is: said as refuse_empty_values says that; and for `--tokens` last on the line, with no value at all: said as
 /// "expected a decimal integer after it, got nothing". "" when `e` is not such an error. `args` is the command line.
@@ -255,8 +265,8 @@ std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
   if (o == nullptr) return "";
   for (const std::string& name : o->get_lnames())
     if (std::find(args.begin(), args.end(), "--" + name + "=") != args.end())
-      return "epmoe: invalid argument: " + flag + ": " + empty_value_message(kind_of(*o)) + " (see --help)";
-  return "epmoe: invalid argument: " + flag + ": expected " + value_kind(kind_of(*o)) +
+      return "epmoe: invalid argument '" + flag + "': " + empty_value_message(kind_of(*o)) + " (see --help)";
+  return "epmoe: invalid argument '" + flag + "': expected " + value_kind(kind_of(*o)) +
          " after it, got nothing (see --help)";
 }
 
@@ -326,7 +336,7 @@ int main(int argc, char** argv) {
     else if (std::string x = extras_message(app, e, args); !x.empty())
       message = std::move(x);
     else
-      message = fmt::format("epmoe: invalid argument: {} (see --help)", e.what());
+      message = option_message(e);
     if (say) {
       std::fprintf(stderr, "%s\n", message.c_str());
     } else {
