@@ -60,9 +60,11 @@ RoutingTrace load_routing_trace(const std::string& dir_or_file, const std::strin
   // A directory's file is named by the domain asked for, which the caller may not have typed (a default): said.
   const std::string of_domain =
       fs::is_directory(dir_or_file) ? fmt::format(" (domain '{}' of that directory)", domain) : std::string();
-  EPMOE_CHECK_ARG(fs::exists(idx_path), "routing", fmt::format("an existing file {}{}", idx_path, of_domain),
-                  "no such file");
-  EPMOE_CHECK_ARG(fs::exists(w_path), "routing", fmt::format("an existing file {}{}", w_path, of_domain), "no such file");
+  for (const std::string* path : {&idx_path, &w_path}) {
+    EPMOE_CHECK_ARG(fs::exists(*path), "routing", fmt::format("an existing file {}{}", *path, of_domain),
+                    "no such file");
+    EPMOE_CHECK_ARG(!fs::is_directory(*path), "routing", fmt::format("a file {}{}", *path, of_domain), "a directory");
+  }
   trace.topk_idx = load_trace_file(idx_path, "topk_idx");
   trace.topk_weights = load_trace_file(w_path, "topk_weights");
   EPMOE_CHECK_ARG(trace.topk_idx.dtype() == DType::int16 && trace.topk_idx.shape().ndim() == 3, "routing topk_idx",

@@ -129,15 +129,34 @@ std::string error_of(const std::string& dir) {
   return "(no error)";
 }
 
-// A directory named as the trace file is (a failed unpack) is said to be one, not a file missing inside it.
-TEST(Replay, ADirectoryNamedAsTheFileIsSaidToBeOne) {
+// A directory where a trace file goes (a failed unpack) is said to be one, not a file missing inside it nor a .npy
+// file with a bad magic: given as the file, inside a --routing directory, and as the weights beside the ids.
+TEST(Replay, ADirectoryWhereATraceFileGoesIsSaidToBeOne) {
+  namespace fs = std::filesystem;
   const std::string dir = temp_dir("general.topk_idx.npy");
-  std::filesystem::create_directories(dir);
-  const std::string what = error_of(dir);
+  fs::create_directories(dir);
+  std::string what = error_of(dir);
   EXPECT_NE(what.find("'routing': expected a DOMAIN.topk_idx.npy file, got " + dir + " (a directory)"),
             std::string::npos)
       << what;
-  std::filesystem::remove_all(dir);
+  fs::remove_all(dir);
+  const std::string outer = temp_dir("traces");
+  fs::create_directories(outer + "/general.topk_idx.npy");
+  fs::copy_file(kDir + "/general.topk_weights.npy", outer + "/general.topk_weights.npy",
+                fs::copy_options::overwrite_existing);
+  what = error_of(outer);
+  EXPECT_NE(what.find("'routing': expected a file " + outer + "/general.topk_idx.npy (domain 'general' of that "
+                      "directory), got a directory"),
+            std::string::npos)
+      << what;
+  fs::remove_all(outer + "/general.topk_idx.npy");
+  fs::remove(outer + "/general.topk_weights.npy");
+  fs::copy_file(kDir + "/general.topk_idx.npy", outer + "/general.topk_idx.npy");
+  fs::create_directories(outer + "/general.topk_weights.npy");
+  what = error_of(outer + "/general.topk_idx.npy");
+  EXPECT_NE(what.find("expected a file " + outer + "/general.topk_weights.npy, got a directory"), std::string::npos)
+      << what;
+  fs::remove_all(outer);
 }
 
 // Hand-made traces: a bad value is named at its [token, layer, k] when loading, before any replay.
