@@ -314,6 +314,9 @@ def test_low_latency_errors_name_the_argument(rng):
         for name, call in {
             # a window of about 10 TB: named before allocating (the allocator's failure named no setting)
             "window_past_memory": lambda: buf.low_latency_dispatch(xs[r], idxs[r], 1 << 29, E),
+            # no token, but rows of 2^37 bytes: even Tmax = 1 cannot fit, so hidden is the setting named
+            "rows_past_memory": lambda: buf.low_latency_dispatch(np.zeros((0, 1 << 36), BF16),
+                                                                 np.zeros((0, K), np.int64), 8, E),
             "too_many_tokens": lambda: buf.low_latency_dispatch(big, big_idx, TMAX, E),
             "ue8m0": lambda: buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_ue8m0=True),
             "k_too_large": lambda: buf.low_latency_dispatch(
@@ -332,6 +335,8 @@ def test_low_latency_errors_name_the_argument(rng):
     for errors in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
         code, msg = errors["window_past_memory"]
         assert code == "invalid_argument" and "'num_max_dispatch_tokens_per_rank'" in msg and str(1 << 29) in msg, msg
+        code, msg = errors["rows_past_memory"]
+        assert code == "invalid_argument" and "'hidden'" in msg and str(1 << 36) in msg, msg
         code, msg = errors["too_many_tokens"]
         assert code == "invalid_argument" and str(TMAX) in msg and str(TMAX + 1) in msg
         assert errors["ue8m0"][0] == "invalid_argument" and "round_scale" in errors["ue8m0"][1]

@@ -173,16 +173,21 @@ void LowLatencyMode::ensure_configured(int tmax, std::int64_t hidden, int num_ex
                               {"num_experts", num_experts},
                               {"num_rdma_bytes (low-latency window bytes)", bytes}};
   g.check_agreement(settings, fmt::format("{}: low-latency settings", phase));
-  // After the agreement, so every rank raises alike rather than leaving its peers in the collective allocation.
+  // After the agreement, so every rank raises alike rather than leaving its peers in the collective allocation. The
+  // setting named is the one that can mend it: Tmax, unless even Tmax = 1 needs more (then hidden).
   const double have = host_memory_bytes();
-  if (have > 0 && static_cast<double>(bytes) > have)
-    throw_invalid_argument(num_rdma_bytes_ > 0 ? "num_rdma_bytes" : "num_max_dispatch_tokens_per_rank",
-                           fmt::format("a low-latency window within this machine's {} bytes of memory",
-                                       static_cast<std::int64_t>(have)),
-                           num_rdma_bytes_ > 0
-                               ? fmt::format("{}", bytes)
-                               : fmt::format("{} (a window of {} bytes for hidden {}, num_experts {} over {} ranks)",
-                                             tmax, bytes, hidden, num_experts, g.size()));
+  if (have > 0 && static_cast<double>(bytes) > have) {
+    const bool per_hidden = num_rdma_bytes_ <= 0 &&
+                            2.0 * static_cast<double>(Layout::make(1, hidden, g.size(), num_experts).half_bytes) > have;
+    const std::string expected = fmt::format("a low-latency window within this machine's {} bytes of memory",
+                                             static_cast<std::int64_t>(have));
+    if (num_rdma_bytes_ > 0) throw_invalid_argument("num_rdma_bytes", expected, fmt::format("{}", bytes));
+    const std::string window = fmt::format("a window of {} bytes for num_max_dispatch_tokens_per_rank {}, hidden {}, "
+                                           "num_experts {} over {} ranks",
+                                           bytes, tmax, hidden, num_experts, g.size());
+    throw_invalid_argument(per_hidden ? "hidden" : "num_max_dispatch_tokens_per_rank", expected,
+                           fmt::format("{} ({})", per_hidden ? hidden : std::int64_t{tmax}, window));
+  }
   transport_.allocate_window(static_cast<std::size_t>(bytes), 4 * g.size(), fmt::format("{}: allocate window", phase));
   layout_ = L;
   scratch_.assign(static_cast<std::size_t>(tmax) * L.record_bytes, std::byte{0});
