@@ -553,7 +553,7 @@ TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
 
 // Found by a fresh user: an empty value (an unset shell variable) ran as 0 (`run --ranks ""` said "expected >= 1,
 // got 0", `--tolerance ""` "got 0") or was named as "got " with nothing after it (`bench --modes ""`), and
-// `tune --chunks ""` swept nothing silently. Every option that takes a value refuses it as that; paths keep "got ''".
+// `tune --chunks ""` swept nothing silently. Every option that takes a value refuses it as that, paths too.
 TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
   expect_refused_before_work({
       {"run --device cpu --ranks ''", "'--ranks': expected a decimal integer, got an empty value"},
@@ -565,11 +565,11 @@ TEST(Cli, EmptyValuesAreRefusedNamingTheOption) {
       {"run --device ''", "'--device': expected a value, got an empty value"},
       {"bench --device cpu --modes ''", "'--modes': expected a value, got an empty value"},
       {"bench --device cpu --tokens-max=", "'--tokens-max': expected a decimal integer, got an empty value"},
-      {"run --device cpu --json=", "'--json': expected a path, got ''"},
+      {"run --device cpu --json=", "'--json': expected a path, got an empty value"},
       {"tune --sms ''", "'--sms': expected a value, got an empty value"},
       {"tune --chunks ''", "'--chunks': expected a value, got an empty value"},
       {"tune --objective ''", "'--objective': expected a value, got an empty value"},
-      {"tune --output ''", "'--output': expected a path, got ''"},
+      {"tune --output ''", "'--output': expected a path, got an empty value"},
   }, "got 0");
 }
 
@@ -732,6 +732,42 @@ TEST(Cli, MpirunFlagRefusedOnOneProcessStopsEveryProcess) {
 #endif
 }
 
+// Found by a fresh user: choices, a missing command and a command's flag typed before the command still spoke
+// CLI11's words ("gpu not in {auto,cpu,cuda}", "A subcommand is required", "did you mean --tokens?" of --tokens).
+// Every parse error now reads "invalid argument 'X': expected ..., got ...".
+TEST(Cli, EveryParseErrorNamesTheArgumentWithExpectedAndGot) {
+  expect_refused_before_work(
+      {
+          {"run --device gpu", "epmoe: invalid argument '--device': expected one of auto, cpu, cuda, got gpu"},
+          {"bench --device gpu", "epmoe: invalid argument '--device': expected one of auto, cpu, cuda, got gpu"},
+          {"run --device cpu --mode fast",
+           "epmoe: invalid argument '--mode': expected one of normal, low-latency, got fast"},
+          {"", "epmoe: invalid argument 'command': expected run, bench or tune (see --help), got none"},
+          {"--tokens 3 run --device cpu",
+           "epmoe: invalid argument '--tokens': expected the flags after the command (epmoe run --tokens ...), got it "
+           "before 'run'"},
+          {"--tokenz 3 run", "epmoe: invalid argument '--tokenz': expected a flag of run; did you mean --tokens?"},
+      },
+      "invalid argument: ");
+}
+
+// A refusal of one process's own flags (a value check, after parsing) says which rank refused, beside rank 0's
+// summary; the first process's messages keep no prefix.
+TEST(Cli, MpirunValueRefusedOnAnotherProcessNamesThatRank) {
+#if defined(EPMOE_HAVE_MPI)
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  const auto [status, out] = run_two_processes("", "--tolerance 0");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
+  EXPECT_NE(out.find("epmoe: rank 1: invalid argument '--tolerance': expected a positive finite number"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("epmoe: rank 0: its flags were accepted, but rank(s) 1 refused theirs"), std::string::npos)
+      << out;
+#else
+  GTEST_SKIP() << "built without MPI";
+#endif
+}
+
 // A flag typo on one process of an MPMD launch (rank 0's command line parses): that rank names itself and the flag,
 // where it used to exit 2 in silence and the job stopped with no word of why.
 TEST(Cli, MpirunParseErrorOnAnotherProcessAloneNamesThatRankAndTheFlag) {
@@ -791,10 +827,10 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"run --device cpu --json ''", "'--json': expected a path"},
       {"bench --device cpu --json ''", "'--json': expected a path"},
       // Found by a fresh user: '' (an unset shell variable) ran with random routing or without the config.
-      {"run --device cpu --routing ''", "'--routing': expected a path, got ''"},
-      {"run --device cpu --config ''", "'--config': expected a path, got ''"},
-      {"bench --device cpu --config ''", "'--config': expected a path, got ''"},
-      {"tune --config ''", "'--config': expected a path, got ''"},
+      {"run --device cpu --routing ''", "'--routing': expected a path, got an empty value"},
+      {"run --device cpu --config ''", "'--config': expected a path, got an empty value"},
+      {"bench --device cpu --config ''", "'--config': expected a path, got an empty value"},
+      {"tune --config ''", "'--config': expected a path, got an empty value"},
       // Found by a fresh user: a flag where the command goes said only that a subcommand was required.
       {"--bogus", "invalid argument '--bogus': expected a command first (run, bench or tune"},
       // Found by a fresh user: a word that is no command said CLI11's "A subcommand is required".

@@ -937,7 +937,7 @@ void add_shape_options(CLI::App* cmd, BenchConfig& c, const std::string& ranks_h
   cmd->add_option("--config", c.config,
                   "a JSON file of BufferOptions tunables (what `epmoe tune` writes), e.g. containing {\"num_sms\": 16}")
       ->type_name("FILE")
-      ->check(non_empty_input());
+      ->check(non_empty_path());
 }
 
 }  // namespace

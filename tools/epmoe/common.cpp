@@ -75,14 +75,9 @@ std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed, std::st
 }
 
 const CLI::Validator& non_empty_path() {
-  static const CLI::Validator check([](std::string& v) { return v.empty() ? std::string("expected a path, got ''") : std::string(); },
-                                    "");
-  return check;
-}
-
-const CLI::Validator& non_empty_input() {
-  static const CLI::Validator check([](std::string& v) { return v.empty() ? std::string("expected a path, got ''") : std::string(); },
-                                    "");
+  static const CLI::Validator check(
+      [](std::string& v) { return v.empty() ? std::string("expected a path, got an empty value") : std::string(); },
+      "");
   return check;
 }
 

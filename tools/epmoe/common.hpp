@@ -48,13 +48,10 @@ DeviceKind resolve_device(std::string_view choice, bool cuda_allowed = true, std
 /// ("--device auto" if that is empty, or if GPUs are there and allowed: not a CPU run of resolve_device).
 std::string cpu_ranks_reason(std::string_view choice, bool cuda_allowed = true, std::string_view no_gpu_path = "");
 
-/// A CLI11 check for path options: an empty path is refused (it would silently write nothing). No type of its own in
-/// --help: the option says PATH (type_name), not "TEXT:PATH".
+/// A CLI11 check for path options: an empty path is refused, output or input alike (an output would silently write
+/// nothing; for --config or --routing, '' would silently mean the flag was not given, as an unset shell variable
+/// does). No type of its own in --help: the option says PATH or FILE (type_name), not "TEXT:PATH".
 const CLI::Validator& non_empty_path();
-
-/// The same for input paths (--config, --routing), where '' would silently mean the flag was not given (e.g. an
-/// unset shell variable: random routing, no config); no type of its own in --help (theirs say FILE or PATH).
-const CLI::Validator& non_empty_input();
 
 /// "1 rank", "4 ranks": `n` and `noun`, plural unless n is 1.
 std::string plural(std::int64_t n, std::string_view noun);

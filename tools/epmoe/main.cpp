@@ -34,6 +34,15 @@ const char* launcher_rank() {
 /// flag), not one copy per rank.
 bool first_or_only_process() { return std::strcmp(launcher_rank(), "0") == 0; }
 
+/// `message` ("epmoe: ...") as a process other than the first says it under a launcher: "epmoe: rank N: ...", so a
+/// refusal of one rank's own flags says whose they were (unchanged where it already names a rank first).
+std::string naming_the_rank(const std::string& message) {
+  const std::string head = "epmoe: ";
+  if (first_or_only_process() || message.rfind(head, 0) != 0 || message.compare(head.size(), 5, "rank ") == 0)
+    return message;
+  return head + "rank " + launcher_rank() + ": " + message.substr(head.size());
+}
+
 /// The option `flag` ("--ranks") of the command that was parsed, or null.
 const CLI::Option* parsed_option(const CLI::App& app, const std::string& flag) {
   for (const CLI::App* sub : app.get_subcommands())
@@ -142,6 +151,13 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const 
     return "epmoe: invalid argument '" + extras.front() + "': expected a flag (" + command +
            " takes no positional arguments; see --help)";
   const std::string name = flag->substr(0, flag->find('='));
+  // A command's flag typed before the command ("epmoe --tokens 3 run"): the place is the mistake, not the name.
+  if (sub != &app && sub->get_option_no_throw(name) != nullptr) {
+    const auto at = std::find(args.begin(), args.end(), command);
+    if (std::any_of(args.begin(), at, [&](const std::string& w) { return w.substr(0, w.find('=')) == name; }))
+      return "epmoe: invalid argument '" + name + "': expected the flags after the command (epmoe " + command + " " +
+             name + " ...), got it before '" + command + "'";
+  }
   std::string best;
   std::size_t best_distance = 3;
   for (const CLI::Option* o : sub->get_options())
@@ -221,16 +237,14 @@ void read_numbers_in_decimal(CLI::App& app) {
   });
 }
 
-/// What is said of an empty value given to an option of kind `k`: a path option's own check says "expected a path,
-/// got ''"; the others "expected <kind>, got an empty value".
-std::string empty_value_message(ValueKind k) {
-  return k == ValueKind::path ? "expected a path, got ''" : "expected " + value_kind(k) + ", got an empty value";
-}
+/// What is said of an empty value given to an option of kind `k`: "expected <kind>, got an empty value" (path options'
+/// own check, non_empty_path, says it so too).
+std::string empty_value_message(ValueKind k) { return "expected " + value_kind(k) + ", got an empty value"; }
 
 /// An empty value (`--tokens ""`, an unset shell variable) is refused for every option that takes one: CLI11 read it
 /// as 0 for a number and as "" for a list, so a run went on as if a value were given. Runs before the option's own
-/// checks (a transform goes first), so it is said the same way for all; path options (PATH, FILE) keep their own
-/// message, "expected a path, got ''".
+/// checks (a transform goes first), so it is said the same way for all; path options (PATH, FILE) have their own
+/// check of the same words.
 void refuse_empty_values(CLI::App& app) {
   for_each_option(app, [](CLI::App&, CLI::Option* o) {
     const ValueKind kind = kind_of(*o);
@@ -241,14 +255,26 @@ void refuse_empty_values(CLI::App& app) {
   });
 }
 
-/// Any other parse error: CLI11 says a check's refusal as "--tokens: expected ..."; said as the commands' own errors
-/// are ("invalid argument '--tokens': expected ..."), one style for every message.
+/// Any other parse error: CLI11 says a check's refusal as "--tokens: expected ..." and a choice's as "--device: gpu
+/// not in {auto,cpu,cuda}"; said as the commands' own errors are ("invalid argument '--device': expected one of auto,
+/// cpu, cuda, got gpu"), one style for every message.
 std::string option_message(const CLI::ParseError& e) {
   const std::string what = e.what();
+  if (e.get_name() == "RequiredError" && what.find("subcommand") != std::string::npos)
+    return "epmoe: invalid argument 'command': expected run, bench or tune (see --help), got none";
   const auto colon = what.find(": ");
-  if (what.rfind("--", 0) == 0 && colon != std::string::npos && what.find(' ') > colon)
-    return "epmoe: invalid argument '" + what.substr(0, colon) + "': " + what.substr(colon + 2) + " (see --help)";
-  return "epmoe: invalid argument: " + what + " (see --help)";
+  if (what.rfind("--", 0) != 0 || colon == std::string::npos || what.find(' ') < colon)
+    return "epmoe: invalid argument: " + what + " (see --help)";
+  const std::string flag = what.substr(0, colon), rest = what.substr(colon + 2);
+  static const std::regex choice(R"((.*) not in \{(.*)\})");
+  if (std::smatch m; std::regex_match(rest, m, choice)) {
+    std::string choices = m[2];
+    for (std::size_t at = choices.find(','); at != std::string::npos; at = choices.find(',', at + 2))
+      choices.replace(at, 1, ", ");
+    return "epmoe: invalid argument '" + flag + "': expected one of " + choices + ", got " + m[1].str() +
+           " (see --help)";
+  }
+  return "epmoe: invalid argument '" + flag + "': " + rest + " (see --help)";
 }
 
 /// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
@@ -344,7 +370,7 @@ int main(int argc, char** argv) {
       // exits first and the job stops during this pause: one message, not one per rank. When only this rank's
       // command line differs (an MPMD launch), nobody else speaks: this rank says it, naming itself.
       std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-      std::fprintf(stderr, "epmoe: rank %s: %s\n", launcher_rank(), message.c_str() + std::strlen("epmoe: "));
+      std::fprintf(stderr, "%s\n", naming_the_rank(message).c_str());
     }
     return 2;
   }
@@ -353,7 +379,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("tune")) return tune();
   } catch (const epmoe::Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    std::fprintf(stderr, "%s\n", naming_the_rank(e.what()).c_str());
     // Bad arguments (and requests this machine cannot serve: sizes past its memory, no GPU): 2. A failure while
     // running (a timeout, a broken group or buffer, an internal error, results that could not be written): 1, as a
     // failed check.

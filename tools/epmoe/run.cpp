@@ -877,7 +877,7 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--config", c.config,
                   "a JSON file of BufferOptions tunables (what `epmoe tune` writes), e.g. containing {\"num_sms\": 16}")
       ->type_name("FILE")
-      ->check(non_empty_input());
+      ->check(non_empty_path());
   cmd->add_option("--seed", c.seed, "seed of weights, activations and random routing")
       ->check(non_negative_integer())
       ->capture_default_str();
@@ -885,7 +885,7 @@ std::function<int()> add_run_command(CLI::App& app) {
                   "replay recorded routing: a directory or a DOMAIN.topk_idx.npy file; .npy files DOMAIN.topk_idx "
                   "(int16 [tokens, layers, K], ids in [-1, 64)) and DOMAIN.topk_weights (float32, same shape, finite)")
       ->type_name("PATH")
-      ->check(non_empty_input());
+      ->check(non_empty_path());
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory (refused with a --routing file: "
                                         "the file's name gives its domain)")
       ->capture_default_str();
