@@ -747,6 +747,13 @@ TEST(Cli, EveryParseErrorNamesTheArgumentWithExpectedAndGot) {
            "epmoe: invalid argument '--tokens': expected the flags after the command (epmoe run --tokens ...), got it "
            "before 'run'"},
           {"--tokenz 3 run", "epmoe: invalid argument '--tokenz': expected a flag of run; did you mean --tokens?"},
+          // CLI11 read "=2" as a count, "=" and "=true" as set, and "=foo" as "a value in range".
+          {"run --device cpu --eplb=foo",
+           "epmoe: invalid argument '--eplb': expected no value (it is a flag: --eplb alone), got --eplb=foo"},
+          {"run --device cpu --overlap=2", "'--overlap': expected no value (it is a flag: --overlap alone), got --overlap=2"},
+          {"run --device cpu --overlap=", "'--overlap': expected no value (it is a flag: --overlap alone), got --overlap="},
+          {"run --device cpu --overlap=true", "'--overlap': expected no value"},
+          {"bench --device cpu --no-floors=1", "'--no-floors': expected no value"},
       },
       "invalid argument: ");
 }

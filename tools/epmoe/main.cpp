@@ -304,6 +304,35 @@ void refuse_repeated_flags(CLI::App& app) {
   });
 }
 
+/// A flag given a value (`--eplb=foo`, `--overlap=2`, `--overlap=`) is refused, before parsing: CLI11 read "=2" as a
+/// count and "=" or "=true" as set, and "=foo" failed as "a value in range". Only the command's own words are looked
+/// at (after it, before "--"). "" when there is none.
+std::string flag_value_message(CLI::App& app, const std::vector<std::string>& args) {
+  const CLI::App* sub = nullptr;
+  auto w = args.begin();
+  for (; w != args.end() && sub == nullptr; ++w)
+    for (const CLI::App* s : app.get_subcommands({}))
+      if (!w->empty() && (*w)[0] != '-' && s->get_name() == *w) sub = s;
+  for (; sub != nullptr && w != args.end() && *w != "--"; ++w) {
+    const auto eq = w->find('=');
+    if (w->rfind("--", 0) != 0 || eq == std::string::npos) continue;
+    const std::string flag = w->substr(0, eq);
+    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr && o->get_expected_max() == 0)
+      return "epmoe: invalid argument '" + flag + "': expected no value (it is a flag: " + flag + " alone), got " + *w;
+  }
+  return "";
+}
+
+/// Says why the command line was refused and returns exit status 2. Under mpirun every process parses the same line:
+/// the first says it at once; another says it after a pause, naming itself. mpirun stops the job at the first
+/// non-zero exit, so when the first process refused the same line the job stops during that pause (one message, not
+/// one per rank); when only this rank's line differs (an MPMD launch), nobody else speaks.
+int refuse_command_line(const std::string& message) {
+  if (!first_or_only_process()) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  std::fprintf(stderr, "%s\n", naming_the_rank(message).c_str());
+  return 2;
+}
+
 /// A standard output that cannot be written (`> /dev/full`, closed): said as that, not as a bug or a success; exit 1
 /// (a failure while running), whether the job's output or the help failed.
 int standard_output_failed(const std::string& reason) {
@@ -330,6 +359,8 @@ int main(int argc, char** argv) {
   read_numbers_in_decimal(app);
   refuse_empty_values(app);  // after: its transform then runs first
   refuse_repeated_flags(app);
+  if (const std::string m = flag_value_message(app, std::vector<std::string>(argv + 1, argv + argc)); !m.empty())
+    return refuse_command_line(m);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -363,16 +394,7 @@ int main(int argc, char** argv) {
       message = std::move(x);
     else
       message = option_message(e);
-    if (say) {
-      std::fprintf(stderr, "%s\n", message.c_str());
-    } else {
-      // mpirun stops the job at the first non-zero exit. When the first process refused the same command line, it
-      // exits first and the job stops during this pause: one message, not one per rank. When only this rank's
-      // command line differs (an MPMD launch), nobody else speaks: this rank says it, naming itself.
-      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-      std::fprintf(stderr, "%s\n", naming_the_rank(message).c_str());
-    }
-    return 2;
+    return refuse_command_line(message);
   }
   try {
     if (app.got_subcommand("run")) return run();
