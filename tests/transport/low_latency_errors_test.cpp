@@ -7,6 +7,7 @@
 #include <chrono>
 #include <thread>
 
+#include "core/host_memory.hpp"
 #include "transport/low_latency_test_common.hpp"
 
 namespace epmoe::test::ll {
@@ -190,6 +191,30 @@ TEST(LowLatencyErrors, WindowPastHostMemoryNamesTmaxAndTheBufferStaysUsable) {
   });
   const auto ref = reference_low_latency_dispatch(in, c.E);
   for (int d = 0; d < c.R; ++d) expect_dispatch_matches(c, d, got[static_cast<std::size_t>(d)], in, ref, {});
+}
+
+// Thread ranks' windows share one process: a Tmax whose one window fits this machine's memory but whose two (two
+// thread ranks) do not is refused, not left to an allocation that overcommits.
+TEST(LowLatencyErrors, ThreadRanksWindowsAddUpAgainstHostMemory) {
+  const Case c = small_case();
+  const double have = host_memory_bytes();
+  if (have <= 0) GTEST_SKIP() << "the system does not say its memory";
+  int tmax = 1;
+  while (2.0 * static_cast<double>(Buffer::get_low_latency_rdma_size_hint(tmax, c.H, c.R, c.E)) <= have) tmax *= 2;
+  const double one = static_cast<double>(Buffer::get_low_latency_rdma_size_hint(tmax, c.H, c.R, c.E));
+  ASSERT_LE(one, have) << "Tmax = " << tmax;  // one rank's window alone would fit
+  std::mt19937_64 rng(fresh_seed());
+  const auto in = make_inputs(rng, c);
+  for (const auto& e : errors_on_all(c.R, [&](Buffer& b, Group& g) {
+         auto a = dispatch_args(c, in[static_cast<std::size_t>(g.rank())]);
+         a.num_max_dispatch_tokens_per_rank = tmax;
+         b.low_latency_dispatch(a);
+       })) {
+    ASSERT_TRUE(e.thrown);
+    EXPECT_EQ(e.code, ErrorCode::invalid_argument) << e.what;
+    EXPECT_TRUE(contains(e.what, "'num_max_dispatch_tokens_per_rank'") && contains(e.what, "x 2 thread ranks"))
+        << e.what;
+  }
 }
 
 TEST(LowLatencyErrors, BufferTooSmallNamesBytesNeeded) {

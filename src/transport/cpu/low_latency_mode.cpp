@@ -174,17 +174,20 @@ void LowLatencyMode::ensure_configured(int tmax, std::int64_t hidden, int num_ex
                               {"num_rdma_bytes (low-latency window bytes)", bytes}};
   g.check_agreement(settings, fmt::format("{}: low-latency settings", phase));
   // After the agreement, so every rank raises alike rather than leaving its peers in the collective allocation. The
-  // setting named is the one that can mend it: Tmax, unless even Tmax = 1 needs more (then hidden).
-  const double have = host_memory_bytes();
-  if (have > 0 && static_cast<double>(bytes) > have) {
-    const bool per_hidden = num_rdma_bytes_ <= 0 &&
-                            2.0 * static_cast<double>(Layout::make(1, hidden, g.size(), num_experts).half_bytes) > have;
-    const std::string expected = fmt::format("a low-latency window within this machine's {} bytes of memory",
+  // windows of thread ranks share one process, so theirs add up. The setting named is the one that can mend it: Tmax,
+  // unless even Tmax = 1 needs more (then hidden).
+  const double have = host_memory_bytes(), here = g.backend() == "threads" ? g.size() : 1;
+  if (have > 0 && here * static_cast<double>(bytes) > have) {
+    const bool per_hidden =
+        num_rdma_bytes_ <= 0 &&
+        here * 2.0 * static_cast<double>(Layout::make(1, hidden, g.size(), num_experts).half_bytes) > have;
+    const std::string expected = fmt::format("low-latency windows within this machine's {} bytes of memory",
                                              static_cast<std::int64_t>(have));
-    if (num_rdma_bytes_ > 0) throw_invalid_argument("num_rdma_bytes", expected, fmt::format("{}", bytes));
-    const std::string window = fmt::format("a window of {} bytes for num_max_dispatch_tokens_per_rank {}, hidden {}, "
+    const std::string ranks = here > 1 ? fmt::format(" (x {} thread ranks in this process)", g.size()) : "";
+    if (num_rdma_bytes_ > 0) throw_invalid_argument("num_rdma_bytes", expected, fmt::format("{}{}", bytes, ranks));
+    const std::string window = fmt::format("a window of {} bytes{} for num_max_dispatch_tokens_per_rank {}, hidden {}, "
                                            "num_experts {} over {} ranks",
-                                           bytes, tmax, hidden, num_experts, g.size());
+                                           bytes, ranks, tmax, hidden, num_experts, g.size());
     throw_invalid_argument(per_hidden ? "hidden" : "num_max_dispatch_tokens_per_rank", expected,
                            fmt::format("{} ({})", per_hidden ? hidden : std::int64_t{tmax}, window));
   }
