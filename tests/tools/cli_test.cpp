@@ -754,6 +754,10 @@ TEST(Cli, EveryParseErrorNamesTheArgumentWithExpectedAndGot) {
           {"run --device cpu --overlap=", "'--overlap': expected no value (it is a flag: --overlap alone), got --overlap="},
           {"run --device cpu --overlap=true", "'--overlap': expected no value"},
           {"bench --device cpu --no-floors=1", "'--no-floors': expected no value"},
+          // Found by a fresh user: "--tokens= 16" took the next word and ran with 16.
+          {"run --device cpu --tokens= 16", "'--tokens': expected a decimal integer, got an empty value"},
+          {"run --device cpu --tolerance= 0.5", "'--tolerance': expected a number, got an empty value"},
+          {"bench --device cpu --modes= normal", "'--modes': expected a value, got an empty value"},
       },
       "invalid argument: ");
 }

@@ -304,9 +304,10 @@ void refuse_repeated_flags(CLI::App& app) {
   });
 }
 
-/// A flag given a value (`--eplb=foo`, `--overlap=2`, `--overlap=`) is refused, before parsing: CLI11 read "=2" as a
-/// count and "=" or "=true" as set, and "=foo" failed as "a value in range". Only the command's own words are looked
-/// at (after it, before "--"). "" when there is none.
+/// A flag given a value (`--eplb=foo`, `--overlap=2`, `--overlap=`) and an option given an empty one by "="
+/// (`--tokens=`) are refused, before parsing: CLI11 read "=2" as a count and "=" or "=true" as set, "=foo" failed as
+/// "a value in range", and "--tokens= 16" took the next word. Only the command's own words are looked at (after it,
+/// before "--"). "" when there is none.
 std::string flag_value_message(CLI::App& app, const std::vector<std::string>& args) {
   const CLI::App* sub = nullptr;
   auto w = args.begin();
@@ -317,8 +318,12 @@ std::string flag_value_message(CLI::App& app, const std::vector<std::string>& ar
     const auto eq = w->find('=');
     if (w->rfind("--", 0) != 0 || eq == std::string::npos) continue;
     const std::string flag = w->substr(0, eq);
-    if (const CLI::Option* o = sub->get_option_no_throw(flag); o != nullptr && o->get_expected_max() == 0)
+    const CLI::Option* o = sub->get_option_no_throw(flag);
+    if (o != nullptr && o->get_expected_max() == 0)
       return "epmoe: invalid argument '" + flag + "': expected no value (it is a flag: " + flag + " alone), got " + *w;
+    // "--tokens=" then a word: CLI11 took the next word as the value ("--tokens= 16" ran with 16).
+    if (o != nullptr && eq + 1 == w->size())
+      return "epmoe: invalid argument '" + flag + "': " + empty_value_message(kind_of(*o)) + " (see --help)";
   }
   return "";
 }
