@@ -10,7 +10,8 @@
 # machine that has them (build/deps; --deps DIR or EPMOE_DEPS_PREFIX), carried along. The package goes to a private
 # folder (EPMOE_PY_TARGET, default /tmp/epmoe-py) put first on PYTHONPATH, so the machine's site-packages stay
 # untouched; its CMake build folder is build/python-gpu (reused by a later run on the same machine).
-# EPMOE_PYTEST_ARGS adds pytest arguments (e.g. "-k thread_ranks"); EPMOE_SKIP_BUILD=1 reuses the package an
+# EPMOE_PYTEST_ARGS adds pytest arguments, split at spaces (e.g. "-x -q"); EPMOE_PYTEST_K a -k expression, kept whole
+# (e.g. "low_latency or accessors"); EPMOE_SKIP_BUILD=1 reuses the package an
 # earlier run on the same machine installed. Writes python_env.txt and junit.xml; the pip build's and pytest's
 # output go to gpu_check.log.
 
@@ -90,6 +91,6 @@ epmoe.built_with_cuda())' >>"$RESULTS/python_env.txt" 2>&1
   # shellcheck disable=SC2086
   step "python suite (python/tests, GPU tests included)" 300 bash -c 'cd "$1" && shift && "$@"' _ "$RESULTS" \
     "$py" -m pytest -v -rs -p no:cacheprovider --junitxml="$RESULTS/junit.xml" "$ROOT/python/tests" \
-    ${EPMOE_PYTEST_ARGS:-}
+    ${EPMOE_PYTEST_K:+-k "$EPMOE_PYTEST_K"} ${EPMOE_PYTEST_ARGS:-}
   grep -E '(PASSED|FAILED|ERROR|SKIPPED)' "$LOG" | grep -E 'gpu/|FAILED|ERROR' | tail -40
 }
