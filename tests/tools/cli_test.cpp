@@ -453,6 +453,12 @@ TEST(Cli, BenchModesAndBadFlags) {
            {"--hidden 64 --experts 4 --topk 1 --runs 1 --tokens-min 4", "'--tokens-max'"},
            {"--hidden 64 --experts 4 --topk 1 --runs 1 --tokens-min 0", "'--tokens-min'"},
            {"--hidden 64 --experts 4 --topk 1 --runs 1 --modes fast", "'--modes'"},
+           // Found by a fresh user: a trailing comma and a repeated mode passed.
+           {"--hidden 64 --experts 4 --topk 1 --runs 1 --modes normal,",
+            "'--modes': expected a comma-separated subset of normal,low-latency, each once, got normal,"},
+           {"--hidden 64 --experts 4 --topk 1 --runs 1 --modes normal,normal",
+            "'--modes': expected a comma-separated subset of normal,low-latency, each once, got normal,normal"},
+           {"--hidden 64 --experts 4 --topk 1 --runs 1 --modes ,normal", "'--modes'"},
            {"--hidden 100 --experts 4 --topk 1 --runs 1", "'--hidden'"},
            {"--hidden 64 --experts 5 --topk 1 --runs 1", "'--experts'"},
            {"--hidden 64 --experts 4 --topk 5 --runs 1", "'--topk'"},
@@ -754,6 +760,7 @@ TEST(Cli, EveryParseErrorNamesTheArgumentWithExpectedAndGot) {
           {"run --device cpu --overlap=", "'--overlap': expected no value (it is a flag: --overlap alone), got --overlap="},
           {"run --device cpu --overlap=true", "'--overlap': expected no value"},
           {"bench --device cpu --no-floors=1", "'--no-floors': expected no value"},
+          {"--version=1", "'--version': expected no value (it is a flag: --version alone), got --version=1"},
           // Found by a fresh user: "--tokens= 16" took the next word and ran with 16.
           {"run --device cpu --tokens= 16", "'--tokens': expected a decimal integer, got an empty value"},
           {"run --device cpu --tolerance= 0.5", "'--tolerance': expected a number, got an empty value"},

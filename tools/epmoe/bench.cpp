@@ -35,7 +35,6 @@
 #include <optional>
 #include <random>
 #include <set>
-#include <sstream>
 
 #include "commands.hpp"
 #include "common.hpp"
@@ -699,18 +698,24 @@ int gpu_ranks(const BenchConfig& c) {
   return c.ranks;
 }
 
-int bench(BenchConfig c) {
+/// --modes as a set: every piece between commas, the last one too (getline dropped a trailing empty piece: "normal,"
+/// passed), each once ("normal,normal" passed as normal). Errors: invalid_argument naming --modes.
+std::set<std::string> parse_modes(const std::string& text) {
   std::set<std::string> modes;
-  {
-    std::stringstream ss(c.modes);
-    for (std::string m; std::getline(ss, m, ',');) {
-      if (m != "normal" && m != "low-latency") bad("--modes", "a comma-separated subset of normal,low-latency", c.modes);
-      modes.insert(m);
-    }
-    if (modes.empty()) bad("--modes", "a comma-separated subset of normal,low-latency", c.modes);
-    if (modes.size() == 1 && modes.count("low-latency") && c.topk > kLowLatencyMaxTopk)
-      bad("--topk", fmt::format("in [1, {}] with --modes low-latency", kLowLatencyMaxTopk), c.topk);
+  for (std::size_t from = 0;;) {
+    const std::size_t comma = text.find(',', from);
+    const std::string m = text.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    if ((m != "normal" && m != "low-latency") || !modes.insert(m).second)
+      bad("--modes", "a comma-separated subset of normal,low-latency, each once", text);
+    if (comma == std::string::npos) return modes;
+    from = comma + 1;
   }
+}
+
+int bench(BenchConfig c) {
+  const std::set<std::string> modes = parse_modes(c.modes);
+  if (modes.size() == 1 && modes.count("low-latency") && c.topk > kLowLatencyMaxTopk)
+    bad("--topk", fmt::format("in [1, {}] with --modes low-latency", kLowLatencyMaxTopk), c.topk);
   c.kind = resolve_device(c.device);
   apply_config_flag(c.config, c.options);
   const int R = c.kind == DeviceKind::cuda ? gpu_ranks(c) : c.ranks;

@@ -306,19 +306,18 @@ void refuse_repeated_flags(CLI::App& app) {
 
 /// A flag given a value (`--eplb=foo`, `--overlap=2`, `--overlap=`) and an option given an empty one by "="
 /// (`--tokens=`) are refused, before parsing: CLI11 read "=2" as a count and "=" or "=true" as set, "=foo" failed as
-/// "a value in range", and "--tokens= 16" took the next word. Only the command's own words are looked at (after it,
-/// before "--"). "" when there is none.
+/// "a value in range", and "--tokens= 16" took the next word. Words before the command are read as the app's
+/// options (--version=1), words after it as the command's, up to "--". "" when there is none.
 std::string flag_value_message(CLI::App& app, const std::vector<std::string>& args) {
-  const CLI::App* sub = nullptr;
-  auto w = args.begin();
-  for (; w != args.end() && sub == nullptr; ++w)
-    for (const CLI::App* s : app.get_subcommands({}))
-      if (!w->empty() && (*w)[0] != '-' && s->get_name() == *w) sub = s;
-  for (; sub != nullptr && w != args.end() && *w != "--"; ++w) {
+  const CLI::App* command = nullptr;  // the options of the words read: the app's (--version) until the command
+  for (auto w = args.begin(); w != args.end() && *w != "--"; ++w) {
+    if (command == nullptr && !w->empty() && (*w)[0] != '-')
+      for (const CLI::App* s : app.get_subcommands({}))
+        if (s->get_name() == *w) command = s;
     const auto eq = w->find('=');
     if (w->rfind("--", 0) != 0 || eq == std::string::npos) continue;
     const std::string flag = w->substr(0, eq);
-    const CLI::Option* o = sub->get_option_no_throw(flag);
+    const CLI::Option* o = (command != nullptr ? command : &app)->get_option_no_throw(flag);
     if (o != nullptr && o->get_expected_max() == 0)
       return "epmoe: invalid argument '" + flag + "': expected no value (it is a flag: " + flag + " alone), got " + *w;
     // "--tokens=" then a word: CLI11 took the next word as the value ("--tokens= 16" ran with 16).
