@@ -617,7 +617,7 @@ TEST(Cli, WordsAfterDoubleDashAreNamedAsPositional) {
   // A mistyped flag before the "--" is still named as one.
   r = run_cli("run --device cpu --tokne 4 -- --tokens 8");
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("invalid argument '--tokne': expected a flag of run; did you mean --tokens?"), std::string::npos)
+  EXPECT_NE(r.err.find("invalid argument '--tokne': expected a flag of run, got --tokne; did you mean --tokens?"), std::string::npos)
       << r.err;
 }
 
@@ -752,7 +752,7 @@ TEST(Cli, EveryParseErrorNamesTheArgumentWithExpectedAndGot) {
           {"--tokens 3 run --device cpu",
            "epmoe: invalid argument '--tokens': expected the flags after the command (epmoe run --tokens ...), got it "
            "before 'run'"},
-          {"--tokenz 3 run", "epmoe: invalid argument '--tokenz': expected a flag of run; did you mean --tokens?"},
+          {"--tokenz 3 run", "epmoe: invalid argument '--tokenz': expected a flag of run, got --tokenz; did you mean --tokens?"},
           // CLI11 read "=2" as a count, "=" and "=true" as set, and "=foo" as "a value in range".
           {"run --device cpu --eplb=foo",
            "epmoe: invalid argument '--eplb': expected no value (it is a flag: --eplb alone), got --eplb=foo"},
@@ -855,10 +855,10 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"frobnicate --tokens 4", "invalid argument 'frobnicate': expected a command (run, bench or tune"},
       {"RUN", "invalid argument 'RUN': expected a command (run, bench or tune"},
       // Found by a fresh user: a mistyped flag said CLI11's "The following arguments were not expected: 4 --tokne".
-      {"run --tokne 4", "invalid argument '--tokne': expected a flag of run; did you mean --tokens? (see epmoe run"},
-      {"run --device cpu --Hidden=64", "invalid argument '--Hidden': expected a flag of run; did you mean --hidden?"},
-      {"bench --no-floor", "invalid argument '--no-floor': expected a flag of bench; did you mean --no-floors?"},
-      {"run --zzzzzzzz 3", "invalid argument '--zzzzzzzz': expected a flag of run (see epmoe run --help)"},
+      {"run --tokne 4", "invalid argument '--tokne': expected a flag of run, got --tokne; did you mean --tokens? (see epmoe run"},
+      {"run --device cpu --Hidden=64", "invalid argument '--Hidden': expected a flag of run, got --Hidden; did you mean --hidden?"},
+      {"bench --no-floor", "invalid argument '--no-floor': expected a flag of bench, got --no-floor; did you mean --no-floors?"},
+      {"run --zzzzzzzz 3", "invalid argument '--zzzzzzzz': expected a flag of run, got --zzzzzzzz (see epmoe run --help)"},
       {"run 4", "invalid argument '4': expected a flag (run takes no positional arguments"},
       // Found by a fresh user: an option of one value given twice said CLI11's "At Most 1 required but received 2".
       {"run --device cpu --device cuda",

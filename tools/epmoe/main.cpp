@@ -149,7 +149,7 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const 
       std::find_if(extras.begin(), extras.end(), [](const std::string& w) { return w.size() > 1 && w[0] == '-'; });
   if (flag == extras.end())
     return "epmoe: invalid argument '" + extras.front() + "': expected a flag (" + command +
-           " takes no positional arguments; see --help)";
+           " takes no positional arguments), got " + extras.front() + " (see --help)";
   const std::string name = flag->substr(0, flag->find('='));
   // A command's flag typed before the command ("epmoe --tokens 3 run"): the place is the mistake, not the name.
   if (sub != &app && sub->get_option_no_throw(name) != nullptr) {
@@ -165,7 +165,7 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const 
       const std::size_t d = flag_distance(name, "--" + l);
       if (d < best_distance) best = "--" + l, best_distance = d;
     }
-  return "epmoe: invalid argument '" + name + "': expected a flag of " + command +
+  return "epmoe: invalid argument '" + name + "': expected a flag of " + command + ", got " + name +
          (best.empty() ? "" : "; did you mean " + best + "?") + " (see epmoe " + command + " --help)";
 }
 
@@ -383,11 +383,12 @@ int main(int argc, char** argv) {
     const std::vector<std::string> args(argv + 1, argv + argc);
     std::string message;
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
-      message = fmt::format("epmoe: invalid argument '{}': expected a command first (run, bench or tune; see --help)",
-                            argv[1]);
+      message = fmt::format(
+          "epmoe: invalid argument '{0}': expected a command first (run, bench or tune), got {0} (see --help)", argv[1]);
     else if (app.get_subcommands().empty() && argc > 1)  // a word that is no command (not CLI11's message)
-      message = fmt::format("epmoe: invalid argument '{}': expected a command (run, bench or tune; see --help)",
-                            argv[1]);
+      message =
+          fmt::format("epmoe: invalid argument '{0}': expected a command (run, bench or tune), got {0} (see --help)",
+                      argv[1]);
     else if (std::string m = conversion_message(app, e); !m.empty())
       message = std::move(m);
     else if (std::string q = missing_value_message(app, e, args); !q.empty())
