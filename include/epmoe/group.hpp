@@ -32,6 +32,9 @@ class Group {
   virtual int size() const = 0;
   /// "threads", "mpi", ...
   virtual std::string_view backend() const = 0;
+  /// How many of the group's ranks live in this process and share its memory: every rank for thread ranks, one
+  /// where each rank is a process (MPI, the Python groups). A host-memory check adds up the windows of these.
+  virtual int ranks_in_process() const { return 1; }
 
   /// Blocks until every rank has entered the barrier of the same phase.
   virtual void barrier(std::string_view phase) = 0;

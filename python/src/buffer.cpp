@@ -4,6 +4,7 @@
 #include "ext.hpp"
 
 #include <epmoe/error.hpp>
+#include <epmoe/version.hpp>
 #include <epmoe/quant.hpp>
 
 #include <epmoe/stream.hpp>
@@ -135,7 +136,7 @@ void check_worst_rows_fit(const DispatchArgs& a) {
   double row = H * static_cast<double>(dtype_size(a.x.dtype)) + K * (8.0 + 4.0);  // recv_x, topk_idx, topk_weights
   if (a.x_scales.defined() && a.x_scales.ndim() == 2)
     row += static_cast<double>(a.x_scales.size(1)) * static_cast<double>(dtype_size(a.x_scales.dtype));
-  const double need = static_cast<double>(a.num_worst_tokens) * row, have = physical_memory_bytes();
+  const double need = static_cast<double>(a.num_worst_tokens) * row, have = host_memory_bytes();
   if (have > 0 && need > have)
     throw Error(ErrorCode::out_of_memory,
                 fmt::format("epmoe: out of memory: 'num_worst_tokens' = {} pads the dispatch outputs to {} rows of "

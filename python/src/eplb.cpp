@@ -3,6 +3,7 @@
 
 #include <epmoe/eplb.hpp>
 #include <epmoe/error.hpp>
+#include <epmoe/version.hpp>
 #include <epmoe/group.hpp>
 
 #include <nanobind/stl/string.h>
@@ -51,7 +52,7 @@ void check_recorder_fits(std::int64_t num_layers, std::int64_t num_experts, std:
   if (num_layers < 1 || num_experts < 1 || num_ranks < 1 || num_experts % num_ranks != 0 || window < 1) return;
   const double need = static_cast<double>(num_layers) * static_cast<double>(window) *
                       static_cast<double>(num_experts) * sizeof(std::int64_t);
-  const double have = physical_memory_bytes();
+  const double have = host_memory_bytes();
   if (have > 0 && need > have)
     throw Error(ErrorCode::out_of_memory,
                 fmt::format("epmoe: out of memory: 'window' = {} keeps num_layers ({}) x window x num_experts ({}) "

@@ -14,8 +14,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
-#include <unistd.h>
-
 #include <memory>
 #include <string>
 #include <string_view>
@@ -85,13 +83,6 @@ struct GilDecref {
 };
 using PyRef = std::shared_ptr<nb::object>;
 PyRef make_ref(nb::handle obj);
-
-/// This machine's physical memory in bytes (0 when unknown): what a host allocation can never exceed, so
-/// settings that would need more are named before anything is allocated.
-inline double physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
-}
 
 void bind_errors(nb::module_& m);
 void bind_group(nb::module_& m);

@@ -1,5 +1,7 @@
 #include <epmoe/version.hpp>
 
+#include <unistd.h>
+
 namespace epmoe {
 
 std::string_view version() { return "0.1.0"; }
@@ -10,6 +12,11 @@ bool built_with_cuda() {
 #else
   return false;
 #endif
+}
+
+double host_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
 }
 
 #if !defined(EPMOE_HAVE_CUDA)

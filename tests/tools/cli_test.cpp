@@ -690,7 +690,17 @@ TEST(Cli, UnderMpirunTheFirstProcessReportsAParseErrorAndAnotherNamesItself) {
   EXPECT_NE(run_cli("run --help", "OMPI_COMM_WORLD_RANK=0").out.find("--tokens"), std::string::npos);
 }
 
+/// Whether this build can launch epmoe under mpirun: built with MPI, and mpirun on the PATH.
+bool mpirun_available() {
 #if defined(EPMOE_HAVE_MPI)
+  return std::system("command -v mpirun >/dev/null 2>&1") == 0;
+#else
+  return false;
+#endif
+}
+#define SKIP_WITHOUT_MPIRUN() \
+  if (!mpirun_available()) GTEST_SKIP() << "needs a build with MPI and mpirun on the PATH"
+
 /// An MPMD launch of two `epmoe run --backend mpi --device cpu` processes on kTinyRun, each with its own extra flags
 /// (the group's timeout 30 s, so a wait shows as a timeout, not as a hung test): the exit status and the output of both.
 std::pair<int, std::string> run_two_processes(const std::string& flags0, const std::string& flags1) {
@@ -704,38 +714,29 @@ std::pair<int, std::string> run_two_processes(const std::string& flags0, const s
   std::filesystem::remove(o);
   return {status, std::move(out)};
 }
-#endif
 
 // Under mpirun each process parses its own flags: an MPMD launch whose processes differ in a job flag (--seed) is a
 // rank_mismatch naming the flag on every rank, before any work, not a run whose check then fails.
 TEST(Cli, MpirunProcessesWithDifferentSeedsAreRefusedNamingTheFlag) {
-#if defined(EPMOE_HAVE_MPI)
-  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  SKIP_WITHOUT_MPIRUN();
   const auto [status, out] = run_two_processes("--seed 1", "--seed 2");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
   EXPECT_NE(out.find("setting '--seed' must be equal on all ranks"), std::string::npos) << out;
   EXPECT_NE(out.find("rank 0 has 1, rank 1 has 2"), std::string::npos) << out;
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
-#else
-  GTEST_SKIP() << "built without MPI";
-#endif
 }
 
 // A flag refused on one process alone (here a --json folder that does not exist there, as a path missing on one node)
 // stops every process at once: the others name the refusing rank instead of waiting in their first collective until
 // the group's timeout.
 TEST(Cli, MpirunFlagRefusedOnOneProcessStopsEveryProcess) {
-#if defined(EPMOE_HAVE_MPI)
-  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  SKIP_WITHOUT_MPIRUN();
   const auto [status, out] = run_two_processes("", "--json '" + temp_path("no-such-folder") + "/out.json'");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
   EXPECT_NE(out.find("invalid argument '--json'"), std::string::npos) << out;
   EXPECT_NE(out.find("rank 0: its flags were accepted, but rank(s) 1 refused theirs"), std::string::npos) << out;
   EXPECT_EQ(out.find("timed out"), std::string::npos) << out;
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
-#else
-  GTEST_SKIP() << "built without MPI";
-#endif
 }
 
 // Found by a fresh user: choices, a missing command and a command's flag typed before the command still spoke
@@ -772,8 +773,7 @@ TEST(Cli, EveryParseErrorNamesTheArgumentWithExpectedAndGot) {
 // A refusal of one process's own flags (a value check, after parsing) says which rank refused, beside rank 0's
 // summary; the first process's messages keep no prefix.
 TEST(Cli, MpirunValueRefusedOnAnotherProcessNamesThatRank) {
-#if defined(EPMOE_HAVE_MPI)
-  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  SKIP_WITHOUT_MPIRUN();
   const auto [status, out] = run_two_processes("", "--tolerance 0");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
   EXPECT_NE(out.find("epmoe: rank 1: invalid argument '--tolerance': expected a positive finite number"),
@@ -781,24 +781,17 @@ TEST(Cli, MpirunValueRefusedOnAnotherProcessNamesThatRank) {
       << out;
   EXPECT_NE(out.find("epmoe: rank 0: its flags were accepted, but rank(s) 1 refused theirs"), std::string::npos)
       << out;
-#else
-  GTEST_SKIP() << "built without MPI";
-#endif
 }
 
 // A flag typo on one process of an MPMD launch (rank 0's command line parses): that rank names itself and the flag,
 // where it used to exit 2 in silence and the job stopped with no word of why.
 TEST(Cli, MpirunParseErrorOnAnotherProcessAloneNamesThatRankAndTheFlag) {
-#if defined(EPMOE_HAVE_MPI)
-  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  SKIP_WITHOUT_MPIRUN();
   const auto [status, out] = run_two_processes("", "--tokenz 3");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
   EXPECT_NE(out.find("epmoe: rank 1: invalid argument"), std::string::npos) << out;
   EXPECT_NE(out.find("--tokenz"), std::string::npos) << out;
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
-#else
-  GTEST_SKIP() << "built without MPI";
-#endif
 }
 
 TEST(Cli, TuneRefusesWithoutGpus) {

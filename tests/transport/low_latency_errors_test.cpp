@@ -7,7 +7,7 @@
 #include <chrono>
 #include <thread>
 
-#include "core/host_memory.hpp"
+#include <epmoe/version.hpp>
 #include "transport/low_latency_test_common.hpp"
 
 namespace epmoe::test::ll {

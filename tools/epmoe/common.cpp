@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <epmoe/group.hpp>
+#include <epmoe/version.hpp>
 
 #if defined(EPMOE_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -132,7 +133,7 @@ std::string gib(double bytes) {
 }
 
 void check_host_memory(double need, std::string_view flags, std::string_view what) {
-  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const double have = host_memory_bytes();
   if (have > 0 && need > have)
     bad(flags, fmt::format("sizes whose host memory fits this machine's {}", gib(have)),
         fmt::format("{}{} ({})", need >= kEib ? "" : "about ", gib(need), what));

@@ -277,11 +277,10 @@ std::string option_message(const CLI::ParseError& e) {
   return "epmoe: invalid argument '" + flag + "': " + rest + " (see --help)";
 }
 
-/// CLI11 says "--tokens: 1 required INT missing" for `--tokens=` (nothing after the '='), an empty value as `--tokens
-/// ""` is: said as refuse_empty_values says that; and for `--tokens` last on the line, with no value at all: said as
-/// "expected a decimal integer after it, got nothing". "" when `e` is not such an error. `args` is the command line.
-std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
-                                  const std::vector<std::string>& args) {
+/// CLI11 says "--tokens: 1 required INT missing" for `--tokens` last on the line, with no value at all: said as
+/// "expected a decimal integer after it, got nothing". "" when `e` is not such an error. (`--tokens=` never gets here:
+/// flag_value_message refuses it before parsing.)
+std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e) {
   const std::string what = e.what();
   const auto colon = what.find(": ");
   if (e.get_name() != "ArgumentMismatch" || colon == std::string::npos || what.find(" missing", colon) == std::string::npos)
@@ -289,9 +288,6 @@ std::string missing_value_message(const CLI::App& app, const CLI::ParseError& e,
   const std::string flag = what.substr(0, colon);
   const CLI::Option* o = parsed_option(app, flag);
   if (o == nullptr) return "";
-  for (const std::string& name : o->get_lnames())
-    if (std::find(args.begin(), args.end(), "--" + name + "=") != args.end())
-      return "epmoe: invalid argument '" + flag + "': " + empty_value_message(kind_of(*o)) + " (see --help)";
   return "epmoe: invalid argument '" + flag + "': expected " + value_kind(kind_of(*o)) +
          " after it, got nothing (see --help)";
 }
@@ -391,7 +387,7 @@ int main(int argc, char** argv) {
                       argv[1]);
     else if (std::string m = conversion_message(app, e); !m.empty())
       message = std::move(m);
-    else if (std::string q = missing_value_message(app, e, args); !q.empty())
+    else if (std::string q = missing_value_message(app, e); !q.empty())
       message = std::move(q);
     else if (std::string r = repeated_message(app, e); !r.empty())
       message = std::move(r);

@@ -25,10 +25,10 @@
 // Signals of one rank (4R uint64 slots): data [half][source] = i + 1 once the source's data of call i
 // is in; consumed [half][reader] = i + 1 once `reader` has read its staging area of call i.
 #include "core/check.hpp"
-#include "core/host_memory.hpp"
 #include <epmoe/error.hpp>
 #include <epmoe/nvfp4.hpp>
 #include <epmoe/quant.hpp>
+#include <epmoe/version.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -176,7 +176,7 @@ void LowLatencyMode::ensure_configured(int tmax, std::int64_t hidden, int num_ex
   // After the agreement, so every rank raises alike rather than leaving its peers in the collective allocation. The
   // windows of thread ranks share one process, so theirs add up. The setting named is the one that can mend it: Tmax,
   // unless even Tmax = 1 needs more (then hidden).
-  const double have = host_memory_bytes(), here = g.backend() == "threads" ? g.size() : 1;
+  const double have = host_memory_bytes(), here = g.ranks_in_process();
   if (have > 0 && here * static_cast<double>(bytes) > have) {
     const bool per_hidden =
         num_rdma_bytes_ <= 0 &&

@@ -78,6 +78,7 @@ class ThreadGroup final : public Group {
   int rank() const override { return rank_; }
   int size() const override { return s_->num_ranks; }
   std::string_view backend() const override { return "threads"; }
+  int ranks_in_process() const override { return size(); }
 
   void barrier(std::string_view phase) override { s_->barrier(rank_, phase, timeout_s()); }
 
