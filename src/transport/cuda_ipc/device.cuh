@@ -1,5 +1,5 @@
 // Device helpers shared by the kernels of both cuda_ipc modes (cuda_ipc/normal_kernels.cu, cuda_ipc/low_latency_kernels.cu):
-// system-scope release/acquire flags, %globaltimer deadlines, the host-mapped error report, a warp's row copy, bulk
+// release/acquire flags (gpu scope for a rank's own, system scope across ranks), %globaltimer deadlines, the host-mapped error report, a warp's row copy, bulk
 // copies (TMA) through shared memory.
 // CUDA sources only.
 #pragma once
@@ -21,6 +21,36 @@ __device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned l
 /// Adds v to *p with system-scope release (no value returned): after a barrier, it publishes the block's stores.
 __device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// A flag that one rank both writes and reads (its own, peer == rank) never leaves the GPU, so gpu scope orders it:
+// a system-scope release waits until the block's stores are visible to every device and the host, a gpu-scope one
+// only until the GPU's L2 has them. Flags crossing ranks (another GPU, or another process) keep system scope.
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_gpu_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+/// The same three with the scope picked by `local` (the flag's writer and reader are one rank): gpu, else sys.
+__device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p, bool local) {
+  return local ? ld_acquire_gpu(p) : ld_acquire_sys(p);
+}
+__device__ __forceinline__ void st_release(unsigned long long* p, unsigned long long v, bool local) {
+  if (local)
+    st_release_gpu(p, v);
+  else
+    st_release_sys(p, v);
+}
+__device__ __forceinline__ void red_release_add(unsigned long long* p, unsigned long long v, bool local) {
+  if (local)
+    red_release_gpu_add(p, v);
+  else
+    red_release_sys_add(p, v);
 }
 /// A system-scope acquire-release fence: what publishing through a counter or flag needs (release of this thread's
 /// and, after a barrier, its block's earlier stores; acquire of what the counter's other writers released).
@@ -55,12 +85,12 @@ __device__ inline void report_error(int* claim, volatile cuda_ipc::ErrorRecord* 
 }
 
 /// Spins until *p >= target: false once `timeout_ns` passed (the caller reports the timeout). `sleep_ns` > 0 backs
-/// off between polls.
+/// off between polls. `local`: the flag's writer is this GPU's own rank (gpu-scope acquire; else system scope).
 __device__ inline bool spin_geq(const unsigned long long* p, unsigned long long target, long long timeout_ns,
-                                unsigned sleep_ns = 0) {
-  if (ld_acquire_sys(p) >= target) return true;
+                                unsigned sleep_ns = 0, bool local = false) {
+  if (ld_acquire(p, local) >= target) return true;
   const long long start = now_ns();
-  while (ld_acquire_sys(p) < target) {
+  while (ld_acquire(p, local) < target) {
     if (sleep_ns) __nanosleep(sleep_ns);
     if (now_ns() - start > timeout_ns) return false;
   }

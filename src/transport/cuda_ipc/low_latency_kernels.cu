@@ -5,9 +5,10 @@
 // clean, so a send kernel's index is `calls` (the last block to end its send advances it) and a receive kernel's is
 // calls - 1 - lag, lag being the calls sent after it when it was enqueued (0 unless a recv hook runs late). A
 // captured CUDA graph therefore replays with fresh indices. Memory ordering: rows are plain stores into the peer's
-// window; a dispatch send's blocks publish them with one red.release.sys each into the peer's data flag (their
+// window; a dispatch send's blocks publish them with one red.release each into the peer's data flag (their
 // shares sum to kCallTag), a combine send's last block (an arrive counter between acquire-release fences) with
-// st.release.sys; receivers poll with ld.acquire.sys and read staging with ld.global.cg. Every spin
+// st.release; receivers poll with ld.acquire and read staging with ld.global.cg. The scope is sys between ranks and
+// gpu for a rank's own flags (its rows to itself: every R has that pair, R = 1 only it). Every spin
 // has a %globaltimer deadline: on expiry the first failing thread records (code, rank, peer, phase) in the
 // host-mapped record (atomicCAS on Control::claim) and the kernel returns (no trap).
 #include <epmoe/dtype.hpp>
@@ -77,7 +78,7 @@ __device__ __forceinline__ void stamp(const Common& c, int point) {
 /// Spins until *p >= target; false (and a timeout recorded) after the group's timeout.
 __device__ bool wait_geq(const unsigned long long* p, unsigned long long target, const Common& c, int peer, int phase,
                          unsigned long long index) {
-  if (spin_geq(p, target, c.timeout_ns)) return true;
+  if (spin_geq(p, target, c.timeout_ns, 0, peer == c.rank)) return true;
   report(c, kErrTimeout, peer, phase, index, static_cast<long long>(ld_acquire_sys(p)));
   return false;
 }
@@ -242,7 +243,8 @@ __device__ void publish_consumed(const Common& c, unsigned long long index) {
   for (int h = 0; h < 2; ++h) {
     if (((c.publish_mask >> h) & 1) == 0) continue;
     const unsigned long long call = index - static_cast<unsigned long long>(c.publish_delta[h]);
-    st_release_sys(&control(c.peers[threadIdx.x])->consumed[call & 1][c.rank], call + 1);
+    st_release(&control(c.peers[threadIdx.x])->consumed[call & 1][c.rank], call + 1,
+               static_cast<int>(threadIdx.x) == c.rank);
   }
 }
 
@@ -451,7 +453,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       h->num_experts = c.num_experts;
     }
   const unsigned long long share = blockIdx.x == 0 ? kCallTag - (gridDim.x - 1) : 1ull;
-  for (int d = 0; d < R; ++d) red_release_sys_add(&control(c.peers[d])->data[half][me], share);
+  for (int d = 0; d < R; ++d) red_release_add(&control(c.peers[d])->data[half][me], share, d == me);
   stamp(c, kTracePublished);
   return true;
 }
@@ -907,7 +909,7 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
     if (blockIdx.x == 0)
       for (int s = 0; s < R; ++s) write_combine_header(c, s, half, index, static_cast<long long>(back[s]), false, 0, 0);
     const unsigned long long share = blockIdx.x == 0 ? kCallTag - (gridDim.x - 1) : 1ull;
-    for (int s = 0; s < R; ++s) red_release_sys_add(&control(c.peers[s])->data[half][me], share);
+    for (int s = 0; s < R; ++s) red_release_add(&control(c.peers[s])->data[half][me], share, s == me);
     stamp(c, kTracePublished);
     return;
   }
@@ -920,7 +922,7 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
     write_combine_header(c, s, half, index, static_cast<long long>(back[s]), marked, own->signal_expert,
                          static_cast<std::int32_t>(own->signal_block));
   own->signal_gave_up = 0;
-  for (int s = 0; s < R; ++s) st_release_sys(&control(c.peers[s])->data[half][me], data_target(index));
+  for (int s = 0; s < R; ++s) st_release(&control(c.peers[s])->data[half][me], data_target(index), s == me);
   stamp(c, kTracePublished);
 }
 
@@ -941,11 +943,17 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
     // the same few counters serialised this block: ~0.4 us per token at T = 128, the whole kernel waiting on it.)
     int mine[kMaxRanks] = {};
     for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
-      int ids[kK];
+      // The dispatch's ids are loaded beside the token's own, all before the first compare: the reports between the
+      // compares kept K loads in a row, K latencies on the kernel's last path.
+      int ids[kK], was[kK];
+#pragma unroll
+      for (int k = 0; k < kK; ++k) was[k] = k < K ? sent[t * K + k] : -1;
       clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, true, kPhaseCombineRecv, index);
-      for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        if (k >= K) break;
         if (ids[k] >= 0) ++mine[ids[k] / El];
-        if (ids[k] != sent[t * K + k]) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
+        if (ids[k] != was[k]) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
       }
     }
     for (int d = 0; d < R; ++d) {
