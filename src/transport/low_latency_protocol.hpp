@@ -67,6 +67,10 @@ struct Layout {
   std::size_t record_bytes = 0;  // payload of one dispatched token (bf16 row, or fp8 row + scales)
   std::size_t meta_bytes = 0;    // TokenMeta of one dispatched token
   std::size_t packed_x = 0, scales = 0, count = 0, src_info = 0, layout_range = 0, packed_k = 0;  // offsets
+  /// int32 [tmax, kMaxTopk]: for this rank's own token t and slot k routed to one of its own experts, the row
+  /// (e * R * tmax + r) the dispatch placed it at, so a combine can read that expert output where it lies instead of
+  /// a copy of it (the GPU's one-kernel combine). Part of the dispatch's routing, as src_info and packed_k.
+  std::size_t self_row = 0;
   /// The zero-copy combine's input, bfloat16 [E_local, R * tmax, H] (DeepEP's combine send buffer): the caller
   /// writes it (Buffer::get_next_low_latency_combine_buffer), a combine with zero_copy reads it; no call writes it.
   std::size_t combine_slab = 0;

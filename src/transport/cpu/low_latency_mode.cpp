@@ -14,6 +14,7 @@
 //     src_info      [E_local, R*Tmax]      int32: source token index
 //     layout_range  [E_local, R]           int64: begin << 32 | count
 //     packed_k      [E_local, R*Tmax]      uint8: the k of the row's (token, k) pair (for combine)
+//     self_row      [Tmax, 16]             int32: own token t's slot k on an own expert: its row e*R*Tmax + r
 //   combine slab (written only by this rank's caller, read by a zero_copy combine of this half):
 //     combine_slab  [E_local, R*Tmax, H]   bfloat16
 //   staging area (peers put into it):
@@ -139,6 +140,7 @@ low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::i
   L.src_info = take(rows * 4);
   L.layout_range = take(static_cast<std::size_t>(L.local_experts) * static_cast<std::size_t>(R) * 8);
   L.packed_k = take(rows);
+  L.self_row = take(static_cast<std::size_t>(tmax) * kMaxTopk * 4);
   L.combine_slab = take(rows * H * 2);
   L.dispatch_slot_bytes = align_up(static_cast<std::size_t>(tmax) * (L.meta_bytes + L.record_bytes), 64);
   const std::size_t dispatch_body = static_cast<std::size_t>(R) * L.dispatch_slot_bytes;

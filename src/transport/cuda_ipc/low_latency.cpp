@@ -204,7 +204,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
     if (async_finish) r.event = Event::from_backend(std::make_shared<cuda_ipc::CudaEvent>(device_, comm_));
   }
   void receive_hook(std::uint64_t generation);
-  /// The kernels of combine call `index` read its dispatch's routing (src_info, layout_range, packed_k in the
+  /// The kernels of combine call `index` read its dispatch's routing (src_info, layout_range, packed_k, self_row in the
   /// output area; the ids in sent_idx_) from half (index - 1) % 2. When the dispatch (call `dispatch_index`) is in
   /// the other half (DeepEP's alternation lets a handle be combined later, e.g. twice), its routing is brought there
   /// on `s`: the half's own routing area is saved in routing_save_ and restored by put_back_routing after the send
@@ -214,7 +214,7 @@ class CudaIpcLowLatencyImpl final : public CudaIpcLowLatency {
   void put_back_routing(std::uint64_t index, cudaStream_t s);
   void swap_ids(cudaStream_t s);  // exchanges the two halves' ids in sent_idx_ (through routing_save_)
   std::size_t routing_bytes() const {
-    return layout_.packed_k + static_cast<std::size_t>(layout_.local_experts) * layout_.num_ranks * layout_.tmax -
+    return layout_.self_row + static_cast<std::size_t>(layout_.tmax) * ll::kMaxTopk * sizeof(std::int32_t) -
            layout_.src_info;
   }
   char* half_base(std::uint64_t index) const {

@@ -641,6 +641,7 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
   auto* src_info = reinterpret_cast<std::int32_t*>(base + c.src_info);
   auto* range = reinterpret_cast<long long*>(base + c.layout_range);
   auto* packed_k = reinterpret_cast<std::uint8_t*>(base + c.packed_k);
+  auto* self_row = reinterpret_cast<std::int32_t*>(base + c.self_row);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ RecvItem items[kThreads];
   // Each warp's two bulk buffers (the launch's dynamic shared memory, kRecvSmemBytes) and their mbarriers.
@@ -715,6 +716,7 @@ __device__ void dispatch_recv(const Common& c, const DispatchRecvArgs& a, unsign
           if (lane == 0) {
             src_info[row] = it.token;
             packed_k[row] = static_cast<std::uint8_t>(it.k);
+            if (s == c.rank) self_row[it.token * kMaxTopk + it.k] = static_cast<std::int32_t>(row);
           }
         }
         if (lane == 0) pipe.finish(my_items, piece_of, c, kPhaseDispatchRecv, index, e, fill);
@@ -840,9 +842,10 @@ __device__ void write_combine_header(const Common& c, int s, int half, unsigned 
 }
 
 /// Rows of expert `e` back to their sources: items (row, kSendPieceBytes of it) from `first` by `stride` over the
-/// warps that share the expert, each row to the source its layout range names.
+/// warps that share the expert, each row to the source its layout range names (this rank's own rows skipped with
+/// `skip_own`: the receive of the same launch reads them in place).
 __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int e, int half, const char* dbase,
-                                 long long first, long long stride) {
+                                 long long first, long long stride, bool skip_own) {
   const int R = c.num_ranks;
   const long long rows = static_cast<long long>(R) * c.tmax;
   const auto* src_info = reinterpret_cast<const std::int32_t*>(dbase + c.src_info);
@@ -853,6 +856,7 @@ __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int 
   const int pieces = static_cast<int>((row_bytes + kSendPieceBytes - 1) / kSendPieceBytes);
   const int lane = threadIdx.x & 31;
   for (int s = 0; s < R; ++s) {
+    if (skip_own && s == c.rank) continue;
     const long long rg = range[static_cast<std::size_t>(e) * R + s];
     const long long b = rg >> 32, cnt = rg & 0xffffffffll;
     char* dst_body = half_base(c, s, half) + body;
@@ -872,7 +876,8 @@ __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int 
 
 /// The send phase of combine call `index` (writable passed): each expert's rows back to their sources (over
 /// CombineSendArgs::split blocks; block by block after the signals when overlapped), then the headers and data flags.
-__device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned long long index) {
+/// `skip_own`: the rows of this rank's own tokens stay where they are (combine_recv reads them in x).
+__device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned long long index, bool skip_own) {
   Control* own = control(c.peers[c.rank]);
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, me = c.rank, El = c.local_experts;
 
@@ -887,7 +892,7 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
   const int split = a.split > 0 ? a.split : 1;
   for (int u = blockIdx.x; u < El * split && a.signal_form == kSignalNone; u += gridDim.x) {
     const int e = u % El, part = u / El;
-    send_expert_rows(c, a, e, half, dbase, part * kWarps + warp, split * kWarps);
+    send_expert_rows(c, a, e, half, dbase, part * kWarps + warp, split * kWarps, skip_own);
   }
 
   // Rows sent back to each source, summed by a whole block (not El x R dependent loads by one thread).
@@ -927,9 +932,12 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
 }
 
 /// The receive phase of combine call `index`: the weighted sum of every token's rows into out (the consumed flags
-/// are raised by this rank's next launch).
+/// are raised by this rank's next launch). `own`: the send phase of the same launch (not overlapped), which left
+/// the rows of this rank's own experts in its x: they are read there (the dispatch's self_row gives each one's row),
+/// the others in the staging area.
 template <int kK>
-__device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned long long index) {
+__device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned long long index,
+                             const CombineSendArgs* own) {
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, El = c.local_experts, K = a.K;
   // Rows each rank must send back: this rank's (token, k) pairs routed to it (checked by block 0, which also
   // reports id errors and a topk_idx that differs from the dispatch's).
@@ -982,6 +990,9 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   // used, so the registers hold the rows' loads.
   __shared__ int ids[kK];
   __shared__ float w[kK];
+  __shared__ const int4* row_of[kK];  // where slot k's row is read: the staging area, or x for an own expert's
+  const auto* self_row = reinterpret_cast<const std::int32_t*>(half_base(c, c.rank, dh) + c.self_row);
+  const long long rows = static_cast<long long>(R) * c.tmax;
   int4 raw[kCombineVecs<kK>][kK];
   long long t = 0;
   int v = 0;  // the thread's first vector; the others kThreads apart
@@ -995,6 +1006,17 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
       for (int k = 0; k < kK; ++k) {
         ids[k] = cleaned[k];
         w[k] = k < K ? a.weights[t * K + k] : 0.0f;
+        const int4* at = body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec;
+        if (own != nullptr && k < K && cleaned[k] >= 0 && cleaned[k] / El == c.rank) {
+          // The dispatch's row of (t, k); ids other than the dispatch's are reported by block 0, and their row is
+          // kept inside the expert's rows.
+          const long long row = self_row[t * kMaxTopk + k];
+          const long long e = cleaned[k] % El, r = row - e * rows;
+          if (r >= 0 && r < rows)
+            at = reinterpret_cast<const int4*>(static_cast<const char*>(own->x) +
+                                               (e * own->stride0 + r * own->stride1) * 2);
+        }
+        row_of[k] = at;
       }
     }
   };
@@ -1004,8 +1026,7 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
       const int vu = v + u * kThreads;
 #pragma unroll
       for (int k = 0; k < kK; ++k)
-        if (vu < nvec && k < K && ids[k] >= 0)
-          raw[u][k] = __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec + vu);
+        if (vu < nvec && k < K && ids[k] >= 0) raw[u][k] = __ldcg(row_of[k] + vu);
     }
   };
   const bool has_first = first >= 0 && first < items;
@@ -1092,16 +1113,19 @@ __global__ void __launch_bounds__(kThreads)
   stamp(c, kTraceStart);
   const unsigned long long index = call_index(c, phases, ra.lag);
   stamp(c, kTraceIndex);
+  // Both phases, not overlapped: the rows of this rank's own experts are not copied to its staging area but read
+  // in x by the receive (x is the launch's input: a recv hook's later launch could find it overwritten).
+  const bool own = phases == (kSendPhase | kRecvPhase) && sa.signal_form == kSignalNone;
   if ((phases & kSendPhase) != 0) {
     const bool ok = writable(c, kPhaseCombineSend, index);
     if (ok) {
       stamp(c, kTraceWritable);
-      combine_send(c, sa, index);
+      combine_send(c, sa, index, own);
     }
     end_send(c, index);
     if (!ok) return;
   }
-  if ((phases & kRecvPhase) != 0) combine_recv<kK>(c, ra, index);
+  if ((phases & kRecvPhase) != 0) combine_recv<kK>(c, ra, index, own ? &sa : nullptr);
   stamp(c, kTraceEnd);
 }
 
