@@ -991,6 +991,7 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   __shared__ int ids[kK];
   __shared__ float w[kK];
   __shared__ const int4* row_of[kK];  // where slot k's row is read: the staging area, or x for an own expert's
+  __shared__ bool in_x[kK];           // row_of[k] lies in x (no source's data: loadable before the flags)
   const auto* self_row = reinterpret_cast<const std::int32_t*>(half_base(c, c.rank, dh) + c.self_row);
   const long long rows = static_cast<long long>(R) * c.tmax;
   int4 raw[kCombineVecs<kK>][kK];
@@ -1007,26 +1008,33 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
         ids[k] = cleaned[k];
         w[k] = k < K ? a.weights[t * K + k] : 0.0f;
         const int4* at = body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec;
+        bool x_row = false;
         if (own != nullptr && k < K && cleaned[k] >= 0 && cleaned[k] / El == c.rank) {
           // The dispatch's row of (t, k); ids other than the dispatch's are reported by block 0, and their row is
           // kept inside the expert's rows.
           const long long row = self_row[t * kMaxTopk + k];
           const long long e = cleaned[k] % El, r = row - e * rows;
-          if (r >= 0 && r < rows)
+          if (r >= 0 && r < rows) {
             at = reinterpret_cast<const int4*>(static_cast<const char*>(own->x) +
                                                (e * own->stride0 + r * own->stride1) * 2);
+            x_row = true;
+          }
         }
         row_of[k] = at;
+        in_x[k] = x_row;
       }
     }
   };
-  const auto load = [&] {
+  // Loads the item's rows: kRowsInX those in x, kRowsStaged those in the staging area, or both.
+  enum : int { kRowsInX = 1, kRowsStaged = 2, kRowsAll = 3 };
+  const auto load = [&](int which) {
 #pragma unroll
     for (int u = 0; u < kCombineVecs<kK>; ++u) {
       const int vu = v + u * kThreads;
 #pragma unroll
       for (int k = 0; k < kK; ++k)
-        if (vu < nvec && k < K && ids[k] >= 0) raw[u][k] = __ldcg(row_of[k] + vu);
+        if (vu < nvec && k < K && ids[k] >= 0 && (which & (in_x[k] ? kRowsInX : kRowsStaged)) != 0)
+          raw[u][k] = __ldcg(row_of[k] + vu);
     }
   };
   const bool has_first = first >= 0 && first < items;
@@ -1034,10 +1042,15 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   // blocks still sending.
   if (!has_first && blockIdx.x != 0) return;
   if (has_first) prepare(first);
-  // The first item's rows are loaded with the headers (after receive_headers' first barrier).
+  // The first item's rows in x are loaded at once (they wait on no source: at T = 1 their latency from memory
+  // followed the flags), the others with the headers (after receive_headers' first barrier).
+  if (own != nullptr) {
+    __syncthreads();
+    if (has_first) load(kRowsInX);
+  }
   if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
                        a.wait_cost, [&] {
-                         if (has_first) load();
+                         if (has_first) load(own != nullptr ? kRowsStaged : kRowsAll);
                        }))
     return;
   for (long long item = first; item >= 0 && item < items; item += stride) {
@@ -1045,7 +1058,7 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
       __syncthreads();  // the block's reads of the last item's ids are done
       prepare(item);
       __syncthreads();
-      load();
+      load(kRowsAll);
     }
 #pragma unroll
     for (int u = 0; u < kCombineVecs<kK>; ++u) {
