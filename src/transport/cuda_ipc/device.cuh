@@ -124,6 +124,10 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned 
                : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
+/// Prefetches `bytes` at global `src` into the L2: one request, nothing to wait for.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 /// Waits until this thread's bulk stores have read their shared memory (the buffers may be written again).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 /// Waits for phase `parity` of `bar`: false once `timeout_ns` passed.

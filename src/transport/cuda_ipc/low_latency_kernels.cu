@@ -842,8 +842,9 @@ __device__ void write_combine_header(const Common& c, int s, int half, unsigned 
 }
 
 /// Rows of expert `e` back to their sources: items (row, kSendPieceBytes of it) from `first` by `stride` over the
-/// warps that share the expert, each row to the source its layout range names (this rank's own rows skipped with
-/// `skip_own`: the receive of the same launch reads them in place).
+/// warps that share the expert, each row to the source its layout range names (this rank's own rows only prefetched
+/// into the L2 with `skip_own`: the receive of the same launch reads them in place, from memory at T = 1 ~1 us later
+/// than the copy's rows from the L2).
 __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int e, int half, const char* dbase,
                                  long long first, long long stride, bool skip_own) {
   const int R = c.num_ranks;
@@ -856,9 +857,14 @@ __device__ void send_expert_rows(const Common& c, const CombineSendArgs& a, int 
   const int pieces = static_cast<int>((row_bytes + kSendPieceBytes - 1) / kSendPieceBytes);
   const int lane = threadIdx.x & 31;
   for (int s = 0; s < R; ++s) {
-    if (skip_own && s == c.rank) continue;
     const long long rg = range[static_cast<std::size_t>(e) * R + s];
     const long long b = rg >> 32, cnt = rg & 0xffffffffll;
+    if (skip_own && s == c.rank) {
+      for (long long i = first; lane == 0 && i < cnt; i += stride)
+        bulk_prefetch_l2(static_cast<const char*>(a.x) + (e * a.stride0 + (b + i) * a.stride1) * 2,
+                         static_cast<unsigned>(row_bytes));
+      continue;
+    }
     char* dst_body = half_base(c, s, half) + body;
     for (long long w0 = first; w0 < cnt * pieces; w0 += stride) {
       const long long r = b + w0 / pieces;
