@@ -1094,6 +1094,12 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   }
 }
 
+/// The most bytes of a combine's rows (T x K x H bf16, own or not) below which its own rows still go through the
+/// staging area: one H100, R = 1, H = 7168, K = 8: at T = 1 (115 KiB) the copy's rows, read from the L2 where the
+/// send left them, made the combine ~1.3 us faster than x's from memory; at T = 128 (14 MiB) reading in place was
+/// ~8 us faster (the copy moves every byte twice). The crossover between is not measured.
+constexpr long long kOwnInPlaceBytes = 1ll << 20;
+
 /// The index of a kernel's call: a send phase reads it (begin_send); a receive-only launch is the call sent `lag`
 /// calls before the last (Control::calls counts the send kernels launched). Either raises the consumed flags the
 /// launch owes first.
@@ -1132,9 +1138,10 @@ __global__ void __launch_bounds__(kThreads)
   stamp(c, kTraceStart);
   const unsigned long long index = call_index(c, phases, ra.lag);
   stamp(c, kTraceIndex);
-  // Both phases, not overlapped: the rows of this rank's own experts are not copied to its staging area but read
-  // in x by the receive (x is the launch's input: a recv hook's later launch could find it overwritten).
-  const bool own = phases == (kSendPhase | kRecvPhase) && sa.signal_form == kSignalNone;
+  // Both phases, not overlapped, and rows enough: the rows of this rank's own experts are not copied to its staging
+  // area but read in x by the receive (x is the launch's input: a recv hook's later launch could find it overwritten).
+  const bool own = phases == (kSendPhase | kRecvPhase) && sa.signal_form == kSignalNone &&
+                   ra.T * ra.K * c.hidden * 2 >= kOwnInPlaceBytes;
   if ((phases & kSendPhase) != 0) {
     const bool ok = writable(c, kPhaseCombineSend, index);
     if (ok) {
