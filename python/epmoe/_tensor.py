@@ -2,7 +2,10 @@
 
 Tensors cross by DLPack (nanobind's ndarray): NumPy arrays, torch tensors (CPU or CUDA) and CuPy arrays
 come in; outputs are made in the caller's framework (torch in, torch out; CuPy in, CuPy out; else
-NumPy), on the inputs' device, without a copy.
+NumPy), on the inputs' device, without a copy. A torch.Tensor argument (not a subclass) skips the DLPack
+export, which costs ~10 us of host time per tensor: the extension reads its pointer, shape, strides, dtype
+and device itself (register_torch, once torch is imported), and hands any tensor it does not read that way
+(another dtype, layout or device) back to _torch_arg, so the checks and messages stay those of DLPack.
 
 NumPy has no bfloat16 or fp8 of its own; epmoe uses ml_dtypes' ``bfloat16`` and ``float8_e4m3fn``.
 DLPack cannot carry those NumPy dtypes, so such arrays travel to C++ as a same-width unsigned view
@@ -16,6 +19,7 @@ torch.float8_e4m3fn.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, Optional
 
 import ml_dtypes
@@ -29,9 +33,31 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT8_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+_torch_tensor: Optional[type] = None  # torch.Tensor, once torch is imported and its types are registered with _ext
+
+# torch dtypes that _ext reads from a torch.Tensor directly (their epmoe names are torch's attribute names).
+_TORCH_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "int16", "int32", "int64", "bool", "uint8",
+                 "uint32")
+
+
+def _find_torch() -> Optional[type]:
+    """torch.Tensor when torch is imported (never imports it). The first time, hands torch's types to _ext, which then
+    reads torch.Tensor arguments from their attributes instead of a DLPack export per tensor (see arg)."""
+    global _torch_tensor
+    torch = sys.modules.get("torch")
+    tensor, strided = getattr(torch, "Tensor", None), getattr(torch, "strided", None)
+    if tensor is None or strided is None:  # not imported (or still importing)
+        return None
+    dtypes = [(getattr(torch, name), name) for name in _TORCH_DTYPES if hasattr(torch, name)]
+    _ext.register_torch(tensor, strided, dtypes, _torch_arg)
+    _torch_tensor = tensor
+    return tensor
+
+
 def is_torch(x: Any) -> bool:
     """True for a torch.Tensor (checked without importing torch)."""
-    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "__dlpack__")
+    tensor = _torch_tensor or _find_torch()
+    return tensor is not None and isinstance(x, tensor)
 
 
 def is_cupy(x: Any) -> bool:
@@ -42,19 +68,22 @@ def is_cupy(x: Any) -> bool:
 def is_cuda(x: Any) -> bool:
     """True for a torch tensor on a CUDA device or a CuPy array."""
     if is_torch(x):
-        return x.device.type == "cuda"
+        return x.is_cuda
     return is_cupy(x)
 
 
 def framework_of(*tensors: Any) -> str:
     """The framework outputs are made in: 'torch' when any tensor is a torch.Tensor, else 'cupy' when any
     is a CuPy array, else 'numpy'."""
-    present = [t for t in tensors if t is not None]
-    if any(is_torch(t) for t in present):
-        return "torch"
-    if any(is_cupy(t) for t in present):
-        return "cupy"
-    return "numpy"
+    framework = "numpy"
+    for t in tensors:
+        if t is None:
+            continue
+        if is_torch(t):
+            return "torch"
+        if framework == "numpy" and is_cupy(t):
+            framework = "cupy"
+    return framework
 
 
 def current_stream(*tensors: Any) -> Optional[int]:
@@ -63,12 +92,12 @@ def current_stream(*tensors: Any) -> Optional[int]:
     for t in tensors:
         if t is None:
             continue
-        if is_torch(t) and t.device.type == "cuda":
+        if is_torch(t) and t.is_cuda:
             import torch
             # torch's raw getter (Triton's way) skips building a torch.cuda.Stream object on every call
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             if raw is not None:
-                return int(raw(t.device.index))
+                return int(raw(t.get_device()))
             return int(torch.cuda.current_stream(t.device).cuda_stream)
         if is_cupy(t):
             import cupy
@@ -126,11 +155,12 @@ def arg(x: Any) -> Any:
     """What _ext accepts for a tensor argument: None, an array, or (integer view, dtype name).
 
     NumPy and CuPy arrays of ml_dtypes' bfloat16 / float8_e4m3fn travel as same-width unsigned views with
-    a tag; torch tensors travel by DLPack (float8 as a uint8 view with a tag)."""
+    a tag; a torch.Tensor goes as itself (_ext reads its pointer, shape, strides, dtype and device, and hands
+    any other kind back to _torch_arg); subclasses of it travel by DLPack (float8 as a uint8 view with a tag)."""
     if x is None:
         return None
     if is_torch(x):
-        return _torch_arg(x)
+        return x if type(x) is _torch_tensor else _torch_arg(x)
     dtype = getattr(x, "dtype", None)
     if dtype is not None and hasattr(x, "view") and (isinstance(x, np.ndarray) or is_cupy(x)):
         if dtype == BFLOAT16:

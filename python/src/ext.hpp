@@ -4,7 +4,8 @@
 // of its own: the Python layer (epmoe/_tensor.py) hands ml_dtypes arrays over as a tuple
 // (uint16/uint8 view, dtype name), and outputs of those dtypes come back as uint views re-viewed as
 // ml_dtypes.bfloat16 / ml_dtypes.float8_e4m3fn, so the user only ever sees ml_dtypes arrays.
-// Frameworks with the dtypes built in (PyTorch) pass their tensors directly.
+// Frameworks with the dtypes built in (PyTorch) pass their tensors directly; a torch.Tensor itself is read
+// from its attributes (arg), without a DLPack export.
 #pragma once
 
 #include <epmoe/buffer.hpp>
@@ -31,13 +32,21 @@ Framework parse_framework(std::string_view name);
 /// Keeps the converted arrays of one call alive while the call's TensorViews are in use.
 struct Inputs {
   std::vector<nb::ndarray<nb::ro>> arrays;
+  std::vector<nb::object> objects;  // converted forms of arguments (torch tensors taking the DLPack route)
 };
 
 /// A tensor argument: None (an empty view), an array-like, or (array-like, dtype name) from the Python
 /// layer. Errors (invalid_argument naming `name`): not an array, an unsupported dtype (float64,
 /// uint16, ... name it), more than 4 dimensions, an unsupported device, a tag whose element size
-/// differs from the array's.
+/// differs from the array's. A torch.Tensor (once register_torch ran) is read from its attributes where it is
+/// a strided CPU or CUDA tensor of a supported dtype, else converted by epmoe._tensor._torch_arg and read by
+/// DLPack (the same checks and messages).
 TensorView arg(nb::handle obj, const char* name, Inputs& keep);
+
+/// Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs that arg reads directly, and
+/// the Python function giving a torch tensor's DLPack form (epmoe._tensor._torch_arg). Called once, by
+/// epmoe/_tensor.py, when torch is imported (the extension never imports torch).
+void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtypes, nb::handle slow_arg);
 
 /// A Tensor owning its data that aliases a Python array (the array stays referenced as long as the
 /// Tensor's storage lives; the reference is dropped under the GIL).

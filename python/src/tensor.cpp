@@ -7,6 +7,8 @@
 
 #include <cstring>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -125,6 +127,81 @@ std::string describe_array(const nb::ndarray<nb::ro>& a) {
 constexpr const char* kSupported =
     "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, bool or uint8";
 
+// torch's types, handed over by epmoe/_tensor.py once torch is imported (register_torch). The references are never
+// released, as ml_dtype's.
+struct TorchTypes {
+  PyTypeObject* tensor = nullptr;  // torch.Tensor itself (subclasses take the DLPack route)
+  PyObject* strided = nullptr;     // torch.strided
+  std::vector<std::pair<PyObject*, DType>> dtypes;
+  PyObject* slow_arg = nullptr;  // epmoe._tensor._torch_arg: the DLPack route's form of a tensor
+};
+TorchTypes& torch_types() {
+  static TorchTypes t;
+  return t;
+}
+
+PyObject* interned(const char* s) { return PyUnicode_InternFromString(s); }  // kept for the module's life
+
+// An attribute read (or a method called without arguments); raises nb::python_error.
+nb::object get(nb::handle obj, PyObject* name, bool call) {
+  PyObject* r = call ? PyObject_CallMethodNoArgs(obj.ptr(), name) : PyObject_GetAttr(obj.ptr(), name);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
+bool read_int64s(nb::handle seq, int n, std::int64_t* out) {
+  if (!PyTuple_Check(seq.ptr()) || PyTuple_GET_SIZE(seq.ptr()) != n) return false;
+  for (int i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq.ptr(), i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// A torch.Tensor read from its attributes (data_ptr, shape, stride, dtype, device): the view its DLPack export gives,
+// without the export (~10 us of host time per tensor: a capsule, and on CUDA an event the default stream waits on).
+// nullopt where the DLPack route decides (and words its errors): another dtype, layout or device, more dimensions,
+// a tensor whose attributes raise (no storage).
+std::optional<TensorView> torch_view(nb::handle obj) {
+  static PyObject *layout = interned("layout"), *dtype = interned("dtype"), *is_cuda = interned("is_cuda"),
+                  *is_cpu = interned("is_cpu"), *get_device = interned("get_device"), *shape = interned("shape"),
+                  *stride = interned("stride"), *data_ptr = interned("data_ptr");
+  const TorchTypes& t = torch_types();
+  try {
+    if (get(obj, layout, false).ptr() != t.strided) return std::nullopt;
+    const nb::object d = get(obj, dtype, false);
+    std::optional<DType> type;
+    for (const auto& [object, value] : t.dtypes)
+      if (object == d.ptr()) type = value;
+    if (!type) return std::nullopt;
+    Device device;
+    if (get(obj, is_cuda, false).ptr() == Py_True) {
+      const long index = PyLong_AsLong(get(obj, get_device, true).ptr());
+      if (index < 0) return std::nullopt;
+      device = Device::cuda(static_cast<int>(index));
+    } else if (get(obj, is_cpu, false).ptr() != Py_True) {
+      return std::nullopt;
+    }
+    const nb::object dims = get(obj, shape, false);  // torch.Size, a tuple
+    if (!PyTuple_Check(dims.ptr()) || PyTuple_GET_SIZE(dims.ptr()) > Shape::kMaxDims) return std::nullopt;
+    const int n = static_cast<int>(PyTuple_GET_SIZE(dims.ptr()));
+    std::int64_t sizes[Shape::kMaxDims] = {}, steps[Shape::kMaxDims] = {};
+    if (!read_int64s(dims, n, sizes) || !read_int64s(get(obj, stride, true), n, steps)) return std::nullopt;
+    void* data = PyLong_AsVoidPtr(get(obj, data_ptr, true).ptr());
+    if (data == nullptr && PyErr_Occurred()) throw nb::python_error();
+    // As torch's DLPack export (and so the DLPack route): one element of a 1-d tensor has stride 1.
+    if (n == 1 && sizes[0] == 1) steps[0] = 1;
+    const Shape s = make_shape(sizes, n);
+    // An empty tensor's strides carry no information: call it contiguous (as the DLPack route does).
+    return TensorView(data, *type, s, s.numel() == 0 ? s.contiguous_strides() : make_shape(steps, n), device);
+  } catch (nb::python_error&) {
+    return std::nullopt;
+  }
+}
+
 }  // namespace
 
 Framework parse_framework(std::string_view name) {
@@ -147,8 +224,10 @@ void GilDecref::operator()(nb::object* p) const {
 
 PyRef make_ref(nb::handle obj) { return PyRef(new nb::object(nb::borrow(obj)), GilDecref{}); }
 
-TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
-  if (!obj.is_valid() || obj.is_none()) return {};
+namespace {
+
+// An array argument through DLPack (nanobind's ndarray), or a (view, dtype name) pair of one (see arg).
+TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep) {
   nb::handle array = obj;
   std::optional<DType> tag;
   if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) == 2 && nb::isinstance<nb::str>(obj[1])) {
@@ -201,11 +280,44 @@ TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
   return v;
 }
 
+}  // namespace
+
+void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtypes, nb::handle slow_arg) {
+  TorchTypes t;
+  t.tensor = reinterpret_cast<PyTypeObject*>(tensor_type.inc_ref().ptr());
+  t.strided = strided.inc_ref().ptr();
+  for (nb::handle pair : dtypes) {
+    const std::string name = nb::cast<std::string>(pair[1]);
+    const std::optional<DType> d = dtype_from_name(name);
+    if (!d) throw_invalid_argument("dtypes", "epmoe dtype names", fmt::format("'{}'", name));
+    t.dtypes.emplace_back(nb::handle(pair[0]).inc_ref().ptr(), *d);
+  }
+  t.slow_arg = slow_arg.inc_ref().ptr();
+  torch_types() = std::move(t);
+}
+
+TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
+  if (!obj.is_valid() || obj.is_none()) return {};
+  if (torch_types().tensor != nullptr && Py_TYPE(obj.ptr()) == torch_types().tensor) {
+    if (std::optional<TensorView> v = torch_view(obj)) return *v;
+    // The DLPack route: its checks and messages, on the form epmoe/_tensor.py gives it (detached; float8 as a tagged
+    // uint8 view). The converted object lives in `keep` (as the arrays do).
+    keep.objects.push_back(nb::steal(PyObject_CallOneArg(torch_types().slow_arg, obj.ptr())));
+    if (!keep.objects.back().is_valid()) throw nb::python_error();
+    return dlpack_arg(keep.objects.back(), name, keep);
+  }
+  return dlpack_arg(obj, name, keep);
+}
+
 Tensor tensor_from_py(nb::handle obj, const char* name) {
   auto keep = std::make_shared<Inputs>();
   const TensorView v = arg(obj, name, *keep);
-  // Hold the Python array (through its ndarray handles) until the Tensor's storage is released.
-  auto holder = std::shared_ptr<void>(new PyRef(make_ref(obj)), [keep](void* p) mutable {
+  // Hold the Python array (through its ndarray handles) until the Tensor's storage is released. A torch tensor read
+  // directly is held as a detached alias, which keeps its storage as a DLPack export does (whatever later
+  // set_() or resize_() calls do to the caller's tensor).
+  const bool torch_read = torch_types().tensor != nullptr && Py_TYPE(obj.ptr()) == torch_types().tensor;
+  nb::object held = torch_read ? obj.attr("detach")() : nb::borrow(obj);
+  auto holder = std::shared_ptr<void>(new PyRef(make_ref(held)), [keep](void* p) mutable {
     auto* ref = static_cast<PyRef*>(p);
     if (Py_IsInitialized()) {
       nb::gil_scoped_acquire gil;

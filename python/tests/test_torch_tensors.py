@@ -141,3 +141,84 @@ def test_torch_process_group_over_gloo_is_an_epmoe_group(tmp_path):
         if not (epmoe.built_with_cuda() and epmoe._ext.cuda_device_count() > 0):
             # No GPU: a process group cannot drive the CPU transports, which live in one process or MPI.
             assert out["buffer"][0] == "unsupported" and "cuda_ipc" in out["buffer"][1]
+
+
+class _Subclass(torch.Tensor):
+    """A torch.Tensor subclass: it takes the DLPack route (only torch.Tensor itself is read from its attributes)."""
+
+
+def _outcome(fn, *args):
+    """('ok', (dtype, shape, bytes) per output) or ('error', code, message)."""
+    try:
+        out = fn(*args)
+    except epmoe.Error as e:
+        return ("error", e.code, str(e))
+    outs = out if isinstance(out, tuple) else (out,)
+    return ("ok",) + tuple(None if t is None else
+                           (str(t.dtype), tuple(t.shape), t.detach().contiguous().flatten().view(torch.uint8).numpy()
+                            .tobytes()) for t in outs)
+
+
+def _direct_read_cases(rng):
+    to_torch, _ = torch_converters("cpu")
+    x = nice_bf16(rng, (6, 256))
+    q, scales = (to_torch(a) for a in fp8_quantize_ref(x))
+    logits = torch.from_numpy(rng.standard_normal((9, 8)).astype(np.float32))
+    one_rank = epmoe.ExpertLoadRecorder(1, 1, 1, 4)
+    two = epmoe.ExpertLoadRecorder(1, 2, 1, 4)
+    counts = torch.arange(10, dtype=torch.int64)
+    return {
+        "float32": (epmoe.topk_softmax, logits, 2),
+        "storage_offset": (epmoe.topk_softmax, logits[3:], 2),
+        "transposed": (epmoe.topk_softmax, logits.t().contiguous().t(), 2),
+        "empty": (epmoe.topk_softmax, logits[:0], 2),
+        "requires_grad": (epmoe.topk_softmax, logits.clone().requires_grad_(True), 2),
+        "float64": (epmoe.topk_softmax, logits.double(), 2),
+        "five_dims": (epmoe.topk_softmax, logits.reshape(1, 1, 1, 9, 8), 2),
+        "float8": (epmoe.dequantize_fp8, q, scales),
+        "float8_strided": (epmoe.dequantize_fp8, q[::2], scales[::2]),
+        "bfloat16": (epmoe.quantize_fp8, to_torch(x)),
+        "broadcast": (epmoe.quantize_fp8, to_torch(x)[:1].expand(4, 256)),
+        "one_element_strided": (lambda c: one_rank.record(0, c), counts[3:4:5]),
+        "two_elements_strided": (lambda c: two.record(0, c), counts[::5]),
+        "uint32": (lambda c: two.record(0, c), counts[:2].to(torch.uint32)),
+        "bool": (lambda c: two.record(0, c), counts[:2] > 0),
+        "int16": (lambda c: two.record(0, c), counts[:2].to(torch.int16)),
+    }
+
+
+def test_torch_tensors_read_directly_match_the_dlpack_route(rng):
+    """A torch.Tensor is read from its attributes (no DLPack export); the results and the errors (argument, expected,
+    got) are those of the DLPack route, which a subclass takes."""
+    for name, (fn, *args) in _direct_read_cases(rng).items():
+        direct = _outcome(fn, *args)
+        dlpack = _outcome(fn, *[a.as_subclass(_Subclass) if isinstance(a, torch.Tensor) else a for a in args])
+        assert direct == dlpack, name
+    assert _outcome(*_direct_read_cases(rng)["float64"])[1] == "invalid_argument"
+    assert "float64[9, 8]" in _outcome(*_direct_read_cases(rng)["float64"])[2]
+    # a meta tensor (no CPU or CUDA memory) is refused as before, naming the argument
+    code, message = _outcome(epmoe.topk_softmax, torch.empty(2, 8, device="meta"), 2)[1:]
+    assert code == "invalid_argument" and "'logits'" in message, message
+
+
+def test_only_unusual_torch_tensors_take_the_dlpack_route(rng):
+    from epmoe import _ext, _tensor
+    seen = []
+
+    def counting(x):
+        seen.append(str(x.dtype))
+        return _tensor._torch_arg(x)
+
+    _tensor.is_torch(torch.zeros(1))  # registers torch's types
+    _ext.register_torch(torch.Tensor, torch.strided, [(getattr(torch, n), n) for n in _tensor._TORCH_DTYPES], counting)
+    try:
+        cases = _direct_read_cases(rng)
+        for name in ("float32", "storage_offset", "transposed", "empty", "requires_grad", "float8", "bfloat16",
+                     "broadcast", "one_element_strided", "uint32", "bool", "int16"):
+            fn, *args = cases[name]
+            _outcome(fn, *args)
+        assert seen == [], seen
+        _outcome(*cases["float64"])
+        assert seen == ["torch.float64"], seen
+    finally:
+        _tensor._find_torch()  # the package's own registration again
