@@ -30,10 +30,11 @@ def built_with_cuda() -> bool:
 def cuda_device_count() -> int:
     """Visible CUDA devices (0 in CPU-only builds)."""
 def register_torch(tensor_type: type, strided: Any, dtypes: Sequence[Tuple[Any, str]],
-                   slow_arg: Callable[[Any], Any]) -> None:
-    """Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs read directly and the
-    function giving any other torch tensor's DLPack form (epmoe/_tensor.py calls it once torch is imported):
-    a torch.Tensor argument is then read from its attributes (pointer, shape, strides, dtype, device)."""
+                   slow_arg: Callable[[Any], Any], from_dlpack: Optional[Callable[[Any], Any]]) -> None:
+    """Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs read directly, the
+    function giving any other torch tensor's DLPack form, and torch._C._from_dlpack or None (epmoe/_tensor.py calls
+    it once torch is imported): a torch.Tensor argument is then read from its attributes (pointer, shape, strides,
+    dtype, device), and torch outputs are made from a DLPack capsule directly."""
 has_mpi: bool
 def default_timeout_s() -> float:
     """Timeout of every wait between ranks, seconds (EPMOE_TIMEOUT_S overrides 100)."""

@@ -42,14 +42,15 @@ _TORCH_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "int
 
 def _find_torch() -> Optional[type]:
     """torch.Tensor when torch is imported (never imports it). The first time, hands torch's types to _ext, which then
-    reads torch.Tensor arguments from their attributes instead of a DLPack export per tensor (see arg)."""
+    reads torch.Tensor arguments from their attributes instead of a DLPack export per tensor (see arg), and makes torch
+    outputs with torch._C._from_dlpack (skipping torch.utils.dlpack.from_dlpack's per-call work)."""
     global _torch_tensor
     torch = sys.modules.get("torch")
     tensor, strided = getattr(torch, "Tensor", None), getattr(torch, "strided", None)
     if tensor is None or strided is None:  # not imported (or still importing)
         return None
     dtypes = [(getattr(torch, name), name) for name in _TORCH_DTYPES if hasattr(torch, name)]
-    _ext.register_torch(tensor, strided, dtypes, _torch_arg)
+    _ext.register_torch(tensor, strided, dtypes, _torch_arg, getattr(getattr(torch, "_C", None), "_from_dlpack", None))
     _torch_tensor = tensor
     return tensor
 

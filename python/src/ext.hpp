@@ -43,10 +43,12 @@ struct Inputs {
 /// DLPack (the same checks and messages).
 TensorView arg(nb::handle obj, const char* name, Inputs& keep);
 
-/// Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs that arg reads directly, and
-/// the Python function giving a torch tensor's DLPack form (epmoe._tensor._torch_arg). Called once, by
-/// epmoe/_tensor.py, when torch is imported (the extension never imports torch).
-void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtypes, nb::handle slow_arg);
+/// Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs that arg reads directly, the
+/// Python function giving a torch tensor's DLPack form (epmoe._tensor._torch_arg), and torch._C._from_dlpack (or
+/// None), which makes torch outputs from a capsule. Called once, by epmoe/_tensor.py, when torch is imported (the
+/// extension never imports torch).
+void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtypes, nb::handle slow_arg,
+                    nb::handle from_dlpack);
 
 /// A Tensor owning its data that aliases a Python array (the array stays referenced as long as the
 /// Tensor's storage lives; the reference is dropped under the GIL).

@@ -233,8 +233,9 @@ NB_MODULE(_ext, m) {
       "legacy default stream) and returns the previous one. epmoe.ops uses it to run on torch's current stream.");
   m.def("cuda_device_count", &epmoe::cuda_device_count);
   m.def("register_torch", &py::register_torch, nanobind::arg("tensor_type"), nanobind::arg("strided"),
-        nanobind::arg("dtypes"), nanobind::arg("slow_arg"),
-        "torch's types for reading torch.Tensor arguments without DLPack (epmoe/_tensor.py calls it once).");
+        nanobind::arg("dtypes"), nanobind::arg("slow_arg"), nanobind::arg("from_dlpack").none(),
+        "torch's types for reading torch.Tensor arguments without DLPack and making torch outputs (epmoe/_tensor.py "
+        "calls it once).");
   m.attr("has_mpi") =
 #if defined(EPMOE_HAVE_MPI)
       true;

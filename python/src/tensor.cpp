@@ -134,6 +134,8 @@ struct TorchTypes {
   PyObject* strided = nullptr;     // torch.strided
   std::vector<std::pair<PyObject*, DType>> dtypes;
   PyObject* slow_arg = nullptr;  // epmoe._tensor._torch_arg: the DLPack route's form of a tensor
+  PyObject* from_dlpack = nullptr;  // torch._C._from_dlpack (a capsule in, a tensor out), or null
+  PyObject* float8 = nullptr;       // torch.float8_e4m3fn, or null
 };
 TorchTypes& torch_types() {
   static TorchTypes t;
@@ -282,7 +284,8 @@ TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep) {
 
 }  // namespace
 
-void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtypes, nb::handle slow_arg) {
+void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtypes, nb::handle slow_arg,
+                    nb::handle from_dlpack) {
   TorchTypes t;
   t.tensor = reinterpret_cast<PyTypeObject*>(tensor_type.inc_ref().ptr());
   t.strided = strided.inc_ref().ptr();
@@ -291,8 +294,10 @@ void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtype
     const std::optional<DType> d = dtype_from_name(name);
     if (!d) throw_invalid_argument("dtypes", "epmoe dtype names", fmt::format("'{}'", name));
     t.dtypes.emplace_back(nb::handle(pair[0]).inc_ref().ptr(), *d);
+    if (*d == DType::fp8_e4m3) t.float8 = t.dtypes.back().first;
   }
   t.slow_arg = slow_arg.inc_ref().ptr();
+  if (!from_dlpack.is_none()) t.from_dlpack = from_dlpack.inc_ref().ptr();
   torch_types() = std::move(t);
 }
 
@@ -342,10 +347,26 @@ nb::object view_to_py(const TensorView& v, nb::handle owner, Framework fw) {
   const int device_type = v.device.is_cuda() ? kDLCUDA : kDLCPU;
   const bool reviewed = v.dtype == DType::fp8_e4m3 || (v.dtype == DType::bf16 && fw != Framework::torch);
   if (fw == Framework::torch) {
-    nb::ndarray<nb::pytorch> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type,
-                               v.device.index);
-    nb::object out = nb::cast(a, nb::rv_policy::reference);
-    if (reviewed) out = out.attr("view")(nb::module_::import_("torch").attr("float8_e4m3fn"));
+    const TorchTypes& t = torch_types();
+    nb::object out;
+    if (t.from_dlpack != nullptr) {
+      // torch._C._from_dlpack on the export's capsule: where torch.utils.dlpack.from_dlpack (nanobind's torch
+      // export) ends, without its per-call work (keyword probing; on CUDA a torch.cuda.Stream for the producer,
+      // which nanobind's export ignores).
+      static PyObject* dlpack = interned("__dlpack__");
+      nb::ndarray<> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type, v.device.index);
+      nb::object capsule = nb::cast(a, nb::rv_policy::reference);  // a capsule, or an array exporting one
+      if (!PyCapsule_CheckExact(capsule.ptr())) capsule = get(capsule, dlpack, true);
+      out = nb::steal(PyObject_CallOneArg(t.from_dlpack, capsule.ptr()));
+      if (!out.is_valid()) throw nb::python_error();
+    } else {
+      nb::ndarray<nb::pytorch> a(v.data, static_cast<size_t>(n), shape, owner, strides, dt, device_type,
+                                 v.device.index);
+      out = nb::cast(a, nb::rv_policy::reference);
+    }
+    if (reviewed)
+      out = out.attr("view")(t.float8 != nullptr ? nb::borrow(t.float8)
+                                                 : nb::module_::import_("torch").attr("float8_e4m3fn"));
     return out;
   }
   if (fw == Framework::cupy) {

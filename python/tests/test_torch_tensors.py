@@ -210,7 +210,8 @@ def test_only_unusual_torch_tensors_take_the_dlpack_route(rng):
         return _tensor._torch_arg(x)
 
     _tensor.is_torch(torch.zeros(1))  # registers torch's types
-    _ext.register_torch(torch.Tensor, torch.strided, [(getattr(torch, n), n) for n in _tensor._TORCH_DTYPES], counting)
+    _ext.register_torch(torch.Tensor, torch.strided, [(getattr(torch, n), n) for n in _tensor._TORCH_DTYPES], counting,
+                        None)  # and torch outputs through torch.utils.dlpack.from_dlpack
     try:
         cases = _direct_read_cases(rng)
         for name in ("float32", "storage_offset", "transposed", "empty", "requires_grad", "float8", "bfloat16",
