@@ -34,6 +34,9 @@ FLOAT8_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 _torch_tensor: Optional[type] = None  # torch.Tensor, once torch is imported and its types are registered with _ext
+# torch's raw current-stream getter (device index -> cudaStream_t as an int), looked up with torch.Tensor; None where
+# this torch lacks it
+_torch_raw_stream: Optional[Any] = None
 
 # torch dtypes that _ext reads from a torch.Tensor directly (their epmoe names are torch's attribute names).
 _TORCH_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "int16", "int32", "int64", "bool", "uint8",
@@ -44,13 +47,14 @@ def _find_torch() -> Optional[type]:
     """torch.Tensor when torch is imported (never imports it). The first time, hands torch's types to _ext, which then
     reads torch.Tensor arguments from their attributes instead of a DLPack export per tensor (see arg), and makes torch
     outputs with torch._C._from_dlpack (skipping torch.utils.dlpack.from_dlpack's per-call work)."""
-    global _torch_tensor
+    global _torch_tensor, _torch_raw_stream
     torch = sys.modules.get("torch")
     tensor, strided = getattr(torch, "Tensor", None), getattr(torch, "strided", None)
     if tensor is None or strided is None:  # not imported (or still importing)
         return None
     dtypes = [(getattr(torch, name), name) for name in _TORCH_DTYPES if hasattr(torch, name)]
     _ext.register_torch(tensor, strided, dtypes, _torch_arg, getattr(getattr(torch, "_C", None), "_from_dlpack", None))
+    _torch_raw_stream = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
     _torch_tensor = tensor
     return tensor
 
@@ -94,11 +98,10 @@ def current_stream(*tensors: Any) -> Optional[int]:
         if t is None:
             continue
         if is_torch(t) and t.is_cuda:
-            import torch
             # torch's raw getter (Triton's way) skips building a torch.cuda.Stream object on every call
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-            if raw is not None:
-                return int(raw(t.get_device()))
+            if _torch_raw_stream is not None:  # (is_torch looked it up)
+                return int(_torch_raw_stream(t.get_device()))
+            import torch
             return int(torch.cuda.current_stream(t.device).cuda_stream)
         if is_cupy(t):
             import cupy

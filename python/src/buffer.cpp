@@ -260,7 +260,9 @@ bool same_view(const TensorView& a, const TensorView& b) {
 nb::object window_view(PyBuffer& b, const Tensor& t, Framework fw) {
   if (!t.defined()) return nb::none();
   if (fw == Framework::numpy) return to_py(t, fw);  // (not a GPU view; no cache)
-  const auto fresh = [&](const nb::object& o) { return o.attr(fw == Framework::torch ? "detach" : "view")(); };
+  // The names made once (a name per call costs a string each), never released (as the other module-life objects).
+  static const nb::handle detach = nb::str("detach").release(), view = nb::str("view").release();
+  const auto fresh = [&](const nb::object& o) { return o.attr(fw == Framework::torch ? detach : view)(); };
   for (const PyBuffer::WindowView& w : b.window_views)
     if (w.framework == fw && same_view(w.view, t.view())) return fresh(w.object);
   if (b.window_views.size() >= PyBuffer::kMaxWindowViews) b.window_views.erase(b.window_views.begin());
