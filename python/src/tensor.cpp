@@ -164,9 +164,10 @@ bool read_int64s(nb::handle seq, int n, std::int64_t* out) {
 }
 
 // A torch.Tensor read from its attributes (data_ptr, shape, stride, dtype, device): the view its DLPack export gives,
-// without the export (~10 us of host time per tensor: a capsule, and on CUDA an event the default stream waits on).
-// nullopt where the DLPack route decides (and words its errors): another dtype, layout or device, more dimensions,
-// a tensor whose attributes raise (no storage).
+// without the export (~10 us of host time per tensor: torch's __dlpack__ checks and queries the device in Python,
+// then makes a capsule). nullopt where the DLPack route decides (and words its errors): another dtype, layout or
+// device, more dimensions, a tensor whose attributes raise (no storage). A CUDA tensor of another device than the
+// current one, which torch refuses to export, is read too: epmoe's device checks then name both devices.
 std::optional<TensorView> torch_view(nb::handle obj) {
   static PyObject *layout = interned("layout"), *dtype = interned("dtype"), *is_cuda = interned("is_cuda"),
                   *is_cpu = interned("is_cpu"), *get_device = interned("get_device"), *shape = interned("shape"),
@@ -182,6 +183,7 @@ std::optional<TensorView> torch_view(nb::handle obj) {
     Device device;
     if (get(obj, is_cuda, false).ptr() == Py_True) {
       const long index = PyLong_AsLong(get(obj, get_device, true).ptr());
+      if (index == -1 && PyErr_Occurred()) throw nb::python_error();
       if (index < 0) return std::nullopt;
       device = Device::cuda(static_cast<int>(index));
     } else if (get(obj, is_cpu, false).ptr() != Py_True) {
