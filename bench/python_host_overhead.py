@@ -9,6 +9,8 @@ The calls do little real work, so the figures are mostly the conversion of argum
   - quantize_fp8: ops.quantize_fp8 of bfloat16 [1, 128]: one tensor in, two out (float8 among them).
   - ll_pair: Buffer.low_latency_dispatch (fp8) + low_latency_combine on one CPU rank, T = 1, H = 128, E = 8, K = 2,
     Tmax = 8: four tensors in per pair plus the Python layer's checks (the CPU rank also copies its outputs out).
+  - normal_pair: Buffer.get_dispatch_layout + dispatch + combine (normal mode, bf16) on one CPU rank, same sizes:
+    eight tensors in, eleven out.
 Compare two builds by running this script under each (e.g. PYTHONPATH pointing at an older install first).
 """
 import argparse
@@ -69,6 +71,19 @@ def measure(torch_in: bool, calls: int, repeats: int) -> dict:
         return per_call_us(pair, max(1, calls // 4), repeats)
 
     out["ll_pair"] = epmoe.run_thread_ranks(1, rank_main)[0]
+
+    def normal_main(group):
+        buf = epmoe.Buffer(group)
+
+        def pair():
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+
+        return per_call_us(pair, max(1, calls // 4), repeats)
+
+    out["normal_pair"] = epmoe.run_thread_ranks(1, normal_main)[0]
     return out
 
 
