@@ -853,6 +853,10 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
       {"bench --no-floor", "invalid argument '--no-floor': expected a flag of bench, got --no-floor; did you mean --no-floors?"},
       {"run --zzzzzzzz 3", "invalid argument '--zzzzzzzz': expected a flag of run, got --zzzzzzzz (see epmoe run --help)"},
       {"run 4", "invalid argument '4': expected a flag (run takes no positional arguments"},
+      // A word before the command was named as the command's positional argument.
+      {"help run", "invalid argument 'help': expected the command first (run, bench or tune), got help before 'run' "
+                   "(for a command's help: epmoe run --help)"},
+      {"4 bench", "invalid argument '4': expected the command first (run, bench or tune), got 4 before 'bench' (see"},
       // Found by a fresh user: an option of one value given twice said CLI11's "At Most 1 required but received 2".
       {"run --device cpu --device cuda",
        "epmoe: invalid argument '--device': expected once (it takes one value), got 2 values: cpu, cuda"},

@@ -145,6 +145,15 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const 
              (word.size() > 1 && word[0] == '-' ? " (so it was not read as a flag)" : "");
     }
   }
+  // A word before the command ("epmoe help run"): CLI11 still found the command after it, and the word reads as the
+  // command's positional argument; the place is the mistake.
+  if (sub != &app && extras.front()[0] != '-') {
+    const auto at = std::find(args.begin(), args.end(), command);
+    if (std::find(args.begin(), at, extras.front()) != at)
+      return "epmoe: invalid argument '" + extras.front() + "': expected the command first (run, bench or tune), got " +
+             extras.front() + " before '" + command + "'" +
+             (extras.front() == "help" ? " (for a command's help: epmoe " + command + " --help)" : " (see --help)");
+  }
   const auto flag =
       std::find_if(extras.begin(), extras.end(), [](const std::string& w) { return w.size() > 1 && w[0] == '-'; });
   if (flag == extras.end())
