@@ -10,32 +10,26 @@
 
 namespace epmoe::cuda_ipc_device {
 
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-/// Adds v to *p with system-scope release (no value returned): after a barrier, it publishes the block's stores.
-__device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-// A flag that one rank both writes and reads (its own, peer == rank) never leaves the GPU, so gpu scope orders it:
-// a system-scope release waits until the block's stores are visible to every device and the host, a gpu-scope one
-// only until the GPU's L2 has them. Flags crossing ranks (another GPU, or another process) keep system scope.
-__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void red_release_gpu_add(unsigned long long* p, unsigned long long v) {
-  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+// The flag operations at one scope: ld_acquire_<scope>, st_release_<scope>, red_release_<scope>_add (the add returns
+// no value; after a barrier it publishes the block's stores). PTX names the scope in the instruction, hence a macro.
+// sys: what crosses ranks (another GPU, or another process). gpu: a flag that one rank both writes and reads (its
+// own, peer == rank) never leaves the GPU: a system-scope release waits until the block's stores are visible to
+// every device and the host, a gpu-scope one only until the GPU's L2 has them.
+#define EPMOE_CUDA_IPC_FLAG_OPS(scope)                                                                   \
+  __device__ __forceinline__ unsigned long long ld_acquire_##scope(const unsigned long long* p) {       \
+    unsigned long long v;                                                                                \
+    asm volatile("ld.acquire." #scope ".global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");           \
+    return v;                                                                                            \
+  }                                                                                                      \
+  __device__ __forceinline__ void st_release_##scope(unsigned long long* p, unsigned long long v) {      \
+    asm volatile("st.release." #scope ".global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");             \
+  }                                                                                                      \
+  __device__ __forceinline__ void red_release_##scope##_add(unsigned long long* p, unsigned long long v) { \
+    asm volatile("red.release." #scope ".global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");        \
+  }
+EPMOE_CUDA_IPC_FLAG_OPS(sys)
+EPMOE_CUDA_IPC_FLAG_OPS(gpu)
+#undef EPMOE_CUDA_IPC_FLAG_OPS
 /// The same three with the scope picked by `local` (the flag's writer and reader are one rank): gpu, else sys.
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p, bool local) {
   return local ? ld_acquire_gpu(p) : ld_acquire_sys(p);
