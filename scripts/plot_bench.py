@@ -28,8 +28,17 @@ def load(path):
         fail(f"cannot read {path}: {e.strerror}")
     except ValueError as e:
         fail(f"{path} is not JSON ({e})")
-    if data.get("command") != "bench" or not isinstance(data.get("results"), list):
+    if not isinstance(data, dict):
+        fail(f"{path} is not the JSON of `epmoe bench` (expected an object, got {type(data).__name__})")
+    if data.get("command") != "bench":
+        fail(f"{path} is not the JSON of `epmoe bench` (expected \"command\": \"bench\", got "
+             f"{json.dumps(data.get('command'))})")
+    if not isinstance(data.get("results"), list):
         fail(f"{path} is not the JSON of `epmoe bench` (no 'results' list)")
+    for i, r in enumerate(data["results"]):
+        missing = [k for k in ("op", "tokens") if not isinstance(r, dict) or k not in r]
+        if missing:
+            fail(f"{path}: results[{i}] lacks {', '.join(repr(k) for k in missing)} (not `epmoe bench` output)")
     return data
 
 

@@ -16,11 +16,13 @@ from typing import Any, Tuple
 import numpy as np
 
 from . import _ext
-from ._tensor import arg, framework_of, int64_arg, invalid_argument, is_torch, on_stream
+from ._tensor import arg, framework_of, int64_arg, invalid_argument, is_torch, on_stream, required
 
 
-def _host_numpy(x: Any, dtype: Any) -> np.ndarray:
-    """A C-contiguous NumPy array of `dtype` with x's values (torch tensors are moved to the CPU)."""
+def _host_numpy(name: str, x: Any, dtype: Any) -> np.ndarray:
+    """A C-contiguous NumPy array of `dtype` with x's values (torch tensors are moved to the CPU); None is refused
+    naming `name` (NumPy would make it a 0-d object array, and the error would describe that instead)."""
+    required(name, x)
     if is_torch(x):
         x = x.detach().cpu().numpy()
     return np.ascontiguousarray(np.asarray(x), dtype=dtype)
@@ -59,7 +61,7 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     Errors: epmoe.Error('invalid_argument') naming 'weight', 'num_replicas', 'num_groups', 'num_nodes' or
     'num_gpus'.
     """
-    w = _host_numpy(weight, np.float64)
+    w = _host_numpy("weight", weight, np.float64)
     phy2log, log2phy, logcnt = _ext.rebalance_experts(w, int64_arg("num_replicas", num_replicas),
                                                       int64_arg("num_groups", num_groups),
                                                       int64_arg("num_nodes", num_nodes),
@@ -81,8 +83,9 @@ def map_to_physical(topk_idx: Any, logical_to_physical: Any, logical_replica_cou
     Errors: epmoe.Error('invalid_argument') naming 'topk_idx', 'logical_to_physical', 'logical_replica_count'
     or 'layer'.
     """
-    return _ext.map_to_physical(arg(topk_idx), _host_numpy(logical_to_physical, np.int64),
-                                _host_numpy(logical_replica_count, np.int64), int64_arg("layer", layer),
+    log2phy = _host_numpy("logical_to_physical", logical_to_physical, np.int64)
+    logcnt = _host_numpy("logical_replica_count", logical_replica_count, np.int64)
+    return _ext.map_to_physical(arg(required("topk_idx", topk_idx)), log2phy, logcnt, int64_arg("layer", layer),
                                 framework_of(topk_idx))
 
 
@@ -100,7 +103,8 @@ def logical_loads(physical_loads: Any, physical_to_logical: Any, num_logical_exp
     Errors: epmoe.Error('invalid_argument') naming 'physical_loads' (shape, a negative count),
     'physical_to_logical' or 'plan' (an entry outside [0, E)).
     """
-    out = _ext.logical_loads(_host_numpy(physical_loads, np.int64), _host_numpy(physical_to_logical, np.int64),
+    out = _ext.logical_loads(_host_numpy("physical_loads", physical_loads, np.int64),
+                             _host_numpy("physical_to_logical", physical_to_logical, np.int64),
                              int64_arg("num_logical_experts", num_logical_experts))
     return _like(physical_loads, out)[0]
 
@@ -124,7 +128,7 @@ def load_balancedness(loads: Any, num_ranks: int) -> np.ndarray:
     of a rank's load (expert e on rank e // (E // num_ranks)) divided by the most loaded rank's; 1 for a layer with
     no tokens. Errors: epmoe.Error('invalid_argument') naming 'loads' (not 2-d) or 'num_ranks' (< 1 or not dividing
     E)."""
-    return _ext.load_balancedness(_host_numpy(loads, np.int64), int64_arg("num_ranks", num_ranks))
+    return _ext.load_balancedness(_host_numpy("loads", loads, np.int64), int64_arg("num_ranks", num_ranks))
 
 
 class ExpertLoadRecorder:
@@ -166,6 +170,7 @@ class ExpertLoadRecorder:
         `layer`; the oldest record of the layer drops out once it holds `window`. A GPU record is enqueued on the
         tensor's current stream and its values are not checked on the host. Errors name 'layer' or
         'num_tokens_per_expert'; a rejected record changes nothing."""
+        required("num_tokens_per_expert", num_tokens_per_expert)
         with on_stream(num_tokens_per_expert):
             self._impl.record(int64_arg("layer", layer), arg(num_tokens_per_expert))
 
@@ -173,6 +178,7 @@ class ExpertLoadRecorder:
         """As record, for counts known for experts [expert_offset, expert_offset + n) only (int32 or int64 [n]: one
         rank's received counts, what a layer records); the record's other experts get 0. Errors name 'layer',
         'num_recv_tokens_per_expert' or 'expert_offset' (< 0, or expert_offset + n > E)."""
+        required("num_recv_tokens_per_expert", num_recv_tokens_per_expert)
         with on_stream(num_recv_tokens_per_expert):
             self._impl.record_local(int64_arg("layer", layer), arg(num_recv_tokens_per_expert),
                                     int64_arg("expert_offset", expert_offset))

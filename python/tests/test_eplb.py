@@ -336,3 +336,26 @@ def test_moe_layer_recorder_errors(rng):
     assert layer.load_recorder is None
     layer.forward(x, w1, w2, w, idx, global_num_experts=4)
     np.testing.assert_array_equal(rec.loads()[0], _hand_count(idx, 4))
+
+
+def test_none_for_an_array_is_named():
+    """None where an array goes: epmoe.Error naming the argument (NumPy made it a 0-d object array, nanobind a
+    TypeError naming no argument)."""
+    weight = np.ones((1, 4))
+    phy2log, log2phy, logcnt = epmoe.rebalance_experts(weight, 4, 1, 1, 1)
+    rec = epmoe.ExpertLoadRecorder(num_layers=1, num_experts=4, num_ranks=1, window=2)
+    cases = [
+        (lambda: epmoe.rebalance_experts(None, 4, 1, 1, 1), "weight"),
+        (lambda: epmoe.map_to_physical(None, log2phy, logcnt, 0), "topk_idx"),
+        (lambda: epmoe.map_to_physical(np.zeros((1, 1), np.int64), None, logcnt, 0), "logical_to_physical"),
+        (lambda: epmoe.map_to_physical(np.zeros((1, 1), np.int64), log2phy, None, 0), "logical_replica_count"),
+        (lambda: epmoe.logical_loads(None, phy2log, 4), "physical_loads"),
+        (lambda: epmoe.logical_loads(np.ones((1, 4), np.int64), None, 4), "physical_to_logical"),
+        (lambda: rec.record(0, None), "num_tokens_per_expert"),
+        (lambda: rec.record_local(0, None, 0), "num_recv_tokens_per_expert"),
+    ]
+    for call, name in cases:
+        with pytest.raises(epmoe.Error) as e:
+            call()
+        assert e.value.code == "invalid_argument"
+        assert f"'{name}'" in str(e.value) and "got None" in str(e.value), str(e.value)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/npy.hpp"
+#include "support/temp_path.hpp"
 
 namespace epmoe {
 namespace {
@@ -19,7 +20,7 @@ namespace {
 // `data`.
 std::string write_raw(const std::string& leaf, const std::string& shape, const std::vector<std::int16_t>& data,
                       const std::string& descr = "'<i2'") {
-  const std::string path = ::testing::TempDir() + "epmoe_npy_" + leaf + ".npy";
+  const std::string path = epmoe::test::temp_path("epmoe_npy", leaf + ".npy");
   std::string header = "{'descr': " + descr + ", 'fortran_order': False, 'shape': (" + shape + "), }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';

@@ -10,6 +10,7 @@
 
 #include "core/npy.hpp"
 #include "support/npy_writer.hpp"
+#include "support/temp_path.hpp"
 
 namespace epmoe {
 namespace {
@@ -114,10 +115,7 @@ TEST(Replay, RejectsBadArgumentsNamingThem) {
   EXPECT_THROW(load_npy(kDir + "/README.md"), Error);
 }
 
-std::string temp_dir(const std::string& leaf) {
-  const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  return ::testing::TempDir() + "epmoe_replay_" + test + "_" + leaf;
-}
+std::string temp_dir(const std::string& leaf) { return epmoe::test::temp_path("epmoe_replay", leaf); }
 
 std::string error_of(const std::string& dir) {
   try {

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "support/random.hpp"
+#include "support/temp_path.hpp"
 
 namespace epmoe {
 namespace {
@@ -139,7 +140,7 @@ TEST(BufferConfig, FileRoundTrip) {
                       std::to_string(o.num_recv_slots) + ",\n  \"num_sms\": " +
                       std::to_string(o.num_sms) + ",\n  \"use_copy_engine\": " +
                       (o.use_copy_engine ? "true" : "false") + "\n}");
-  const std::string path = ::testing::TempDir() + "epmoe_buffer_config_test.json";
+  const std::string path = epmoe::test::temp_path("epmoe_buffer_config", "test.json");
   std::ofstream(path) << text;
   BufferOptions back;
   load_buffer_config(path, back);

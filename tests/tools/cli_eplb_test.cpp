@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "support/temp_path.hpp"
+
 namespace {
 
 struct CliResult {
@@ -24,10 +26,7 @@ struct CliResult {
   std::string out, err;
 };
 
-std::string temp_path(const std::string& leaf) {
-  return ::testing::TempDir() + "epmoe_cli_eplb_" + ::testing::UnitTest::GetInstance()->current_test_info()->name() +
-         "_" + leaf;
-}
+std::string temp_path(const std::string& leaf) { return epmoe::test::temp_path("epmoe_cli_eplb", leaf); }
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

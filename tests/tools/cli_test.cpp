@@ -30,6 +30,7 @@
 
 #include "support/npy_writer.hpp"
 #include "support/random.hpp"
+#include "support/temp_path.hpp"
 
 namespace {
 
@@ -40,8 +41,8 @@ struct CliResult {
 
 std::string test_name() { return ::testing::UnitTest::GetInstance()->current_test_info()->name(); }
 
-// A path in the test's temporary directory, unique per test (ctest runs tests in parallel).
-std::string temp_path(const std::string& leaf) { return ::testing::TempDir() + "epmoe_cli_" + test_name() + "_" + leaf; }
+// A path in the test's temporary directory, unique per test and process (ctest runs tests in parallel).
+std::string temp_path(const std::string& leaf) { return epmoe::test::temp_path("epmoe_cli", leaf); }
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
