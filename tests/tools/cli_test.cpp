@@ -162,6 +162,19 @@ TEST(Cli, HelpListsTheCommandsAndFlags) {
   }
 }
 
+// Found by a fresh user: a bad flag beside -h won over the help ("epmoe run -h --tokens abc" said the --tokens error).
+TEST(Cli, HelpWinsOverABadFlagBesideIt) {
+  for (const char* line : {"run -h --tokens abc", "run --tokens abc -h", "run --tokne 3 --help", "-h run --ranks -1"}) {
+    const CliResult r = run_cli(line);
+    EXPECT_EQ(r.code, 0) << line << "\n" << r.err;
+    EXPECT_NE(r.out.find("Run a full expert-parallel MoE layer"), std::string::npos) << line << "\n" << r.out;
+    EXPECT_EQ(r.err.find("invalid argument"), std::string::npos) << line << "\n" << r.err;
+  }
+  const CliResult top = run_cli("--tokens abc --help");
+  EXPECT_EQ(top.code, 0) << top.err;
+  EXPECT_NE(top.out.find("Exit status: 0 success"), std::string::npos) << top.out;
+}
+
 // Found by a fresh user: on a terminal (stdout and stderr on one stream) bench on CPU ranks printed each row in
 // the middle of the stderr progress line ("[1/2] T=1: dispatch_bf16      1 dispatch_bf16    4025.84 ...").
 TEST(Cli, BenchOnCpuRanksKeepsTheRowsOffTheProgressLine) {

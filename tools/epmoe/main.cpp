@@ -332,6 +332,23 @@ std::string flag_value_message(CLI::App& app, const std::vector<std::string>& ar
   return "";
 }
 
+/// A help request beside other words ("epmoe run -h --tokens abc"): the words to parse instead, the program name, the
+/// command (when one comes before the -h) and --help, so the help wins over any bad flag beside it, as in most tools.
+/// Empty when there is no -h / --help before a "--".
+std::vector<std::string> help_request(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  const auto end = std::find(args.begin(), args.end(), "--");
+  const auto help = std::find_if(args.begin(), end, [](const std::string& w) { return w == "-h" || w == "--help"; });
+  if (help == end || args.size() == 1) return {};
+  std::vector<std::string> words{argv[0]};
+  const auto command = std::find_if(args.begin(), end, [](const std::string& w) {
+    return w == "run" || w == "bench" || w == "tune";
+  });
+  if (command != end) words.push_back(*command);
+  words.emplace_back("--help");
+  return words;
+}
+
 /// Says why the command line was refused and returns exit status 2. Under mpirun every process parses the same line:
 /// the first says it at once; another says it after a pause, naming itself. mpirun stops the job at the first
 /// non-zero exit, so when the first process refused the same line the job stops during that pause (one message, not
@@ -368,6 +385,13 @@ int main(int argc, char** argv) {
   read_numbers_in_decimal(app);
   refuse_empty_values(app);  // after: its transform then runs first
   refuse_repeated_flags(app);
+  std::vector<std::string> help_words = help_request(argc, argv);
+  std::vector<char*> help_argv;
+  for (std::string& w : help_words) help_argv.push_back(w.data());
+  if (!help_argv.empty()) {
+    argc = static_cast<int>(help_argv.size());
+    argv = help_argv.data();
+  }
   if (const std::string m = flag_value_message(app, std::vector<std::string>(argv + 1, argv + argc)); !m.empty())
     return refuse_command_line(m);
   try {
