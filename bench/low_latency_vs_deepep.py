@@ -27,7 +27,9 @@ Three figures per op and T (semantics §12 gives the rules; DeepEP's test report
   - graph: one CUDA-graph replay of an fp8 dispatch + its combine, events around the replay, median of 50.
   - eager pair: DeepEP's `avg_t` (tests/utils.py `bench`): events around each of 50 back-to-back dispatch + combine
     calls on the caller's stream, mean of the last 49. Where the host enqueues slower than the GPU runs, this is
-    the host's time per pair; its host time alone (no synchronisation) is recorded beside it.
+    the host's time per pair; its host time alone (no synchronisation) is recorded beside it. Measured first, before
+    any profiler runs in the process; then again with DeepEP's test_func's dispatch arguments
+    (`cumulative_local_expert_recv_stats` given), the calls its own test times.
 --host-profile PATH writes a cProfile of 200 eager pairs (the host's own time, by function) at the largest T.
 Writes one JSON object (--json) with every figure and the kernel list; `scripts/gpu_check.sh anchors` runs it for
 both libraries in the same call and prints epmoe / DeepEP.
@@ -166,18 +168,30 @@ def measure(torch, lib, buf, T, tmax, shape, E, args, flush, graphs):
     for _ in range(5):
         combine(dispatch()[1])
     torch.cuda.synchronize()
+    # The eager pairs first: host time is what they measure, and nothing profiled in this process may weigh on it.
+    eager, host = eager_pair_time(torch, dispatch, combine)
+    # As DeepEP's test_low_latency.py test_func dispatches (its avg_t): with cumulative_local_expert_recv_stats.
+    stats = torch.zeros((E // buf.group_size,), dtype=torch.int32, device="cuda")
+
+    def dispatch_as_deepep_test():
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, tmax, E,
+                                                             cumulative_local_expert_recv_stats=stats, use_fp8=fp8,
+                                                             async_finish=False, return_recv_hook=False)
+        return recv, handle
+
+    eager_stats, host_stats = eager_pair_time(torch, dispatch_as_deepep_test, combine)
     kernels = kernel_times(torch, dispatch, combine, args.runs)
     # Combine: each timed call gets a fresh dispatch's handle, made before the flush, outside the timed region.
     flushed = {"dispatch": call_time(torch, flush, lambda _: dispatch()),
                "combine": call_time(torch, flush, combine, prepare=lambda: dispatch()[1])}
-    eager, host = eager_pair_time(torch, dispatch, combine)
     profiled = None
     if args.host_profile and T == tmax:  # once: the first shape's largest T
         profiled = host_profile(dispatch, combine, args.host_profile, f"{args.lib}, {dtype} K={K} H={H} T={T}")
         args.host_profile = ""
         torch.cuda.synchronize()
     res = {"dtype": dtype, "K": K, "H": H, "T": T, "kernel_us": kernels, "call_us_l2_flushed": flushed,
-           "eager_pair_us": eager, "eager_pair_host_us": host, "graph_pair_us": None, "graph_error": None}
+           "eager_pair_us": eager, "eager_pair_host_us": host, "eager_pair_stats_us": eager_stats,
+           "eager_pair_stats_host_us": host_stats, "graph_pair_us": None, "graph_error": None}
     if profiled:
         res["host_profile"] = profiled
     graphs.append((res, dispatch, combine))
@@ -380,6 +394,11 @@ def compare(epmoe_json, deepep_json):
         if "eager_pair_us" in a and "eager_pair_us" in b:  # (files written before it was measured have none)
             rows.append((f"eager {dtype} dispatch + combine (DeepEP's avg_t)", a["eager_pair_us"], b["eager_pair_us"]))
             rows.append(("  its host time per pair", a["eager_pair_host_us"], b["eager_pair_host_us"]))
+        if "eager_pair_stats_us" in a and "eager_pair_stats_us" in b:
+            rows.append(("  the same with cumulative_local_expert_recv_stats (DeepEP's test_func)",
+                         a["eager_pair_stats_us"], b["eager_pair_stats_us"]))
+            rows.append(("  its host time per pair, with the stats", a["eager_pair_stats_host_us"],
+                         b["eager_pair_stats_host_us"]))
         for name, x, y in rows:
             ratio = f"{x / y:.2f}" if x and y else "-"
             fx = f"{x:.2f}" if x else "-"

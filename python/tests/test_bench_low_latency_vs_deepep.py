@@ -28,7 +28,8 @@ def result(rng, dtype, K, H, T, eager=True):
          "kernel_us": {op: {"per_call_us": fig()} for op in ("dispatch", "combine")},
          "call_us_l2_flushed": {"dispatch": fig(), "combine": fig()}, "graph_pair_us": fig(), "graph_error": None}
     if eager:  # files written before the eager pair was measured have neither key
-        r.update(eager_pair_us=fig(), eager_pair_host_us=fig())
+        r.update(eager_pair_us=fig(), eager_pair_host_us=fig(), eager_pair_stats_us=fig(),
+                 eager_pair_stats_host_us=fig())
     return r
 
 
@@ -62,7 +63,7 @@ def test_compare_sweep_shapes_and_refused_shape(tmp_path, capsys, rng):
     for (dtype, K, H, T), x, y in zip(shapes, ours, theirs):
         label = f"{T}" if (dtype, K, H) == ("fp8", 8, 7168) else f"{T} ({dtype}, K = {K}, H = {H})"
         got = {row[1]: row for row in by_label[label]}
-        assert len(got) == 7, label
+        assert len(got) == 9, label
         kernel = got["dispatch kernel time (every kernel)"]
         want = x["kernel_us"]["dispatch"]["per_call_us"] / y["kernel_us"]["dispatch"]["per_call_us"]
         assert kernel[2] == f"{x['kernel_us']['dispatch']['per_call_us']:.2f}"
@@ -73,13 +74,18 @@ def test_compare_sweep_shapes_and_refused_shape(tmp_path, capsys, rng):
         assert eager[4] == f"{x['eager_pair_us'] / y['eager_pair_us']:.2f}"
         host = got["its host time per pair"]
         assert (host[2], host[3]) == (f"{x['eager_pair_host_us']:.2f}", f"{y['eager_pair_host_us']:.2f}")
+        stats = got["the same with cumulative_local_expert_recv_stats (DeepEP's test_func)"]
+        assert stats[4] == f"{x['eager_pair_stats_us'] / y['eager_pair_stats_us']:.2f}"
+        stats_host = got["its host time per pair, with the stats"]
+        assert (stats_host[2], stats_host[3]) == (f"{x['eager_pair_stats_host_us']:.2f}",
+                                                  f"{y['eager_pair_stats_host_us']:.2f}")
     # The refused shape: DeepEP's error in one row; epmoe's figure for it is not set against anything.
     refused = [row for row in rows if "H = 2880" in row[0]]
     assert [row[1] for row in refused] == ["not compared", "not compared"]
     assert any("DeepEP: RuntimeError: Unsupported hidden" in row[4] for row in refused)
     assert any("not measured by DeepEP" in row[4] for row in refused)
     # The default shape comes first, T ascending.
-    assert [row[0] for row in rows[:14]] == ["1"] * 7 + ["128"] * 7
+    assert [row[0] for row in rows[:18]] == ["1"] * 9 + ["128"] * 9
 
 
 def test_compare_reads_files_written_before_sweep(tmp_path, capsys, rng):
