@@ -303,9 +303,14 @@ void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtype
   torch_types() = std::move(t);
 }
 
+// A torch.Tensor itself (not a subclass), once register_torch ran: read from its attributes where it can be.
+bool plain_torch_tensor(nb::handle obj) {
+  return torch_types().tensor != nullptr && Py_TYPE(obj.ptr()) == torch_types().tensor;
+}
+
 TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
   if (!obj.is_valid() || obj.is_none()) return {};
-  if (torch_types().tensor != nullptr && Py_TYPE(obj.ptr()) == torch_types().tensor) {
+  if (plain_torch_tensor(obj)) {
     if (std::optional<TensorView> v = torch_view(obj)) return *v;
     // The DLPack route: its checks and messages, on the form epmoe/_tensor.py gives it (detached; float8 as a tagged
     // uint8 view). The converted object lives in `keep` (as the arrays do).
@@ -322,8 +327,7 @@ Tensor tensor_from_py(nb::handle obj, const char* name) {
   // Hold the Python array (through its ndarray handles) until the Tensor's storage is released. A torch tensor read
   // directly is held as a detached alias, which keeps its storage as a DLPack export does (whatever later
   // set_() or resize_() calls do to the caller's tensor).
-  const bool torch_read = torch_types().tensor != nullptr && Py_TYPE(obj.ptr()) == torch_types().tensor;
-  nb::object held = torch_read ? obj.attr("detach")() : nb::borrow(obj);
+  nb::object held = plain_torch_tensor(obj) ? obj.attr("detach")() : nb::borrow(obj);
   auto holder = std::shared_ptr<void>(new PyRef(make_ref(held)), [keep](void* p) mutable {
     auto* ref = static_cast<PyRef*>(p);
     if (Py_IsInitialized()) {

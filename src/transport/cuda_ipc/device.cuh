@@ -1,6 +1,6 @@
-// Device helpers shared by the kernels of both cuda_ipc modes (cuda_ipc/normal_kernels.cu, cuda_ipc/low_latency_kernels.cu):
-// release/acquire flags (gpu scope for a rank's own, system scope across ranks), %globaltimer deadlines, the host-mapped error report, a warp's row copy, bulk
-// copies (TMA) through shared memory.
+// Device helpers shared by the kernels of both cuda_ipc modes (cuda_ipc/normal_kernels.cu,
+// cuda_ipc/low_latency_kernels.cu): release/acquire flags (gpu scope for a rank's own, system scope across ranks),
+// %globaltimer deadlines, the host-mapped error report, a warp's row copy, bulk copies (TMA) through shared memory.
 // CUDA sources only.
 #pragma once
 
