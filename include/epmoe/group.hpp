@@ -82,6 +82,10 @@ class ThreadWorld {
   /// a collective or a signal wait throw ErrorCode::unusable naming that rank at once, instead of
   /// waiting out their timeout.
   void abort(int rank, std::string_view reason);
+  /// Records that rank `rank`'s function returned: it reaches no later collective, so ranks waiting in, or later
+  /// entering, one it has not reached, or waiting for its signal, throw ErrorCode::unusable naming it at once,
+  /// instead of waiting out their timeout. run_thread_ranks calls it for each rank that returns.
+  void mark_returned(int rank);
   /// Runs `body(rank)` on one new thread per rank of this world and joins them all. `body` must not throw (catch
   /// in it). If the system cannot start a thread (more ranks than this machine runs threads), the world is
   /// aborted so the started ranks stop at their next collective, they are joined, and Error(out_of_memory)

@@ -197,7 +197,10 @@ void bind_group(nb::module_& m) {
             }
             // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
             // wait out their timeout in the next collective.
-            if (errors[static_cast<size_t>(r)]) world.abort(r, "its function raised");
+            if (errors[static_cast<size_t>(r)])
+              world.abort(r, "its function raised");
+            else
+              world.mark_returned(r);
           });
         }
         // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else

@@ -323,6 +323,17 @@ def test_run_thread_ranks_returns_results_and_reraises():
 
     with pytest.raises(ValueError, match="rank one fails"):
         epmoe.run_thread_ranks(2, failing, timeout_s=TIMEOUT_S)
+
+    def returning_early(group):
+        if group.rank() == 0:
+            return 0
+        group.barrier()  # rank 0 never comes: this rank is released at once, not after the 60 s timeout
+
+    start = time.monotonic()
+    with pytest.raises(epmoe.Error, match=r"rank\(s\) 0 returned from their function") as e:
+        epmoe.run_thread_ranks(2, returning_early, timeout_s=60.0)
+    assert e.value.code == "unusable"
+    assert time.monotonic() - start < 30.0
     for bad in (0, 10**12, 2.0, True, "2"):
         with pytest.raises(epmoe.Error, match="num_ranks") as e:
             epmoe.run_thread_ranks(bad, failing)

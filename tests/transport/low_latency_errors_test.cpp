@@ -345,6 +345,35 @@ TEST(LowLatencyErrors, HandleOfReusedHalfAndOtherBufferAndOtherTopk) {
   }
 }
 
+// run_thread_ranks: rank 1 returns after its first dispatch. Rank 0's second receive, waiting for rank 1's data
+// signal, raises unusable naming rank 1 at once instead of waiting out its 60 s timeout.
+TEST(LowLatencyErrors, ARankReturningBeforeItsSendReleasesTheReceiverAtOnce) {
+  const Case c = small_case();
+  const std::uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const auto in = make_inputs(rng, c);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    run_thread_ranks(
+        c.R,
+        [&](Group& g) {
+          std::shared_ptr<Group> shared(&g, [](Group*) {});
+          Buffer b(shared, BufferOptions{});
+          b.low_latency_dispatch(dispatch_args(c, in[static_cast<std::size_t>(g.rank())]));
+          if (g.rank() == 1) return;
+          b.low_latency_dispatch(dispatch_args(c, in[0]));
+        },
+        60.0);
+    ADD_FAILURE() << "nothing thrown (seed " << seed << ")";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unusable) << e.what();
+    EXPECT_TRUE(contains(e.what(), "rank 0") && contains(e.what(), "rank 1 returned") &&
+                contains(e.what(), "low_latency_dispatch receive"))
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+}
+
 // Rank 1 makes the first call, then never arrives at the second: rank 0 times out naming itself, the
 // peer and the phase. Rank 1 keeps its buffer until rank 0 is done.
 TEST(LowLatencyErrors, MissingRankTimesOutNamingRankPeerPhase) {

@@ -1,5 +1,6 @@
 // run_thread_ranks rethrows the failing rank's own exception whichever rank failed (not the 'unusable' the
-// others saw of it) and releases the others at once.
+// others saw of it) and releases the others at once; a rank that returns before its peers' collective releases
+// them at once too.
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
@@ -49,6 +50,30 @@ TEST(RunThreadRanks, AHigherRankFailingWhileLowerRanksWaitRethrowsItsOwnError) {
 TEST(RunThreadRanks, ALowerRankFailingWhileHigherRanksWaitRethrowsItsOwnError) {
   expect_root_cause(2, 0, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'x': from rank zero"));
   expect_root_cause(3, 1, std::runtime_error("rank one's own failure"));
+}
+
+// A rank that returns while the others wait for it in a barrier can never arrive: they raise unusable naming it and the phase at once, not after their timeout.
+TEST(RunThreadRanks, ARankReturningEarlyReleasesItsPeersAtOnce) {
+  for (const int returning : {0, 2}) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      run_thread_ranks(
+          3,
+          [&](Group& g) {
+            g.barrier("both meet here");
+            if (g.rank() == returning) return;
+            g.barrier("the returned rank never comes");
+          },
+          60.0);
+      ADD_FAILURE() << "nothing thrown";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::unusable) << what;
+      EXPECT_NE(what.find("rank(s) " + std::to_string(returning) + " returned"), std::string::npos) << what;
+      EXPECT_NE(what.find("the returned rank never comes"), std::string::npos) << what;
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+  }
 }
 
 }  // namespace

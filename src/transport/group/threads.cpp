@@ -18,6 +18,7 @@ ThreadWorld::State::State(int n)
     : num_ranks(n),
       spin_before_sleep(static_cast<unsigned>(n) <= std::thread::hardware_concurrency()),
       arrived(static_cast<std::size_t>(n), false),
+      returned(static_cast<std::size_t>(n), false),
       slots(static_cast<std::size_t>(n)),
       pointers(static_cast<std::size_t>(n), nullptr) {}
 
@@ -42,12 +43,28 @@ void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeou
     lock.unlock();
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
     while (generation.load(std::memory_order_acquire) == gen && !aborted.load(std::memory_order_relaxed) &&
-           std::chrono::steady_clock::now() < until)
+           !any_returned.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until)
       std::this_thread::yield();
     lock.lock();
   }
-  const bool done = cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken; });
+  // The ranks missing here that returned from their function: they will never arrive.
+  const auto gone = [&] {
+    std::string list;
+    for (int r = 0; r < num_ranks; ++r)
+      if (returned[static_cast<std::size_t>(r)] && !arrived[static_cast<std::size_t>(r)])
+        list += fmt::format("{}{}", list.empty() ? "" : ", ", r);
+    return list;
+  };
+  const bool done =
+      cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken || !gone().empty(); });
   if (done && generation != gen) return;
+  if (done && !broken) {
+    // Leave the barrier as if never entered: the world stays usable for what does not need the ranks gone.
+    arrived[static_cast<std::size_t>(rank)] = false;
+    --count;
+    raise(ErrorCode::unusable, "rank {}: gave up waiting in phase '{}': rank(s) {} returned from their function "
+          "without reaching it", rank, phase, gone());
+  }
   // Woken because a rank failed (ThreadWorld::abort): that failure is the cause, not the ranks still missing.
   if (done && aborted.load())
     raise(ErrorCode::unusable, "rank {}: thread group broke while waiting in phase '{}' ({})", rank, phase,
@@ -151,6 +168,14 @@ void ThreadWorld::abort(int rank, std::string_view reason) {
   state_->cv.notify_all();
 }
 
+void ThreadWorld::mark_returned(int rank) {
+  EPMOE_CHECK_ARG(rank >= 0 && rank < size(), "rank", fmt::format("in [0, {})", size()), rank);
+  std::lock_guard lock(state_->mutex);
+  state_->returned[static_cast<std::size_t>(rank)] = true;
+  state_->any_returned.store(true);
+  state_->cv.notify_all();
+}
+
 void ThreadWorld::run_threads(const std::function<void(int rank)>& body) {
   const int n = size();
   std::vector<std::thread> threads;
@@ -196,8 +221,9 @@ std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g) {
 }
 
 namespace {
-// abort_on_failure: a rank that throws marks the world broken (ThreadWorld::abort), so ranks waiting for it
-// raise unusable naming it at once instead of waiting out their timeout.
+// abort_on_failure: a rank that throws marks the world broken (ThreadWorld::abort), and one that returns is marked
+// so (ThreadWorld::mark_returned), so ranks waiting for it raise unusable naming it at once instead of waiting out
+// their timeout.
 std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s,
                                           bool abort_on_failure) {
   ThreadWorld world(num_ranks);
@@ -207,6 +233,7 @@ std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<voi
       auto g = world.group(r);
       g->set_timeout_s(timeout_s);
       fn(*g);
+      if (abort_on_failure) world.mark_returned(r);
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
       if (abort_on_failure) world.abort(r, "it threw");
@@ -218,7 +245,8 @@ std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<voi
 
 std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
                                                          double timeout_s) {
-  // Each rank's own outcome is the point here (tests of what every rank sees): no early release.
+  // Each rank's own outcome is the point here (tests of what every rank sees, a rank that returns early standing
+  // for one that never arrives): no early release.
   return run_ranks(num_ranks, fn, timeout_s, false);
 }
 

@@ -25,6 +25,9 @@ struct ThreadWorld::State {
   bool broken = false;
   std::string broken_reason;
   std::atomic<bool> aborted{false};  // set with broken by ThreadWorld::abort; read by spinning waiters
+  // Ranks whose function returned (ThreadWorld::mark_returned): they reach no later barrier or signal.
+  std::vector<bool> returned;
+  std::atomic<bool> any_returned{false};  // read by spinning waiters before they take `mutex`
 
   // Scratch for small collectives and for publishing pointers to peers (one slot per rank).
   std::vector<std::vector<std::byte>> slots;
@@ -32,6 +35,8 @@ struct ThreadWorld::State {
 
   /// Barrier with timeout. On timeout the world is marked broken and every waiter throws.
   void barrier(int rank, std::string_view phase, double timeout_s);
+  /// Whether rank `peer`'s function returned (under `mutex`).
+  bool has_returned(int peer) const { return returned[static_cast<std::size_t>(peer)]; }
 };
 
 }  // namespace epmoe

@@ -98,6 +98,13 @@ class ThreadsTransport final : public Transport {
     for (int spins = 0;; ++spins) {
       if (s.load(std::memory_order_acquire) >= value) return;
       if (spins > 64) {
+        if (state_->any_returned.load(std::memory_order_relaxed)) {
+          std::lock_guard lock(state_->mutex);
+          // The peer's signal happens before its return is recorded: read the slot again after seeing it.
+          if (state_->has_returned(peer) && s.load(std::memory_order_acquire) < value)
+            raise(ErrorCode::unusable, "rank {}: gave up waiting for peer {} in phase '{}': rank {} returned from "
+                  "its function without sending it", group_->rank(), peer, phase, peer);
+        }
         if (state_->aborted.load(std::memory_order_relaxed)) {
           std::lock_guard lock(state_->mutex);
           raise(ErrorCode::unusable, "rank {}: gave up waiting for peer {} in phase '{}': {}", group_->rank(), peer, phase,
