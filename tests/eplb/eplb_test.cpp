@@ -146,10 +146,12 @@ TEST(EplbPlanner, PropertiesOnRandomLoads) {
         }
         // Against round-robin placement within the plan's nodes: node n's P/N slots hold its experts (ascending
         // ids) in turn, slot j -> j mod (E/N); with one node, plain round-robin (slot p holds expert p mod E).
-        // The global policy is never worse on a draw (asserted per draw). The hierarchical one is a heuristic
-        // on few slots per node and loses on some draws (measured: ~20% of draws with 4 groups on 2 nodes, by
-        // up to ~15%; against plain round-robin more often, as it keeps each group on one node), so for it
-        // the sum over the draws is asserted.
+        // Both policies are greedy heuristics, so the sum over the draws is asserted: they win on average. The
+        // global one also loses on a few draws (measured: a few draws in 10^4 of the 3-groups-on-2-nodes config,
+        // by at most 5.5% over 80,000 draws), so per draw it is held to 1.25x round-robin, a bound a broken planner
+        // passes only by chance. The hierarchical one, on few slots per node, loses on ~20% of draws with 4
+        // groups on 2 nodes, by up to ~15% (more often against plain round-robin, as it keeps each group on one
+        // node): no per-draw bound.
         const i64 nodes = hierarchical ? c.N : 1, pn = c.P / nodes, en = c.E / nodes;
         std::vector<i64> rr(static_cast<size_t>(c.P)), rr_cnt(static_cast<size_t>(c.E), 0);
         for (i64 n = 0; n < nodes; ++n) {
@@ -166,7 +168,7 @@ TEST(EplbPlanner, PropertiesOnRandomLoads) {
         const double naive = max_gpu_load(wl, rr.data(), rr_cnt, c.P, c.M);
         sum_eplb[ci] += mine;
         sum_naive[ci] += naive;
-        if (!hierarchical || c.N == 1) EXPECT_LE(mine, naive * (1 + 1e-12));
+        if (!hierarchical || c.N == 1) EXPECT_LE(mine, naive * 1.25);
       }
       if (!hierarchical) {  // global policy == one group on one node
         const EplbPlan flat = rebalance_experts(w, c.L, c.E, c.P, 1, 1, c.M);
