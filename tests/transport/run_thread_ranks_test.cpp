@@ -52,7 +52,8 @@ TEST(RunThreadRanks, ALowerRankFailingWhileHigherRanksWaitRethrowsItsOwnError) {
   expect_root_cause(3, 1, std::runtime_error("rank one's own failure"));
 }
 
-// A rank that returns while the others wait for it in a barrier can never arrive: they raise unusable naming it and the phase at once, not after their timeout.
+// A rank that returns while the others wait for it in a barrier can never arrive (the first rank to see it may
+// break the group for the others: they name it through that rank's message): they raise unusable naming it and the phase at once, not after their timeout.
 TEST(RunThreadRanks, ARankReturningEarlyReleasesItsPeersAtOnce) {
   for (const int returning : {0, 2}) {
     const auto start = std::chrono::steady_clock::now();

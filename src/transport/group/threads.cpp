@@ -234,6 +234,13 @@ std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<voi
       g->set_timeout_s(timeout_s);
       fn(*g);
       if (abort_on_failure) world.mark_returned(r);
+    } catch (const std::exception& e) {
+      errors[static_cast<std::size_t>(r)] = std::current_exception();
+      // The rank's own message: when it failed for a peer's sake (one that returned), that cause is named too.
+      if (abort_on_failure) {
+        const std::string_view what = e.what(), head = "epmoe: ";
+        world.abort(r, what.substr(0, head.size()) == head ? what.substr(head.size()) : what);
+      }
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
       if (abort_on_failure) world.abort(r, "it threw");
