@@ -940,8 +940,9 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
 /// The receive phase of combine call `index`: the weighted sum of every token's rows into out (the consumed flags
 /// are raised by this rank's next launch). `own`: the send phase of the same launch (not overlapped), which left
 /// the rows of this rank's own experts in its x: they are read there (the dispatch's self_row gives each one's row),
-/// the others in the staging area.
-template <int kK>
+/// the others in the staging area. kInPlace: `own` is given (a compile-time choice, so the staged receive keeps its
+/// plain loads: reading each slot's address from shared memory cost the hook receive ~3 us).
+template <int kK, bool kInPlace>
 __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned long long index,
                              const CombineSendArgs* own) {
   const int half = static_cast<int>(index & 1), dh = half ^ 1, R = c.num_ranks, El = c.local_experts, K = a.K;
@@ -1013,9 +1014,10 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
       for (int k = 0; k < kK; ++k) {
         ids[k] = cleaned[k];
         w[k] = k < K ? a.weights[t * K + k] : 0.0f;
+        if constexpr (!kInPlace) continue;
         const int4* at = body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec;
         bool x_row = false;
-        if (own != nullptr && k < K && cleaned[k] >= 0 && cleaned[k] / El == c.rank) {
+        if (k < K && cleaned[k] >= 0 && cleaned[k] / El == c.rank) {
           // The dispatch's row of (t, k); ids other than the dispatch's are reported by block 0, and their row is
           // kept inside the expert's rows.
           const long long row = self_row[t * kMaxTopk + k];
@@ -1038,9 +1040,14 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
     for (int u = 0; u < kCombineVecs<kK>; ++u) {
       const int vu = v + u * kThreads;
 #pragma unroll
-      for (int k = 0; k < kK; ++k)
-        if (vu < nvec && k < K && ids[k] >= 0 && (which & (in_x[k] ? kRowsInX : kRowsStaged)) != 0)
-          raw[u][k] = __ldcg(row_of[k] + vu);
+      for (int k = 0; k < kK; ++k) {
+        if constexpr (kInPlace) {
+          if (vu < nvec && k < K && ids[k] >= 0 && (which & (in_x[k] ? kRowsInX : kRowsStaged)) != 0)
+            raw[u][k] = __ldcg(row_of[k] + vu);
+        } else if (vu < nvec && k < K && ids[k] >= 0) {
+          raw[u][k] = __ldcg(body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec + vu);
+        }
+      }
     }
   };
   const bool has_first = first >= 0 && first < items;
@@ -1050,13 +1057,13 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   if (has_first) prepare(first);
   // The first item's rows in x are loaded at once (they wait on no source: at T = 1 their latency from memory
   // followed the flags), the others with the headers (after receive_headers' first barrier).
-  if (own != nullptr) {
+  if constexpr (kInPlace) {
     __syncthreads();
     if (has_first) load(kRowsInX);
   }
   if (!receive_headers(c, half, index, kKindCombine, 0, blockIdx.x == 0 ? expected : nullptr, n, kPhaseCombineRecv,
                        a.wait_cost, [&] {
-                         if (has_first) load(own != nullptr ? kRowsStaged : kRowsAll);
+                         if (has_first) load(kInPlace ? kRowsStaged : kRowsAll);
                        }))
     return;
   for (long long item = first; item >= 0 && item < items; item += stride) {
@@ -1152,7 +1159,12 @@ __global__ void __launch_bounds__(kThreads)
     end_send(c, index);
     if (!ok) return;
   }
-  if ((phases & kRecvPhase) != 0) combine_recv<kK>(c, ra, index, own ? &sa : nullptr);
+  if ((phases & kRecvPhase) != 0) {
+    if (own)
+      combine_recv<kK, true>(c, ra, index, &sa);
+    else
+      combine_recv<kK, false>(c, ra, index, nullptr);
+  }
   stamp(c, kTraceEnd);
 }
 
