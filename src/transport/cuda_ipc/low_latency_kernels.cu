@@ -361,6 +361,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
         if (blockIdx.x == 0) c.sent_idx[static_cast<std::size_t>(half) * c.tmax * kMaxTopk + t * K + k] = ids[k];
       }
     }
+    if (base == 0) stamp(c, kTraceIds);
     int pos[kMaxRanks];
     for (int d = 0; d < R; ++d) {
       const int before = carry[d];  // read by every thread before block_scan's first barrier

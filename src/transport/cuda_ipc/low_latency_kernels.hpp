@@ -76,6 +76,7 @@ using HostRecord = cuda_ipc::ErrorRecord;
 enum : int {
   kTraceStart = 0,    ///< the block started
   kTraceIndex,        ///< the call index read (and the consumed flags the launch owes raised)
+  kTraceIds,          ///< dispatch send: the first chunk's ids loaded and cleaned (before its scan)
   kTraceWritable,     ///< send: every destination's consumed flag of the half seen
   kTraceSent,         ///< send: the block's rows (and metas) stored
   kTracePublished,    ///< send: the block's share of the data flags released

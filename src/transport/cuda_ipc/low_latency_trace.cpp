@@ -13,8 +13,8 @@
 namespace epmoe::cuda_ipc_ll {
 
 namespace {
-constexpr const char* kPointNames[kNumTracePoints] = {"start",     "index", "writable", "sent",    "published",
-                                                      "counted",   "arrived", "headers", "scanned", "end"};
+constexpr const char* kPointNames[kNumTracePoints] = {"start",   "index",   "ids",     "writable", "sent",
+                                                      "published", "counted", "arrived", "headers",  "scanned", "end"};
 }
 
 LaunchTrace::LaunchTrace(int rank) : rank_(rank) {
