@@ -1104,9 +1104,9 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
 
 /// The most bytes of a combine's rows (T x K x H bf16, own or not) below which its own rows still go through the
 /// staging area. One H100, R = 1, H = 7168, K = 8: at T = 128 (14 MiB) reading in place made the combine ~8 us
-/// faster (the copy moves every byte twice); at T = 1 (115 KiB) the in-place build was ~1.3 us slower, but the
-/// staged path of the same build is as slow there, so that cost is the receive's code, not where the rows are read
-/// (docs/cuda_ipc_design.md, "Own rows in place"). The crossover is not measured.
+/// faster (the copy moves every byte twice); at T = 1 (115 KiB) the staged receive is the faster (12.6 us per
+/// combine against 14.0 with this bound at 0, each against the same base in one call; docs/cuda_ipc_design.md,
+/// "Own rows in place"). The crossover is not measured.
 constexpr long long kOwnInPlaceBytes = 1ll << 20;
 
 /// The index of a kernel's call: a send phase reads it (begin_send); a receive-only launch is the call sent `lag`
