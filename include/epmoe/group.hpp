@@ -60,7 +60,7 @@ class Group {
   void check_agreement(std::span<const Setting> settings, std::string_view phase);
 
   double timeout_s() const { return timeout_s_; }
-  void set_timeout_s(double s) { timeout_s_ = s; }
+  void set_timeout_s(double s) { timeout_s_ = clamp_timeout_s(s); }  ///< longer than kMaxTimeoutS: that
 
  private:
   double timeout_s_ = default_timeout_s();
@@ -102,10 +102,15 @@ class ThreadWorld {
 /// Returns one exception_ptr per rank (null where the rank returned normally).
 std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
                                                          double timeout_s = default_timeout_s());
-/// The exception worth reporting among per-rank results: the lowest rank's root cause (an error that is
-/// not a timeout or unusable, which are what the other ranks see of a failed one), else the lowest
-/// rank's exception; null when every rank succeeded.
-std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors);
+/// The exception worth reporting among per-rank results (null when every rank succeeded): a root cause (an error
+/// that is not a timeout or unusable, which are what the other ranks see of a failed one), else a timeout (a rank
+/// that never came), else unusable. Among those of one kind, the first to fail by `order` (per rank: the order in
+/// which the ranks failed, 0 first; empty: rank order), whose message is the nearest to the cause.
+std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order = {});
+/// As above, with the kind of each exception given by `cause_class` (0 root cause, 1 timeout, 2 unusable), for
+/// callers whose exceptions wrap epmoe's (the Python module).
+std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order,
+                                    const std::function<int(const std::exception_ptr&)>& cause_class);
 /// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any (the failing
 /// rank's own exception, whatever the rank order). Unlike run_thread_ranks_collect, a rank that throws
 /// releases the others at once (ThreadWorld::abort): their collectives raise unusable naming it.

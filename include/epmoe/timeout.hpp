@@ -7,16 +7,23 @@
 
 namespace epmoe {
 
-/// Default timeout of a wait between ranks, in seconds. The environment variable EPMOE_TIMEOUT_S
-/// overrides it process-wide; Group::set_timeout_s overrides it per group.
+/// The longest timeout, in seconds (about 31 years): a longer one (infinity included, "no timeout") waits this long,
+/// since the clocks count nanoseconds in 64 bits and a longer deadline would wrap around to one already past.
+inline constexpr double kMaxTimeoutS = 1e9;
+/// `seconds` as a wait can use it: at most kMaxTimeoutS (NaN too).
+inline double clamp_timeout_s(double seconds) { return seconds <= kMaxTimeoutS ? seconds : kMaxTimeoutS; }
+
+/// Default timeout of a wait between ranks, in seconds. The environment variable EPMOE_TIMEOUT_S (a positive
+/// number; `inf` for the longest, kMaxTimeoutS) overrides it process-wide, and a value it cannot use is named once
+/// on stderr; Group::set_timeout_s overrides it per group.
 double default_timeout_s();
 
-/// A point in time after which a wait gives up.
+/// A point in time after which a wait gives up (`seconds` clamped to kMaxTimeoutS).
 class Deadline {
  public:
   explicit Deadline(double seconds)
       : end_(std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                     std::chrono::duration<double>(seconds))) {}
+                                                     std::chrono::duration<double>(clamp_timeout_s(seconds)))) {}
   bool expired() const { return std::chrono::steady_clock::now() >= end_; }
   std::chrono::steady_clock::time_point time_point() const { return end_; }
 

@@ -1,6 +1,7 @@
 // epmoe._ext: the module, its exception type, groups and thread ranks.
 #include "ext.hpp"
 
+#include <atomic>
 #include <epmoe/error.hpp>
 #include <epmoe/stream.hpp>
 #include <epmoe/timeout.hpp>
@@ -13,6 +14,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <cstdint>
 #include <thread>
 
@@ -23,38 +25,28 @@ namespace epmoe::py {
 namespace {
 PyObject* g_error_type = nullptr;
 
-/// Whether `p` is what a rank sees of another rank's failure (epmoe timeout or unusable), not a root
-/// cause. A rank's Python function re-raises an epmoe::Error as epmoe.Error, which comes back here as
-/// nb::python_error: its `code` attribute is checked, so a Python exception never hides behind one.
+/// The kind of `p` for first_root_cause: 0 a root cause, 1 an epmoe timeout, 2 epmoe unusable (both what a rank sees
+/// of another rank's failure). A rank's Python function re-raises an epmoe::Error as epmoe.Error, which comes back
+/// here as nb::python_error: its `code` attribute is checked, so a Python exception never hides behind one.
 /// Needs the GIL.
-bool is_consequence_of_another_rank(const std::exception_ptr& p) {
+int python_cause_class(const std::exception_ptr& p) {
+  const auto of_name = [](std::string_view name) {
+    return name == error_code_name(ErrorCode::timeout) ? 1 : name == error_code_name(ErrorCode::unusable) ? 2 : 0;
+  };
   try {
     std::rethrow_exception(p);
   } catch (const Error& e) {
-    return e.code() == ErrorCode::timeout || e.code() == ErrorCode::unusable;
+    return of_name(error_code_name(e.code()));
   } catch (nb::python_error& e) {
-    if (g_error_type == nullptr || !e.matches(g_error_type)) return false;
+    if (g_error_type == nullptr || !e.matches(g_error_type)) return 0;
     nb::handle value = e.value();
-    if (!nb::hasattr(value, "code")) return false;
+    if (!nb::hasattr(value, "code")) return 0;
     nb::object code = value.attr("code");
-    if (!nb::isinstance<nb::str>(code)) return false;
-    const std::string name = nb::cast<std::string>(code);
-    return name == error_code_name(ErrorCode::timeout) || name == error_code_name(ErrorCode::unusable);
+    if (!nb::isinstance<nb::str>(code)) return 0;
+    return of_name(nb::cast<std::string>(code));
   } catch (...) {
-    return false;
+    return 0;
   }
-}
-
-/// The lowest rank's exception that is not a consequence of another rank's failure, else the lowest
-/// rank's exception; null when no rank failed (first_root_cause, seeing through Python exceptions).
-std::exception_ptr python_root_cause(const std::vector<std::exception_ptr>& errors) {
-  std::exception_ptr first;
-  for (const auto& e : errors) {
-    if (!e) continue;
-    if (!first) first = e;
-    if (!is_consequence_of_another_rank(e)) return e;
-  }
-  return first;
 }
 }  // namespace
 
@@ -178,17 +170,24 @@ void bind_group(nb::module_& m) {
           throw_invalid_argument("timeout_s", "> 0 or None", fmt::format("{}", *timeout_s));
         ThreadWorld world(num_ranks);
         std::vector<std::exception_ptr> errors(static_cast<size_t>(num_ranks));
+        std::vector<int> order(static_cast<size_t>(num_ranks), 0);  // the order in which the ranks failed
+        std::atomic<int> failures{0};
         std::vector<nb::object> results(static_cast<size_t>(num_ranks));
         {
           // The ranks take the GIL only while they run Python code; every collective releases it.
           nb::gil_scoped_release release;
           world.run_threads([&](int r) {
+            std::string reason = "its function raised";
             try {
               PyGroup g{world.group(r)};
               if (timeout_s) g.group->set_timeout_s(*timeout_s);
               nb::gil_scoped_acquire gil;
               try {
                 results[static_cast<size_t>(r)] = fn(g);
+              } catch (nb::python_error& e) {
+                // Its message breaks the group (below), so peers that find it broken name the cause.
+                reason = nb::cast<std::string>(nb::str(e.value()));
+                errors[static_cast<size_t>(r)] = std::current_exception();
               } catch (...) {
                 errors[static_cast<size_t>(r)] = std::current_exception();
               }
@@ -197,15 +196,18 @@ void bind_group(nb::module_& m) {
             }
             // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
             // wait out their timeout in the next collective.
-            if (errors[static_cast<size_t>(r)])
-              world.abort(r, "its function raised");
-            else
+            if (errors[static_cast<size_t>(r)]) {
+              order[static_cast<size_t>(r)] = failures++;
+              if (reason.rfind("epmoe: ", 0) == 0) reason.erase(0, 7);
+              world.abort(r, reason);
+            } else {
               world.mark_returned(r);
+            }
           });
         }
-        // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else
-        // the lowest failing rank's. A Python exception is re-raised as the original object.
-        if (auto e = python_root_cause(errors)) std::rethrow_exception(e);
+        // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else a
+        // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original.
+        if (auto e = first_root_cause(errors, order, python_cause_class)) std::rethrow_exception(e);
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -325,20 +328,47 @@ def test_run_thread_ranks_returns_results_and_reraises():
         epmoe.run_thread_ranks(2, failing, timeout_s=TIMEOUT_S)
 
     def returning_early(group):
-        if group.rank() == 0:
-            return 0
-        group.barrier()  # rank 0 never comes: this rank is released at once, not after the 60 s timeout
+        if group.rank() == 1:
+            return 1
+        group.barrier()  # rank 1 never comes: the others are released at once, not after the 60 s timeout
 
-    start = time.monotonic()
-    with pytest.raises(epmoe.Error, match=r"rank\(s\) 0 returned from their function") as e:
-        epmoe.run_thread_ranks(2, returning_early, timeout_s=60.0)
-    assert e.value.code == "unusable"
-    assert time.monotonic() - start < 30.0
+    for _ in range(10):  # which waiting rank sees it first varies; the message names rank 1 every time
+        start = time.monotonic()
+        with pytest.raises(epmoe.Error, match=r"rank\(s\) 1 returned from their function") as e:
+            epmoe.run_thread_ranks(4, returning_early, timeout_s=60.0)
+        assert e.value.code == "unusable"
+        assert time.monotonic() - start < 30.0
+
+    def late(group):
+        if group.rank() == 1:
+            time.sleep(0.4)
+        group.barrier("late phase")
+
+    with pytest.raises(epmoe.Error, match="peer 1 in phase 'late phase'") as e:  # a timeout, not 'unusable'
+        epmoe.run_thread_ranks(3, late, timeout_s=0.1)
+    assert e.value.code == "timeout"
+
+    def late_under_no_timeout(group):
+        assert group.timeout_s == 1e9  # infinity: the longest timeout the clocks hold
+        if group.rank() == 1:
+            time.sleep(0.05)
+        group.barrier()
+
+    epmoe.run_thread_ranks(2, late_under_no_timeout, timeout_s=float("inf"))
     for bad in (0, 10**12, 2.0, True, "2"):
         with pytest.raises(epmoe.Error, match="num_ranks") as e:
             epmoe.run_thread_ranks(bad, failing)
         assert e.value.code == "invalid_argument" and repr(bad) in str(e.value)
 
+
+@pytest.mark.parametrize("value, expected, warned", [("inf", 1e9, False), ("7.5", 7.5, False), ("abc", 100.0, True),
+                                                     ("0", 100.0, True), ("nan", 100.0, True), ("5s", 100.0, True)])
+def test_timeout_environment_variable(value, expected, warned):
+    env = dict(os.environ, EPMOE_TIMEOUT_S=value)
+    out = subprocess.run([sys.executable, "-c", "import epmoe; print(repr(epmoe.default_timeout_s()))"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert float(out.stdout) == expected, out
+    assert ("EPMOE_TIMEOUT_S='%s' is not a positive number of seconds; using 100" % value in out.stderr) == warned, out
 
 
 def test_a_required_argument_given_as_none_is_named(rng):

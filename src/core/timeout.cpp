@@ -2,18 +2,21 @@
 #include <epmoe/error.hpp>
 #include <epmoe/timeout.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 
 namespace epmoe {
 
 double default_timeout_s() {
   static const double value = [] {
+    constexpr double kDefault = 100.0;  // semantics §11
     if (const char* s = std::getenv("EPMOE_TIMEOUT_S")) {
       char* end = nullptr;
       const double v = std::strtod(s, &end);
-      if (end != s && v > 0) return v;
+      if (end != s && *end == '\0' && v > 0) return clamp_timeout_s(v);
+      std::fprintf(stderr, "epmoe: EPMOE_TIMEOUT_S='%s' is not a positive number of seconds; using %g\n", s, kDefault);
     }
-    return 100.0;  // semantics §11
+    return kDefault;
   }();
   return value;
 }

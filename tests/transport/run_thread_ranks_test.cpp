@@ -4,9 +4,12 @@
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
+#include <epmoe/timeout.hpp>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <limits>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -55,13 +58,15 @@ TEST(RunThreadRanks, ALowerRankFailingWhileHigherRanksWaitRethrowsItsOwnError) {
 // A rank that returns while the others wait for it in a barrier can never arrive (the first rank to see it may
 // break the group for the others: they name it through that rank's message): they raise unusable naming it and the phase at once, not after their timeout.
 TEST(RunThreadRanks, ARankReturningEarlyReleasesItsPeersAtOnce) {
-  for (const int returning : {0, 2}) {
+  // Repeated: which waiting rank sees the returned one first varies, and the message must name it every time.
+  for (int repeat = 0; repeat < 20; ++repeat)
+  for (const int returning : {0, 1, 3}) {
     const auto start = std::chrono::steady_clock::now();
     try {
       run_thread_ranks(
-          3,
+          4,
           [&](Group& g) {
-            g.barrier("both meet here");
+            g.barrier("all meet here");
             if (g.rank() == returning) return;
             g.barrier("the returned rank never comes");
           },
@@ -75,6 +80,42 @@ TEST(RunThreadRanks, ARankReturningEarlyReleasesItsPeersAtOnce) {
     }
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
   }
+}
+
+// A rank that comes too late: the others time out. What comes back is a timeout naming the late rank and the
+// phase (not the 'unusable' the late rank, or a peer woken by the first timeout, saw of it).
+TEST(RunThreadRanks, ALateRankComesBackAsATimeoutNamingIt) {
+  for (int repeat = 0; repeat < 5; ++repeat) {
+    try {
+      run_thread_ranks(
+          3,
+          [&](Group& g) {
+            if (g.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+            g.barrier("the late rank's phase");
+          },
+          0.1);
+      ADD_FAILURE() << "nothing thrown";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::timeout) << what;
+      EXPECT_NE(what.find("peer 1"), std::string::npos) << what;
+      EXPECT_NE(what.find("the late rank's phase"), std::string::npos) << what;
+    }
+  }
+}
+
+// A timeout past what the clocks hold (infinity: no timeout) waits, instead of wrapping around to one already past.
+TEST(RunThreadRanks, AnInfiniteTimeoutWaits) {
+  EXPECT_FALSE(Deadline(std::numeric_limits<double>::infinity()).expired());
+  EXPECT_FALSE(Deadline(1e300).expired());
+  run_thread_ranks(
+      2,
+      [](Group& g) {
+        EXPECT_EQ(g.timeout_s(), kMaxTimeoutS);
+        if (g.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        g.barrier("a late rank under no timeout");
+      },
+      std::numeric_limits<double>::infinity());
 }
 
 }  // namespace

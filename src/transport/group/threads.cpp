@@ -4,6 +4,7 @@
 #include <epmoe/group.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -199,20 +200,34 @@ void ThreadWorld::run_threads(const std::function<void(int rank)>& body) {
           failed_rank, n, failure);
 }
 
-std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors) {
-  std::exception_ptr first;
-  for (const auto& e : errors) {
-    if (!e) continue;
-    if (!first) first = e;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (err.code() != ErrorCode::timeout && err.code() != ErrorCode::unusable) return e;
-    } catch (...) {
-      return e;
+std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order,
+                                    const std::function<int(const std::exception_ptr&)>& cause_class) {
+  std::exception_ptr best;
+  int best_class = 0, best_order = 0;
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r]) continue;
+    const int cls = cause_class(errors[r]), when = r < order.size() ? order[r] : 0;
+    if (!best || cls < best_class || (cls == best_class && when < best_order)) {
+      best = errors[r];
+      best_class = cls;
+      best_order = when;
     }
   }
-  return first;
+  return best;
+}
+
+int error_cause_class(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    return err.code() == ErrorCode::timeout ? 1 : err.code() == ErrorCode::unusable ? 2 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order) {
+  return first_root_cause(errors, order, error_cause_class);
 }
 
 std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g) {
@@ -224,10 +239,15 @@ namespace {
 // abort_on_failure: a rank that throws marks the world broken (ThreadWorld::abort), and one that returns is marked
 // so (ThreadWorld::mark_returned), so ranks waiting for it raise unusable naming it at once instead of waiting out
 // their timeout.
-std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s,
-                                          bool abort_on_failure) {
+struct RankErrors {
+  std::vector<std::exception_ptr> errors;  // per rank (null: returned normally)
+  std::vector<int> order;                  // per rank: the order in which the ranks failed (0 first)
+};
+RankErrors run_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s, bool abort_on_failure) {
   ThreadWorld world(num_ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
+  std::vector<int> order(static_cast<std::size_t>(num_ranks), 0);
+  std::atomic<int> failures{0};
   world.run_threads([&](int r) {
     try {
       auto g = world.group(r);
@@ -236,6 +256,7 @@ std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<voi
       if (abort_on_failure) world.mark_returned(r);
     } catch (const std::exception& e) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
+      order[static_cast<std::size_t>(r)] = failures++;
       // The rank's own message: when it failed for a peer's sake (one that returned), that cause is named too.
       if (abort_on_failure) {
         const std::string_view what = e.what(), head = "epmoe: ";
@@ -243,10 +264,11 @@ std::vector<std::exception_ptr> run_ranks(int num_ranks, const std::function<voi
       }
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
+      order[static_cast<std::size_t>(r)] = failures++;
       if (abort_on_failure) world.abort(r, "it threw");
     }
   });
-  return errors;
+  return {std::move(errors), std::move(order)};
 }
 }  // namespace
 
@@ -254,12 +276,13 @@ std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const st
                                                          double timeout_s) {
   // Each rank's own outcome is the point here (tests of what every rank sees, a rank that returns early standing
   // for one that never arrives): no early release.
-  return run_ranks(num_ranks, fn, timeout_s, false);
+  return run_ranks(num_ranks, fn, timeout_s, false).errors;
 }
 
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s) {
   // Only the root cause comes back, so the others need not wait out their timeout for it.
-  if (auto e = first_root_cause(run_ranks(num_ranks, fn, timeout_s, true))) std::rethrow_exception(e);
+  const RankErrors failed = run_ranks(num_ranks, fn, timeout_s, true);
+  if (auto e = first_root_cause(failed.errors, failed.order)) std::rethrow_exception(e);
 }
 
 }  // namespace epmoe
