@@ -361,6 +361,18 @@ def test_run_thread_ranks_returns_results_and_reraises():
         assert e.value.code == "invalid_argument" and repr(bad) in str(e.value)
 
 
+def test_ranks_in_different_collectives_raise_rank_mismatch():
+    def apart(group):
+        if group.rank() == 0:
+            group.barrier("A")
+        else:
+            group.all_gather_bytes(b"x", "B")
+
+    with pytest.raises(epmoe.Error, match="ranks met in different collectives: rank 0 in") as e:
+        epmoe.run_thread_ranks(2, apart, timeout_s=30.0)
+    assert e.value.code == "rank_mismatch"
+
+
 @pytest.mark.parametrize("value, expected, warned", [("inf", 1e9, False), ("7.5", 7.5, False), ("abc", 100.0, True),
                                                      ("0", 100.0, True), ("nan", 100.0, True), ("5s", 100.0, True)])
 def test_timeout_environment_variable(value, expected, warned):

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <string>
 
 namespace epmoe {
@@ -75,6 +76,35 @@ TEST(ThreadGroup, GroupIsUnusableAfterATimeout) {
       0.1);
   const auto [code, msg] = error_of(errors[0]);
   EXPECT_EQ(code, ErrorCode::unusable) << msg;
+}
+
+// Ranks in different collectives (or phases, or sizes) at once: every rank raises rank_mismatch naming both, instead
+// of one reading another's published pointer as the wrong thing.
+TEST(ThreadGroup, RanksInDifferentCollectivesRaiseRankMismatch) {
+  const std::vector<std::function<void(Group&)>> cases = {
+      [](Group& g) {
+        std::int32_t v = g.rank(), all[2] = {};
+        if (g.rank() == 0) g.barrier("A");
+        else g.all_gather(&v, all, sizeof(v), "B");
+      },
+      [](Group& g) { g.barrier(g.rank() == 0 ? "phase zero" : "phase one"); },
+      [](Group& g) {
+        std::int64_t v[2] = {g.rank(), g.rank()}, all[4] = {};
+        g.all_gather(v, all, g.rank() == 0 ? 8 : 16, "sizes");
+      },
+      [](Group& g) {
+        std::int32_t v = g.rank();
+        g.broadcast(&v, sizeof(v), g.rank(), "roots");
+      }};
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const auto errors = run_thread_ranks_collect(2, cases[i], 30.0);
+    for (int r = 0; r < 2; ++r) {
+      const auto [code, msg] = error_of(errors[static_cast<std::size_t>(r)]);
+      EXPECT_EQ(code, ErrorCode::rank_mismatch) << "case " << i << ", rank " << r << ": " << msg;
+      EXPECT_TRUE(contains(msg, "different collectives") && contains(msg, "rank 0 in") && contains(msg, "rank 1 in"))
+          << "case " << i << ": " << msg;
+    }
+  }
 }
 
 TEST(ThreadGroup, AgreeingSettingsPass) {

@@ -19,16 +19,28 @@ ThreadWorld::State::State(int n)
     : num_ranks(n),
       spin_before_sleep(static_cast<unsigned>(n) <= std::thread::hardware_concurrency()),
       arrived(static_cast<std::size_t>(n), false),
+      arrived_in(static_cast<std::size_t>(n)),
       returned(static_cast<std::size_t>(n), false),
       slots(static_cast<std::size_t>(n)),
       pointers(static_cast<std::size_t>(n), nullptr) {}
 
-void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeout_s) {
+void ThreadWorld::State::barrier(int rank, std::string_view op, std::string_view phase, double timeout_s) {
   std::unique_lock lock(mutex);
   if (broken) raise(ErrorCode::unusable, "rank {}: thread group is unusable after an earlier fault ({})", rank, broken_reason);
   const std::uint64_t gen = generation.load(std::memory_order_relaxed);
   arrived[static_cast<std::size_t>(rank)] = true;
+  std::string& mine = arrived_in[static_cast<std::size_t>(rank)];
+  mine.assign(op);
+  mine.append(" '").append(phase).append("'");
   if (++count == num_ranks) {
+    for (int r = 0; r < num_ranks; ++r)
+      if (arrived_in[static_cast<std::size_t>(r)] != mine) {
+        broken = mismatch = true;
+        broken_reason = fmt::format("ranks met in different collectives: rank {} in {}, rank {} in {}", r,
+                                    arrived_in[static_cast<std::size_t>(r)], rank, mine);
+        cv.notify_all();
+        raise(ErrorCode::rank_mismatch, "rank {}: {}", rank, broken_reason);
+      }
     count = 0;
     std::fill(arrived.begin(), arrived.end(), false);
     generation.fetch_add(1, std::memory_order_release);
@@ -59,6 +71,7 @@ void ThreadWorld::State::barrier(int rank, std::string_view phase, double timeou
   const bool done =
       cv.wait_until(lock, deadline.time_point(), [&] { return generation != gen || broken || !gone().empty(); });
   if (done && generation != gen) return;
+  if (done && mismatch) raise(ErrorCode::rank_mismatch, "rank {}: {}", rank, broken_reason);
   if (done && !broken) {
     // Leave the barrier as if never entered: the world stays usable for what does not need the ranks gone.
     arrived[static_cast<std::size_t>(rank)] = false;
@@ -98,23 +111,23 @@ class ThreadGroup final : public Group {
   std::string_view backend() const override { return "threads"; }
   int ranks_in_process() const override { return size(); }
 
-  void barrier(std::string_view phase) override { s_->barrier(rank_, phase, timeout_s()); }
+  void barrier(std::string_view phase) override { s_->barrier(rank_, "barrier", phase, timeout_s()); }
 
   void all_gather(const void* send, void* recv, std::size_t bytes, std::string_view phase) override {
     // Publish a pointer, meet, read everyone's, meet again so the pointers stay valid while read.
     s_->pointers[static_cast<std::size_t>(rank_)] = send;
-    barrier(phase);
+    meet(fmt::format("all_gather of {} bytes per rank", bytes), phase);
     for (int r = 0; r < size(); ++r)
       if (bytes) std::memcpy(static_cast<std::byte*>(recv) + static_cast<std::size_t>(r) * bytes, s_->pointers[static_cast<std::size_t>(r)], bytes);
-    barrier(phase);
+    meet("all_gather", phase);
   }
 
   void broadcast(void* data, std::size_t bytes, int root, std::string_view phase) override {
     EPMOE_CHECK_ARG(root >= 0 && root < size(), "root", fmt::format("a rank in [0, {})", size()), root);
     s_->pointers[static_cast<std::size_t>(rank_)] = data;
-    barrier(phase);
+    meet(fmt::format("broadcast from root {} of {} bytes", root, bytes), phase);
     if (rank_ != root && bytes) std::memcpy(data, s_->pointers[static_cast<std::size_t>(root)], bytes);
-    barrier(phase);
+    meet("broadcast", phase);
   }
 
   void reduce_scatter_sum(const float* send, float* recv, std::size_t count, std::string_view phase) override {
@@ -122,7 +135,7 @@ class ThreadGroup final : public Group {
     // Publish the send buffer, meet, sum this rank's block straight out of every peer's buffer (rank order),
     // meet again so no buffer is released while a peer reads it.
     s_->pointers[static_cast<std::size_t>(rank_)] = send;
-    barrier(phase);
+    meet(fmt::format("reduce_scatter_sum of {} floats per rank", count), phase);
     const std::size_t R = static_cast<std::size_t>(size()), off = static_cast<std::size_t>(rank_) * count;
     // Over chunks of the block so the accumulator stays in L1 while R source rows stream through.
     constexpr std::size_t kChunk = 4096;
@@ -135,12 +148,14 @@ class ThreadGroup final : public Group {
         for (std::size_t j = 0; j < len; ++j) acc[j] += src[j];
       }
     }
-    barrier(phase);
+    meet("reduce_scatter_sum", phase);
   }
 
   const std::shared_ptr<ThreadWorld::State>& state() const { return s_; }
 
  private:
+  void meet(std::string_view op, std::string_view phase) { s_->barrier(rank_, op, phase, timeout_s()); }
+
   std::shared_ptr<ThreadWorld::State> s_;
   int rank_;
 };

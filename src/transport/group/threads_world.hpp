@@ -22,6 +22,10 @@ struct ThreadWorld::State {
   const bool spin_before_sleep;               // as many hardware threads as ranks (see barrier)
   int count = 0;                 // ranks arrived at the current barrier
   std::vector<bool> arrived;
+  // Per rank, the collective and phase it arrived in (checked equal by the last to arrive: ranks in different
+  // collectives would read each other's published pointers as the wrong thing).
+  std::vector<std::string> arrived_in;
+  bool mismatch = false;  // broken because ranks met in different collectives (rank_mismatch)
   bool broken = false;
   std::string broken_reason;
   std::atomic<bool> aborted{false};  // set with broken by ThreadWorld::abort; read by spinning waiters
@@ -33,8 +37,9 @@ struct ThreadWorld::State {
   std::vector<std::vector<std::byte>> slots;
   std::vector<const void*> pointers;
 
-  /// Barrier with timeout. On timeout the world is marked broken and every waiter throws.
-  void barrier(int rank, std::string_view phase, double timeout_s);
+  /// Barrier with timeout. On timeout the world is marked broken and every waiter throws. `op` names the collective
+  /// ("barrier", "all_gather", ...): ranks that meet with another op or phase raise rank_mismatch naming both.
+  void barrier(int rank, std::string_view op, std::string_view phase, double timeout_s);
   /// Whether rank `peer`'s function returned (under `mutex`).
   bool has_returned(int peer) const { return returned[static_cast<std::size_t>(peer)]; }
 };
