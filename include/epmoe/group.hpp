@@ -60,7 +60,8 @@ class Group {
   void check_agreement(std::span<const Setting> settings, std::string_view phase);
 
   double timeout_s() const { return timeout_s_; }
-  void set_timeout_s(double s) { timeout_s_ = clamp_timeout_s(s); }  ///< longer than kMaxTimeoutS: that
+  /// Seconds; one longer than kMaxTimeoutS (infinity included) is kMaxTimeoutS.
+  void set_timeout_s(double s) { timeout_s_ = clamp_timeout_s(s); }
 
  private:
   double timeout_s_ = default_timeout_s();
@@ -78,7 +79,8 @@ class ThreadWorld {
   int size() const;
   /// The group of rank `rank`, in [0, size()).
   std::shared_ptr<Group> group(int rank);
-  /// Marks the world broken because rank `rank` failed (`reason`): ranks waiting in, or later entering,
+  /// Marks the world broken because rank `rank` failed (`reason`, e.g. its error's message, whose "epmoe: " prefix
+  /// is dropped as it is quoted inside the peers' messages): ranks waiting in, or later entering,
   /// a collective or a signal wait throw ErrorCode::unusable naming that rank at once, instead of
   /// waiting out their timeout.
   void abort(int rank, std::string_view reason);

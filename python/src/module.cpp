@@ -1,7 +1,6 @@
 // epmoe._ext: the module, its exception type, groups and thread ranks.
 #include "ext.hpp"
 
-#include <atomic>
 #include <epmoe/error.hpp>
 #include <epmoe/stream.hpp>
 #include <epmoe/timeout.hpp>
@@ -198,7 +197,6 @@ void bind_group(nb::module_& m) {
             // wait out their timeout in the next collective.
             if (errors[static_cast<size_t>(r)]) {
               order[static_cast<size_t>(r)] = failures++;
-              if (reason.rfind("epmoe: ", 0) == 0) reason.erase(0, 7);
               world.abort(r, reason);
             } else {
               world.mark_returned(r);

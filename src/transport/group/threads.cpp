@@ -175,6 +175,8 @@ std::shared_ptr<Group> ThreadWorld::group(int rank) {
 }
 
 void ThreadWorld::abort(int rank, std::string_view reason) {
+  // A failure's own message ("epmoe: ...") is quoted inside the peers' messages: without its prefix.
+  if (constexpr std::string_view head = "epmoe: "; reason.substr(0, head.size()) == head) reason.remove_prefix(head.size());
   std::lock_guard lock(state_->mutex);
   if (!state_->broken) {
     state_->broken = true;
@@ -231,6 +233,7 @@ std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& error
   return best;
 }
 
+namespace {
 int error_cause_class(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -240,6 +243,7 @@ int error_cause_class(const std::exception_ptr& e) {
     return 0;
   }
 }
+}  // namespace
 
 std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order) {
   return first_root_cause(errors, order, error_cause_class);
@@ -273,10 +277,7 @@ RankErrors run_ranks(int num_ranks, const std::function<void(Group&)>& fn, doubl
       errors[static_cast<std::size_t>(r)] = std::current_exception();
       order[static_cast<std::size_t>(r)] = failures++;
       // The rank's own message: when it failed for a peer's sake (one that returned), that cause is named too.
-      if (abort_on_failure) {
-        const std::string_view what = e.what(), head = "epmoe: ";
-        world.abort(r, what.substr(0, head.size()) == head ? what.substr(head.size()) : what);
-      }
+      if (abort_on_failure) world.abort(r, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
       order[static_cast<std::size_t>(r)] = failures++;
