@@ -115,59 +115,33 @@ __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::s
                                   static_cast<int>(bytes / 16), lane);
 }
 
-/// Token t's ids as the protocol uses them: an id outside [-1, E) or one already seen in the token becomes -1
-/// (the host raises the recorded error at the next call, semantics §11). `report_errors`: this thread may record them.
+/// Token t's ids as the protocol uses them, cleaned by a group of kK lanes, lane k of the group holding id k: an id
+/// outside [-1, E) or one an earlier id of the token already holds becomes -1 (the host raises the recorded error at
+/// the next call, semantics §11). Returns the lane's id (-1 past K, or when t < 0: the group has no token). Every
+/// lane of the warp calls it, converged; groups are aligned (lanes g * kK .. g * kK + kK - 1). `report_errors`: the
+/// lane of the token's first error (k order) records it.
 ///
-/// Compact on purpose: every kernel inlines it, some twice, and fetching cold instructions dominates a kernel at
-/// small T (the L2 is flushed between calls). A duplicate test unrolled over K x K pairs, with a report at each,
-/// made two kernels ~150-200 KB of code. Here the pairs run in a loop over k, and each step compares id k with
-/// the 16 slots of accepted ids in registers (slots past k hold -1); the token's first error (k order) is
-/// reported once, after the loop.
-/// kK: the register slots (K <= kK), a template parameter of the kernels (8 covers the common K; 16 = kMaxTopk).
+/// A group per token, not a thread: on one thread the K x K duplicate test, with the K divisions that follow it, is
+/// a chain of ~800 dependent instructions (~2.5 us on the kernels' first path at small T); here it is one match.
+/// kK: the lanes per token (K <= kK), a template parameter of the kernels (8 covers the common K; 16 = kMaxTopk).
 template <int kK>
-__device__ void clean_ids(const Common& c, const void* idx, bool idx64, int K, long long t, int* ids,
-                          bool report_errors, int phase, unsigned long long index) {
-  // Every id is loaded before any is checked (one load's latency, not K of them).
-  int cand[kK];
-  int bad_code = 0, bad_k = kK;
-  long long bad_value = 0;
-#pragma unroll
-  for (int k = 0; k < kK; ++k) {
-    long long raw = -1;
-    if (k < K)
-      raw = idx64 ? static_cast<const long long*>(idx)[t * K + k]
-                  : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
-    const bool bad = raw < -1 || raw >= c.num_experts;
-    if (bad && bad_code == 0) {
-      bad_code = kErrBadId;
-      bad_k = k;
-      bad_value = raw;
-    }
-    cand[k] = bad ? -1 : static_cast<int>(raw);
-    ids[k] = -1;
-  }
-#pragma unroll 1
-  for (int k = 1; k < K; ++k) {
-    int id = -1;
-#pragma unroll
-    for (int j = 0; j < kK; ++j) id = j == k ? cand[j] : id;
-    // ids[0..k) are the accepted ids so far (ids[0] = cand[0] once set below); later slots hold -1.
-    bool dup = false;
-#pragma unroll
-    for (int j = 0; j < kK; ++j) dup |= j < k && id >= 0 && (j == 0 ? cand[0] : ids[j]) == id;
-    if (dup) {
-      if (k < bad_k) {
-        bad_code = kErrDuplicateId;
-        bad_k = k;
-        bad_value = id;
-      }
-      id = -1;
-    }
-#pragma unroll
-    for (int j = 1; j < kK; ++j) ids[j] = j == k ? id : ids[j];
-  }
-  ids[0] = cand[0];
-  if (report_errors && bad_code != 0) report(c, bad_code, c.rank, phase, index, bad_value, t * K + bad_k);
+__device__ int clean_id(const Common& c, const void* idx, bool idx64, int K, long long t, bool report_errors,
+                        int phase, unsigned long long index) {
+  static_assert(kK == 8 || kK == 16, "a token's ids are a group of 8 or 16 lanes");
+  const int lane = threadIdx.x & 31, k = lane % kK;
+  long long raw = -1;
+  if (t >= 0 && k < K)
+    raw = idx64 ? static_cast<const long long*>(idx)[t * K + k]
+                : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
+  const bool bad = raw < -1 || raw >= c.num_experts;
+  const int id = bad ? -1 : static_cast<int>(raw);
+  // The key carries the group (ids < 2^24, semantics §1), so only a token's own lanes match; a -1 matches no lane.
+  const unsigned key = id >= 0 ? static_cast<unsigned>(lane / kK) << 24 | static_cast<unsigned>(id) : 0x80000000u | lane;
+  const bool dup = (__match_any_sync(0xffffffffu, key) & ((1u << lane) - 1u)) != 0;
+  const unsigned errors = __ballot_sync(0xffffffffu, bad || dup) & (((1u << kK) - 1u) << (lane - k));
+  if (report_errors && errors != 0 && lane == __ffs(errors) - 1)
+    report(c, bad ? kErrBadId : kErrDuplicateId, c.rank, phase, index, bad ? raw : id, t * K + k);
+  return dup ? -1 : id;
 }
 
 /// The last block of the grid to get here (every thread calls it, after its stores): true in every thread of that
@@ -292,17 +266,6 @@ __device__ bool writable(const Common& c, int phase, unsigned long long index) {
 
 // ---- dispatch ----
 
-/// Writes token `token`'s TokenMeta at `at` for destination `d`: its (k, local expert) pairs on d, k ascending.
-__device__ void write_meta(char* at, int token, const int* ids, int K, int d, int El) {
-  TokenMeta* m = reinterpret_cast<TokenMeta*>(at);
-  int n = 0;
-  for (int k = 0; k < K; ++k)
-    if (ids[k] >= 0 && ids[k] / El == d)
-      m->entries[n++] = static_cast<std::uint32_t>(k) << 16 | static_cast<std::uint32_t>(ids[k] % El);
-  m->token = token;
-  m->num_entries = n;
-}
-
 /// The send phase of dispatch call `index`: rows and metas into every destination's half, then the headers and data
 /// flags. It waits for the destinations' consumed flags (writable's condition, on lanes of the last warp) beside the
 /// first chunk's ids, before its first store into them. False when the send may not write (a timeout, recorded).
@@ -318,10 +281,11 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       report(c, kErrGlobalScale, c.rank, kPhaseDispatchSend, index, static_cast<long long>(__float_as_uint(g)));
   }
   __shared__ int carry[kMaxRanks];
-  // The chunk's tokens as the scan left them (slot j = token base + j): each destination's slot, and the mask of
-  // destinations (0: the token goes nowhere, or past T).
+  // The chunk's tokens (slot j = token base + j): each destination's slot (the scan's), the mask of destinations
+  // (0: the token goes nowhere) and each id as (local expert | destination << 16), -1 for none.
   __shared__ int tok_pos[kThreads][kMaxRanks];
   __shared__ unsigned tok_mask[kThreads];
+  __shared__ int tok_ent[kThreads][kK];
   const bool fused = fp8 && a.records == nullptr;  // quantized here, once per token, stored at every destination
   if (threadIdx.x < kMaxRanks) carry[threadIdx.x] = 0;
   const std::size_t slot_off =
@@ -333,7 +297,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
                                            : static_cast<std::size_t>(2 * c.hidden);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // The destinations' consumed flags (writable's wait): the last warp's lanes d < R wait on destination d while the
-  // other threads load and clean their ids, so the wait's round trip overlaps the ids' loads instead of following the
+  // other warps load and clean the ids, so the wait's round trip overlaps the ids' loads instead of following the
   // scan. The scan's barriers publish the answers before the first store.
   __shared__ int dest_ok[kMaxRanks];
   const int waiter = static_cast<int>(threadIdx.x) - (kThreads - 32);
@@ -348,46 +312,70 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
   bool checked = false;  // the answers were read (after a barrier)
   __syncthreads();
 
+  // A token's ids are a group of kK lanes (clean_id); kGroups tokens per warp at a time.
+  constexpr int kGroups = 32 / kK;
+  const int k_lane = lane % kK;
+  const unsigned group_lanes = ((1u << kK) - 1u) << (lane - k_lane);
   for (long long base = 0; base < a.T; base += kThreads) {
-    const long long t = base + threadIdx.x;
+    const int chunk = static_cast<int>(a.T - base < kThreads ? a.T - base : kThreads);
     if (base == 0) wait_writable();
-    int ids[kK];
-    unsigned mask = 0;
-    if (t < a.T) {
-      // Errors are recorded once, by block 0; every block skips the same ids.
-      clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, blockIdx.x == 0, kPhaseDispatchSend, index);
-      for (int k = 0; k < K; ++k) {
-        if (ids[k] >= 0) mask |= 1u << (ids[k] / El);
-        if (blockIdx.x == 0) c.sent_idx[static_cast<std::size_t>(half) * c.tmax * kMaxTopk + t * K + k] = ids[k];
+    // The chunk's ids: each destination's (local expert | destination << 16) in tok_ent, the destinations in
+    // tok_mask. The first chunk leaves the last warp to its wait. Errors are recorded once, by block 0; every block
+    // skips the same ids.
+    const int clean_warps = base == 0 ? kWarps - 1 : kWarps;
+    for (int jw = warp * kGroups; warp < clean_warps && jw < chunk; jw += clean_warps * kGroups) {
+      const int j = jw + lane / kK;
+      const long long t = j < chunk ? base + j : -1;
+      const int id = clean_id<kK>(c, a.topk_idx, a.idx64, K, t, blockIdx.x == 0, kPhaseDispatchSend, index);
+      const int d = id >= 0 ? id / El : 0;
+      unsigned bits = id >= 0 ? 1u << d : 0u;
+#pragma unroll
+      for (int o = kK / 2; o > 0; o >>= 1) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+      if (t >= 0) {
+        tok_ent[j][k_lane] = id >= 0 ? d << 16 | (id - d * El) : -1;
+        if (k_lane == 0) tok_mask[j] = bits;
+        if (blockIdx.x == 0 && k_lane < K)
+          c.sent_idx[static_cast<std::size_t>(half) * c.tmax * kMaxTopk + t * K + k_lane] = id;
       }
     }
     if (base == 0) stamp(c, kTraceIds);
-    int pos[kMaxRanks];
+    __syncthreads();
+    const unsigned mask = static_cast<int>(threadIdx.x) < chunk ? tok_mask[threadIdx.x] : 0u;
     for (int d = 0; d < R; ++d) {
       const int before = carry[d];  // read by every thread before block_scan's first barrier
       int total = 0;
-      pos[d] = before + block_scan((mask >> d) & 1u, &total);
+      tok_pos[threadIdx.x][d] = before + block_scan((mask >> d) & 1u, &total);
       if (threadIdx.x == 0) carry[d] = before + total;
     }
-    for (int d = 0; d < R; ++d) tok_pos[threadIdx.x][d] = pos[d];
-    tok_mask[threadIdx.x] = t < a.T ? mask : 0u;
     __syncthreads();
     if (!checked) {
       if (!all_writable()) return false;
       checked = true;
       stamp(c, kTraceWritable);
     }
-    // The token's metas, by its scan thread (the ids in its registers) in one block (j mod the grid: that block's
-    // release publishes them): an item's warp loading the ids again put a round trip before its row's loads.
-    if (t < a.T && mask != 0 && static_cast<unsigned>(threadIdx.x) % gridDim.x == blockIdx.x)
-      for (int d = 0; d < R; ++d)
-        if ((mask >> d) & 1u)
-          write_meta(half_base(c, d, half) + slot_off + static_cast<std::size_t>(pos[d]) * c.meta_bytes,
-                     static_cast<int>(t), ids, K, d, El);
+    // The chunk's metas: token j's by a group of block j mod the grid (that block's release publishes them), one
+    // entry per lane (k ascending), one meta per destination.
+    const int metas = chunk > static_cast<int>(blockIdx.x) ? (chunk - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    for (int mw = warp * kGroups; mw < metas; mw += kWarps * kGroups) {
+      const int m = mw + lane / kK, j = static_cast<int>(blockIdx.x + m * gridDim.x);
+      const int ent = m < metas ? tok_ent[j][k_lane] : -1;
+      const unsigned dests = m < metas ? tok_mask[j] : 0u;
+      for (int d = 0; d < R; ++d) {
+        const bool hit = ent >= 0 && (ent >> 16) == d;
+        const unsigned hits = __ballot_sync(0xffffffffu, hit) & group_lanes;
+        if (((dests >> d) & 1u) == 0) continue;
+        auto* meta = reinterpret_cast<TokenMeta*>(half_base(c, d, half) + slot_off +
+                                                  static_cast<std::size_t>(tok_pos[j][d]) * c.meta_bytes);
+        if (hit) meta->entries[__popc(hits & ((1u << lane) - 1u))] = static_cast<std::uint32_t>(k_lane) << 16 | (ent & 0xffff);
+        if (k_lane == 0) {
+          meta->token = static_cast<std::int32_t>(base + j);
+          meta->num_entries = __popc(hits);
+        }
+      }
+    }
     // The chunk's rows as items over every warp of the grid (every block's scan knows every token's slots; a block
     // per token left the others idle at small T and kept a row's pieces on one SM). The order is the same in every
     // block, so each item is taken once.
-    const int chunk = static_cast<int>(a.T - base < kThreads ? a.T - base : kThreads);
     const long long grid_warp = static_cast<long long>(blockIdx.x) * kWarps + warp;
     const long long grid_warps = static_cast<long long>(gridDim.x) * kWarps;
     // Fused fp8: items (token, 1 or kQuantWords words of its row): one word where the grid has a warp per word, so
@@ -955,27 +943,25 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   __syncthreads();
   const std::int32_t* sent = c.sent_idx + static_cast<std::size_t>(dh) * c.tmax * kMaxTopk;
   if (blockIdx.x == 0) {
-    // Counted in registers and summed per warp: one shared atomic per (warp, rank). (An atomic per (token, k) on
-    // the same few counters serialised this block: ~0.4 us per token at T = 128, the whole kernel waiting on it.)
+    // A token per group of kK lanes (clean_id), counted in registers and summed per warp: one shared atomic per
+    // (warp, rank). (An atomic per (token, k) on the same few counters serialised this block: ~0.4 us per token at
+    // T = 128, the whole kernel waiting on it.) The dispatch's id is loaded beside the token's own.
+    constexpr int kGroups = 32 / kK;
+    const int lane = threadIdx.x & 31, k = lane % kK;
     int mine[kMaxRanks] = {};
-    for (long long t = threadIdx.x; t < a.T; t += blockDim.x) {
-      // The dispatch's ids are loaded beside the token's own, all before the first compare: the reports between the
-      // compares kept K loads in a row, K latencies on the kernel's last path.
-      int ids[kK], was[kK];
+    for (long long tw = static_cast<long long>(threadIdx.x >> 5) * kGroups; tw < a.T; tw += kWarps * kGroups) {
+      const long long t = tw + lane / kK < a.T ? tw + lane / kK : -1;
+      const int was = t >= 0 && k < K ? sent[t * K + k] : -1;
+      const int id = clean_id<kK>(c, a.topk_idx, a.idx64, K, t, true, kPhaseCombineRecv, index);
+      if (id != was) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, id, t * K + k);
+      const int d = id >= 0 ? id / El : -1;
 #pragma unroll
-      for (int k = 0; k < kK; ++k) was[k] = k < K ? sent[t * K + k] : -1;
-      clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, ids, true, kPhaseCombineRecv, index);
-#pragma unroll
-      for (int k = 0; k < kK; ++k) {
-        if (k >= K) break;
-        if (ids[k] >= 0) ++mine[ids[k] / El];
-        if (ids[k] != was[k]) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, ids[k], t * K + k);
-      }
+      for (int r = 0; r < kMaxRanks; ++r) mine[r] += d == r ? 1 : 0;
     }
     for (int d = 0; d < R; ++d) {
       const int sum = __reduce_add_sync(0xffffffffu, mine[d]);
-      if ((threadIdx.x & 31) == 0 && sum != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[d]),
-                                                         static_cast<unsigned long long>(sum));
+      if (lane == 0 && sum != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&expected[d]),
+                                           static_cast<unsigned long long>(sum));
     }
   }
   __syncthreads();
@@ -1008,29 +994,29 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
   const auto prepare = [&](long long item) {  // inputs, not data of the sources; a barrier follows before any use
     t = item / chunks;
     v = static_cast<int>(item % chunks) * kCombineChunk<kK> + static_cast<int>(threadIdx.x);
-    if (threadIdx.x == 0) {
-      int cleaned[kK];
-      clean_ids<kK>(c, a.topk_idx, a.idx64, K, t, cleaned, false, kPhaseCombineRecv, index);
-#pragma unroll
-      for (int k = 0; k < kK; ++k) {
-        ids[k] = cleaned[k];
+    if (threadIdx.x < 32) {  // slot k by lane k of warp 0 (its first group; the others have no token)
+      const int k = static_cast<int>(threadIdx.x);
+      const int id = clean_id<kK>(c, a.topk_idx, a.idx64, K, k < kK ? t : -1, false, kPhaseCombineRecv, index);
+      if (k < kK) {
+        ids[k] = id;
         w[k] = k < K ? a.weights[t * K + k] : 0.0f;
-        if constexpr (!kInPlace) continue;
-        const int4* at = body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec;
-        bool x_row = false;
-        if (k < K && cleaned[k] >= 0 && cleaned[k] / El == c.rank) {
-          // The dispatch's row of (t, k); ids other than the dispatch's are reported by block 0, and their row is
-          // kept inside the expert's rows.
-          const long long row = self_row[t * kMaxTopk + k];
-          const long long e = cleaned[k] % El, r = row - e * rows;
-          if (r >= 0 && r < rows) {
-            at = reinterpret_cast<const int4*>(static_cast<const char*>(own->x) +
-                                               (e * own->stride0 + r * own->stride1) * 2);
-            x_row = true;
+        if constexpr (kInPlace) {
+          const int4* at = body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec;
+          bool x_row = false;
+          if (id >= 0 && id / El == c.rank) {
+            // The dispatch's row of (t, k); ids other than the dispatch's are reported by block 0, and their row is
+            // kept inside the expert's rows.
+            const long long row = self_row[t * kMaxTopk + k];
+            const long long e = id % El, r = row - e * rows;
+            if (r >= 0 && r < rows) {
+              at = reinterpret_cast<const int4*>(static_cast<const char*>(own->x) +
+                                                 (e * own->stride0 + r * own->stride1) * 2);
+              x_row = true;
+            }
           }
+          row_of[k] = at;
+          in_x[k] = x_row;
         }
-        row_of[k] = at;
-        in_x[k] = x_row;
       }
     }
   };
