@@ -890,13 +890,23 @@ __device__ void combine_send(const Common& c, const CombineSendArgs& a, unsigned
     send_expert_rows(c, a, e, half, dbase, part * kWarps + warp, split * kWarps, skip_own);
   }
 
-  // Rows sent back to each source, summed by a whole block (not El x R dependent loads by one thread).
-  __shared__ unsigned long long back[kMaxRanks];
+  // Rows sent back to each source, summed by a whole block (not El x R dependent loads by one thread), in registers
+  // and per warp: one shared atomic per (warp, source). (One per (expert, source) on R counters serialised block 0,
+  // whose headers every receive waits for: El = 256 atomics on one address at R = 1.) A count fits 32 bits (T x K).
+  __shared__ unsigned back[kMaxRanks];
   const auto sum_rows_back = [&] {
     if (threadIdx.x < kMaxRanks) back[threadIdx.x] = 0;
+    unsigned mine[kMaxRanks] = {};
+    for (int i = threadIdx.x; i < El * R; i += blockDim.x) {
+      const auto rows = static_cast<unsigned>(range[i] & 0xffffffffll);
+#pragma unroll
+      for (int s = 0; s < kMaxRanks; ++s) mine[s] += s == i % R ? rows : 0u;
+    }
     __syncthreads();
-    for (int i = threadIdx.x; i < El * R; i += blockDim.x)
-      atomicAdd(&back[i % R], static_cast<unsigned long long>(range[i] & 0xffffffffll));
+    for (int s = 0; s < R; ++s) {
+      const unsigned sum = __reduce_add_sync(0xffffffffu, mine[s]);
+      if ((threadIdx.x & 31) == 0 && sum != 0) atomicAdd(&back[s], sum);
+    }
     __syncthreads();
   };
   if (a.signal_form == kSignalNone) {
