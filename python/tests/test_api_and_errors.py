@@ -209,6 +209,31 @@ def test_integers_that_do_not_fit_are_named_with_the_range_and_the_value(rng):
         assert rows > 0 and routed > 0
 
 
+def test_low_latency_x_of_a_bad_width_is_named_as_x(rng):
+    """Found by a fresh user: a bf16 x of 100 columns (or of another width than the buffer's first low-latency call)
+    was named 'hidden', an argument low_latency_dispatch has not."""
+    E, K, T = 8, 2, 4
+    idx = random_topk_idx(rng, T, K, E)
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        messages = []
+        for H in (100, 128, 256):
+            try:
+                buf.low_latency_dispatch(nice_bf16(rng, (T, H)), idx, T, E, use_fp8=False)
+            except epmoe.Error as e:
+                messages.append((e.code, str(e)))
+        return messages
+
+    for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert messages == [
+            ("invalid_argument", "epmoe: invalid argument 'x': expected H a positive multiple of 8 (bf16 rows of "
+                                 "16-byte units), got H = 100"),
+            ("invalid_argument", "epmoe: invalid argument 'x': expected H = 128 (fixed by the buffer's first "
+                                 "low-latency call), got H = 256"),
+        ]
+
+
 def test_an_array_where_an_integer_goes_is_named_there(rng):
     """Found by a fresh user: topk_weights passed positionally where DeepEP's low_latency_dispatch takes
     num_max_dispatch_tokens_per_rank came back as NumPy's bare TypeError, or as an error about a later argument the
