@@ -234,6 +234,37 @@ def test_low_latency_x_of_a_bad_width_is_named_as_x(rng):
         ]
 
 
+def test_non_finite_topk_weights_are_refused_with_debug_validate(rng):
+    """Found by a fresh user: NaN topk_weights were taken silently. With debug_validate (semantics §11) a weight that
+    is not finite is refused before anything is sent, naming topk_weights, its [t, k] and the value; without it
+    (the default) the weights are not read and the call runs."""
+    R, E, H, K, T = 2, 4, 128, 2, 3
+    x = nice_bf16(rng, (T, H))
+    idx = np.array([[0, 1], [2, 3], [1, 2]], np.int64)
+    weights = np.full((T, K), 0.5, np.float32)
+    weights[2, 1] = np.nan
+
+    def rank_main(group):
+        messages = {}
+        for validate in (True, False):
+            buf = epmoe.Buffer(group, debug_validate=validate)
+            ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+            try:
+                recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=weights, **layout)
+                messages[validate] = ("accepted", bool(np.isnan(recv_w).any()))
+            except epmoe.Error as e:
+                messages[validate] = (e.code, str(e))
+        return messages
+
+    ranks = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    for messages in ranks:
+        assert messages[True] == ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected finite "
+                                                      "weights (debug_validate), got nan at [2, 1]")
+        assert messages[False][0] == "accepted"
+    assert [m[False][1] for m in ranks] == [False, True]  # expert 2, of rank 1, received it
+
+
 def test_an_array_where_an_integer_goes_is_named_there(rng):
     """Found by a fresh user: topk_weights passed positionally where DeepEP's low_latency_dispatch takes
     num_max_dispatch_tokens_per_rank came back as NumPy's bare TypeError, or as an error about a later argument the
