@@ -92,7 +92,8 @@ struct BufferOptions {
   /// Validate topk_idx values eagerly (always on for CPU ranks). cuda_ipc low-latency mode: with it, eager calls copy
   /// topk_idx to the host first and raise before any communication (a host synchronisation per call, so it is
   /// opt-in); without it (the default), or under graph capture, the kernels skip bad ids and the next call raises
-  /// the error.
+  /// the error. Also, on every backend: topk_weights on CPU tensors must be finite (invalid_argument naming the
+  /// first [t, k] and the value, before any communication; semantics §11).
   bool debug_validate = false;
   /// cuda_ipc: the CUDA device of this rank; -1 = rank % the number of visible devices.
   int device = -1;

@@ -401,7 +401,9 @@ class Buffer:
                 all freed (see BufferOptions::num_recv_slots in include/epmoe/buffer.hpp). Ignored on CPU.
             debug_validate (epmoe, keyword only): cuda_ipc low-latency calls copy topk_idx to the host and check
                 it before any communication (a host synchronisation per call). Off (the default): bad ids are
-                found on the device, skipped, and raised by the next call. CPU ranks always check eagerly.
+                found on the device, skipped, and raised by the next call. CPU ranks always check ids eagerly.
+                With it, every call also checks that topk_weights on the CPU are finite (a NaN or infinity is
+                named with its [t, k]; semantics §11); off, they are not read for this.
 
         Errors (epmoe.Error): invalid_argument (a bad group, negative sizes, num_nvl_bytes == 0 with
         cuda_ipc and low_latency_mode=False, an unknown backend); unsupported (enable_shrink, a torch /

@@ -37,11 +37,12 @@ struct Inputs {
 
 /// A tensor argument: None (an empty view), an array-like, or (array-like, dtype name) from the Python
 /// layer. Errors (invalid_argument naming `name`): not an array, an unsupported dtype (float64,
-/// uint16, ... name it), more than 4 dimensions, an unsupported device, a tag whose element size
+/// uint16, ... name it, with `takes` as expected: the dtypes the argument takes, e.g. "float32"; without it, every
+/// dtype epmoe holds), more than 4 dimensions, an unsupported device, a tag whose element size
 /// differs from the array's. A torch.Tensor (once register_torch ran) is read from its attributes where it is
 /// a strided CPU or CUDA tensor of a supported dtype, else converted by epmoe._tensor._torch_arg and read by
 /// DLPack (the same checks and messages).
-TensorView arg(nb::handle obj, const char* name, Inputs& keep);
+TensorView arg(nb::handle obj, const char* name, Inputs& keep, const char* takes = nullptr);
 
 /// Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs that arg reads directly, the
 /// Python function giving a torch tensor's DLPack form (epmoe._tensor._torch_arg), and torch._C._from_dlpack (or

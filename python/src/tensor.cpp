@@ -125,7 +125,7 @@ std::string describe_array(const nb::ndarray<nb::ro>& a) {
 }
 
 constexpr const char* kSupported =
-    "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, bool or uint8";
+    "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, bool, uint8 or uint32";
 
 // torch's types, handed over by epmoe/_tensor.py once torch is imported (register_torch). The references are never
 // released, as ml_dtype's.
@@ -231,7 +231,7 @@ PyRef make_ref(nb::handle obj) { return PyRef(new nb::object(nb::borrow(obj)), G
 namespace {
 
 // An array argument through DLPack (nanobind's ndarray), or a (view, dtype name) pair of one (see arg).
-TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep) {
+TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep, const char* takes) {
   nb::handle array = obj;
   std::optional<DType> tag;
   if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) == 2 && nb::isinstance<nb::str>(obj[1])) {
@@ -257,7 +257,10 @@ TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep) {
     dtype = *tag;
   } else {
     const std::optional<DType> d = dtype_from_dlpack(a.dtype());
-    if (!d) throw_invalid_argument(name, kSupported, describe_array(a));
+    // Such an array never reaches the call's own checks, which say what the argument takes: said here instead.
+    if (!d)
+      throw_invalid_argument(name, takes != nullptr ? fmt::format("a {} tensor", takes) : kSupported,
+                             describe_array(a));
     dtype = *d;
   }
   if (a.ndim() > static_cast<size_t>(Shape::kMaxDims))
@@ -308,7 +311,7 @@ bool plain_torch_tensor(nb::handle obj) {
   return torch_types().tensor != nullptr && Py_TYPE(obj.ptr()) == torch_types().tensor;
 }
 
-TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
+TensorView arg(nb::handle obj, const char* name, Inputs& keep, const char* takes) {
   if (!obj.is_valid() || obj.is_none()) return {};
   if (plain_torch_tensor(obj)) {
     if (std::optional<TensorView> v = torch_view(obj)) return *v;
@@ -316,9 +319,9 @@ TensorView arg(nb::handle obj, const char* name, Inputs& keep) {
     // uint8 view). The converted object lives in `keep` (as the arrays do).
     keep.objects.push_back(nb::steal(PyObject_CallOneArg(torch_types().slow_arg, obj.ptr())));
     if (!keep.objects.back().is_valid()) throw nb::python_error();
-    return dlpack_arg(keep.objects.back(), name, keep);
+    return dlpack_arg(keep.objects.back(), name, keep, takes);
   }
-  return dlpack_arg(obj, name, keep);
+  return dlpack_arg(obj, name, keep, takes);
 }
 
 Tensor tensor_from_py(nb::handle obj, const char* name) {

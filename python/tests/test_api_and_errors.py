@@ -209,6 +209,100 @@ def test_integers_that_do_not_fit_are_named_with_the_range_and_the_value(rng):
         assert rows > 0 and routed > 0
 
 
+def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes(rng):
+    """Found by a fresh user: float64 topk_weights passed to combine were refused naming every dtype epmoe holds
+    ("expected a tensor of dtype bfloat16, float16, ..."), not the float32 that combine takes."""
+    R, E, H, K, T = 2, 4, 128, 2, 3
+    x = nice_bf16(rng, (T, H))
+    idx = random_topk_idx(rng, T, K, E)
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, **layout)
+        rows = recv_x.shape[0]
+        messages = {}
+        for name, call in {
+            "combine": lambda: buf.combine(recv_x, handle, topk_weights=np.ones((rows, K), np.float64)),
+            "dispatch": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=np.ones((T, K), np.float64), **layout),
+            "dispatch_x": lambda: buf.dispatch(x.astype(np.float64), topk_idx=idx, **layout),
+            "layout": lambda: buf.get_dispatch_layout(idx.astype(np.uint64), E),
+        }.items():
+            with pytest.raises(epmoe.Error) as e:
+                call()
+            messages[name] = (e.value.code, str(e.value))
+        return rows, messages
+
+    for rows, messages in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
+        assert messages == {
+            "combine": ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected a float32 tensor, got "
+                                            f"float64[{rows}, {K}]"),
+            "dispatch": ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected a float32 tensor, got "
+                                             f"float64[{T}, {K}]"),
+            "dispatch_x": ("invalid_argument", "epmoe: invalid argument 'x': expected a bfloat16 (or float8_e4m3fn "
+                                               f"with x_scales) tensor, got float64[{T}, {H}]"),
+            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected a int64 or int32 tensor, got "
+                                           f"uint64[{T}, {K}]"),
+        }
+
+
+def test_low_latency_x_of_a_bad_width_is_named_as_x(rng):
+    """Found by a fresh user: a bf16 x of 100 columns (or of another width than the buffer's first low-latency call)
+    was named 'hidden', an argument low_latency_dispatch has not."""
+    E, K, T = 8, 2, 4
+    idx = random_topk_idx(rng, T, K, E)
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group, low_latency_mode=True)
+        messages = []
+        for H in (100, 128, 256):
+            try:
+                buf.low_latency_dispatch(nice_bf16(rng, (T, H)), idx, T, E, use_fp8=False)
+            except epmoe.Error as e:
+                messages.append((e.code, str(e)))
+        return messages
+
+    for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert messages == [
+            ("invalid_argument", "epmoe: invalid argument 'x': expected H a positive multiple of 8 (bf16 rows of "
+                                 "16-byte units), got H = 100"),
+            ("invalid_argument", "epmoe: invalid argument 'x': expected H = 128 (fixed by the buffer's first "
+                                 "low-latency call), got H = 256"),
+        ]
+
+
+def test_non_finite_topk_weights_are_refused_with_debug_validate(rng):
+    """Found by a fresh user: NaN topk_weights were taken silently. With debug_validate (semantics §11) a weight that
+    is not finite is refused before anything is sent, naming topk_weights, its [t, k] and the value; without it
+    (the default) the weights are not read and the call runs."""
+    R, E, H, K, T = 2, 4, 128, 2, 3
+    x = nice_bf16(rng, (T, H))
+    idx = np.array([[0, 1], [2, 3], [1, 2]], np.int64)
+    weights = np.full((T, K), 0.5, np.float32)
+    weights[2, 1] = np.nan
+
+    def rank_main(group):
+        messages = {}
+        for validate in (True, False):
+            buf = epmoe.Buffer(group, debug_validate=validate)
+            ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+            try:
+                recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=weights, **layout)
+                messages[validate] = ("accepted", bool(np.isnan(recv_w).any()))
+            except epmoe.Error as e:
+                messages[validate] = (e.code, str(e))
+        return messages
+
+    ranks = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    for messages in ranks:
+        assert messages[True] == ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected finite "
+                                                      "weights (debug_validate), got nan at [2, 1]")
+        assert messages[False][0] == "accepted"
+    assert [m[False][1] for m in ranks] == [False, True]  # expert 2, of rank 1, received it
+
+
 def test_an_array_where_an_integer_goes_is_named_there(rng):
     """Found by a fresh user: topk_weights passed positionally where DeepEP's low_latency_dispatch takes
     num_max_dispatch_tokens_per_rank came back as NumPy's bare TypeError, or as an error about a later argument the

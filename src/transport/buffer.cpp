@@ -4,6 +4,7 @@
 #include <epmoe/error.hpp>
 
 #include <atomic>
+#include <cmath>
 
 #include "transport/backend.hpp"
 
@@ -13,12 +14,27 @@ namespace epmoe {
 struct Buffer::Impl {
   std::shared_ptr<Group> group;
   BackendModes modes;
+  bool debug_validate = false;
 };
 
 namespace {
 std::uint64_t next_buffer_id() {
   static std::atomic<std::uint64_t> next{1};
   return next.fetch_add(1);
+}
+
+// With debug_validate, a call's topk_weights on the CPU are read before anything is sent (semantics §11): a NaN or
+// infinity would otherwise flow into every sum it weights. Opt-in as the id checks of GPU calls are: a scan of every
+// weight on each call. Weights of another dtype, shape or device are left to the backend's checks, which name them.
+void check_finite_weights(bool debug_validate, const TensorView& w) {
+  if (!debug_validate || !w.defined() || !w.device.is_cpu() || w.dtype != DType::fp32 || w.ndim() != 2 ||
+      w.data == nullptr)
+    return;
+  for (std::int64_t t = 0; t < w.size(0); ++t)
+    for (std::int64_t k = 0; k < w.size(1); ++k)
+      if (const float v = static_cast<const float*>(w.data)[t * w.stride(0) + k * w.stride(1)]; !std::isfinite(v))
+        throw_invalid_argument("topk_weights", "finite weights (debug_validate)",
+                               fmt::format("{} at [{}, {}]", v, t, k));
 }
 
 // Backend::automatic is the group's own kind (mpi for an MPI group, threads otherwise).
@@ -32,6 +48,7 @@ Buffer::Buffer(std::shared_ptr<Group> group, BufferOptions options) : impl_(std:
   EPMOE_CHECK_ARG(group != nullptr, "group", "a Group", "null");
   EPMOE_CHECK_ARG(options.num_rdma_bytes >= 0, "num_rdma_bytes", ">= 0", options.num_rdma_bytes);
   impl_->group = group;
+  impl_->debug_validate = options.debug_validate;
   const std::uint64_t id = next_buffer_id();
   const Backend backend = resolve_backend(*group, options.backend);
   impl_->modes = backend == Backend::cuda_ipc ? make_cuda_ipc_backend(group, options, id)
@@ -74,12 +91,20 @@ std::int64_t Buffer::get_normal_nvl_size_hint(std::int64_t max_tokens_per_rank, 
   return cuda_ipc_normal_size_hint(max_tokens_per_rank, hidden, num_ranks, num_topk);
 }
 
-DispatchResult Buffer::dispatch(const DispatchArgs& args) { return impl_->modes.normal->dispatch(args); }
-CombineResult Buffer::combine(const CombineArgs& args) { return impl_->modes.normal->combine(args); }
+DispatchResult Buffer::dispatch(const DispatchArgs& args) {
+  check_finite_weights(impl_->debug_validate, args.topk_weights);
+  return impl_->modes.normal->dispatch(args);
+}
+CombineResult Buffer::combine(const CombineArgs& args) {
+  check_finite_weights(impl_->debug_validate, args.topk_weights);
+  return impl_->modes.normal->combine(args);
+}
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
+  check_finite_weights(impl_->debug_validate, args.topk_weights);
   return impl_->modes.low_latency->dispatch(args);
 }
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
+  check_finite_weights(impl_->debug_validate, args.topk_weights);
   return impl_->modes.low_latency->combine(args);
 }
 TensorView Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {

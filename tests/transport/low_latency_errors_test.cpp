@@ -301,6 +301,79 @@ TEST(LowLatencyErrors, SettingsFixedByFirstCall) {
   }
 }
 
+// Found by a fresh user: a bf16 x whose width no low-latency buffer takes (H = 100), or another width than the
+// buffer's first call fixed, was named 'hidden', an argument the dispatch has not. Named as x, with both H;
+// clean_low_latency_buffer, which takes hidden, still names it.
+TEST(LowLatencyErrors, WidthOfXIsNamedAsX) {
+  const Case c = small_case();
+  std::mt19937_64 rng(fresh_seed());
+  const auto in = make_inputs(rng, c);
+  const Tensor x100 = random_bf16(rng, c.tmax, 100), x256 = random_bf16(rng, c.tmax, 256);
+  std::vector<Caught> odd(2), other(2), clean(2);
+  run_buffers(c.R, [&](Buffer& b, Group& g) {
+    const std::size_t r = static_cast<std::size_t>(g.rank());
+    auto a = dispatch_args(c, in[r]);
+    a.x = x100;
+    odd[r] = catch_error([&] { b.low_latency_dispatch(a); });
+    b.low_latency_dispatch(dispatch_args(c, in[r]));  // fixes H = 128
+    a.x = x256;
+    other[r] = catch_error([&] { b.low_latency_dispatch(a); });
+    clean[r] = catch_error([&] { b.clean_low_latency_buffer(c.tmax, 256, c.E); });
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(odd[r].what,
+              "epmoe: invalid argument 'x': expected H a positive multiple of 8 (bf16 rows of 16-byte units), got H = "
+              "100");
+    EXPECT_EQ(other[r].what,
+              "epmoe: invalid argument 'x': expected H = 128 (fixed by the buffer's first low-latency call), got H = "
+              "256");
+    EXPECT_EQ(clean[r].what,
+              "epmoe: invalid argument 'hidden': expected H = 128 (fixed by the buffer's first low-latency call), got "
+              "H = 256");
+  }
+}
+
+// With debug_validate (semantics §11) weights that are not finite are refused before anything is sent, in the
+// low-latency calls as in normal mode; without it the combine runs.
+TEST(LowLatencyErrors, NonFiniteWeightsAreRefusedWithDebugValidate) {
+  const Case c = small_case();
+  std::mt19937_64 rng(fresh_seed());
+  const auto in = make_inputs(rng, c);
+  const auto y = make_expert_out(rng, c);
+  std::vector<Caught> dispatch(2), combine(2), unchecked(2);
+  for (const bool validate : {true, false}) {
+    BufferOptions o;
+    o.debug_validate = validate;
+    run_buffers(
+        c.R,
+        [&](Buffer& b, Group& g) {
+          const std::size_t r = static_cast<std::size_t>(g.rank());
+          Tensor w = clone(in[r].topk_weights);
+          w.ptr<float>()[1 * c.K + 1] = std::nanf("");
+          auto a = dispatch_args(c, in[r]);
+          a.topk_weights = w;
+          if (validate) dispatch[r] = catch_error([&] { b.low_latency_dispatch(a); });
+          const LowLatencyDispatchResult d = b.low_latency_dispatch(dispatch_args(c, in[r]));
+          LowLatencyCombineArgs ca;
+          ca.x = y[r];
+          ca.topk_idx = in[r].topk_idx;
+          ca.topk_weights = w;
+          ca.handle = &d.handle;
+          (validate ? combine : unchecked)[r] = catch_error([&] { b.low_latency_combine(ca); });
+        },
+        o);
+  }
+  for (std::size_t r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const std::string want =
+        "epmoe: invalid argument 'topk_weights': expected finite weights (debug_validate), got nan at [1, 1]";
+    EXPECT_EQ(dispatch[r].what, want);
+    EXPECT_EQ(combine[r].what, want);
+    EXPECT_FALSE(unchecked[r].thrown) << unchecked[r].what;
+  }
+}
+
 TEST(LowLatencyErrors, HandleOfReusedHalfAndOtherBufferAndOtherTopk) {
   const Case c = small_case();
   std::mt19937_64 rng(fresh_seed());

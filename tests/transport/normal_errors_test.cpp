@@ -413,6 +413,60 @@ TEST(NormalErrors, CombineArgumentErrors) {
   }
 }
 
+// Found by a fresh user: NaN weights were taken silently. With debug_validate (semantics §11) a weight that is not
+// finite is refused before anything is sent, naming topk_weights, its [t, k] and the value; without it the weights
+// are not read (the default path costs nothing) and the dispatch runs.
+TEST(NormalErrors, NonFiniteWeightsAreRefusedWithDebugValidate) {
+  std::mt19937_64 rng(fresh_seed());
+  const NormalCase c = small(2);
+  std::vector<Ready> rd = {ready(rng, c, 0), ready(rng, c, 1)};
+  const auto filled = [](std::int64_t rows, std::int64_t k, std::int64_t at, float bad) {
+    Tensor w = Tensor::empty(DType::fp32, {rows, k});
+    for (std::int64_t i = 0; i < w.numel(); ++i) w.ptr<float>()[i] = i == at ? bad : 0.25f;
+    return w;
+  };
+  BufferOptions validate;
+  validate.debug_validate = true;
+  std::vector<std::string> dispatch_error(2), combine_error(2);
+  std::vector<std::int64_t> unchecked_rows(2, -1);
+  const auto errs = run_thread_ranks_collect(
+      2,
+      [&](Group& g) {
+        const std::size_t r = static_cast<std::size_t>(g.rank());
+        Buffer checked(borrow(g), validate), unchecked(borrow(g));
+        DispatchArgs a = dispatch_args(rd[r].in, rd[r].layout, c);
+        const Tensor nan_at_1_0 = filled(a.topk_idx.size(0), c.K, 1 * c.K + 0, std::nanf(""));
+        a.topk_weights = nan_at_1_0;
+        try {
+          checked.dispatch(a);
+        } catch (const Error& e) {
+          dispatch_error[r] = e.what();
+        }
+        const DispatchResult d = checked.dispatch(dispatch_args(rd[r].in, rd[r].layout, c));
+        CombineArgs ca;
+        ca.x = d.recv_x;
+        ca.handle = &d.handle;
+        const Tensor inf_at_0_1 = filled(d.recv_x.size(0), c.K, 1, -INFINITY);
+        ca.topk_weights = inf_at_0_1;
+        try {
+          checked.combine(ca);
+        } catch (const Error& e) {
+          combine_error[r] = e.what();
+        }
+        unchecked_rows[r] = unchecked.dispatch(a).recv_topk_weights.size(0);
+      },
+      20.0);
+  for (std::size_t r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(errs[r], nullptr);
+    EXPECT_EQ(dispatch_error[r],
+              "epmoe: invalid argument 'topk_weights': expected finite weights (debug_validate), got nan at [1, 0]");
+    EXPECT_EQ(combine_error[r],
+              "epmoe: invalid argument 'topk_weights': expected finite weights (debug_validate), got -inf at [0, 1]");
+    EXPECT_GT(unchecked_rows[r], 0);
+  }
+}
+
 TEST(NormalErrors, CombineMismatchedHiddenOrWeightsOnEveryRank) {
   std::mt19937_64 rng(fresh_seed());
   NormalCase c = small(2);

@@ -706,7 +706,7 @@ std::set<std::string> parse_modes(const std::string& text) {
     const std::size_t comma = text.find(',', from);
     const std::string m = text.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
     if ((m != "normal" && m != "low-latency") || !modes.insert(m).second)
-      bad("--modes", "a comma-separated subset of normal,low-latency, each once", text);
+      bad("--modes", "a comma-separated subset of normal,low-latency, each once", as_typed(text));
     if (comma == std::string::npos) return modes;
     from = comma + 1;
   }
@@ -722,11 +722,13 @@ int bench(BenchConfig c) {
   if (R < 1) bad("--ranks", ">= 1", R);
   c.ranks = R;
   check_shape(c, R);
-  if (c.tokens_min < 1) bad("--tokens-min", ">= 1", c.tokens_min);
+  // The sweep's T are powers of two: bounds that are not one are refused, not narrowed to the powers between them.
+  const auto power_of_two = [](std::int64_t t) { return t >= 1 && (t & (t - 1)) == 0; };
+  const std::string powers = "a power of two (1, 2, 4, ...: the T bench sweeps)";
+  if (!power_of_two(c.tokens_min)) bad("--tokens-min", powers, c.tokens_min);
   if (c.tokens_max < c.tokens_min || c.tokens_max > (1 << 20))
     bad("--tokens-max", fmt::format("in [--tokens-min ({}), 1048576]", c.tokens_min), c.tokens_max);
-  if (sweep(c).empty())
-    bad("--tokens-max", fmt::format("a range holding a power of two (--tokens-min {})", c.tokens_min), c.tokens_max);
+  if (!power_of_two(c.tokens_max)) bad("--tokens-max", powers, c.tokens_max);
   if (c.ll_tokens_max < 1) bad("--ll-tokens-max", ">= 1", c.ll_tokens_max);
   if (modes.size() == 1 && modes.count("low-latency") && sweep(c).front() > c.ll_tokens_max)
     bad("--ll-tokens-max",
@@ -756,10 +758,6 @@ int bench(BenchConfig c) {
                                   gib(normal), gib(ll)));
   }
   if (!c.json.empty()) check_writable("--json", c.json);
-  // The sweep takes powers of two only: bounds that are not one are said to narrow it, not left to the header.
-  if (sweep(c).front() != c.tokens_min || sweep(c).back() != c.tokens_max)
-    fmt::print(stderr, "note: T runs over the powers of two in [--tokens-min {}, --tokens-max {}]: {}..{}\n",
-               c.tokens_min, c.tokens_max, sweep(c).front(), sweep(c).back());
   const std::uint64_t seed = fresh_seed(c.seed);
   const bool gpu = c.kind == DeviceKind::cuda;
   const std::string nccl = gpu ? nccl_status() : "n/a on CPU ranks";
@@ -835,7 +833,7 @@ int tune(BenchConfig c) {
       const std::string v = text.substr(start, comma - start);
       const bool decimal = decimal_integer_error(v).empty();
       const long long n = decimal ? std::strtoll(v.c_str(), nullptr, 10) : -1;  // past 64 bits: saturated, refused
-      if (!decimal || n < lo || n > hi) bad(flag, expected, text);
+      if (!decimal || n < lo || n > hi) bad(flag, expected, as_typed(text));
       out.push_back(static_cast<int>(n));
       if (comma == text.size()) break;
       start = comma + 1;
@@ -849,16 +847,18 @@ int tune(BenchConfig c) {
   for (int s : sms)
     for (int ch : chunks) points.emplace_back(s, ch);
   if (c.objective != "max" && c.objective != "sum" && c.objective != "dispatch" && c.objective != "combine")
-    bad("--objective", "max, sum, dispatch or combine", c.objective);
+    bad("--objective", "max, sum, dispatch or combine", as_typed(c.objective));
   // Flags are checked before looking for GPUs, so a bad value is named on any machine.
   if (c.tokens < 1) bad("--tokens", ">= 1", c.tokens);
   check_writable("--output", c.output);
   std::string why;
   if (c.device == "cpu")
     bad("--device", "auto or cuda (tune sweeps the cuda_ipc backend's num_sms and num_chunks on GPUs)", c.device);
+  // Said of the machine, not of --device: without the flag its default (auto) is nothing the user chose.
   if (cuda_device_count(&why) == 0)
-    bad("--device", fmt::format("CUDA GPUs (tune sweeps the cuda_ipc backend's num_sms and num_chunks); {}", why),
-        c.device);
+    throw Error(ErrorCode::unsupported, fmt::format("epmoe: tune needs a CUDA GPU (it sweeps the cuda_ipc backend's "
+                                                    "num_sms and num_chunks); {}",
+                                                    why));
   c.kind = DeviceKind::cuda;
   apply_config_flag(c.config, c.options);
   const int R = gpu_ranks(c);
@@ -952,8 +952,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto& c = *config;
   CLI::App* cmd = app.add_subcommand(
       "bench", "Time dispatch and combine over T = powers of two, beside a peer-copy (or memcpy) floor and NCCL");
-  cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank)")->capture_default_str();
-  cmd->add_option("--tokens-max", c.tokens_max, "largest T")->capture_default_str();
+  cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank; a power of two)")->capture_default_str();
+  cmd->add_option("--tokens-max", c.tokens_max, "largest T (a power of two)")->capture_default_str();
   cmd->add_option("--ll-tokens-max", c.ll_tokens_max, "largest T of the low-latency sweep")->capture_default_str();
   cmd->add_option("--modes", c.modes, "normal,low-latency or one of them")->capture_default_str();
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
@@ -990,7 +990,8 @@ std::function<int()> add_tune_command(CLI::App& app) {
   // with the reason (num_sms is a GPU setting) instead of CLI11's bare "not in" message.
   const CLI::Validator gpu_device(
       [](std::string& v) {
-        return v == "auto" || v == "cuda" || v == "cpu" ? std::string() : "expected auto or cuda, got " + v;
+        return v == "auto" || v == "cuda" || v == "cpu" ? std::string()
+                                                         : "expected auto or cuda, got " + as_typed(v);
       },
       "{auto,cuda}");
   cmd->add_option("--device", c.device, "auto or cuda (tune runs on GPUs only: num_sms is a GPU setting)")

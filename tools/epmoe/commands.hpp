@@ -12,13 +12,16 @@
 
 namespace epmoe::cli {
 
+/// A word of the command line as a message says it: quoted as typed, so that blanks show (" 2" reads "got ' 2'").
+inline std::string as_typed(const std::string& word) { return "'" + word + "'"; }
+
 /// Why `v` is not an integer as the README says integers are read (an optional sign, then decimal digits: not "0x10",
-/// "1e3", " 2" or ""), as an option's message ends ("expected a decimal integer, got 0x10"); "" when it is one.
+/// "1e3", " 2" or ""), as an option's message ends ("expected a decimal integer, got '0x10'"); "" when it is one.
 inline std::string decimal_integer_error(const std::string& v) {
   if (v.empty()) return "expected a decimal integer, got an empty value";
   const std::size_t sign = v[0] == '-' || v[0] == '+' ? 1 : 0;
   if (v.size() == sign || v.find_first_not_of("0123456789", sign) != std::string::npos)
-    return "expected a decimal integer, got " + v;
+    return "expected a decimal integer, got " + as_typed(v);
   return "";
 }
 

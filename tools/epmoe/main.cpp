@@ -23,6 +23,8 @@
 
 namespace {
 
+using epmoe::cli::as_typed;
+
 /// This process's rank as its launcher set it ("0" outside one). Launchers' rank variables: Open MPI, PMI (MPICH,
 /// Slurm), PMIx.
 const char* launcher_rank() {
@@ -79,7 +81,8 @@ std::string conversion_message(const CLI::App& app, const CLI::ParseError& e) {
   const std::string flag = what.substr(head.size(), eq - head.size()), value = what.substr(eq + 3);
   const CLI::Option* o = parsed_option(app, flag);
   const std::string expected = o != nullptr ? value_kind(kind_of(*o)) : "a value";
-  return "epmoe: invalid argument '" + flag + "': expected " + expected + " in range (see --help), got " + value;
+  return "epmoe: invalid argument '" + flag + "': expected " + expected + " in range (see --help), got " +
+         as_typed(value);
 }
 
 /// CLI11 says "--device: At Most 1 required but received 2" for an option of one value given twice (its policy
@@ -94,7 +97,9 @@ std::string repeated_message(const CLI::App& app, const CLI::ParseError& e) {
   if (o != nullptr && o->get_expected_max() == 0)  // a flag: no values to list
     return "epmoe: invalid argument '" + flag + "': expected once (it takes no value), got " + flag +
            " given " + (count == "2" ? std::string("twice") : count + " times");
-  const std::string values = o != nullptr ? CLI::detail::join(o->results(), ", ") : "";
+  std::string values;
+  for (const std::string& v : o != nullptr ? o->results() : std::vector<std::string>{})
+    values += (values.empty() ? "" : ", ") + as_typed(v);
   return "epmoe: invalid argument '" + flag + "': expected once (it takes one value), got " + count + " values" +
          (values.empty() ? "" : ": " + values);
 }
@@ -120,8 +125,7 @@ std::size_t flag_distance(const std::string& a, const std::string& b) {
 /// CLI11 says "The following arguments were not expected: 4 --tokne" (the words reversed) for an unknown flag: said
 /// as the commands' own errors are, naming the first unknown word and, for a flag, the command's nearest flag (at
 /// most two edits away, or the same but for case); "" when `e` is not such an error. `args` is the command line
-/// (argv[1..]): words after a "--" are positional (CLI11 does not say which extras came after it), so when every
-/// extra did, the first of them is named as a word after "--", not as a mistyped flag.
+/// (argv[1..], up to a "--": the words after it are not parsed, see positional_message).
 std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const std::vector<std::string>& args) {
   if (dynamic_cast<const CLI::ExtrasError*>(&e) == nullptr) return "";  // its name is the command's
   const std::vector<CLI::App*> subs = app.get_subcommands();
@@ -130,35 +134,20 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const 
   if (extras.empty()) extras = app.remaining();  // a subcommand hands its extras up to the app
   if (extras.empty()) return "";
   const std::string command = subs.empty() ? std::string("epmoe") : sub->get_name();
-  // No command takes positional arguments, so every word after "--" is an extra: when there are no more extras than
-  // those words, none came before the "--".
-  std::size_t all_extras = 0;
-  for (const std::string& w : sub->remaining()) all_extras += w != "--" ? 1 : 0;
-  if (sub != &app)
-    for (const std::string& w : app.remaining()) all_extras += w != "--" ? 1 : 0;
-  if (const auto mark = std::find(args.begin(), args.end(), "--"); mark != args.end() && mark + 1 != args.end()) {
-    const std::vector<std::string> after(mark + 1, args.end());
-    if (all_extras <= after.size()) {
-      const std::string& word = after.front();
-      return "epmoe: invalid argument '" + word + "': expected no positional arguments (" + command +
-             " takes none; see epmoe " + command + " --help), got '" + word + "' after '--'" +
-             (word.size() > 1 && word[0] == '-' ? " (so it was not read as a flag)" : "");
-    }
-  }
   // A word before the command ("epmoe help run"): CLI11 still found the command after it, and the word reads as the
   // command's positional argument; the place is the mistake.
   if (sub != &app && extras.front()[0] != '-') {
     const auto at = std::find(args.begin(), args.end(), command);
     if (std::find(args.begin(), at, extras.front()) != at)
       return "epmoe: invalid argument '" + extras.front() + "': expected the command first (run, bench or tune), got " +
-             extras.front() + " before '" + command + "'" +
+             as_typed(extras.front()) + " before '" + command + "'" +
              (extras.front() == "help" ? " (for a command's help: epmoe " + command + " --help)" : " (see --help)");
   }
   const auto flag =
       std::find_if(extras.begin(), extras.end(), [](const std::string& w) { return w.size() > 1 && w[0] == '-'; });
   if (flag == extras.end())
     return "epmoe: invalid argument '" + extras.front() + "': expected a flag (" + command +
-           " takes no positional arguments), got " + extras.front() + " (see --help)";
+           " takes no positional arguments), got " + as_typed(extras.front()) + " (see --help)";
   const std::string name = flag->substr(0, flag->find('='));
   // A command's flag typed before the command ("epmoe --tokens 3 run"): the place is the mistake, not the name.
   if (sub != &app && sub->get_option_no_throw(name) != nullptr) {
@@ -174,8 +163,20 @@ std::string extras_message(const CLI::App& app, const CLI::ParseError& e, const 
       const std::size_t d = flag_distance(name, "--" + l);
       if (d < best_distance) best = "--" + l, best_distance = d;
     }
-  return "epmoe: invalid argument '" + name + "': expected a flag of " + command + ", got " + name +
+  return "epmoe: invalid argument '" + name + "': expected a flag of " + command + ", got " + as_typed(name) +
          (best.empty() ? "" : "; did you mean " + best + "?") + " (see epmoe " + command + " --help)";
+}
+
+/// A word after "--" (`run --ranks 4 -- --tokens 8`, `run -- -h`): no command takes positional arguments, and such a
+/// word is never a flag, so it is refused as that. The words after "--" are kept from CLI11, which read "-h" or
+/// "--version" there as the app's flags (the "--" ended the command's words only, not the app's): said once the
+/// words before it parsed, so a mistake there is named first.
+std::string positional_message(const CLI::App& app, const std::string& word) {
+  const std::vector<CLI::App*> subs = app.get_subcommands();
+  const std::string command = subs.empty() ? std::string("epmoe") : subs.front()->get_name();
+  return "epmoe: invalid argument '" + word + "': expected no positional arguments (" + command +
+         " takes none; see epmoe " + command + " --help), got " + as_typed(word) + " after '--'" +
+         (word.size() > 1 && word[0] == '-' ? " (so it was not read as a flag)" : "");
 }
 
 /// The range of integer option `o`'s type, "[-2147483648, 2147483647]" for an int: CLI11 names every integer type
@@ -240,7 +241,8 @@ void read_numbers_in_decimal(CLI::App& app) {
     o->transform(CLI::Validator(
         [](std::string& v) -> std::string {
           static const std::regex decimal(R"([+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?)");
-          return std::regex_match(v, decimal) ? "" : "expected a decimal number (such as 0.01 or 1e-3), got " + v;
+          return std::regex_match(v, decimal) ? ""
+                                              : "expected a decimal number (such as 0.01 or 1e-3), got " + as_typed(v);
         },
         "", "decimal number"));
   });
@@ -280,7 +282,7 @@ std::string option_message(const CLI::ParseError& e) {
     std::string choices = m[2];
     for (std::size_t at = choices.find(','); at != std::string::npos; at = choices.find(',', at + 2))
       choices.replace(at, 1, ", ");
-    return "epmoe: invalid argument '" + flag + "': expected one of " + choices + ", got " + m[1].str() +
+    return "epmoe: invalid argument '" + flag + "': expected one of " + choices + ", got " + as_typed(m[1].str()) +
            " (see --help)";
   }
   return "epmoe: invalid argument '" + flag + "': " + rest + " (see --help)";
@@ -324,7 +326,8 @@ std::string flag_value_message(CLI::App& app, const std::vector<std::string>& ar
     const std::string flag = w->substr(0, eq);
     const CLI::Option* o = (command != nullptr ? command : &app)->get_option_no_throw(flag);
     if (o != nullptr && o->get_expected_max() == 0)
-      return "epmoe: invalid argument '" + flag + "': expected no value (it is a flag: " + flag + " alone), got " + *w;
+      return "epmoe: invalid argument '" + flag + "': expected no value (it is a flag: " + flag + " alone), got " +
+             as_typed(*w);
     // "--tokens=" then a word: CLI11 took the next word as the value ("--tokens= 16" ran with 16).
     if (o != nullptr && eq + 1 == w->size())
       return "epmoe: invalid argument '" + flag + "': " + empty_value_message(kind_of(*o)) + " (see --help)";
@@ -374,13 +377,19 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   CLI::App app{"epmoe: expert-parallel Mixture-of-Experts dispatch, experts and combine"};
   app.require_subcommand(1);
-  app.footer("Exit status: 0 success (run: PASS); 1 a failed check (run: FAIL) or a failure while running (a timeout, "
-             "an internal error, results that could not be written); 2 bad arguments, or a request this machine cannot "
-             "serve (no GPU, sizes past its memory).");
+  const std::string failure =
+      "a failure while running (a timeout, an internal error, results that could not be written)";
+  const std::string refused =
+      "2 bad arguments, or a request this machine cannot serve (no GPU, sizes past its memory).";
+  app.footer("Exit status: 0 success (run: PASS); 1 a failed check (run: FAIL) or " + failure + "; " + refused);
   app.set_version_flag("--version", std::string(epmoe::version()));
   auto run = epmoe::cli::add_run_command(app);
   auto bench = epmoe::cli::add_bench_command(app);
   auto tune = epmoe::cli::add_tune_command(app);
+  // Each command's help ends with its own exit statuses: a command is made with the app's footer, which speaks of run.
+  app.get_subcommand("run")->footer("Exit status: 0 PASS; 1 FAIL or " + failure + "; " + refused);
+  for (const char* name : {"bench", "tune"})
+    app.get_subcommand(name)->footer("Exit status: 0 success; 1 " + failure + "; " + refused);
   read_integers_in_decimal(app);
   read_numbers_in_decimal(app);
   refuse_empty_values(app);  // after: its transform then runs first
@@ -392,6 +401,10 @@ int main(int argc, char** argv) {
     argc = static_cast<int>(help_argv.size());
     argv = help_argv.data();
   }
+  // The words after a "--" are not given to CLI11 (positional_message says why): refused once the others parsed.
+  const auto mark = std::find_if(argv + 1, argv + argc, [](const char* w) { return std::strcmp(w, "--") == 0; });
+  const std::vector<std::string> after_mark(mark + (mark != argv + argc ? 1 : 0), argv + argc);
+  argc = static_cast<int>(mark - argv);
   if (const std::string m = flag_value_message(app, std::vector<std::string>(argv + 1, argv + argc)); !m.empty())
     return refuse_command_line(m);
   try {
@@ -413,11 +426,12 @@ int main(int argc, char** argv) {
     std::string message;
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] == '-')  // a flag where the command goes
       message = fmt::format(
-          "epmoe: invalid argument '{0}': expected a command first (run, bench or tune), got {0} (see --help)", argv[1]);
+          "epmoe: invalid argument '{0}': expected a command first (run, bench or tune), got {1} (see --help)", argv[1],
+          as_typed(argv[1]));
     else if (app.get_subcommands().empty() && argc > 1)  // a word that is no command (not CLI11's message)
       message =
-          fmt::format("epmoe: invalid argument '{0}': expected a command (run, bench or tune), got {0} (see --help)",
-                      argv[1]);
+          fmt::format("epmoe: invalid argument '{0}': expected a command (run, bench or tune), got {1} (see --help)",
+                      argv[1], as_typed(argv[1]));
     else if (std::string m = conversion_message(app, e); !m.empty())
       message = std::move(m);
     else if (std::string q = missing_value_message(app, e); !q.empty())
@@ -430,6 +444,7 @@ int main(int argc, char** argv) {
       message = option_message(e);
     return refuse_command_line(message);
   }
+  if (!after_mark.empty()) return refuse_command_line(positional_message(app, after_mark.front()));
   try {
     if (app.got_subcommand("run")) return run();
     if (app.got_subcommand("bench")) return bench();

@@ -96,12 +96,14 @@ void check_settings(int tmax, std::int64_t hidden, int R, int E) {
 }
 
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
-                          int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed) {
+                          int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed,
+                          std::string_view hidden_name) {
   if (set) {
     EPMOE_CHECK_ARG(tmax == cfg_tmax, "num_max_dispatch_tokens_per_rank",
                     fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_tmax), tmax);
-    EPMOE_CHECK_ARG(hidden == cfg_hidden, "hidden",
-                    fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_hidden), hidden);
+    EPMOE_CHECK_ARG(hidden == cfg_hidden, hidden_name,
+                    fmt::format("H = {} (fixed by the buffer's first low-latency call)", cfg_hidden),
+                    fmt::format("H = {}", hidden));
     EPMOE_CHECK_ARG(num_experts == cfg_e, "num_experts",
                     fmt::format("{} (fixed by the buffer's first low-latency call)", cfg_e), num_experts);
     return;
@@ -126,6 +128,9 @@ DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device devic
   if (!cpu)  // the GPU kernels move rows as 16-byte vectors
     EPMOE_CHECK_ARG(reinterpret_cast<std::uintptr_t>(a.x.data) % 16 == 0 && (T <= 1 || a.x.stride(0) % 8 == 0), "x",
                     "16-byte aligned rows on CUDA (data pointer and row stride)", strides_of(a.x));
+  // H is x's width: named as x, not as the 'hidden' setting check_settings names (clean_low_latency_buffer's).
+  EPMOE_CHECK_ARG(H >= 8 && H % 8 == 0, "x", "H a positive multiple of 8 (bf16 rows of 16-byte units)",
+                  fmt::format("H = {}", H));
   check_settings(tmax, H, R, E);
   if (T > tmax)
     throw_invalid_argument("x", fmt::format("at most num_max_dispatch_tokens_per_rank = {} tokens", tmax),

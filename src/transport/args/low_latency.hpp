@@ -34,9 +34,11 @@ struct Config {
   int num_experts = 0;
 };
 
-/// Tmax/H/E against the buffer's first call (set), or else num_rdma_bytes (> 0) against `needed` bytes.
+/// Tmax/H/E against the buffer's first call (set), or else num_rdma_bytes (> 0) against `needed` bytes. A different H
+/// is named `hidden_name`: "x" where H is x's width (a dispatch), "hidden" where it is an argument.
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
-                          int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed);
+                          int num_experts, int R, std::int64_t num_rdma_bytes, std::int64_t needed,
+                          std::string_view hidden_name);
 
 /// Combine's first checks, before the buffer's state: a handle that is not empty, of this buffer (`buffer_id`).
 /// Returns it. Errors: invalid_argument naming 'handle'.

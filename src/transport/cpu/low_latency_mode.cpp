@@ -57,10 +57,10 @@ using low_latency_args::read_topk_idx;
 using low_latency_args::read_topk_weights;
 
 void check_against_config(bool set, int cfg_tmax, std::int64_t cfg_hidden, int cfg_e, int tmax, std::int64_t hidden,
-                          int num_experts, int R, std::int64_t num_rdma_bytes) {
+                          int num_experts, int R, std::int64_t num_rdma_bytes, std::string_view hidden_name) {
   low_latency_args::check_against_config(
       set, cfg_tmax, cfg_hidden, cfg_e, tmax, hidden, num_experts, R, num_rdma_bytes,
-      set ? 0 : LowLatencyMode::size_hint(tmax, hidden, R, num_experts));
+      set ? 0 : LowLatencyMode::size_hint(tmax, hidden, R, num_experts), hidden_name);
 }
 
 int data_slot(int half, int source, int R) { return half * R + source; }
@@ -283,7 +283,8 @@ LowLatencyDispatchResult LowLatencyMode::dispatch(const LowLatencyDispatchArgs& 
   const std::int64_t T = spec.T, H = spec.H, K = spec.K;
   const int El = spec.El;
   const std::vector<std::int32_t> idx = std::move(spec.idx);
-  check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, H, E, R, num_rdma_bytes_);
+  check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, H, E, R, num_rdma_bytes_,
+                       "x");
   begin_call("low_latency_dispatch");
 
   // --- send half: nothing here waits for a peer's data, only for a half the peer has finished reading.
@@ -777,7 +778,7 @@ void LowLatencyMode::clean(int tmax, std::int64_t hidden, int num_experts) {
   Group& g = transport_.group();
   check_settings(tmax, hidden, g.size(), num_experts);
   check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts, tmax, hidden, num_experts,
-                       g.size(), num_rdma_bytes_);
+                       g.size(), num_rdma_bytes_, "hidden");
   check_usable();
   if (!config_.set) {
     ensure_configured(tmax, hidden, num_experts, "clean_low_latency_buffer");

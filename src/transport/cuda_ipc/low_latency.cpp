@@ -428,7 +428,8 @@ LowLatencyDispatchResult CudaIpcLowLatencyImpl::dispatch(const LowLatencyDispatc
   const int num_max_dispatch_tokens_per_rank = spec.tmax, E = spec.E;
   args::check_against_config(config_.set, config_.tmax, config_.hidden, config_.num_experts,
                              num_max_dispatch_tokens_per_rank, H, E, R_, num_rdma_bytes_,
-                             config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, H, R_, E));
+                             config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, H, R_, E),
+                             "x");
   DeviceGuard guard(gpu);
   const cudaStream_t caller = cuda_util::to_cuda(current_stream());
   std::vector<std::int32_t> ids;
@@ -730,7 +731,8 @@ void CudaIpcLowLatencyImpl::clean(int num_max_dispatch_tokens_per_rank, std::int
   args::check_against_config(
       config_.set, config_.tmax, config_.hidden, config_.num_experts, num_max_dispatch_tokens_per_rank, hidden,
       num_experts, R_, num_rdma_bytes_,
-      config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, hidden, R_, num_experts));
+      config_.set ? 0 : LowLatencyMode::size_hint(num_max_dispatch_tokens_per_rank, hidden, R_, num_experts),
+      "hidden");
   check_state();
   if (!config_.set) {
     ensure_configured(num_max_dispatch_tokens_per_rank, hidden, num_experts, "clean_low_latency_buffer");
