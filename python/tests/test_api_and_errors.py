@@ -402,6 +402,22 @@ def test_cuda_ipc_asked_for_without_gpus_names_the_choice_and_the_reason():
         assert "group needs" not in message, message
 
 
+def test_run_thread_ranks_refuses_bad_arguments_naming_them():
+    # Found by a fresh user: timeout_s="5" raised nanobind's TypeError, naming no argument.
+    cases = [((0, lambda g: None), {}, "'num_ranks': expected an int in 1..2**31-1, got 0"),
+             ((2, 3), {}, "'fn': expected a callable fn(group) run once per rank, got an object of type int"),
+             ((2, lambda g: None), {"timeout_s": "5"}, "'timeout_s': expected None or a number of seconds > 0, "
+                                                         "got '5'"),
+             ((2, lambda g: None), {"timeout_s": True}, "'timeout_s': expected None or a number of seconds > 0, "
+                                                          "got True"),
+             ((2, lambda g: None), {"timeout_s": 0}, "'timeout_s': expected > 0 or None, got 0")]
+    for args, kwargs, want in cases:
+        with pytest.raises(epmoe.Error) as e:
+            epmoe.run_thread_ranks(*args, **kwargs)
+        assert e.value.code == "invalid_argument" and want in str(e.value), (args, kwargs, str(e.value))
+    assert epmoe.run_thread_ranks(2, lambda g: g.rank(), timeout_s=np.float32(5.0)) == [0, 1]
+
+
 def test_run_thread_ranks_returns_results_and_reraises():
     def rank_main(group):
         group.barrier()

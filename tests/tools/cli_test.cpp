@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -539,13 +540,12 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
     EXPECT_NE(r.err.find(c.want), std::string::npos) << c.args << "\n" << r.err;
     EXPECT_EQ(r.err.find("in range (see --help)"), std::string::npos) << c.args << "\n" << r.err;
   }
-  // The bounds themselves are read as typed: the largest int runs (--layer is unused without --routing and recorded
-  // in the JSON), the smallest reaches the flag's own check.
-  const std::string json = temp_path("layer.json");
-  CliResult r = run_cli("run --device cpu --layer 2147483647 --json '" + json + "' " + kTinyRun);
-  ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_EQ(read_json(json)["layer"], 2147483647);
-  std::filesystem::remove(json);
+  // The bounds themselves are read as typed: the largest int reaches the check that --layer needs --routing (named
+  // with the value as read), the smallest the flag's own check.
+  CliResult r = run_cli("run --device cpu --layer 2147483647 " + kTinyRun);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("invalid argument '--layer': expected --routing beside it"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("got 2147483647"), std::string::npos) << r.err;
   r = run_cli("run --device cpu --layer -2147483648 " + kTinyRun);
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("invalid argument '--layer': expected >= 0, got -2147483648"), std::string::npos) << r.err;
@@ -565,8 +565,15 @@ TEST(Cli, IntegerOptionsTakeOnlyDecimalDigits) {
       {"run --device cpu --ranks ' 2'", "'--ranks': expected a decimal integer, got ' 2'"},
       {"run --device cpu --iters 1e3", "'--iters': expected a decimal integer, got '1e3'"},
       {"tune --topk +0x2", "'--topk': expected a decimal integer, got '+0x2'"},
-      {"tune --sms 8,0x10", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got '8,0x10'"},
-      {"tune --sms ' 8'", "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], got ' 8'"},
+      {"tune --sms 8,0x10",
+       "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], each once, got '8,0x10'"},
+      {"tune --sms ' 8'",
+       "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], each once, got ' 8'"},
+      // Found by a fresh user: a value twice was timed twice, while `bench --modes normal,normal` was refused.
+      {"tune --sms 8,16,8",
+       "invalid argument '--sms': expected a comma-separated list of integers in [1, 64], each once, got '8,16,8'"},
+      {"tune --chunks 2,2",
+       "invalid argument '--chunks': expected a comma-separated list of integers in [1, 16], each once, got '2,2'"},
   }, "expected an integer in");
   const CliResult r = run_cli("run --device cpu --ranks +2 --seed +5 " + kTinyRun);
   EXPECT_EQ(r.code, 0) << r.out << r.err;
@@ -1124,6 +1131,24 @@ TEST(Cli, RunDomainWithARoutingFileIsRefusedNamingBothFlags) {
   r = run_cli("run --routing '" + dir + "' --domain math" + tiny);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("routing: replaying 'math' layer 0"), std::string::npos) << r.out;
+}
+
+// Found by a fresh user: --domain, --layer and --offset without --routing ran on random routing (exit 0) as if a
+// trace had been replayed.
+TEST(Cli, RunReplayFlagsWithoutRoutingAreRefusedNamingTheFlag) {
+  const std::string tiny = " --device cpu --ranks 2 --experts 64 --tokens 4 --hidden 128 --intermediate 64 --iters 1";
+  for (const auto& [flags, named, value] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--domain coding", "--domain", "coding"},
+           {"--layer 3", "--layer", "3"},
+           {"--offset 5", "--offset", "5"},
+           {"--offset 5 --domain math", "--domain", "math"}}) {
+    const CliResult r = run_cli("run " + flags + tiny);
+    EXPECT_EQ(r.code, 2) << flags << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("invalid argument '" + named + "': expected --routing beside it"), std::string::npos)
+        << flags << "\n" << r.err;
+    EXPECT_NE(r.err.find("got " + value), std::string::npos) << flags << "\n" << r.err;
+    EXPECT_EQ(r.out.find("dispatch"), std::string::npos) << "refused only after starting\n" << r.out;
+  }
 }
 
 // Found by a fresh user: --json /proc/x.json passed the early check and failed after the whole job. The early check

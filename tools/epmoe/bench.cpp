@@ -825,7 +825,7 @@ int bench(BenchConfig c) {
 int tune(BenchConfig c) {
   auto parse_list = [](std::string_view flag, const std::string& text, int lo, int hi) {
     std::vector<int> out;
-    const std::string expected = fmt::format("a comma-separated list of integers in [{}, {}]", lo, hi);
+    const std::string expected = fmt::format("a comma-separated list of integers in [{}, {}], each once", lo, hi);
     // Each item decimal as typed, as integer options are ("0x10", " 8" and an empty item such as "8,," or "8," are
     // refused; std::stoi would skip blanks and stop at the "x" or a trailing comma).
     for (std::size_t start = 0;;) {
@@ -833,7 +833,9 @@ int tune(BenchConfig c) {
       const std::string v = text.substr(start, comma - start);
       const bool decimal = decimal_integer_error(v).empty();
       const long long n = decimal ? std::strtoll(v.c_str(), nullptr, 10) : -1;  // past 64 bits: saturated, refused
-      if (!decimal || n < lo || n > hi) bad(flag, expected, as_typed(text));
+      // A value twice would time the same point twice (as --modes, refused rather than deduplicated).
+      if (!decimal || n < lo || n > hi || std::find(out.begin(), out.end(), n) != out.end())
+        bad(flag, expected, as_typed(text));
       out.push_back(static_cast<int>(n));
       if (comma == text.size()) break;
       start = comma + 1;

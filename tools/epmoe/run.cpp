@@ -690,8 +690,12 @@ CheckedRun check_run_flags(RunConfig& c, bool root) {
     fmt::print(stderr, "note: --config holds cuda_ipc tunables; CPU ranks run without them\n");
   check_job_flags(c);
 
-  if (c.routing.empty() && !c.replay_flags_given.empty() && root)
-    fmt::print(stderr, "note: ignored without --routing: {} (the routing is random here)\n", c.replay_flags_given);
+  // The trace's flags without a trace: refused, not ignored (the run would go on random routing, as if replayed).
+  if (c.routing.empty() && !c.replay_flags_given.empty()) {
+    const std::string flag = c.replay_flags_given.substr(0, c.replay_flags_given.find(','));
+    bad(flag, "--routing beside it (it picks from the replayed trace; without --routing the routing is random)",
+        flag == "--domain" ? c.domain : std::to_string(flag == "--layer" ? c.layer : c.offset));
+  }
   if (!c.routing.empty()) r.trace = load_replayed_trace(c, root);
   check_job_memory(c, r.act);
   return r;
