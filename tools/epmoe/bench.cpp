@@ -956,7 +956,9 @@ std::function<int()> add_bench_command(CLI::App& app) {
       "bench", "Time dispatch and combine over T = powers of two, beside a peer-copy (or memcpy) floor and NCCL");
   cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank; a power of two)")->capture_default_str();
   cmd->add_option("--tokens-max", c.tokens_max, "largest T (a power of two)")->capture_default_str();
-  cmd->add_option("--ll-tokens-max", c.ll_tokens_max, "largest T of the low-latency sweep")->capture_default_str();
+  cmd->add_option("--ll-tokens-max", c.ll_tokens_max,
+                  "largest T of the low-latency sweep (any T >= 1: it runs the sweep's powers of two up to it)")
+      ->capture_default_str();
   cmd->add_option("--modes", c.modes, "normal,low-latency or one of them")->capture_default_str();
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
