@@ -58,6 +58,12 @@ __device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
   return static_cast<char*>(c.peers[r]) + kControlBytes + static_cast<std::size_t>(half) * c.half_bytes;
 }
 
+/// The rank owning expert `id` (0 <= id < E): a multiply and a shift (Common::el_div), not an integer division's
+/// ~20 dependent instructions on the id cleaning's path.
+__device__ __forceinline__ int expert_rank(const Common& c, int id) {
+  return static_cast<int>(static_cast<unsigned long long>(id) * c.el_div >> 40);
+}
+
 /// Records the first error of this rank's window in the host-mapped record (later ones are dropped).
 __device__ __noinline__ void report(const Common& c, int code, int peer, int phase, unsigned long long index,
                                     long long value, long long value2 = 0) {
@@ -122,7 +128,7 @@ __device__ __forceinline__ void warp_copy(const void* src_v, void* dst_v, std::s
 /// lane of the token's first error (k order) records it.
 ///
 /// A group per token, not a thread: on one thread the K x K duplicate test, with the K divisions that follow it, is
-/// a chain of ~800 dependent instructions (~2.5 us on the kernels' first path at small T); here it is one match.
+/// a chain of ~800 dependent instructions (~2.5 us on the kernels' first path at small T); here it is kK - 1 shuffles.
 /// kK: the lanes per token (K <= kK), a template parameter of the kernels (8 covers the common K; 16 = kMaxTopk).
 template <int kK>
 __device__ int clean_id(const Common& c, const void* idx, bool idx64, int K, long long t, bool report_errors,
@@ -135,9 +141,15 @@ __device__ int clean_id(const Common& c, const void* idx, bool idx64, int K, lon
                 : static_cast<long long>(static_cast<const int*>(idx)[t * K + k]);
   const bool bad = raw < -1 || raw >= c.num_experts;
   const int id = bad ? -1 : static_cast<int>(raw);
-  // The key carries the group (ids < 2^24, semantics §1), so only a token's own lanes match; a -1 matches no lane.
-  const unsigned key = id >= 0 ? static_cast<unsigned>(lane / kK) << 24 | static_cast<unsigned>(id) : 0x80000000u | lane;
-  const bool dup = (__match_any_sync(0xffffffffu, key) & ((1u << lane) - 1u)) != 0;
+  // A duplicate: an earlier lane of the group with the same id, by kK - 1 shuffles in flight together (width kK:
+  // no lane of another group is read; k >= o: a lane's own value is not compared). A -1 matches no lane.
+  const unsigned key = id >= 0 ? static_cast<unsigned>(id) : 0x80000000u | lane;
+  bool dup = false;
+#pragma unroll
+  for (int o = 1; o < kK; ++o) {
+    const unsigned other = __shfl_up_sync(0xffffffffu, key, o, kK);
+    dup |= k >= o && other == key;
+  }
   const unsigned errors = __ballot_sync(0xffffffffu, bad || dup) & (((1u << kK) - 1u) << (lane - k));
   if (report_errors && errors != 0 && lane == __ffs(errors) - 1)
     report(c, bad ? kErrBadId : kErrDuplicateId, c.rank, phase, index, bad ? raw : id, t * K + k);
@@ -327,7 +339,7 @@ __device__ bool dispatch_send(const Common& c, const DispatchSendArgs& a, unsign
       const int j = jw + lane / kK;
       const long long t = j < chunk ? base + j : -1;
       const int id = clean_id<kK>(c, a.topk_idx, a.idx64, K, t, blockIdx.x == 0, kPhaseDispatchSend, index);
-      const int d = id >= 0 ? id / El : 0;
+      const int d = id >= 0 ? expert_rank(c, id) : 0;
       unsigned bits = id >= 0 ? 1u << d : 0u;
 #pragma unroll
       for (int o = kK / 2; o > 0; o >>= 1) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
@@ -964,7 +976,7 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
       const int was = t >= 0 && k < K ? sent[t * K + k] : -1;
       const int id = clean_id<kK>(c, a.topk_idx, a.idx64, K, t, true, kPhaseCombineRecv, index);
       if (id != was) report(c, kErrIdsDiffer, c.rank, kPhaseCombineRecv, index, id, t * K + k);
-      const int d = id >= 0 ? id / El : -1;
+      const int d = id >= 0 ? expert_rank(c, id) : -1;
 #pragma unroll
       for (int r = 0; r < kMaxRanks; ++r) mine[r] += d == r ? 1 : 0;
     }
@@ -1013,7 +1025,7 @@ __device__ void combine_recv(const Common& c, const CombineRecvArgs& a, unsigned
         if constexpr (kInPlace) {
           const int4* at = body + (static_cast<std::size_t>(t) * kMaxTopk + k) * nvec;
           bool x_row = false;
-          if (id >= 0 && id / El == c.rank) {
+          if (id >= 0 && expert_rank(c, id) == c.rank) {
             // The dispatch's row of (t, k); ids other than the dispatch's are reported by block 0, and their row is
             // kept inside the expert's rows.
             const long long row = self_row[t * kMaxTopk + k];
