@@ -770,18 +770,37 @@ bool mpirun_available() {
 #define SKIP_WITHOUT_MPIRUN() \
   if (!mpirun_available()) GTEST_SKIP() << "needs a build with MPI and mpirun on the PATH"
 
-/// An MPMD launch of two `epmoe run --backend mpi --device cpu` processes on kTinyRun, each with its own extra flags
-/// (the group's timeout 30 s, so a wait shows as a timeout, not as a hung test): the exit status and the output of both.
-std::pair<int, std::string> run_two_processes(const std::string& flags0, const std::string& flags1) {
+/// An MPMD launch of `epmoe run --backend mpi --device cpu` processes on kTinyRun, one per entry of `flags` with those
+/// extra flags (the group's timeout 30 s, so a wait shows as a timeout, not as a hung test): the exit status and the
+/// output of all.
+std::pair<int, std::string> run_processes(const std::vector<std::string>& flags) {
   const std::string o = temp_path("mpmd.txt");
   const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
-  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
-                          "mpirun --oversubscribe -np 1 " + job + " " + flags0 + " : -np 1 " + job + " " + flags1 +
-                          " >'" + o + "' 2>&1";
-  const int status = std::system(cmd.c_str());
+  std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
+                    "mpirun --oversubscribe";
+  for (std::size_t p = 0; p < flags.size(); ++p) cmd += (p == 0 ? "" : " :") + (" -np 1 " + job + " " + flags[p]);
+  const int status = std::system((cmd + " >'" + o + "' 2>&1").c_str());
   std::string out = slurp(o);
   std::filesystem::remove(o);
   return {status, std::move(out)};
+}
+std::pair<int, std::string> run_two_processes(const std::string& flags0, const std::string& flags1) {
+  return run_processes({flags0, flags1});
+}
+
+/// Whether an mpirun job of epmoe processes exited as a refusal does: status 2. Under AddressSanitizer any non-zero
+/// status: LeakSanitizer's report of Open MPI's own allocations at exit changes it.
+bool refused_status(int status) {
+  return WIFEXITED(status) && (kAsan ? WEXITSTATUS(status) != 0 : WEXITSTATUS(status) == 2);
+}
+
+/// The lines of `out` that epmoe wrote ("epmoe: ..."), in order (mpirun's own lines left out).
+std::vector<std::string> epmoe_lines(const std::string& out) {
+  std::vector<std::string> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("epmoe: ", 0) == 0) lines.push_back(line);
+  return lines;
 }
 
 // Under mpirun each process parses its own flags: an MPMD launch whose processes differ in a job flag (--seed) is a
@@ -861,6 +880,42 @@ TEST(Cli, MpirunParseErrorOnAnotherProcessAloneNamesThatRankAndTheFlag) {
   EXPECT_NE(out.find("epmoe: rank 1: invalid argument"), std::string::npos) << out;
   EXPECT_NE(out.find("--tokenz"), std::string::npos) << out;
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
+}
+
+// A flag refused alike on every process (here --experts 8 that 3 processes do not divide) is said once, by rank 0,
+// with no rank named: it printed one line per rank, the same error three times at -np 3.
+TEST(Cli, MpirunRefusalRaisedAlikeOnEveryProcessIsSaidOnce) {
+  SKIP_WITHOUT_MPIRUN();
+  const auto [status, out] = run_processes({"", "", ""});
+  EXPECT_TRUE(refused_status(status)) << out;
+  EXPECT_EQ(epmoe_lines(out),
+            std::vector<std::string>{"epmoe: invalid argument 'mpirun -np': expected a divisor of --experts (8), got 3"})
+      << out;
+}
+
+// Messages that differ are each said once, by the lowest rank that has it, naming the ranks that have it: ranks 1 and
+// 2 refuse the same --chunk-size and ranks 0 and 3, whose flags passed, say so in one line; then rank 2 refuses its
+// own --offset beside the others' --chunk-size. Every line comes out, whichever process exits first.
+TEST(Cli, MpirunRefusalsThatDifferAreEachSaidOnceNamingTheirRanks) {
+  SKIP_WITHOUT_MPIRUN();
+  const std::string chunk = "--chunk-size -1", offset = "--offset -2";
+  auto [status, out] = run_processes({"", chunk, chunk, ""});
+  EXPECT_TRUE(refused_status(status)) << out;
+  std::vector<std::string> lines = epmoe_lines(out);
+  std::sort(lines.begin(), lines.end());  // the processes speak in any order
+  EXPECT_EQ(lines, (std::vector<std::string>{
+                       "epmoe: ranks 0, 3: their flags were accepted, but rank(s) 1, 2 refused theirs (their messages "
+                       "name the flag); no rank runs",
+                       "epmoe: ranks 1, 2: invalid argument '--chunk-size': expected >= 0, got -1"}))
+      << out;
+  std::tie(status, out) = run_processes({chunk, chunk, offset, chunk});
+  EXPECT_TRUE(refused_status(status)) << out;
+  lines = epmoe_lines(out);
+  std::sort(lines.begin(), lines.end());
+  EXPECT_EQ(lines, (std::vector<std::string>{"epmoe: rank 2: invalid argument '--offset': expected >= 0, got -2",
+                                             "epmoe: ranks 0, 1, 3: invalid argument '--chunk-size': expected >= 0, "
+                                             "got -1"}))
+      << out;
 }
 
 TEST(Cli, TuneRefusesWithoutGpus) {

@@ -2,6 +2,8 @@
 // public API only.
 #pragma once
 
+#include <epmoe/error.hpp>
+
 #include <CLI/CLI.hpp>
 
 #include <charconv>
@@ -42,6 +44,13 @@ inline CLI::Validator non_negative_integer() {
       },
       "");
 }
+
+/// An error whose message this process has written already, or left to another process of the same mpirun job that
+/// raised the same one (run's stop_unless_every_rank_passed): the command exits as for the error, without a line.
+class AlreadyReported : public Error {
+ public:
+  using Error::Error;
+};
 
 /// `epmoe run`: a full expert-parallel MoE layer checked against the float64 reference.
 /// Returns the callback that runs it (exit code 0 on PASS, 1 on FAIL).

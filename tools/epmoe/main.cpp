@@ -362,6 +362,15 @@ int refuse_command_line(const std::string& message) {
   return 2;
 }
 
+/// The exit status of a command that raised `code`: 2 for bad arguments (and requests this machine cannot serve:
+/// sizes past its memory, no GPU); 1 for a failure while running (a timeout, a broken group or buffer, an internal
+/// error, results that could not be written), as a failed check.
+int exit_status(epmoe::ErrorCode code) {
+  const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
+                       code == epmoe::ErrorCode::unusable;
+  return failure ? 1 : 2;
+}
+
 /// A standard output that cannot be written (`> /dev/full`, closed): said as that, not as a bug or a success; exit 1
 /// (a failure while running), whether the job's output or the help failed.
 int standard_output_failed(const std::string& reason) {
@@ -449,15 +458,11 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("run")) return run();
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("tune")) return tune();
+  } catch (const epmoe::cli::AlreadyReported& e) {
+    return exit_status(e.code());
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", naming_the_rank(e.what()).c_str());
-    // Bad arguments (and requests this machine cannot serve: sizes past its memory, no GPU): 2. A failure while
-    // running (a timeout, a broken group or buffer, an internal error, results that could not be written): 1, as a
-    // failed check.
-    const epmoe::ErrorCode code = e.code();
-    const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
-                         code == epmoe::ErrorCode::unusable;
-    return failure ? 1 : 2;
+    return exit_status(e.code());
   } catch (const std::system_error& e) {
     // fmt's print to a full or closed standard output (`> /dev/full`, its error flag set): said as that, not as a bug.
     if (std::ferror(stdout) != 0) return standard_output_failed(e.code().message());

@@ -25,6 +25,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -618,21 +619,68 @@ void check_flags_agree(Group& g, const RunConfig& c) {
 #endif
 
 #if defined(EPMOE_HAVE_MPI)
+/// Who says a message that several ranks share, given every rank's message code (`codes[r]`): the lowest rank with
+/// that code says it for all of them, naming them ("ranks 1, 2") unless every rank shares it; the others stay quiet.
+struct Speaker {
+  bool says = false;
+  int count = 0;      // ranks that share the message
+  std::string ranks;  // "rank 1", "ranks 1, 2"; "" when every rank shares it
+};
+Speaker speaker_of(const std::vector<std::int64_t>& codes, int rank) {
+  const std::int64_t mine = codes[static_cast<std::size_t>(rank)];
+  Speaker s;
+  std::string alike;
+  for (int r = 0; r < static_cast<int>(codes.size()); ++r)
+    if (codes[static_cast<std::size_t>(r)] == mine) {
+      if (s.count++ == 0) s.says = r == rank;
+      alike += (alike.empty() ? "" : ", ") + std::to_string(r);
+    }
+  if (s.count < static_cast<int>(codes.size())) s.ranks = (s.count == 1 ? "rank " : "ranks ") + alike;
+  return s;
+}
+
 // Under mpirun a flag refused on some ranks alone (a --json folder or a --routing file that only their nodes lack, an
 // MPMD launch) must stop every rank at once, not leave the others in their first collective until its timeout: the
-// ranks exchange whether their own checks passed, and those that passed raise an error naming the ranks that did not.
-void stop_unless_every_rank_passed(Group& g, bool passed) {
-  const int mine = passed ? 1 : 0;
-  std::vector<int> all(static_cast<std::size_t>(g.size()));
-  g.all_gather(&mine, all.data(), sizeof(int), "epmoe run flags checked");
-  std::string refused;
+// ranks exchange a code of their message (0: their checks passed), and those that passed say which ranks did not.
+// Each message is said once, by the lowest rank that has it (speaker_of): a flag refused alike on every rank is one
+// line, not one per rank. Every line is written before any rank exits: mpirun ends the job at the first non-zero exit,
+// which would cut off a rank still about to speak.
+void stop_unless_every_rank_passed(Group& g, const std::exception_ptr& refused) {
+  std::string message;
+  std::optional<ErrorCode> code;
+  try {
+    if (refused != nullptr) std::rethrow_exception(refused);
+  } catch (const Error& e) {
+    message = e.what();
+    code = e.code();
+  } catch (...) {  // not one of the checks' refusals: its own rank says it, as it is
+  }
+  // A refusal's code is odd, so never 0; a failure that is not an Error gets a negative one that no rank shares.
+  const std::int64_t mine = refused == nullptr ? 0 : code ? text_code(message) | 1 : -1 - g.rank();
+  std::vector<std::int64_t> all(static_cast<std::size_t>(g.size()));
+  g.all_gather(&mine, all.data(), sizeof(mine), "epmoe run flags checked");
+  std::string refusing;
   for (int r = 0; r < g.size(); ++r)
-    if (all[static_cast<std::size_t>(r)] == 0) refused += (refused.empty() ? "" : ", ") + std::to_string(r);
-  if (passed && !refused.empty())
-    throw Error(ErrorCode::invalid_argument,
-                fmt::format("epmoe: rank {}: its flags were accepted, but rank(s) {} refused theirs (their messages name "
-                            "the flag); no rank runs",
-                            g.rank(), refused));
+    if (all[static_cast<std::size_t>(r)] != 0) refusing += (refusing.empty() ? "" : ", ") + std::to_string(r);
+  if (refusing.empty()) return;
+  const Speaker speaker = speaker_of(all, g.rank());
+  constexpr std::string_view head = "epmoe: ";
+  std::string line;  // this rank's message as the job says it
+  if (refused == nullptr)
+    line = fmt::format("epmoe: {}: {} flags were accepted, but rank(s) {} refused theirs (their messages name the "
+                       "flag); no rank runs",
+                       speaker.ranks, speaker.count == 1 ? "its" : "their", refusing);
+  else if (code)
+    line = speaker.ranks.empty() ? message
+                                 : fmt::format("{}{}: {}", head, speaker.ranks,
+                                               message.rfind(head, 0) == 0 ? message.substr(head.size()) : message);
+  if (speaker.says && !line.empty()) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
+  g.barrier("epmoe run refusals said");
+  if (line.empty()) std::rethrow_exception(refused);
+  throw AlreadyReported(code.value_or(ErrorCode::invalid_argument), line);
 }
 #endif
 
@@ -738,7 +786,7 @@ int run(RunConfig c) {
   }
 #if defined(EPMOE_HAVE_MPI)
   if (mpi_group) {
-    stop_unless_every_rank_passed(*mpi_group, refused == nullptr);
+    stop_unless_every_rank_passed(*mpi_group, refused);
     if (refused == nullptr) check_flags_agree(*mpi_group, c);
   }
 #endif
