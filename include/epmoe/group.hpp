@@ -82,8 +82,11 @@ class ThreadWorld {
   /// Marks the world broken because rank `rank` failed (`reason`, e.g. its error's message, whose "epmoe: " prefix
   /// is dropped as it is quoted inside the peers' messages): ranks waiting in, or later entering,
   /// a collective or a signal wait throw ErrorCode::unusable naming that rank at once, instead of
-  /// waiting out their timeout.
+  /// waiting out their timeout. Records the order of the failures (failure_order).
   void abort(int rank, std::string_view reason);
+  /// Per rank, the order in which abort() was first called for it (0 first), -1 for a rank never aborted: the
+  /// `order` first_root_cause takes, so the failure nearest to the cause is the one reported.
+  std::vector<int> failure_order() const;
   /// Records that rank `rank`'s function returned: it reaches no later collective, so ranks waiting in, or later
   /// entering, one it has not reached, or waiting for its signal, throw ErrorCode::unusable naming it at once,
   /// instead of waiting out their timeout. run_thread_ranks calls it for each rank that returns.

@@ -13,7 +13,6 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
 #include <cstdint>
 #include <thread>
 
@@ -169,8 +168,6 @@ void bind_group(nb::module_& m) {
           throw_invalid_argument("timeout_s", "> 0 or None", fmt::format("{}", *timeout_s));
         ThreadWorld world(num_ranks);
         std::vector<std::exception_ptr> errors(static_cast<size_t>(num_ranks));
-        std::vector<int> order(static_cast<size_t>(num_ranks), 0);  // the order in which the ranks failed
-        std::atomic<int> failures{0};
         std::vector<nb::object> results(static_cast<size_t>(num_ranks));
         {
           // The ranks take the GIL only while they run Python code; every collective releases it.
@@ -194,9 +191,8 @@ void bind_group(nb::module_& m) {
               errors[static_cast<size_t>(r)] = std::current_exception();
             }
             // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
-            // wait out their timeout in the next collective.
+            // wait out their timeout in the next collective; the world records the order of the failures.
             if (errors[static_cast<size_t>(r)]) {
-              order[static_cast<size_t>(r)] = failures++;
               world.abort(r, reason);
             } else {
               world.mark_returned(r);
@@ -205,7 +201,7 @@ void bind_group(nb::module_& m) {
         }
         // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else a
         // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original.
-        if (auto e = first_root_cause(errors, order, python_cause_class)) std::rethrow_exception(e);
+        if (auto e = first_root_cause(errors, world.failure_order(), python_cause_class)) std::rethrow_exception(e);
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

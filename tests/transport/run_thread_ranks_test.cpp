@@ -14,6 +14,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "support/random.hpp"
 
@@ -53,6 +54,17 @@ TEST(RunThreadRanks, AHigherRankFailingWhileLowerRanksWaitRethrowsItsOwnError) {
 TEST(RunThreadRanks, ALowerRankFailingWhileHigherRanksWaitRethrowsItsOwnError) {
   expect_root_cause(2, 0, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'x': from rank zero"));
   expect_root_cause(3, 1, std::runtime_error("rank one's own failure"));
+}
+
+// ThreadWorld::abort records the order of the failures, once per rank (first_root_cause's `order`).
+TEST(RunThreadRanks, ThreadWorldRecordsTheOrderOfTheFailures) {
+  ThreadWorld world(4);
+  EXPECT_EQ(world.failure_order(), (std::vector<int>{-1, -1, -1, -1}));
+  world.abort(2, "first");
+  world.abort(0, "second");
+  world.abort(2, "again");
+  EXPECT_EQ(world.failure_order(), (std::vector<int>{1, -1, 0, -1}));
+  EXPECT_THROW(world.abort(4, "no such rank"), Error);
 }
 
 // A rank that returns while the others wait for it in a barrier can never arrive (the first rank to see it may
