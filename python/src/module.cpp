@@ -13,6 +13,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <thread>
 
@@ -44,6 +45,26 @@ int python_cause_class(const std::exception_ptr& p) {
     return of_name(nb::cast<std::string>(code));
   } catch (...) {
     return 0;
+  }
+}
+
+/// Rank `rank`'s exception `p` as run_thread_ranks re-raises it: an epmoe error (epmoe::Error, or an epmoe.Error the
+/// rank's Python function raised) with its message naming the rank (naming_rank), its type, code and traceback kept;
+/// any other exception as it is. Needs the GIL.
+[[noreturn]] void rethrow_naming_rank(const std::exception_ptr& p, int rank) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    throw Error(e.code(), naming_rank(e.what(), rank));
+  } catch (nb::python_error& e) {
+    // The raised object itself is edited (not a new one made), so its type, `code` and traceback stay as raised.
+    if (g_error_type != nullptr && e.matches(g_error_type)) {
+      nb::handle value = e.value();
+      nb::object args = value.attr("args");
+      if (nb::len(args) == 1 && nb::isinstance<nb::str>(args[0]))
+        value.attr("args") = nb::make_tuple(naming_rank(nb::cast<std::string>(args[0]), rank));
+    }
+    throw;
   }
 }
 }  // namespace
@@ -200,8 +221,10 @@ void bind_group(nb::module_& m) {
           });
         }
         // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else a
-        // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original.
-        if (auto e = first_root_cause(errors, world.failure_order(), python_cause_class)) std::rethrow_exception(e);
+        // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original,
+        // an epmoe error naming the rank that raised it.
+        if (auto e = first_root_cause(errors, world.failure_order(), python_cause_class))
+          rethrow_naming_rank(e, static_cast<int>(std::find(errors.begin(), errors.end(), e) - errors.begin()));
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

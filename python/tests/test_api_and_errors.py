@@ -613,9 +613,41 @@ def test_a_higher_rank_raising_invalid_argument_while_others_dispatch_reraises_i
         epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
     assert e.value.code == "invalid_argument", str(e.value)
     assert "'x'" in str(e.value) and "float64" in str(e.value)
-    assert (e.value.code, str(e.value)) == seen[R - 1]  # the failing rank's own error, unchanged
+    # The failing rank's own error, its message naming that rank.
+    code, message = seen[R - 1]
+    assert message.startswith("epmoe: invalid argument 'x'"), message
+    assert (e.value.code, str(e.value)) == (code, f"epmoe: rank {R - 1}: " + message[len("epmoe: "):])
     for r in range(R - 1):  # the others saw only its consequence
         assert seen[r][0] in ("unusable", "timeout"), seen
+
+
+def test_an_epmoe_error_raised_by_one_rank_comes_back_naming_the_rank():
+    # The same object as raised (type, code and traceback kept), its message naming the rank; one that already names
+    # a rank first (a timeout's) is left as it is, and so is an exception of another type.
+    raised = {}
+
+    def rank_main(group):
+        if group.rank() == 1:
+            try:
+                epmoe.Buffer(group).get_dispatch_layout(np.zeros((2, 2), np.int64), 0)
+            except epmoe.Error as e:
+                raised["error"], raised["message"] = e, str(e)
+                raise
+        group.barrier("waiting for rank 1")
+
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
+    assert e.value is raised["error"] and e.value.code == "invalid_argument"
+    assert raised["message"].startswith("epmoe: invalid argument 'num_experts'"), raised["message"]
+    assert str(e.value) == "epmoe: rank 1: " + raised["message"][len("epmoe: "):]
+
+    def named(group):
+        if group.rank() == 0:
+            raise epmoe.Error("epmoe: rank 0: already named")
+        group.barrier("waiting for rank 0")
+
+    with pytest.raises(epmoe.Error, match="^epmoe: rank 0: already named$"):
+        epmoe.run_thread_ranks(2, named, timeout_s=TIMEOUT_S)
 
 
 def test_a_lower_rank_raising_while_a_higher_waits_reraises_its_own_exception():

@@ -291,6 +291,14 @@ RankErrors run_ranks(int num_ranks, const std::function<void(Group&)>& fn, doubl
 }
 }  // namespace
 
+std::string naming_rank(std::string_view message, int rank) {
+  constexpr std::string_view head = "epmoe: ";
+  const bool has_head = message.substr(0, head.size()) == head;
+  const std::string_view rest = has_head ? message.substr(head.size()) : message;
+  if (rest.substr(0, 5) == "rank ") return std::string(message);
+  return fmt::format("{}rank {}: {}", has_head ? head : "", rank, rest);
+}
+
 std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
                                                          double timeout_s) {
   // Each rank's own outcome is the point here (tests of what every rank sees, a rank that returns early standing
@@ -301,7 +309,14 @@ std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const st
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s) {
   // Only the root cause comes back, so the others need not wait out their timeout for it.
   const RankErrors failed = run_ranks(num_ranks, fn, timeout_s, true);
-  if (auto e = first_root_cause(failed.errors, failed.order)) std::rethrow_exception(e);
+  const std::exception_ptr e = first_root_cause(failed.errors, failed.order);
+  if (!e) return;
+  const int rank = static_cast<int>(std::find(failed.errors.begin(), failed.errors.end(), e) - failed.errors.begin());
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& error) {  // the same code, its message naming the rank that raised it
+    throw Error(error.code(), naming_rank(error.what(), rank));
+  }
 }
 
 }  // namespace epmoe
