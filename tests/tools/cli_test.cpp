@@ -690,6 +690,23 @@ TEST(Cli, HelpAndVersionAfterDoubleDashAreNotFlags) {
   EXPECT_EQ(r.code, 0) << r.out << r.err;
 }
 
+// `epmoe -- run` said "expected run, bench or tune, got none": the command typed after the "--" (never read as one)
+// is named, as are other words there.
+TEST(Cli, ACommandAfterDoubleDashIsNamedAsTyped) {
+  for (const std::string word : {"run", "--tokens", "help"}) {
+    const CliResult r = run_cli("-- " + word + " 8");
+    EXPECT_EQ(r.code, 2) << word << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err, "epmoe: invalid argument '" + word + "': expected a command (run, bench or tune) before '--', "
+                     "got '" + word + "' after it (words after '--' are never flags or commands)\n")
+        << word;
+    EXPECT_EQ(r.out, "") << word;
+  }
+  // Nothing after the "--": no word to name.
+  const CliResult r = run_cli("--");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err, "epmoe: invalid argument 'command': expected run, bench or tune (see --help), got none\n");
+}
+
 // Found by a fresh user: `run --tolerance 1e400` was refused as "got inf" (and 1e-400 as "got 0"), values never
 // typed. The value is named as given, with the range the option takes.
 TEST(Cli, ToleranceOutsideADoubleIsNamedAsTyped) {

@@ -179,6 +179,13 @@ std::string positional_message(const CLI::App& app, const std::string& word) {
          (word.size() > 1 && word[0] == '-' ? " (so it was not read as a flag)" : "");
 }
 
+/// A word after "--" where the command goes (`epmoe -- run`): the words after "--" are never flags or commands, so no
+/// command came; named as typed, where CLI11's "a subcommand is required" read "got none".
+std::string command_after_mark_message(const std::string& word) {
+  return "epmoe: invalid argument '" + word + "': expected a command (run, bench or tune) before '--', got " +
+         as_typed(word) + " after it (words after '--' are never flags or commands)";
+}
+
 /// The range of integer option `o`'s type, "[-2147483648, 2147483647]" for an int: CLI11 names every integer type
 /// INT or UINT, so the widest of 8, 16, 32 and 64 bits whose largest value the option's own conversion takes. That
 /// conversion writes the option's variable: called only for a value about to be refused.
@@ -441,6 +448,8 @@ int main(int argc, char** argv) {
       message =
           fmt::format("epmoe: invalid argument '{0}': expected a command (run, bench or tune), got {1} (see --help)",
                       argv[1], as_typed(argv[1]));
+    else if (app.get_subcommands().empty() && !after_mark.empty())  // only words after a "--" (`epmoe -- run`)
+      message = command_after_mark_message(after_mark.front());
     else if (std::string m = conversion_message(app, e); !m.empty())
       message = std::move(m);
     else if (std::string q = missing_value_message(app, e); !q.empty())
