@@ -510,29 +510,35 @@ TEST(Cli, IntegersAreReadInDecimalAsTyped) {
   for (const std::string v : {"9223372036854775808", "-9223372036854775809", "99999999999999999999"}) {
     const CliResult bad = run_cli("run --device cpu --hidden " + v);
     EXPECT_EQ(bad.code, 2) << v;
-    EXPECT_NE(bad.err.find("'--hidden': expected an integer in [-9223372036854775808, 9223372036854775807], got " + v),
+    EXPECT_NE(bad.err.find("'--hidden': expected an integer in [8, 9223372036854775807], got " + v),
               std::string::npos)
         << bad.err;
   }
 }
 
 // Found by a fresh user: `run --ranks 99999999999` said "expected an integer in range" without the range (CLI11's
-// conversion into an int failed). A value past an int option's 32 bits is named as typed with the int's range, as a
-// value past 64 bits is for the 64-bit options; a value past 64 bits given to an int names the int's range too.
+// conversion into an int failed). A value past an int option's 32 bits is named as typed with the flag's range (from
+// the least value it takes to the int's largest), as a value past 64 bits is for the 64-bit options; a value past 64
+// bits given to an int names the int's largest too. The range starts at the flag's least value, not at the type's
+// negative one ("[-2147483648, 2147483647]" for --ranks, which takes >= 1).
 TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
-  const std::string int_range = "expected an integer in [-2147483648, 2147483647], got ";
+  const std::string positive_int = "expected an integer in [1, 2147483647], got ";
   const struct {
     std::string args, want;
   } cases[] = {
-      {"run --device cpu --ranks 99999999999", "'--ranks': " + int_range + "99999999999"},
-      {"run --device cpu --experts 2147483648", "'--experts': " + int_range + "2147483648"},
-      {"run --device cpu --topk -2147483649", "'--topk': " + int_range + "-2147483649"},
-      {"run --device cpu --iters 0099999999999", "'--iters': " + int_range + "0099999999999"},
-      {"run --device cpu --ranks 99999999999999999999", "'--ranks': " + int_range + "99999999999999999999"},
-      {"bench --device cpu --runs 3000000000", "'--runs': " + int_range + "3000000000"},
-      {"tune --topk 3000000000", "'--topk': " + int_range + "3000000000"},
+      {"run --device cpu --ranks 99999999999", "'--ranks': " + positive_int + "99999999999"},
+      {"run --device cpu --experts 2147483648", "'--experts': " + positive_int + "2147483648"},
+      {"run --device cpu --topk -2147483649", "'--topk': " + positive_int + "-2147483649"},
+      {"run --device cpu --iters 0099999999999", "'--iters': " + positive_int + "0099999999999"},
+      {"run --device cpu --ranks 99999999999999999999", "'--ranks': " + positive_int + "99999999999999999999"},
+      {"run --device cpu --layer -99999999999", "'--layer': expected an integer in [0, 2147483647], got -99999999999"},
+      {"bench --device cpu --runs 3000000000", "'--runs': " + positive_int + "3000000000"},
+      {"bench --device cpu --warmup 3000000000", "'--warmup': expected an integer in [0, 2147483647], got 3000000000"},
+      {"tune --topk 3000000000", "'--topk': " + positive_int + "3000000000"},
       {"run --device cpu --tokens 99999999999999999999",
-       "'--tokens': expected an integer in [-9223372036854775808, 9223372036854775807], got 99999999999999999999"},
+       "'--tokens': expected an integer in [1, 9223372036854775807], got 99999999999999999999"},
+      {"bench --device cpu --hidden -9223372036854775809",
+       "'--hidden': expected an integer in [16, 9223372036854775807], got -9223372036854775809"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);
@@ -549,6 +555,28 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
   r = run_cli("run --device cpu --layer -2147483648 " + kTinyRun);
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("invalid argument '--layer': expected >= 0, got -2147483648"), std::string::npos) << r.err;
+}
+
+// Every integer flag of every command (read from its --help) names a range from the least value it takes for a value
+// past its type: none quotes its type's negative bound, none of them taking a negative value.
+TEST(Cli, EveryIntegerFlagPastItsTypeNamesARangeWithoutANegativeBound) {
+  const std::regex flag_line(R"(^\s+(?:-\w,)?(--[\w-]+) U?INT\b)");
+  const std::regex range(R"(expected an integer in \[(0|1|8|16), )"
+                         R"((2147483647|9223372036854775807|18446744073709551615)\], got 99999999999999999999 )"
+                         R"(\(see --help\)\n$)");
+  int flags = 0;
+  for (const std::string command : {"run", "bench", "tune"}) {
+    std::istringstream help(run_cli(command + " --help").out);
+    for (std::string line; std::getline(help, line);) {
+      std::smatch m;
+      if (!std::regex_search(line, m, flag_line)) continue;
+      ++flags;
+      const CliResult r = run_cli(command + " " + m[1].str() + " 99999999999999999999");
+      EXPECT_EQ(r.code, 2) << command << " " << m[1] << "\n" << r.err;
+      EXPECT_TRUE(std::regex_search(r.err, range)) << command << " " << m[1] << "\n" << r.err;
+    }
+  }
+  EXPECT_GE(flags, 31);  // the help was read: 13 of run, 10 of bench, 8 of tune
 }
 
 // Found by a fresh user: the README says integers are read in decimal as typed, yet `run --ranks 0x10` ran 16 ranks
@@ -975,7 +1003,7 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
        "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
       // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
       {"run --device cpu --tokens abc", "invalid argument '--tokens': expected a decimal integer, got 'abc'"},
-      {"run --device cpu --ranks 99999999999", "'--ranks': expected an integer in [-2147483648, 2147483647]"},
+      {"run --device cpu --ranks 99999999999", "'--ranks': expected an integer in [1, 2147483647]"},
       {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a decimal number"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <regex>
 #include <string>
 #include <system_error>
@@ -186,10 +187,12 @@ std::string command_after_mark_message(const std::string& word) {
          as_typed(word) + " after it (words after '--' are never flags or commands)";
 }
 
-/// The range of integer option `o`'s type, "[-2147483648, 2147483647]" for an int: CLI11 names every integer type
-/// INT or UINT, so the widest of 8, 16, 32 and 64 bits whose largest value the option's own conversion takes. That
-/// conversion writes the option's variable: called only for a value about to be refused.
-std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
+/// The range integer option `o` takes, as a value past its type is refused with: from the least value at_least declared
+/// ("[1, 2147483647]" for --ranks), else its type's, to its type's largest ("[-2147483648, 2147483647]" for an int).
+/// CLI11 names every integer type INT or UINT, so the type is the widest of 8, 16, 32 and 64 bits whose largest value
+/// the option's own conversion takes. That conversion writes the option's variable: called only for a value about to
+/// be refused.
+std::string integer_range(const CLI::Option& o, bool is_unsigned) {
   const CLI::callback_t convert = o.get_callback();
   const auto most = [is_unsigned](int bits) { return ~std::uint64_t{0} >> (64 - bits + (is_unsigned ? 0 : 1)); };
   int bits = 8;
@@ -197,8 +200,10 @@ std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
     if (!convert({std::to_string(most(wider))})) break;
     bits = wider;
   }
-  return is_unsigned ? "[0, " + std::to_string(most(bits)) + "]"
-                     : "[-" + std::to_string(most(bits) + 1) + ", " + std::to_string(most(bits)) + "]";
+  const std::string largest = std::to_string(most(bits));
+  if (const std::optional<std::int64_t> least = epmoe::cli::least_value(o))
+    return "[" + std::to_string(*least) + ", " + largest + "]";
+  return is_unsigned ? "[0, " + largest + "]" : "[-" + std::to_string(most(bits) + 1) + ", " + largest + "]";
 }
 
 /// Calls fn(sub, option) for every option of every subcommand (the edits below apply to all commands alike).
@@ -212,7 +217,7 @@ void for_each_option(CLI::App& app, Fn&& fn) {
 /// (octal), "0x10" 16, and a value past 64 bits was clamped to the type's limit, which the range checks then named as
 /// if typed. Only an optional sign and decimal digits are taken (not "0x10", "1e3", " 2" or ""); a decimal value loses
 /// its leading zeros; one past the option's type (64 bits, or 32 for an int, whose conversion CLI11 refused as "Could
-/// not convert") is refused with the value as given and that type's range.
+/// not convert") is refused with the value as given and the option's range (integer_range).
 void read_integers_in_decimal(CLI::App& app) {
   for_each_option(app, [](CLI::App&, CLI::Option* o) {
     const ValueKind kind = kind_of(*o);
@@ -232,7 +237,7 @@ void read_integers_in_decimal(CLI::App& app) {
           // (writing the value into the option's variable, as the conversion right after this check does).
           const bool past_64_bits = digits.size() > most.size() || (digits.size() == most.size() && digits > most);
           if (past_64_bits || !o->get_callback()({decimal}))
-            return "expected an integer in " + integer_type_range(*o, is_unsigned) + ", got " + v;
+            return "expected an integer in " + integer_range(*o, is_unsigned) + ", got " + v;
           v = decimal;
           return "";
         },

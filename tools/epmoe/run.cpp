@@ -908,17 +908,17 @@ std::function<int()> add_run_command(CLI::App& app) {
   auto config = std::make_shared<RunConfig>();
   CLI::App* cmd = app.add_subcommand("run", "Run a full expert-parallel MoE layer and check it against the float64 reference");
   auto& c = *config;
-  cmd->add_option("--ranks", c.ranks,
-                  "expert-parallel ranks (threads backend, on CPU at most OpenBLAS's limit, 65 in the usual build; "
-                  "with mpi, mpirun's -np; on GPUs: all of them)")
+  at_least(1, cmd->add_option("--ranks", c.ranks,
+                              "expert-parallel ranks (threads backend, on CPU at most OpenBLAS's limit, 65 in the "
+                              "usual build; with mpi, mpirun's -np; on GPUs: all of them)"))
       ->capture_default_str();
   cmd->add_option("--backend", c.backend, "threads (ranks are threads of this process) or mpi (one rank per process, under mpirun)")
       ->check(CLI::IsMember({"threads", "mpi"}))->capture_default_str();
-  cmd->add_option("-t,--tokens", c.tokens, "tokens per rank")->capture_default_str();
-  cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
-  cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)")->capture_default_str();
-  cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)")->capture_default_str();
-  cmd->add_option("--intermediate", c.intermediate, "expert intermediate size N")->capture_default_str();
+  at_least(1, cmd->add_option("-t,--tokens", c.tokens, "tokens per rank"))->capture_default_str();
+  at_least(8, cmd->add_option("--hidden", c.hidden, "hidden size H"))->capture_default_str();
+  at_least(1, cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)"))->capture_default_str();
+  at_least(1, cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)"))->capture_default_str();
+  at_least(1, cmd->add_option("--intermediate", c.intermediate, "expert intermediate size N"))->capture_default_str();
   cmd->add_option("--mode", c.mode, "normal or low-latency")->check(CLI::IsMember({"normal", "low-latency"}))->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
   cmd->add_option("--activation", c.activation, "silu, gelu, swigluoai, silu_no_mul, gelu_no_mul, relu2_no_mul")->capture_default_str();
@@ -941,18 +941,20 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory (refused with a --routing file: "
                                         "the file's name gives its domain)")
       ->capture_default_str();
-  cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
-  cmd->add_option("--offset", c.offset,
-                  "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
+  at_least(0, cmd->add_option("--layer", c.layer, "layer of --routing"))->capture_default_str();
+  at_least(0, cmd->add_option("--offset", c.offset,
+                              "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, "
+                              "offset + (r+1)*T), wrapping)"))
       ->capture_default_str();
-  cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
+  at_least(0, cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)"))
+      ->capture_default_str();
   cmd->add_flag("--overlap", c.overlap,
                 "--mode low-latency: the combine's send overlaps the experts, each block sent once the experts signal "
                 "it done (MoELayerOptions::overlap; the experts phase then holds the send, the combine phase the "
                 "receive); needs experts that signal: --experts-impl reference or cuda (auto picks them), not blas");
-  cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
-  cmd->add_option("--check-tokens", c.check_tokens,
-                  "tokens per rank checked against the float64 reference (all of them when fewer)")
+  at_least(1, cmd->add_option("--iters", c.iters, "timed iterations (median reported)"))->capture_default_str();
+  at_least(1, cmd->add_option("--check-tokens", c.check_tokens,
+                              "tokens per rank checked against the float64 reference (all of them when fewer)"))
       ->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")
       ->each([&c](const std::string& v) { c.tolerance_text = v; })
@@ -963,9 +965,9 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_flag("--eplb", c.eplb,
                 "EPLB report of --routing instead of a layer run: every layer planned on the first half of the tokens "
                 "(rebalance_experts), max/mean choices per rank of both halves before and after (semantics §9)");
-  cmd->add_option("--redundant-experts", c.redundant_experts,
-                  "spare physical expert slots of the --eplb plan, a multiple of --ranks (default: experts / 4 rounded "
-                  "up to a multiple of --ranks)");
+  at_least(0, cmd->add_option("--redundant-experts", c.redundant_experts,
+                              "spare physical expert slots of the --eplb plan, a multiple of --ranks (default: experts "
+                              "/ 4 rounded up to a multiple of --ranks)"));
   return [config, cmd] {
     config->redundant_given = cmd->count("--redundant-experts") > 0;
     config->topk_given = cmd->count("--topk") > 0;
