@@ -247,6 +247,35 @@ def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes(rn
         }
 
 
+def test_an_int16_topk_idx_is_said_in_one_wording_by_every_call(rng):
+    """get_dispatch_layout, dispatch and low_latency_dispatch word a topk_idx of another dtype alike, naming the
+    argument, the dtypes it takes and the one it has."""
+    E, K, T, H = 8, 2, 4, 128
+    x = nice_bf16(rng, (T, H))
+    idx = random_topk_idx(rng, T, K, E)
+    idx16 = idx.astype(np.int16)
+
+    def rank_main(group):
+        normal, low_latency = epmoe.Buffer(group), epmoe.Buffer(group, low_latency_mode=True)
+        ntpr, _, ntpe, in_rank, _ = normal.get_dispatch_layout(idx, E)
+        messages = {}
+        for name, call in {
+            "layout": lambda: normal.get_dispatch_layout(idx16, E),
+            "dispatch": lambda: normal.dispatch(x, topk_idx=idx16, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=ntpe),
+            "low_latency_dispatch": lambda: low_latency.low_latency_dispatch(x, idx16, T, E, use_fp8=False),
+        }.items():
+            with pytest.raises(epmoe.Error) as e:
+                call()
+            messages[name] = (e.value.code, str(e.value))
+        return messages
+
+    want = ("invalid_argument",
+            f"epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got int16[{T}, {K}] cpu")
+    for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert messages == {"layout": want, "dispatch": want, "low_latency_dispatch": want}
+
+
 def test_low_latency_x_of_a_bad_width_is_named_as_x(rng):
     """Found by a fresh user: a bf16 x of 100 columns (or of another width than the buffer's first low-latency call)
     was named 'hidden', an argument low_latency_dispatch has not."""
