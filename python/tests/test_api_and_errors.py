@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import epmoe
-from conftest import BF16, TIMEOUT_S, nice_bf16, random_topk_idx
+from conftest import BF16, FP8, TIMEOUT_S, nice_bf16, random_topk_idx
 
 # DeepEP V1 (deep_ep/buffer.py at commit 567632d): parameter names in order, with defaults
 # (a bare name has none). An engine that calls deep_ep.Buffer positionally or by keyword must work.
@@ -242,14 +242,57 @@ def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes(rn
                                              f"float64[{T}, {K}]"),
             "dispatch_x": ("invalid_argument", "epmoe: invalid argument 'x': expected a bfloat16 (or float8_e4m3fn "
                                                f"with x_scales) tensor, got float64[{T}, {H}]"),
-            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected a int64 or int32 tensor, got "
+            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected an int64 or int32 tensor, got "
                                            f"uint64[{T}, {K}]"),
         }
 
 
+def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes_outside_the_buffer(rng):
+    """The router, quantization, EPLB and MoE layer calls name the dtype an argument takes for a dtype epmoe holds
+    none of (float64, uint64), as the Buffer calls do: they listed every dtype epmoe holds."""
+    E, K, T, H = 4, 2, 3, 128
+    f64 = np.zeros((T, H), np.float64)
+    idx = random_topk_idx(rng, T, K, E)
+    w1, w2 = np.zeros((E, 2 * 64, H), BF16), np.zeros((E, H, 64), BF16)
+    x, w = nice_bf16(rng, (T, H)), np.full((T, K), 0.5, np.float32)
+    log2phy, logcnt = np.arange(E, dtype=np.int64).reshape(1, E, 1), np.ones((1, E), np.int64)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    cases = [
+        (lambda: epmoe.topk_softmax(f64[:, :E], K), "logits", "a float32 or bfloat16", f"float64[{T}, {E}]"),
+        (lambda: epmoe.topk_sigmoid(f64[:, :E], K), "logits", "a float32 or bfloat16", f"float64[{T}, {E}]"),
+        (lambda: epmoe.grouped_topk(np.zeros((T, E), np.float32), K, 2, 1, e_score_correction_bias=f64[0, :E]),
+         "e_score_correction_bias", "a float32", f"float64[{E}]"),
+        (lambda: epmoe.get_dispatch_layout(idx.astype(np.uint64), E, 2), "topk_idx", "an int64 or int32",
+         f"uint64[{T}, {K}]"),
+        (lambda: epmoe.quantize_fp8(f64), "x", "a bfloat16 or float32", f"float64[{T}, {H}]"),
+        (lambda: epmoe.dequantize_fp8(f64, np.ones((T, 1), np.float32)), "q", "a float8_e4m3fn", f"float64[{T}, {H}]"),
+        (lambda: epmoe.dequantize_fp8(np.zeros((T, H), FP8), f64[:, :1]), "scales", "a float32 or int32 (UE8M0)",
+         f"float64[{T}, 1]"),
+        (lambda: epmoe.map_to_physical(idx.astype(np.uint64), log2phy, logcnt, 0), "topk_idx", "an int64 or int32",
+         f"uint64[{T}, {K}]"),
+        (lambda: epmoe.ExpertLoadRecorder(1, E, 2, 2).record(0, f64[0, :E]), "num_tokens_per_expert",
+         "an int32 or int64", f"float64[{E}]"),
+        (lambda: layer.forward(x.view(np.uint16), w1, w2, w, idx), "hidden", "a bfloat16", f"uint16[{T}, {H}]"),
+        (lambda: layer.forward(x, w1.astype(np.float64), w2, w, idx), "w1",
+         "a bfloat16 (or float8_e4m3fn with w1_scale)", f"float64[{E}, 128, {H}]"),
+        (lambda: layer.forward(x, w1, w2, w.astype(np.float64), idx), "topk_weights", "a float32",
+         f"float64[{T}, {K}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx.astype(np.uint64)), "topk_idx", "an int64 or int32",
+         f"uint64[{T}, {K}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx, expert_map=np.arange(E, dtype=np.uint64)), "expert_map", "an int32",
+         f"uint64[{E}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx, output=f64), "output", "a bfloat16", f"float64[{T}, {H}]"),
+    ]
+    for call, name, takes, got in cases:
+        with pytest.raises(epmoe.Error) as e:
+            call()
+        assert (e.value.code, str(e.value)) == (
+            "invalid_argument", f"epmoe: invalid argument '{name}': expected {takes} tensor, got {got}"), name
+
+
 def test_an_int16_topk_idx_is_said_in_one_wording_by_every_call(rng):
-    """get_dispatch_layout, dispatch and low_latency_dispatch word a topk_idx of another dtype alike, naming the
-    argument, the dtypes it takes and the one it has."""
+    """get_dispatch_layout, dispatch, low_latency_dispatch and MoELayer.forward word a topk_idx of another dtype
+    alike, naming the argument, the dtypes it takes and the one it has."""
     E, K, T, H = 8, 2, 4, 128
     x = nice_bf16(rng, (T, H))
     idx = random_topk_idx(rng, T, K, E)
@@ -274,6 +317,11 @@ def test_an_int16_topk_idx_is_said_in_one_wording_by_every_call(rng):
             f"epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got int16[{T}, {K}] cpu")
     for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
         assert messages == {"layout": want, "dispatch": want, "low_latency_dispatch": want}
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    w1, w2 = np.zeros((E, 128, H), BF16), np.zeros((E, H, 64), BF16)
+    with pytest.raises(epmoe.Error) as e:
+        layer.forward(x, w1, w2, np.full((T, K), 0.5, np.float32), idx16)
+    assert (e.value.code, str(e.value)) == want
 
 
 def test_low_latency_x_of_a_bad_width_is_named_as_x(rng):
