@@ -82,8 +82,11 @@ class ThreadWorld {
   /// Marks the world broken because rank `rank` failed (`reason`, e.g. its error's message, whose "epmoe: " prefix
   /// is dropped as it is quoted inside the peers' messages): ranks waiting in, or later entering,
   /// a collective or a signal wait throw ErrorCode::unusable naming that rank at once, instead of
-  /// waiting out their timeout.
+  /// waiting out their timeout. Records the order of the failures (failure_order).
   void abort(int rank, std::string_view reason);
+  /// Per rank, the order in which abort() was first called for it (0 first), -1 for a rank never aborted: the
+  /// `order` first_root_cause takes, so the failure nearest to the cause is the one reported.
+  std::vector<int> failure_order() const;
   /// Records that rank `rank`'s function returned: it reaches no later collective, so ranks waiting in, or later
   /// entering, one it has not reached, or waiting for its signal, throw ErrorCode::unusable naming it at once,
   /// instead of waiting out their timeout. run_thread_ranks calls it for each rank that returns.
@@ -113,8 +116,12 @@ std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& error
 /// callers whose exceptions wrap epmoe's (the Python module).
 std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order,
                                     const std::function<int(const std::exception_ptr&)>& cause_class);
+/// Rank `rank`'s error message `message` ("epmoe: ...") as run_thread_ranks re-raises it: "epmoe: rank R: ...", so
+/// the caller learns which rank raised it; unchanged where it already names a rank first.
+std::string naming_rank(std::string_view message, int rank);
 /// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any (the failing
-/// rank's own exception, whatever the rank order). Unlike run_thread_ranks_collect, a rank that throws
+/// rank's own exception, whatever the rank order; an epmoe::Error with the same code, its message naming the rank
+/// as naming_rank says it). Unlike run_thread_ranks_collect, a rank that throws
 /// releases the others at once (ThreadWorld::abort): their collectives raise unusable naming it.
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s = default_timeout_s());
 

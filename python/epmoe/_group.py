@@ -124,7 +124,8 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
     The ranks form one threads-backend group (shared memory). Every collective releases the GIL, so the
     ranks progress together. If any rank raises, the root cause is re-raised after all ranks have
     finished: the lowest rank's error that is not a timeout or 'unusable' (whatever the rank order; a Python
-    exception is re-raised as the same object, an epmoe error keeps its code and message), else the first
+    exception is re-raised as the same object, an epmoe error keeps its code and its message names the rank
+    that raised it: "epmoe: rank 1: invalid argument ..."), else the first
     timeout (a rank that never came), else the first 'unusable'. A rank that raises, or returns while others
     wait for it in a collective, releases them at once: their collectives raise 'unusable' naming it instead
     of waiting out `timeout_s` (the ranks' collective timeout in seconds; default epmoe.default_timeout_s(),

@@ -416,11 +416,6 @@ class MoELayer:
             if value is None:
                 raise invalid_argument(name, "a tensor", "None")
         writable("output", output)
-        # Dtypes the tensor layer cannot hold at all (float64, uint16, ...) would otherwise be named only generically.
-        for name, value, expected in (("hidden", hidden, ("bfloat16",)), ("topk_weights", topk_weights, ("float32",)),
-                                      ("topk_idx", topk_idx, ("int64", "int32"))):
-            if dtype_name(value) not in expected:
-                raise invalid_argument(name, f"a {' or '.join(expected)} tensor", describe(value))
         if is_extend_in_batch is not None and not isinstance(is_extend_in_batch, bool):
             raise invalid_argument("is_extend_in_batch", "True, False or None",
                                    f"an object of type {type(is_extend_in_batch).__name__}")

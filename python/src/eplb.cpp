@@ -86,7 +86,7 @@ void bind_planner(nb::module_& m) {
          std::string_view framework) {
         const Framework fw = parse_framework(framework);
         Inputs in;
-        const TensorView idx = arg(topk_idx, "topk_idx", in);
+        const TensorView idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
         const auto l2p = host_array<std::int64_t>(log2phy, 3, "logical_to_physical", "int64");
         const auto cnt = host_array<std::int64_t>(logcnt, 2, "logical_replica_count", "int64");
         const auto L = static_cast<std::int64_t>(log2phy.shape(0)), E = static_cast<std::int64_t>(log2phy.shape(1));
@@ -156,14 +156,14 @@ void bind_eplb(nb::module_& m) {
           "record",
           [](ExpertLoadRecorder& r, std::int64_t layer, nb::handle counts) {
             Inputs in;
-            r.record(layer, arg(counts, "num_tokens_per_expert", in));
+            r.record(layer, arg(counts, "num_tokens_per_expert", in, "int32 or int64"));
           },
           nb::arg("layer"), nb::arg("num_tokens_per_expert"))
       .def(
           "record_local",
           [](ExpertLoadRecorder& r, std::int64_t layer, nb::handle counts, std::int64_t expert_offset) {
             Inputs in;
-            r.record_local(layer, arg(counts, "num_recv_tokens_per_expert", in), expert_offset);
+            r.record_local(layer, arg(counts, "num_recv_tokens_per_expert", in, "int32 or int64"), expert_offset);
           },
           nb::arg("layer"), nb::arg("num_recv_tokens_per_expert"), nb::arg("expert_offset"))
       .def(

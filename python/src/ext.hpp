@@ -36,13 +36,14 @@ struct Inputs {
 };
 
 /// A tensor argument: None (an empty view), an array-like, or (array-like, dtype name) from the Python
-/// layer. Errors (invalid_argument naming `name`): not an array, an unsupported dtype (float64,
-/// uint16, ... name it, with `takes` as expected: the dtypes the argument takes, e.g. "float32"; without it, every
-/// dtype epmoe holds), more than 4 dimensions, an unsupported device, a tag whose element size
+/// layer. `takes` names the dtypes the argument takes ("float32", "int64 or int32"), for the message of a dtype
+/// epmoe holds none of: every argument names its own, not the list of all that epmoe holds. Errors
+/// (invalid_argument naming `name`): not an array, an unsupported dtype (float64, uint16, ...: "expected a float32
+/// tensor, got float64[4, 8]"), more than 4 dimensions, an unsupported device, a tag whose element size
 /// differs from the array's. A torch.Tensor (once register_torch ran) is read from its attributes where it is
 /// a strided CPU or CUDA tensor of a supported dtype, else converted by epmoe._tensor._torch_arg and read by
 /// DLPack (the same checks and messages).
-TensorView arg(nb::handle obj, const char* name, Inputs& keep, const char* takes = nullptr);
+TensorView arg(nb::handle obj, const char* name, Inputs& keep, const char* takes);
 
 /// Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs that arg reads directly, the
 /// Python function giving a torch tensor's DLPack form (epmoe._tensor._torch_arg), and torch._C._from_dlpack (or
@@ -52,8 +53,8 @@ void register_torch(nb::handle tensor_type, nb::handle strided, nb::handle dtype
                     nb::handle from_dlpack);
 
 /// A Tensor owning its data that aliases a Python array (the array stays referenced as long as the
-/// Tensor's storage lives; the reference is dropped under the GIL).
-Tensor tensor_from_py(nb::handle obj, const char* name);
+/// Tensor's storage lives; the reference is dropped under the GIL). `name` and `takes` as for arg.
+Tensor tensor_from_py(nb::handle obj, const char* name, const char* takes);
 
 /// A new Python array sharing `t`'s storage (no copy).
 nb::object to_py(const Tensor& t, Framework fw);

@@ -13,7 +13,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstdint>
 #include <thread>
 
@@ -45,6 +45,26 @@ int python_cause_class(const std::exception_ptr& p) {
     return of_name(nb::cast<std::string>(code));
   } catch (...) {
     return 0;
+  }
+}
+
+/// Rank `rank`'s exception `p` as run_thread_ranks re-raises it: an epmoe error (epmoe::Error, or an epmoe.Error the
+/// rank's Python function raised) with its message naming the rank (naming_rank), its type, code and traceback kept;
+/// any other exception as it is. Needs the GIL.
+[[noreturn]] void rethrow_naming_rank(const std::exception_ptr& p, int rank) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    throw Error(e.code(), naming_rank(e.what(), rank));
+  } catch (nb::python_error& e) {
+    // The raised object itself is edited (not a new one made), so its type, `code` and traceback stay as raised.
+    if (g_error_type != nullptr && e.matches(g_error_type)) {
+      nb::handle value = e.value();
+      nb::object args = value.attr("args");
+      if (nb::len(args) == 1 && nb::isinstance<nb::str>(args[0]))
+        value.attr("args") = nb::make_tuple(naming_rank(nb::cast<std::string>(args[0]), rank));
+    }
+    throw;
   }
 }
 }  // namespace
@@ -169,8 +189,6 @@ void bind_group(nb::module_& m) {
           throw_invalid_argument("timeout_s", "> 0 or None", fmt::format("{}", *timeout_s));
         ThreadWorld world(num_ranks);
         std::vector<std::exception_ptr> errors(static_cast<size_t>(num_ranks));
-        std::vector<int> order(static_cast<size_t>(num_ranks), 0);  // the order in which the ranks failed
-        std::atomic<int> failures{0};
         std::vector<nb::object> results(static_cast<size_t>(num_ranks));
         {
           // The ranks take the GIL only while they run Python code; every collective releases it.
@@ -194,9 +212,8 @@ void bind_group(nb::module_& m) {
               errors[static_cast<size_t>(r)] = std::current_exception();
             }
             // A failed rank fails the others at once (ErrorCode::unusable naming it) instead of leaving them to
-            // wait out their timeout in the next collective.
+            // wait out their timeout in the next collective; the world records the order of the failures.
             if (errors[static_cast<size_t>(r)]) {
-              order[static_cast<size_t>(r)] = failures++;
               world.abort(r, reason);
             } else {
               world.mark_returned(r);
@@ -204,8 +221,10 @@ void bind_group(nb::module_& m) {
           });
         }
         // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else a
-        // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original.
-        if (auto e = first_root_cause(errors, order, python_cause_class)) std::rethrow_exception(e);
+        // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original,
+        // an epmoe error naming the rank that raised it.
+        if (auto e = first_root_cause(errors, world.failure_order(), python_cause_class))
+          rethrow_naming_rank(e, static_cast<int>(std::find(errors.begin(), errors.end(), e) - errors.begin()));
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

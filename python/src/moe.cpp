@@ -163,7 +163,7 @@ void bind_moe(nb::module_& m) {
   m.def(
       "make_cuda_shared_experts",
       [](nb::handle w1, nb::handle w2, std::string_view activation) {
-        Tensor a = tensor_from_py(w1, "w1_shared"), b = tensor_from_py(w2, "w2_shared");
+        Tensor a = tensor_from_py(w1, "w1_shared", "bfloat16"), b = tensor_from_py(w2, "w2_shared", "bfloat16");
         return PySharedExperts{make_cuda_shared_experts(std::move(a), std::move(b), parse_activation(activation))};
       },
       nb::arg("w1_shared"), nb::arg("w2_shared"), nb::arg("activation") = "silu");
@@ -261,12 +261,12 @@ void bind_moe(nb::module_& m) {
                   // A CUDA tensor has no NumPy form: the callable gets torch's (CuPy's when torch is absent).
                   nb::object result = (*fn)(view_to_py(hidden, nb::none(), fw != Framework::numpy ? fw : cuda_framework()),
                                             stream);
-                  return tensor_from_py(result, "shared_experts(hidden)");
+                  return tensor_from_py(result, "shared_experts(hidden)", "bfloat16");
                 }
                 Tensor copy = clone(hidden);
                 nb::gil_scoped_acquire gil;
                 nb::object result = (*fn)(to_py(copy, fw));
-                return tensor_from_py(result, "shared_experts(hidden)");
+                return tensor_from_py(result, "shared_experts(hidden)", "bfloat16");
               };
             }
             MoELayerOptions o;
@@ -339,19 +339,19 @@ void bind_moe(nb::module_& m) {
             const Framework fw = parse_framework(framework);
             Inputs in;
             MoEForwardArgs a;
-            a.hidden = arg(hidden, "hidden", in);
-            a.w1 = arg(w1, "w1", in);
-            a.w2 = arg(w2, "w2", in);
-            a.topk_weights = arg(topk_weights, "topk_weights", in);
-            a.topk_idx = arg(topk_idx, "topk_idx", in);
+            a.hidden = arg(hidden, "hidden", in, "bfloat16");
+            a.w1 = arg(w1, "w1", in, "bfloat16 (or float8_e4m3fn with w1_scale)");
+            a.w2 = arg(w2, "w2", in, "bfloat16 (or float8_e4m3fn with w2_scale)");
+            a.topk_weights = arg(topk_weights, "topk_weights", in, "float32");
+            a.topk_idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
             a.activation = parse_activation(activation);
             a.global_num_experts = global_num_experts;
-            a.expert_map = arg(expert_map, "expert_map", in);
+            a.expert_map = arg(expert_map, "expert_map", in, "int32");
             a.apply_router_weight_on_input = apply_router_weight_on_input;
-            a.output = arg(output, "output", in);
+            a.output = arg(output, "output", in, "bfloat16");
             a.is_extend_in_batch = is_extend_in_batch;
-            a.w1_scale = arg(w1_scale, "w1_scale", in);
-            a.w2_scale = arg(w2_scale, "w2_scale", in);
+            a.w1_scale = arg(w1_scale, "w1_scale", in, "float32");
+            a.w2_scale = arg(w2_scale, "w2_scale", in, "float32");
             MoEForwardResult r;
             {
               nb::gil_scoped_release release;

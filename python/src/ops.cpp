@@ -19,7 +19,7 @@ template <class F>
 nb::tuple run_topk(nb::handle logits, std::string_view framework, F&& f) {
   const Framework fw = parse_framework(framework);
   Inputs in;
-  const TensorView l = arg(logits, "logits", in);
+  const TensorView l = arg(logits, "logits", in, "float32 or bfloat16");
   TopkResult r;
   {
     nb::gil_scoped_release release;
@@ -75,7 +75,7 @@ void bind_ops(nb::module_& m) {
         o.renormalize = renormalize;
         o.routed_scaling_factor = routed_scaling_factor;
         Inputs keep;
-        o.e_score_correction_bias = arg(bias, "e_score_correction_bias", keep);
+        o.e_score_correction_bias = arg(bias, "e_score_correction_bias", keep, "float32");
         return run_topk(logits, framework, [&](const TensorView& l, Inputs&) { return grouped_topk(l, o); });
       },
       nb::arg("logits"), nb::arg("num_topk"), nb::arg("num_expert_group"), nb::arg("topk_group"),
@@ -87,7 +87,7 @@ void bind_ops(nb::module_& m) {
       [](nb::handle topk_idx, int num_experts, int num_ranks, std::string_view framework) {
         const Framework fw = parse_framework(framework);
         Inputs in;
-        const TensorView idx = arg(topk_idx, "topk_idx", in);
+        const TensorView idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
         DispatchLayout l;
         {
           nb::gil_scoped_release release;
@@ -104,7 +104,7 @@ void bind_ops(nb::module_& m) {
         const Framework fw = parse_framework(framework);
         const Fp8Options o{round_scale, use_ue8m0, scale_layout_of(scale_layout)};
         Inputs in;
-        const TensorView v = arg(x, "x", in);
+        const TensorView v = arg(x, "x", in, "bfloat16 or float32");
         Fp8Tensor r;
         {
           nb::gil_scoped_release release;
@@ -120,8 +120,8 @@ void bind_ops(nb::module_& m) {
         const Framework fw = parse_framework(framework);
         const DType od = out_dtype_of(out_dtype);
         Inputs in;
-        const TensorView qv = arg(q, "q", in);
-        const TensorView sv = arg(scales, "scales", in);
+        const TensorView qv = arg(q, "q", in, "float8_e4m3fn");
+        const TensorView sv = arg(scales, "scales", in, "float32 or int32 (UE8M0)");
         Tensor r;
         {
           nb::gil_scoped_release release;

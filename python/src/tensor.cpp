@@ -124,8 +124,14 @@ std::string describe_array(const nb::ndarray<nb::ro>& a) {
   return fmt::format("{}[{}]", dlpack_dtype_name(a.dtype()), dims);
 }
 
+// Every dtype epmoe holds: what a dtype tag of the Python layer (epmoe/_tensor.py) names.
 constexpr const char* kSupported =
     "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, bool, uint8 or uint32";
+
+// "a" or "an" before a dtype's name, as it is said: "an int64 ...", "a uint32 ..." ("you-int"), "a float32 ...".
+const char* article_of(std::string_view dtype) {
+  return !dtype.empty() && std::string_view("aeio").find(dtype.front()) != std::string_view::npos ? "an" : "a";
+}
 
 // torch's types, handed over by epmoe/_tensor.py once torch is imported (register_torch). The references are never
 // released, as ml_dtype's.
@@ -258,9 +264,7 @@ TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep, const char
   } else {
     const std::optional<DType> d = dtype_from_dlpack(a.dtype());
     // Such an array never reaches the call's own checks, which say what the argument takes: said here instead.
-    if (!d)
-      throw_invalid_argument(name, takes != nullptr ? fmt::format("a {} tensor", takes) : kSupported,
-                             describe_array(a));
+    if (!d) throw_invalid_argument(name, fmt::format("{} {} tensor", article_of(takes), takes), describe_array(a));
     dtype = *d;
   }
   if (a.ndim() > static_cast<size_t>(Shape::kMaxDims))
@@ -324,9 +328,9 @@ TensorView arg(nb::handle obj, const char* name, Inputs& keep, const char* takes
   return dlpack_arg(obj, name, keep, takes);
 }
 
-Tensor tensor_from_py(nb::handle obj, const char* name) {
+Tensor tensor_from_py(nb::handle obj, const char* name, const char* takes) {
   auto keep = std::make_shared<Inputs>();
-  const TensorView v = arg(obj, name, *keep);
+  const TensorView v = arg(obj, name, *keep, takes);
   // Hold the Python array (through its ndarray handles) until the Tensor's storage is released. A torch tensor read
   // directly is held as a detached alias, which keeps its storage as a DLPack export does (whatever later
   // set_() or resize_() calls do to the caller's tensor).

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import epmoe
-from conftest import BF16, TIMEOUT_S, nice_bf16, random_topk_idx
+from conftest import BF16, FP8, TIMEOUT_S, nice_bf16, random_topk_idx
 
 # DeepEP V1 (deep_ep/buffer.py at commit 567632d): parameter names in order, with defaults
 # (a bare name has none). An engine that calls deep_ep.Buffer positionally or by keyword must work.
@@ -242,9 +242,86 @@ def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes(rn
                                              f"float64[{T}, {K}]"),
             "dispatch_x": ("invalid_argument", "epmoe: invalid argument 'x': expected a bfloat16 (or float8_e4m3fn "
                                                f"with x_scales) tensor, got float64[{T}, {H}]"),
-            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected a int64 or int32 tensor, got "
+            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected an int64 or int32 tensor, got "
                                            f"uint64[{T}, {K}]"),
         }
+
+
+def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes_outside_the_buffer(rng):
+    """The router, quantization, EPLB and MoE layer calls name the dtype an argument takes for a dtype epmoe holds
+    none of (float64, uint64), as the Buffer calls do: they listed every dtype epmoe holds."""
+    E, K, T, H = 4, 2, 3, 128
+    f64 = np.zeros((T, H), np.float64)
+    idx = random_topk_idx(rng, T, K, E)
+    w1, w2 = np.zeros((E, 2 * 64, H), BF16), np.zeros((E, H, 64), BF16)
+    x, w = nice_bf16(rng, (T, H)), np.full((T, K), 0.5, np.float32)
+    log2phy, logcnt = np.arange(E, dtype=np.int64).reshape(1, E, 1), np.ones((1, E), np.int64)
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    cases = [
+        (lambda: epmoe.topk_softmax(f64[:, :E], K), "logits", "a float32 or bfloat16", f"float64[{T}, {E}]"),
+        (lambda: epmoe.topk_sigmoid(f64[:, :E], K), "logits", "a float32 or bfloat16", f"float64[{T}, {E}]"),
+        (lambda: epmoe.grouped_topk(np.zeros((T, E), np.float32), K, 2, 1, e_score_correction_bias=f64[0, :E]),
+         "e_score_correction_bias", "a float32", f"float64[{E}]"),
+        (lambda: epmoe.get_dispatch_layout(idx.astype(np.uint64), E, 2), "topk_idx", "an int64 or int32",
+         f"uint64[{T}, {K}]"),
+        (lambda: epmoe.quantize_fp8(f64), "x", "a bfloat16 or float32", f"float64[{T}, {H}]"),
+        (lambda: epmoe.dequantize_fp8(f64, np.ones((T, 1), np.float32)), "q", "a float8_e4m3fn", f"float64[{T}, {H}]"),
+        (lambda: epmoe.dequantize_fp8(np.zeros((T, H), FP8), f64[:, :1]), "scales", "a float32 or int32 (UE8M0)",
+         f"float64[{T}, 1]"),
+        (lambda: epmoe.map_to_physical(idx.astype(np.uint64), log2phy, logcnt, 0), "topk_idx", "an int64 or int32",
+         f"uint64[{T}, {K}]"),
+        (lambda: epmoe.ExpertLoadRecorder(1, E, 2, 2).record(0, f64[0, :E]), "num_tokens_per_expert",
+         "an int32 or int64", f"float64[{E}]"),
+        (lambda: layer.forward(x.view(np.uint16), w1, w2, w, idx), "hidden", "a bfloat16", f"uint16[{T}, {H}]"),
+        (lambda: layer.forward(x, w1.astype(np.float64), w2, w, idx), "w1",
+         "a bfloat16 (or float8_e4m3fn with w1_scale)", f"float64[{E}, 128, {H}]"),
+        (lambda: layer.forward(x, w1, w2, w.astype(np.float64), idx), "topk_weights", "a float32",
+         f"float64[{T}, {K}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx.astype(np.uint64)), "topk_idx", "an int64 or int32",
+         f"uint64[{T}, {K}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx, expert_map=np.arange(E, dtype=np.uint64)), "expert_map", "an int32",
+         f"uint64[{E}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx, output=f64), "output", "a bfloat16", f"float64[{T}, {H}]"),
+    ]
+    for call, name, takes, got in cases:
+        with pytest.raises(epmoe.Error) as e:
+            call()
+        assert (e.value.code, str(e.value)) == (
+            "invalid_argument", f"epmoe: invalid argument '{name}': expected {takes} tensor, got {got}"), name
+
+
+def test_an_int16_topk_idx_is_said_in_one_wording_by_every_call(rng):
+    """get_dispatch_layout, dispatch, low_latency_dispatch and MoELayer.forward word a topk_idx of another dtype
+    alike, naming the argument, the dtypes it takes and the one it has."""
+    E, K, T, H = 8, 2, 4, 128
+    x = nice_bf16(rng, (T, H))
+    idx = random_topk_idx(rng, T, K, E)
+    idx16 = idx.astype(np.int16)
+
+    def rank_main(group):
+        normal, low_latency = epmoe.Buffer(group), epmoe.Buffer(group, low_latency_mode=True)
+        ntpr, _, ntpe, in_rank, _ = normal.get_dispatch_layout(idx, E)
+        messages = {}
+        for name, call in {
+            "layout": lambda: normal.get_dispatch_layout(idx16, E),
+            "dispatch": lambda: normal.dispatch(x, topk_idx=idx16, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=ntpe),
+            "low_latency_dispatch": lambda: low_latency.low_latency_dispatch(x, idx16, T, E, use_fp8=False),
+        }.items():
+            with pytest.raises(epmoe.Error) as e:
+                call()
+            messages[name] = (e.value.code, str(e.value))
+        return messages
+
+    want = ("invalid_argument",
+            f"epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got int16[{T}, {K}] cpu")
+    for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert messages == {"layout": want, "dispatch": want, "low_latency_dispatch": want}
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    w1, w2 = np.zeros((E, 128, H), BF16), np.zeros((E, H, 64), BF16)
+    with pytest.raises(epmoe.Error) as e:
+        layer.forward(x, w1, w2, np.full((T, K), 0.5, np.float32), idx16)
+    assert (e.value.code, str(e.value)) == want
 
 
 def test_low_latency_x_of_a_bad_width_is_named_as_x(rng):
@@ -613,9 +690,41 @@ def test_a_higher_rank_raising_invalid_argument_while_others_dispatch_reraises_i
         epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
     assert e.value.code == "invalid_argument", str(e.value)
     assert "'x'" in str(e.value) and "float64" in str(e.value)
-    assert (e.value.code, str(e.value)) == seen[R - 1]  # the failing rank's own error, unchanged
+    # The failing rank's own error, its message naming that rank.
+    code, message = seen[R - 1]
+    assert message.startswith("epmoe: invalid argument 'x'"), message
+    assert (e.value.code, str(e.value)) == (code, f"epmoe: rank {R - 1}: " + message[len("epmoe: "):])
     for r in range(R - 1):  # the others saw only its consequence
         assert seen[r][0] in ("unusable", "timeout"), seen
+
+
+def test_an_epmoe_error_raised_by_one_rank_comes_back_naming_the_rank():
+    # The same object as raised (type, code and traceback kept), its message naming the rank; one that already names
+    # a rank first (a timeout's) is left as it is, and so is an exception of another type.
+    raised = {}
+
+    def rank_main(group):
+        if group.rank() == 1:
+            try:
+                epmoe.Buffer(group).get_dispatch_layout(np.zeros((2, 2), np.int64), 0)
+            except epmoe.Error as e:
+                raised["error"], raised["message"] = e, str(e)
+                raise
+        group.barrier("waiting for rank 1")
+
+    with pytest.raises(epmoe.Error) as e:
+        epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
+    assert e.value is raised["error"] and e.value.code == "invalid_argument"
+    assert raised["message"].startswith("epmoe: invalid argument 'num_experts'"), raised["message"]
+    assert str(e.value) == "epmoe: rank 1: " + raised["message"][len("epmoe: "):]
+
+    def named(group):
+        if group.rank() == 0:
+            raise epmoe.Error("epmoe: rank 0: already named")
+        group.barrier("waiting for rank 0")
+
+    with pytest.raises(epmoe.Error, match="^epmoe: rank 0: already named$"):
+        epmoe.run_thread_ranks(2, named, timeout_s=TIMEOUT_S)
 
 
 def test_a_lower_rank_raising_while_a_higher_waits_reraises_its_own_exception():

@@ -163,9 +163,9 @@ Tensor map_to_physical(const TensorView& topk_idx, std::span<const i64> logical_
                        std::span<const i64> logical_replica_count, i64 num_layers, i64 num_logical_experts,
                        i64 max_replicas, i64 layer) {
   const i64 L = num_layers, E = num_logical_experts, X = max_replicas;
-  EPMOE_CHECK_ARG(topk_idx.ndim() == 2 && (topk_idx.dtype == DType::int64 || topk_idx.dtype == DType::int32) &&
-                      topk_idx.device.is_cpu(),
-                  "topk_idx", "int32 or int64 [T, K] on the CPU", describe(topk_idx));
+  check_topk_idx_dtype(topk_idx);
+  EPMOE_CHECK_ARG(topk_idx.ndim() == 2 && topk_idx.device.is_cpu(), "topk_idx", "a 2-d [T, K] tensor on the CPU",
+                  describe(topk_idx));
   EPMOE_CHECK_ARG(L >= 1 && E >= 1 && X >= 1, "logical_to_physical", "a shape [L, E, X] with L, E, X >= 1",
                   fmt::format("[{}, {}, {}]", L, E, X));
   EPMOE_CHECK_ARG(static_cast<i64>(logical_to_physical.size()) == L * E * X, "logical_to_physical",

@@ -236,8 +236,7 @@ void check_experts_routing(const ExpertsInputs& in, const CudaIndexLimits* cuda,
   s.m = in.hidden.size(0);
   EPMOE_CHECK_ARG(in.topk_idx.defined(), "topk_idx", fmt::format("an int64 or int32 [{}, K] tensor", s.m), "None");
   check_experts_tensor(in.topk_idx, "topk_idx", s.device);
-  EPMOE_CHECK_ARG(in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32, "topk_idx",
-                  "int64 or int32", describe(in.topk_idx));
+  check_topk_idx_dtype(in.topk_idx);
   EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == s.m && in.topk_idx.size(1) >= 1, "topk_idx",
                   fmt::format("[M={}, K >= 1] (M from hidden)", s.m), describe(in.topk_idx));
   s.k = in.topk_idx.size(1);

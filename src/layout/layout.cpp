@@ -142,8 +142,7 @@ struct Carve {
 
 DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks) {
   EPMOE_CHECK_ARG(topk_idx.defined(), "topk_idx", "an int64 or int32 [T, K] tensor", "None");
-  EPMOE_CHECK_ARG(topk_idx.dtype == DType::int64 || topk_idx.dtype == DType::int32, "topk_idx",
-                  "dtype int64 or int32", describe(topk_idx));
+  check_topk_idx_dtype(topk_idx);
   EPMOE_CHECK_ARG(topk_idx.ndim() == 2, "topk_idx", "a 2-d [T, K] tensor", describe(topk_idx));
   EPMOE_CHECK_ARG(topk_idx.size(0) == 0 || topk_idx.size(1) == 0 || topk_idx.data != nullptr, "topk_idx",
                   "non-null data", "a null pointer");
@@ -179,8 +178,8 @@ PermuteLayout make_permute_layout(const TensorView& topk_idx, int num_local_expe
 PermuteLayout make_permute_layout(const TensorView& topk_idx, int num_local_experts, int expert_alignment,
                                   Stream stream) {
   EPMOE_CHECK_ARG(topk_idx.defined(), "topk_idx", "an int64 or int32 [M, K] tensor", "None");
-  EPMOE_CHECK_ARG(topk_idx.ndim() == 2 && (topk_idx.dtype == DType::int64 || topk_idx.dtype == DType::int32),
-                  "topk_idx", "a 2-d int64 or int32 tensor [M, K]", describe(topk_idx));
+  check_topk_idx_dtype(topk_idx);
+  EPMOE_CHECK_ARG(topk_idx.ndim() == 2, "topk_idx", "a 2-d [M, K] tensor", describe(topk_idx));
   EPMOE_CHECK_ARG(topk_idx.data != nullptr || topk_idx.numel() == 0, "topk_idx", "non-null data", "a null pointer");
   EPMOE_CHECK_ARG(num_local_experts >= 1 && num_local_experts <= kMaxLocalExperts, "num_local_experts",
                   fmt::format("in [1, {}]", kMaxLocalExperts), num_local_experts);

@@ -24,10 +24,10 @@ void check_prepare_inputs(const PrepareInputs& in) {
                   "hidden", "contiguous bfloat16 [T, H] on cpu", describe(in.hidden));
   const std::int64_t T = in.hidden.size(0);
   // The CPU steps read the ids and weights on the host: a CUDA tensor here would be a device pointer.
-  EPMOE_CHECK_ARG((in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32) && in.topk_idx.ndim() == 2 &&
-                      in.topk_idx.size(0) == T && in.topk_idx.is_contiguous() && in.topk_idx.device.is_cpu(),
-                  "topk_idx", fmt::format("contiguous int64/int32 [{}, K] on cpu (hidden's device)", T),
-                  describe(in.topk_idx));
+  check_topk_idx_dtype(in.topk_idx);
+  EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == T && in.topk_idx.is_contiguous() &&
+                      in.topk_idx.device.is_cpu(),
+                  "topk_idx", fmt::format("contiguous [{}, K] on cpu (hidden's device)", T), describe(in.topk_idx));
   EPMOE_CHECK_ARG(in.topk_weights.dtype == DType::fp32 && in.topk_weights.shape == in.topk_idx.shape &&
                       in.topk_weights.is_contiguous() && in.topk_weights.device.is_cpu(),
                   "topk_weights", fmt::format("contiguous float32 {} on cpu (hidden's device)", to_string(in.topk_idx.shape)),

@@ -20,9 +20,10 @@ void check_cuda_prepare_inputs(const PrepareInputs& in) {
                   "hidden", "contiguous bfloat16 [T, H] with H % 8 == 0 and 16-byte-aligned data on CUDA",
                   describe(x));
   const std::int64_t T = x.size(0);
-  EPMOE_CHECK_ARG((in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32) && in.topk_idx.ndim() == 2 &&
-                      in.topk_idx.size(0) == T && in.topk_idx.is_contiguous() && in.topk_idx.device == d,
-                  "topk_idx", fmt::format("contiguous int64/int32 [{}, K] on {} (hidden's device)", T, to_string(d)),
+  check_topk_idx_dtype(in.topk_idx);
+  EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == T && in.topk_idx.is_contiguous() &&
+                      in.topk_idx.device == d,
+                  "topk_idx", fmt::format("contiguous [{}, K] on {} (hidden's device)", T, to_string(d)),
                   describe(in.topk_idx));
   EPMOE_CHECK_ARG(in.topk_weights.dtype == DType::fp32 && in.topk_weights.shape == in.topk_idx.shape &&
                       in.topk_weights.is_contiguous() && in.topk_weights.device == d,

@@ -461,8 +461,9 @@ MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tenso
     }
     if (!host_map.empty()) {
       const TensorView& in = a.topk_idx;
-      EPMOE_CHECK_ARG(in.ndim() == 2 && (in.dtype == DType::int64 || in.dtype == DType::int32) && in.device.is_cpu(),
-                      "topk_idx", "int32 or int64 [T, K] on the CPU (hidden's device)", describe(in));
+      check_topk_idx_dtype(in);
+      EPMOE_CHECK_ARG(in.ndim() == 2 && in.device.is_cpu(), "topk_idx",
+                      "a 2-d [T, K] tensor on the CPU (hidden's device)", describe(in));
       const i64 T = in.size(0), K = in.size(1);
       Tensor out = Tensor::empty(in.dtype, {T, K});
       for (i64 t = 0; t < T; ++t)
@@ -483,11 +484,10 @@ MoEForwardArgs MoELayer::route_ids(const MoEForwardArgs& args, std::vector<Tenso
     return a;
   }
 #if defined(EPMOE_HAVE_CUDA)
-  EPMOE_CHECK_ARG((ids.dtype == DType::int64 || ids.dtype == DType::int32) && ids.ndim() == 2 &&
-                      ids.size(0) == a.hidden.size(0) && ids.is_contiguous() && ids.device == device,
+  check_topk_idx_dtype(ids);
+  EPMOE_CHECK_ARG(ids.ndim() == 2 && ids.size(0) == a.hidden.size(0) && ids.is_contiguous() && ids.device == device,
                   "topk_idx",
-                  fmt::format("contiguous int64/int32 [{}, K] on {} (hidden's device)", a.hidden.size(0),
-                              to_string(device)),
+                  fmt::format("contiguous [{}, K] on {} (hidden's device)", a.hidden.size(0), to_string(device)),
                   describe(ids));
   cuda_util::DeviceGuard guard(device);
   const Stream stream = current_stream();

@@ -55,10 +55,10 @@ PrepareOutput NoEpCuda::dispatch(const PrepareInputs& in) {
                   "hidden", "contiguous bfloat16 [T, H] with H % 8 == 0 and 16-byte-aligned data on CUDA", describe(x));
   T_ = x.size(0);
   H_ = x.size(1);
-  EPMOE_CHECK_ARG((in.topk_idx.dtype == DType::int64 || in.topk_idx.dtype == DType::int32) &&
-                      in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == T_ && in.topk_idx.size(1) >= 1 &&
+  check_topk_idx_dtype(in.topk_idx);
+  EPMOE_CHECK_ARG(in.topk_idx.ndim() == 2 && in.topk_idx.size(0) == T_ && in.topk_idx.size(1) >= 1 &&
                       in.topk_idx.size(1) <= 512,
-                  "topk_idx", fmt::format("int64/int32 [{}, K] with 1 <= K <= 512 on CUDA", T_), describe(in.topk_idx));
+                  "topk_idx", fmt::format("[{}, K] with 1 <= K <= 512 on CUDA", T_), describe(in.topk_idx));
   check_on(in.topk_idx, "topk_idx", device_, "int64/int32");
   K_ = in.topk_idx.size(1);
   EPMOE_CHECK_ARG(in.topk_weights.dtype == DType::fp32 && in.topk_weights.shape == in.topk_idx.shape, "topk_weights",

@@ -510,29 +510,35 @@ TEST(Cli, IntegersAreReadInDecimalAsTyped) {
   for (const std::string v : {"9223372036854775808", "-9223372036854775809", "99999999999999999999"}) {
     const CliResult bad = run_cli("run --device cpu --hidden " + v);
     EXPECT_EQ(bad.code, 2) << v;
-    EXPECT_NE(bad.err.find("'--hidden': expected an integer in [-9223372036854775808, 9223372036854775807], got " + v),
+    EXPECT_NE(bad.err.find("'--hidden': expected an integer in [8, 9223372036854775807], got " + v),
               std::string::npos)
         << bad.err;
   }
 }
 
 // Found by a fresh user: `run --ranks 99999999999` said "expected an integer in range" without the range (CLI11's
-// conversion into an int failed). A value past an int option's 32 bits is named as typed with the int's range, as a
-// value past 64 bits is for the 64-bit options; a value past 64 bits given to an int names the int's range too.
+// conversion into an int failed). A value past an int option's 32 bits is named as typed with the flag's range (from
+// the least value it takes to the int's largest), as a value past 64 bits is for the 64-bit options; a value past 64
+// bits given to an int names the int's largest too. The range starts at the flag's least value, not at the type's
+// negative one ("[-2147483648, 2147483647]" for --ranks, which takes >= 1).
 TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
-  const std::string int_range = "expected an integer in [-2147483648, 2147483647], got ";
+  const std::string positive_int = "expected an integer in [1, 2147483647], got ";
   const struct {
     std::string args, want;
   } cases[] = {
-      {"run --device cpu --ranks 99999999999", "'--ranks': " + int_range + "99999999999"},
-      {"run --device cpu --experts 2147483648", "'--experts': " + int_range + "2147483648"},
-      {"run --device cpu --topk -2147483649", "'--topk': " + int_range + "-2147483649"},
-      {"run --device cpu --iters 0099999999999", "'--iters': " + int_range + "0099999999999"},
-      {"run --device cpu --ranks 99999999999999999999", "'--ranks': " + int_range + "99999999999999999999"},
-      {"bench --device cpu --runs 3000000000", "'--runs': " + int_range + "3000000000"},
-      {"tune --topk 3000000000", "'--topk': " + int_range + "3000000000"},
+      {"run --device cpu --ranks 99999999999", "'--ranks': " + positive_int + "99999999999"},
+      {"run --device cpu --experts 2147483648", "'--experts': " + positive_int + "2147483648"},
+      {"run --device cpu --topk -2147483649", "'--topk': " + positive_int + "-2147483649"},
+      {"run --device cpu --iters 0099999999999", "'--iters': " + positive_int + "0099999999999"},
+      {"run --device cpu --ranks 99999999999999999999", "'--ranks': " + positive_int + "99999999999999999999"},
+      {"run --device cpu --layer -99999999999", "'--layer': expected an integer in [0, 2147483647], got -99999999999"},
+      {"bench --device cpu --runs 3000000000", "'--runs': " + positive_int + "3000000000"},
+      {"bench --device cpu --warmup 3000000000", "'--warmup': expected an integer in [0, 2147483647], got 3000000000"},
+      {"tune --topk 3000000000", "'--topk': " + positive_int + "3000000000"},
       {"run --device cpu --tokens 99999999999999999999",
-       "'--tokens': expected an integer in [-9223372036854775808, 9223372036854775807], got 99999999999999999999"},
+       "'--tokens': expected an integer in [1, 9223372036854775807], got 99999999999999999999"},
+      {"bench --device cpu --hidden -9223372036854775809",
+       "'--hidden': expected an integer in [16, 9223372036854775807], got -9223372036854775809"},
   };
   for (const auto& c : cases) {
     const CliResult r = run_cli(c.args);
@@ -549,6 +555,28 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
   r = run_cli("run --device cpu --layer -2147483648 " + kTinyRun);
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("invalid argument '--layer': expected >= 0, got -2147483648"), std::string::npos) << r.err;
+}
+
+// Every integer flag of every command (read from its --help) names a range from the least value it takes for a value
+// past its type: none quotes its type's negative bound, none of them taking a negative value.
+TEST(Cli, EveryIntegerFlagPastItsTypeNamesARangeWithoutANegativeBound) {
+  const std::regex flag_line(R"(^\s+(?:-\w,)?(--[\w-]+) U?INT\b)");
+  const std::regex range(R"(expected an integer in \[(0|1|8|16), )"
+                         R"((2147483647|9223372036854775807|18446744073709551615)\], got 99999999999999999999 )"
+                         R"(\(see --help\)\n$)");
+  int flags = 0;
+  for (const std::string command : {"run", "bench", "tune"}) {
+    std::istringstream help(run_cli(command + " --help").out);
+    for (std::string line; std::getline(help, line);) {
+      std::smatch m;
+      if (!std::regex_search(line, m, flag_line)) continue;
+      ++flags;
+      const CliResult r = run_cli(command + " " + m[1].str() + " 99999999999999999999");
+      EXPECT_EQ(r.code, 2) << command << " " << m[1] << "\n" << r.err;
+      EXPECT_TRUE(std::regex_search(r.err, range)) << command << " " << m[1] << "\n" << r.err;
+    }
+  }
+  EXPECT_GE(flags, 31);  // the help was read: 13 of run, 10 of bench, 8 of tune
 }
 
 // Found by a fresh user: the README says integers are read in decimal as typed, yet `run --ranks 0x10` ran 16 ranks
@@ -690,6 +718,23 @@ TEST(Cli, HelpAndVersionAfterDoubleDashAreNotFlags) {
   EXPECT_EQ(r.code, 0) << r.out << r.err;
 }
 
+// `epmoe -- run` said "expected run, bench or tune, got none": the command typed after the "--" (never read as one)
+// is named, as are other words there.
+TEST(Cli, ACommandAfterDoubleDashIsNamedAsTyped) {
+  for (const std::string word : {"run", "--tokens", "help"}) {
+    const CliResult r = run_cli("-- " + word + " 8");
+    EXPECT_EQ(r.code, 2) << word << "\n" << r.out << r.err;
+    EXPECT_EQ(r.err, "epmoe: invalid argument '" + word + "': expected a command (run, bench or tune) before '--', "
+                     "got '" + word + "' after it (words after '--' are never flags or commands)\n")
+        << word;
+    EXPECT_EQ(r.out, "") << word;
+  }
+  // Nothing after the "--": no word to name.
+  const CliResult r = run_cli("--");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err, "epmoe: invalid argument 'command': expected run, bench or tune (see --help), got none\n");
+}
+
 // Found by a fresh user: `run --tolerance 1e400` was refused as "got inf" (and 1e-400 as "got 0"), values never
 // typed. The value is named as given, with the range the option takes.
 TEST(Cli, ToleranceOutsideADoubleIsNamedAsTyped) {
@@ -770,18 +815,37 @@ bool mpirun_available() {
 #define SKIP_WITHOUT_MPIRUN() \
   if (!mpirun_available()) GTEST_SKIP() << "needs a build with MPI and mpirun on the PATH"
 
-/// An MPMD launch of two `epmoe run --backend mpi --device cpu` processes on kTinyRun, each with its own extra flags
-/// (the group's timeout 30 s, so a wait shows as a timeout, not as a hung test): the exit status and the output of both.
-std::pair<int, std::string> run_two_processes(const std::string& flags0, const std::string& flags1) {
+/// An MPMD launch of `epmoe run --backend mpi --device cpu` processes on kTinyRun, one per entry of `flags` with those
+/// extra flags (the group's timeout 30 s, so a wait shows as a timeout, not as a hung test): the exit status and the
+/// output of all.
+std::pair<int, std::string> run_processes(const std::vector<std::string>& flags) {
   const std::string o = temp_path("mpmd.txt");
   const std::string job = "'" + cli_path() + "' run --backend mpi --device cpu " + kTinyRun;
-  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
-                          "mpirun --oversubscribe -np 1 " + job + " " + flags0 + " : -np 1 " + job + " " + flags1 +
-                          " >'" + o + "' 2>&1";
-  const int status = std::system(cmd.c_str());
+  std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 EPMOE_TIMEOUT_S=30 timeout 120 "
+                    "mpirun --oversubscribe";
+  for (std::size_t p = 0; p < flags.size(); ++p) cmd += (p == 0 ? "" : " :") + (" -np 1 " + job + " " + flags[p]);
+  const int status = std::system((cmd + " >'" + o + "' 2>&1").c_str());
   std::string out = slurp(o);
   std::filesystem::remove(o);
   return {status, std::move(out)};
+}
+std::pair<int, std::string> run_two_processes(const std::string& flags0, const std::string& flags1) {
+  return run_processes({flags0, flags1});
+}
+
+/// Whether an mpirun job of epmoe processes exited as a refusal does: status 2. Under AddressSanitizer any non-zero
+/// status: LeakSanitizer's report of Open MPI's own allocations at exit changes it.
+bool refused_status(int status) {
+  return WIFEXITED(status) && (kAsan ? WEXITSTATUS(status) != 0 : WEXITSTATUS(status) == 2);
+}
+
+/// The lines of `out` that epmoe wrote ("epmoe: ..."), in order (mpirun's own lines left out).
+std::vector<std::string> epmoe_lines(const std::string& out) {
+  std::vector<std::string> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("epmoe: ", 0) == 0) lines.push_back(line);
+  return lines;
 }
 
 // Under mpirun each process parses its own flags: an MPMD launch whose processes differ in a job flag (--seed) is a
@@ -863,6 +927,42 @@ TEST(Cli, MpirunParseErrorOnAnotherProcessAloneNamesThatRankAndTheFlag) {
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
 }
 
+// A flag refused alike on every process (here --experts 8 that 3 processes do not divide) is said once, by rank 0,
+// with no rank named: it printed one line per rank, the same error three times at -np 3.
+TEST(Cli, MpirunRefusalRaisedAlikeOnEveryProcessIsSaidOnce) {
+  SKIP_WITHOUT_MPIRUN();
+  const auto [status, out] = run_processes({"", "", ""});
+  EXPECT_TRUE(refused_status(status)) << out;
+  EXPECT_EQ(epmoe_lines(out),
+            std::vector<std::string>{"epmoe: invalid argument 'mpirun -np': expected a divisor of --experts (8), got 3"})
+      << out;
+}
+
+// Messages that differ are each said once, by the lowest rank that has it, naming the ranks that have it: ranks 1 and
+// 2 refuse the same --chunk-size and ranks 0 and 3, whose flags passed, say so in one line; then rank 2 refuses its
+// own --offset beside the others' --chunk-size. Every line comes out, whichever process exits first.
+TEST(Cli, MpirunRefusalsThatDifferAreEachSaidOnceNamingTheirRanks) {
+  SKIP_WITHOUT_MPIRUN();
+  const std::string chunk = "--chunk-size -1", offset = "--offset -2";
+  auto [status, out] = run_processes({"", chunk, chunk, ""});
+  EXPECT_TRUE(refused_status(status)) << out;
+  std::vector<std::string> lines = epmoe_lines(out);
+  std::sort(lines.begin(), lines.end());  // the processes speak in any order
+  EXPECT_EQ(lines, (std::vector<std::string>{
+                       "epmoe: ranks 0, 3: their flags were accepted, but rank(s) 1, 2 refused theirs (their messages "
+                       "name the flag); no rank runs",
+                       "epmoe: ranks 1, 2: invalid argument '--chunk-size': expected >= 0, got -1"}))
+      << out;
+  std::tie(status, out) = run_processes({chunk, chunk, offset, chunk});
+  EXPECT_TRUE(refused_status(status)) << out;
+  lines = epmoe_lines(out);
+  std::sort(lines.begin(), lines.end());
+  EXPECT_EQ(lines, (std::vector<std::string>{"epmoe: rank 2: invalid argument '--offset': expected >= 0, got -2",
+                                             "epmoe: ranks 0, 1, 3: invalid argument '--chunk-size': expected >= 0, "
+                                             "got -1"}))
+      << out;
+}
+
 TEST(Cli, TuneRefusesWithoutGpus) {
   CliResult r = run_cli("tune --device cpu");
   EXPECT_EQ(r.code, 2);
@@ -903,7 +1003,7 @@ TEST(Cli, LimitsAndParseErrorsNameTheFlagBeforeAnyWork) {
        "invalid argument '--experts': expected at most 2048 (1024 per rank on 2 ranks), got 2050"},
       // Found by a fresh user: CLI11's "Could not convert: --ranks = abc" said nothing of what the flag takes.
       {"run --device cpu --tokens abc", "invalid argument '--tokens': expected a decimal integer, got 'abc'"},
-      {"run --device cpu --ranks 99999999999", "'--ranks': expected an integer in [-2147483648, 2147483647]"},
+      {"run --device cpu --ranks 99999999999", "'--ranks': expected an integer in [1, 2147483647]"},
       {"run --device cpu --tolerance x", "invalid argument '--tolerance': expected a decimal number"},
       {"bench --device cpu --modes low-latency --topk 20", "invalid argument '--topk': expected in [1, 16]"},
       {"bench --device cpu --modes low-latency --tokens-min 256 --tokens-max 256",

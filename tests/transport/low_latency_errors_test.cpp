@@ -97,6 +97,37 @@ TEST(LowLatencyErrors, BadTopkRejectedBeforeSending) {
   }
 }
 
+// A topk_idx of another dtype than int64 or int32 is said in one wording by every call that takes it: the layout,
+// the low-latency dispatch and the normal dispatch name the argument, the dtypes it takes and the one it has.
+TEST(LowLatencyErrors, TopkIdxOfAnotherDtypeIsSaidInOneWording) {
+  const Case c = small_case();
+  std::mt19937_64 rng(fresh_seed());
+  const auto in = make_inputs(rng, c);
+  std::vector<std::int16_t> ids(static_cast<std::size_t>(c.tmax * c.K), 0);
+  const TensorView idx16(ids.data(), DType::int16, {c.tmax, c.K});
+  const std::string want = "epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got int16[" +
+                           std::to_string(c.tmax) + ", " + std::to_string(c.K) + "] cpu";
+  const Caught layout = catch_error([&] { get_dispatch_layout(idx16, c.E, c.R); });
+  EXPECT_EQ(layout.code, ErrorCode::invalid_argument);
+  EXPECT_EQ(layout.what, want);
+  for (const auto& e : errors_on_all(c.R, [&](Buffer& b, Group& g) {
+         auto a = dispatch_args(c, in[static_cast<std::size_t>(g.rank())]);
+         a.topk_idx = idx16;
+         b.low_latency_dispatch(a);
+       })) {
+    EXPECT_EQ(e.code, ErrorCode::invalid_argument);
+    EXPECT_EQ(e.what, want);
+  }
+  for (const auto& e : errors_on_all(c.R, [&](Buffer& b, Group& g) {
+         const LowLatencyRankInput& mine = in[static_cast<std::size_t>(g.rank())];
+         const DispatchLayout l = b.get_dispatch_layout(mine.topk_idx, c.E);
+         b.dispatch(make_dispatch_args(l, mine.x, idx16, mine.topk_weights));
+       })) {
+    EXPECT_EQ(e.code, ErrorCode::invalid_argument);
+    EXPECT_EQ(e.what, want);
+  }
+}
+
 TEST(LowLatencyErrors, BadShapesAndOptions) {
   const Case c = small_case();
   std::mt19937_64 rng(fresh_seed());

@@ -1,6 +1,6 @@
 // run_thread_ranks rethrows the failing rank's own exception whichever rank failed (not the 'unusable' the
-// others saw of it) and releases the others at once; a rank that returns before its peers' collective releases
-// them at once too.
+// others saw of it; an epmoe error naming that rank) and releases the others at once; a rank that returns before
+// its peers' collective releases them at once too.
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
@@ -14,6 +14,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "support/random.hpp"
 
@@ -22,10 +23,11 @@ namespace {
 
 using test::fresh_seed;
 
-// Rank `failing` throws `thrown` while the other ranks wait in a barrier; the caller gets exactly `thrown`, and
-// at once: the failure releases the waiting ranks long before their 60 s timeout.
+// Rank `failing` throws `thrown` while the other ranks wait in a barrier; the caller gets an exception of the same
+// type (and code) whose message is `want`, and at once: the failure releases the waiting ranks long before their
+// 60 s timeout.
 template <class Thrown>
-void expect_root_cause(int num_ranks, int failing, const Thrown& thrown) {
+void expect_root_cause(int num_ranks, int failing, const Thrown& thrown, const std::string& want) {
   const auto start = std::chrono::steady_clock::now();
   try {
     run_thread_ranks(
@@ -37,7 +39,7 @@ void expect_root_cause(int num_ranks, int failing, const Thrown& thrown) {
         60.0);
     ADD_FAILURE() << "nothing thrown";
   } catch (const Thrown& e) {
-    EXPECT_EQ(std::string(e.what()), std::string(thrown.what()));
+    EXPECT_EQ(std::string(e.what()), want);
     if constexpr (std::is_same_v<Thrown, Error>) EXPECT_EQ(e.code(), thrown.code());
   } catch (const std::exception& e) {
     ADD_FAILURE() << "another exception came: " << e.what();
@@ -45,14 +47,38 @@ void expect_root_cause(int num_ranks, int failing, const Thrown& thrown) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
 }
 
+// An epmoe error comes back naming the rank that raised it, with its code; another exception comes back as thrown.
 TEST(RunThreadRanks, AHigherRankFailingWhileLowerRanksWaitRethrowsItsOwnError) {
-  expect_root_cause(2, 1, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'w1': from rank one"));
-  expect_root_cause(3, 2, std::runtime_error("rank two's own failure"));
+  expect_root_cause(2, 1, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'w1': from rank one"),
+                    "epmoe: rank 1: invalid argument 'w1': from rank one");
+  expect_root_cause(3, 2, Error(ErrorCode::out_of_memory, "epmoe: out of memory: from rank two"),
+                    "epmoe: rank 2: out of memory: from rank two");
+  expect_root_cause(3, 2, std::runtime_error("rank two's own failure"), "rank two's own failure");
 }
 
 TEST(RunThreadRanks, ALowerRankFailingWhileHigherRanksWaitRethrowsItsOwnError) {
-  expect_root_cause(2, 0, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'x': from rank zero"));
-  expect_root_cause(3, 1, std::runtime_error("rank one's own failure"));
+  expect_root_cause(2, 0, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'x': from rank zero"),
+                    "epmoe: rank 0: invalid argument 'x': from rank zero");
+  expect_root_cause(3, 1, std::runtime_error("rank one's own failure"), "rank one's own failure");
+}
+
+// The rank goes after "epmoe: ", once: a message that names a rank first already says whose it is.
+TEST(RunThreadRanks, NamingRankPutsTheRankFirstUnlessOneIsNamed) {
+  EXPECT_EQ(naming_rank("epmoe: invalid argument 'x': expected a, got b", 3),
+            "epmoe: rank 3: invalid argument 'x': expected a, got b");
+  EXPECT_EQ(naming_rank("epmoe: rank 0: timed out after 1 s", 3), "epmoe: rank 0: timed out after 1 s");
+  EXPECT_EQ(naming_rank("no prefix", 1), "rank 1: no prefix");
+}
+
+// ThreadWorld::abort records the order of the failures, once per rank (first_root_cause's `order`).
+TEST(RunThreadRanks, ThreadWorldRecordsTheOrderOfTheFailures) {
+  ThreadWorld world(4);
+  EXPECT_EQ(world.failure_order(), (std::vector<int>{-1, -1, -1, -1}));
+  world.abort(2, "first");
+  world.abort(0, "second");
+  world.abort(2, "again");
+  EXPECT_EQ(world.failure_order(), (std::vector<int>{1, -1, 0, -1}));
+  EXPECT_THROW(world.abort(4, "no such rank"), Error);
 }
 
 // A rank that returns while the others wait for it in a barrier can never arrive (the first rank to see it may

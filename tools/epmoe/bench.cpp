@@ -932,12 +932,12 @@ int tune(BenchConfig c) {
 }
 
 void add_shape_options(CLI::App* cmd, BenchConfig& c, const std::string& ranks_help) {
-  cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
-  cmd->add_option("-k,--topk", c.topk, "experts per token K")->capture_default_str();
-  cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of the ranks)")->capture_default_str();
-  cmd->add_option("--runs", c.runs, "timed runs per point (median reported)")->capture_default_str();
-  cmd->add_option("--warmup", c.warmup, "untimed runs before them")->capture_default_str();
-  cmd->add_option("--ranks", c.ranks, ranks_help)->capture_default_str();
+  at_least(16, cmd->add_option("--hidden", c.hidden, "hidden size H"))->capture_default_str();
+  at_least(1, cmd->add_option("-k,--topk", c.topk, "experts per token K"))->capture_default_str();
+  at_least(1, cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of the ranks)"))->capture_default_str();
+  at_least(1, cmd->add_option("--runs", c.runs, "timed runs per point (median reported)"))->capture_default_str();
+  at_least(0, cmd->add_option("--warmup", c.warmup, "untimed runs before them"))->capture_default_str();
+  at_least(1, cmd->add_option("--ranks", c.ranks, ranks_help))->capture_default_str();
   cmd->add_option("--seed", c.seed, "seed of inputs and routing (0: a fresh one, printed)")
       ->check(non_negative_integer())
       ->capture_default_str();
@@ -954,10 +954,12 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto& c = *config;
   CLI::App* cmd = app.add_subcommand(
       "bench", "Time dispatch and combine over T = powers of two, beside a peer-copy (or memcpy) floor and NCCL");
-  cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank; a power of two)")->capture_default_str();
-  cmd->add_option("--tokens-max", c.tokens_max, "largest T (a power of two)")->capture_default_str();
-  cmd->add_option("--ll-tokens-max", c.ll_tokens_max,
-                  "largest T of the low-latency sweep (any T >= 1: it runs the sweep's powers of two up to it)")
+  at_least(1, cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank; a power of two)"))
+      ->capture_default_str();
+  at_least(1, cmd->add_option("--tokens-max", c.tokens_max, "largest T (a power of two)"))->capture_default_str();
+  at_least(1, cmd->add_option("--ll-tokens-max", c.ll_tokens_max,
+                              "largest T of the low-latency sweep (any T >= 1: it runs the sweep's powers of two up to "
+                              "it)"))
       ->capture_default_str();
   cmd->add_option("--modes", c.modes, "normal,low-latency or one of them")->capture_default_str();
   cmd->add_option("--device", c.device, "auto (all local GPUs when CUDA devices exist, else CPU ranks), cpu or cuda")
@@ -981,7 +983,7 @@ std::function<int()> add_tune_command(CLI::App& app) {
   auto& c = *config;
   c.runs = 20;
   CLI::App* cmd = app.add_subcommand("tune", "Sweep num_sms of the cuda_ipc backend on the GPUs and write the best config JSON");
-  cmd->add_option("-t,--tokens", c.tokens, "tokens per rank T")->capture_default_str();
+  at_least(1, cmd->add_option("-t,--tokens", c.tokens, "tokens per rank T"))->capture_default_str();
   cmd->add_option("--sms", c.sms_list, "num_sms values to try (comma-separated)")->capture_default_str();
   cmd->add_option("--chunks", c.chunks_list, "also sweep num_chunks (copy-engine pipeline stages, 1..16), e.g. 2,4,8");
   cmd->add_option("--objective", c.objective, "max (of dispatch and combine), sum, dispatch or combine")->capture_default_str();

@@ -2,11 +2,15 @@
 // public API only.
 #pragma once
 
+#include <epmoe/error.hpp>
+
 #include <CLI/CLI.hpp>
 
 #include <charconv>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 #include <system_error>
 
@@ -42,6 +46,34 @@ inline CLI::Validator non_negative_integer() {
       },
       "");
 }
+
+/// The least value of each integer option declared with at_least. An option lives as long as its app, so its address
+/// names it.
+inline std::map<const CLI::Option*, std::int64_t>& least_values() {
+  static std::map<const CLI::Option*, std::int64_t> least;
+  return least;
+}
+
+/// Declares that integer option `o` takes values >= `least`. A smaller value in its type is refused after parsing, by
+/// the command's own check in its words; a value past its type is refused while parsing, and that message gives the
+/// option's range from `least` ("[1, 2147483647]"), not its type's ("[-2147483648, 2147483647]"). Returns `o`.
+inline CLI::Option* at_least(std::int64_t least, CLI::Option* o) {
+  least_values()[o] = least;
+  return o;
+}
+
+/// The least value `o` takes as at_least declared it; none when it was not declared.
+inline std::optional<std::int64_t> least_value(const CLI::Option& o) {
+  const auto it = least_values().find(&o);
+  return it == least_values().end() ? std::nullopt : std::optional<std::int64_t>(it->second);
+}
+
+/// An error whose message this process has written already, or left to another process of the same mpirun job that
+/// raised the same one (run's stop_unless_every_rank_passed): the command exits as for the error, without a line.
+class AlreadyReported : public Error {
+ public:
+  using Error::Error;
+};
 
 /// `epmoe run`: a full expert-parallel MoE layer checked against the float64 reference.
 /// Returns the callback that runs it (exit code 0 on PASS, 1 on FAIL).

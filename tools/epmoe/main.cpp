@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <regex>
 #include <string>
 #include <system_error>
@@ -179,10 +180,19 @@ std::string positional_message(const CLI::App& app, const std::string& word) {
          (word.size() > 1 && word[0] == '-' ? " (so it was not read as a flag)" : "");
 }
 
-/// The range of integer option `o`'s type, "[-2147483648, 2147483647]" for an int: CLI11 names every integer type
-/// INT or UINT, so the widest of 8, 16, 32 and 64 bits whose largest value the option's own conversion takes. That
-/// conversion writes the option's variable: called only for a value about to be refused.
-std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
+/// A word after "--" where the command goes (`epmoe -- run`): the words after "--" are never flags or commands, so no
+/// command came; named as typed, where CLI11's "a subcommand is required" read "got none".
+std::string command_after_mark_message(const std::string& word) {
+  return "epmoe: invalid argument '" + word + "': expected a command (run, bench or tune) before '--', got " +
+         as_typed(word) + " after it (words after '--' are never flags or commands)";
+}
+
+/// The range integer option `o` takes, as a value past its type is refused with: from the least value at_least declared
+/// ("[1, 2147483647]" for --ranks), else its type's, to its type's largest ("[-2147483648, 2147483647]" for an int).
+/// CLI11 names every integer type INT or UINT, so the type is the widest of 8, 16, 32 and 64 bits whose largest value
+/// the option's own conversion takes. That conversion writes the option's variable: called only for a value about to
+/// be refused.
+std::string integer_range(const CLI::Option& o, bool is_unsigned) {
   const CLI::callback_t convert = o.get_callback();
   const auto most = [is_unsigned](int bits) { return ~std::uint64_t{0} >> (64 - bits + (is_unsigned ? 0 : 1)); };
   int bits = 8;
@@ -190,8 +200,10 @@ std::string integer_type_range(const CLI::Option& o, bool is_unsigned) {
     if (!convert({std::to_string(most(wider))})) break;
     bits = wider;
   }
-  return is_unsigned ? "[0, " + std::to_string(most(bits)) + "]"
-                     : "[-" + std::to_string(most(bits) + 1) + ", " + std::to_string(most(bits)) + "]";
+  const std::string largest = std::to_string(most(bits));
+  if (const std::optional<std::int64_t> least = epmoe::cli::least_value(o))
+    return "[" + std::to_string(*least) + ", " + largest + "]";
+  return is_unsigned ? "[0, " + largest + "]" : "[-" + std::to_string(most(bits) + 1) + ", " + largest + "]";
 }
 
 /// Calls fn(sub, option) for every option of every subcommand (the edits below apply to all commands alike).
@@ -205,7 +217,7 @@ void for_each_option(CLI::App& app, Fn&& fn) {
 /// (octal), "0x10" 16, and a value past 64 bits was clamped to the type's limit, which the range checks then named as
 /// if typed. Only an optional sign and decimal digits are taken (not "0x10", "1e3", " 2" or ""); a decimal value loses
 /// its leading zeros; one past the option's type (64 bits, or 32 for an int, whose conversion CLI11 refused as "Could
-/// not convert") is refused with the value as given and that type's range.
+/// not convert") is refused with the value as given and the option's range (integer_range).
 void read_integers_in_decimal(CLI::App& app) {
   for_each_option(app, [](CLI::App&, CLI::Option* o) {
     const ValueKind kind = kind_of(*o);
@@ -225,7 +237,7 @@ void read_integers_in_decimal(CLI::App& app) {
           // (writing the value into the option's variable, as the conversion right after this check does).
           const bool past_64_bits = digits.size() > most.size() || (digits.size() == most.size() && digits > most);
           if (past_64_bits || !o->get_callback()({decimal}))
-            return "expected an integer in " + integer_type_range(*o, is_unsigned) + ", got " + v;
+            return "expected an integer in " + integer_range(*o, is_unsigned) + ", got " + v;
           v = decimal;
           return "";
         },
@@ -362,6 +374,15 @@ int refuse_command_line(const std::string& message) {
   return 2;
 }
 
+/// The exit status of a command that raised `code`: 2 for bad arguments (and requests this machine cannot serve:
+/// sizes past its memory, no GPU); 1 for a failure while running (a timeout, a broken group or buffer, an internal
+/// error, results that could not be written), as a failed check.
+int exit_status(epmoe::ErrorCode code) {
+  const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
+                       code == epmoe::ErrorCode::unusable;
+  return failure ? 1 : 2;
+}
+
 /// A standard output that cannot be written (`> /dev/full`, closed): said as that, not as a bug or a success; exit 1
 /// (a failure while running), whether the job's output or the help failed.
 int standard_output_failed(const std::string& reason) {
@@ -432,6 +453,8 @@ int main(int argc, char** argv) {
       message =
           fmt::format("epmoe: invalid argument '{0}': expected a command (run, bench or tune), got {1} (see --help)",
                       argv[1], as_typed(argv[1]));
+    else if (app.get_subcommands().empty() && !after_mark.empty())  // only words after a "--" (`epmoe -- run`)
+      message = command_after_mark_message(after_mark.front());
     else if (std::string m = conversion_message(app, e); !m.empty())
       message = std::move(m);
     else if (std::string q = missing_value_message(app, e); !q.empty())
@@ -449,15 +472,11 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("run")) return run();
     if (app.got_subcommand("bench")) return bench();
     if (app.got_subcommand("tune")) return tune();
+  } catch (const epmoe::cli::AlreadyReported& e) {
+    return exit_status(e.code());
   } catch (const epmoe::Error& e) {
     std::fprintf(stderr, "%s\n", naming_the_rank(e.what()).c_str());
-    // Bad arguments (and requests this machine cannot serve: sizes past its memory, no GPU): 2. A failure while
-    // running (a timeout, a broken group or buffer, an internal error, results that could not be written): 1, as a
-    // failed check.
-    const epmoe::ErrorCode code = e.code();
-    const bool failure = code == epmoe::ErrorCode::timeout || code == epmoe::ErrorCode::internal ||
-                         code == epmoe::ErrorCode::unusable;
-    return failure ? 1 : 2;
+    return exit_status(e.code());
   } catch (const std::system_error& e) {
     // fmt's print to a full or closed standard output (`> /dev/full`, its error flag set): said as that, not as a bug.
     if (std::ferror(stdout) != 0) return standard_output_failed(e.code().message());

@@ -25,6 +25,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -618,21 +619,68 @@ void check_flags_agree(Group& g, const RunConfig& c) {
 #endif
 
 #if defined(EPMOE_HAVE_MPI)
+/// Who says a message that several ranks share, given every rank's message code (`codes[r]`): the lowest rank with
+/// that code says it for all of them, naming them ("ranks 1, 2") unless every rank shares it; the others stay quiet.
+struct Speaker {
+  bool says = false;
+  int count = 0;      // ranks that share the message
+  std::string ranks;  // "rank 1", "ranks 1, 2"; "" when every rank shares it
+};
+Speaker speaker_of(const std::vector<std::int64_t>& codes, int rank) {
+  const std::int64_t mine = codes[static_cast<std::size_t>(rank)];
+  Speaker s;
+  std::string alike;
+  for (int r = 0; r < static_cast<int>(codes.size()); ++r)
+    if (codes[static_cast<std::size_t>(r)] == mine) {
+      if (s.count++ == 0) s.says = r == rank;
+      alike += (alike.empty() ? "" : ", ") + std::to_string(r);
+    }
+  if (s.count < static_cast<int>(codes.size())) s.ranks = (s.count == 1 ? "rank " : "ranks ") + alike;
+  return s;
+}
+
 // Under mpirun a flag refused on some ranks alone (a --json folder or a --routing file that only their nodes lack, an
 // MPMD launch) must stop every rank at once, not leave the others in their first collective until its timeout: the
-// ranks exchange whether their own checks passed, and those that passed raise an error naming the ranks that did not.
-void stop_unless_every_rank_passed(Group& g, bool passed) {
-  const int mine = passed ? 1 : 0;
-  std::vector<int> all(static_cast<std::size_t>(g.size()));
-  g.all_gather(&mine, all.data(), sizeof(int), "epmoe run flags checked");
-  std::string refused;
+// ranks exchange a code of their message (0: their checks passed), and those that passed say which ranks did not.
+// Each message is said once, by the lowest rank that has it (speaker_of): a flag refused alike on every rank is one
+// line, not one per rank. Every line is written before any rank exits: mpirun ends the job at the first non-zero exit,
+// which would cut off a rank still about to speak.
+void stop_unless_every_rank_passed(Group& g, const std::exception_ptr& refused) {
+  std::string message;
+  std::optional<ErrorCode> code;
+  try {
+    if (refused != nullptr) std::rethrow_exception(refused);
+  } catch (const Error& e) {
+    message = e.what();
+    code = e.code();
+  } catch (...) {  // not one of the checks' refusals: its own rank says it, as it is
+  }
+  // A refusal's code is odd, so never 0; a failure that is not an Error gets a negative one that no rank shares.
+  const std::int64_t mine = refused == nullptr ? 0 : code ? text_code(message) | 1 : -1 - g.rank();
+  std::vector<std::int64_t> all(static_cast<std::size_t>(g.size()));
+  g.all_gather(&mine, all.data(), sizeof(mine), "epmoe run flags checked");
+  std::string refusing;
   for (int r = 0; r < g.size(); ++r)
-    if (all[static_cast<std::size_t>(r)] == 0) refused += (refused.empty() ? "" : ", ") + std::to_string(r);
-  if (passed && !refused.empty())
-    throw Error(ErrorCode::invalid_argument,
-                fmt::format("epmoe: rank {}: its flags were accepted, but rank(s) {} refused theirs (their messages name "
-                            "the flag); no rank runs",
-                            g.rank(), refused));
+    if (all[static_cast<std::size_t>(r)] != 0) refusing += (refusing.empty() ? "" : ", ") + std::to_string(r);
+  if (refusing.empty()) return;
+  const Speaker speaker = speaker_of(all, g.rank());
+  constexpr std::string_view head = "epmoe: ";
+  std::string line;  // this rank's message as the job says it
+  if (refused == nullptr)
+    line = fmt::format("epmoe: {}: {} flags were accepted, but rank(s) {} refused theirs (their messages name the "
+                       "flag); no rank runs",
+                       speaker.ranks, speaker.count == 1 ? "its" : "their", refusing);
+  else if (code)
+    line = speaker.ranks.empty() ? message
+                                 : fmt::format("{}{}: {}", head, speaker.ranks,
+                                               message.rfind(head, 0) == 0 ? message.substr(head.size()) : message);
+  if (speaker.says && !line.empty()) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
+  g.barrier("epmoe run refusals said");
+  if (line.empty()) std::rethrow_exception(refused);
+  throw AlreadyReported(code.value_or(ErrorCode::invalid_argument), line);
 }
 #endif
 
@@ -738,7 +786,7 @@ int run(RunConfig c) {
   }
 #if defined(EPMOE_HAVE_MPI)
   if (mpi_group) {
-    stop_unless_every_rank_passed(*mpi_group, refused == nullptr);
+    stop_unless_every_rank_passed(*mpi_group, refused);
     if (refused == nullptr) check_flags_agree(*mpi_group, c);
   }
 #endif
@@ -860,17 +908,17 @@ std::function<int()> add_run_command(CLI::App& app) {
   auto config = std::make_shared<RunConfig>();
   CLI::App* cmd = app.add_subcommand("run", "Run a full expert-parallel MoE layer and check it against the float64 reference");
   auto& c = *config;
-  cmd->add_option("--ranks", c.ranks,
-                  "expert-parallel ranks (threads backend, on CPU at most OpenBLAS's limit, 65 in the usual build; "
-                  "with mpi, mpirun's -np; on GPUs: all of them)")
+  at_least(1, cmd->add_option("--ranks", c.ranks,
+                              "expert-parallel ranks (threads backend, on CPU at most OpenBLAS's limit, 65 in the "
+                              "usual build; with mpi, mpirun's -np; on GPUs: all of them)"))
       ->capture_default_str();
   cmd->add_option("--backend", c.backend, "threads (ranks are threads of this process) or mpi (one rank per process, under mpirun)")
       ->check(CLI::IsMember({"threads", "mpi"}))->capture_default_str();
-  cmd->add_option("-t,--tokens", c.tokens, "tokens per rank")->capture_default_str();
-  cmd->add_option("--hidden", c.hidden, "hidden size H")->capture_default_str();
-  cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)")->capture_default_str();
-  cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)")->capture_default_str();
-  cmd->add_option("--intermediate", c.intermediate, "expert intermediate size N")->capture_default_str();
+  at_least(1, cmd->add_option("-t,--tokens", c.tokens, "tokens per rank"))->capture_default_str();
+  at_least(8, cmd->add_option("--hidden", c.hidden, "hidden size H"))->capture_default_str();
+  at_least(1, cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)"))->capture_default_str();
+  at_least(1, cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)"))->capture_default_str();
+  at_least(1, cmd->add_option("--intermediate", c.intermediate, "expert intermediate size N"))->capture_default_str();
   cmd->add_option("--mode", c.mode, "normal or low-latency")->check(CLI::IsMember({"normal", "low-latency"}))->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
   cmd->add_option("--activation", c.activation, "silu, gelu, swigluoai, silu_no_mul, gelu_no_mul, relu2_no_mul")->capture_default_str();
@@ -893,18 +941,20 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_option("--domain", c.domain, "domain of --routing when it is a directory (refused with a --routing file: "
                                         "the file's name gives its domain)")
       ->capture_default_str();
-  cmd->add_option("--layer", c.layer, "layer of --routing")->capture_default_str();
-  cmd->add_option("--offset", c.offset,
-                  "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, offset + (r+1)*T), wrapping)")
+  at_least(0, cmd->add_option("--layer", c.layer, "layer of --routing"))->capture_default_str();
+  at_least(0, cmd->add_option("--offset", c.offset,
+                              "first token of --routing, in [0, the trace's tokens) (rank r takes [offset + r*T, "
+                              "offset + (r+1)*T), wrapping)"))
       ->capture_default_str();
-  cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)")->capture_default_str();
+  at_least(0, cmd->add_option("--chunk-size", c.chunk_size, "experts run over chunks of this many rows (0: one chunk)"))
+      ->capture_default_str();
   cmd->add_flag("--overlap", c.overlap,
                 "--mode low-latency: the combine's send overlaps the experts, each block sent once the experts signal "
                 "it done (MoELayerOptions::overlap; the experts phase then holds the send, the combine phase the "
                 "receive); needs experts that signal: --experts-impl reference or cuda (auto picks them), not blas");
-  cmd->add_option("--iters", c.iters, "timed iterations (median reported)")->capture_default_str();
-  cmd->add_option("--check-tokens", c.check_tokens,
-                  "tokens per rank checked against the float64 reference (all of them when fewer)")
+  at_least(1, cmd->add_option("--iters", c.iters, "timed iterations (median reported)"))->capture_default_str();
+  at_least(1, cmd->add_option("--check-tokens", c.check_tokens,
+                              "tokens per rank checked against the float64 reference (all of them when fewer)"))
       ->capture_default_str();
   cmd->add_option("--tolerance", c.tolerance, "relative L2 error allowed (semantics §13)")
       ->each([&c](const std::string& v) { c.tolerance_text = v; })
@@ -915,9 +965,9 @@ std::function<int()> add_run_command(CLI::App& app) {
   cmd->add_flag("--eplb", c.eplb,
                 "EPLB report of --routing instead of a layer run: every layer planned on the first half of the tokens "
                 "(rebalance_experts), max/mean choices per rank of both halves before and after (semantics §9)");
-  cmd->add_option("--redundant-experts", c.redundant_experts,
-                  "spare physical expert slots of the --eplb plan, a multiple of --ranks (default: experts / 4 rounded "
-                  "up to a multiple of --ranks)");
+  at_least(0, cmd->add_option("--redundant-experts", c.redundant_experts,
+                              "spare physical expert slots of the --eplb plan, a multiple of --ranks (default: experts "
+                              "/ 4 rounded up to a multiple of --ranks)"));
   return [config, cmd] {
     config->redundant_given = cmd->count("--redundant-experts") > 0;
     config->topk_given = cmd->count("--topk") > 0;

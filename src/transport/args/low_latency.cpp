@@ -34,8 +34,8 @@ void check_on(const TensorView& t, std::string_view name, Device device) {
 std::vector<std::int32_t> read_topk_idx(const TensorView& t, std::int64_t T, int E) {
   EPMOE_CHECK_ARG(t.defined(), "topk_idx", "an int64 or int32 tensor [T, K]", "None");
   check_on(t, "topk_idx", Device::cpu());
-  EPMOE_CHECK_ARG(t.ndim() == 2 && (t.dtype == DType::int64 || t.dtype == DType::int32), "topk_idx",
-                  "a 2-d int64 or int32 tensor [T, K]", describe(t));
+  check_topk_idx_dtype(t);
+  EPMOE_CHECK_ARG(t.ndim() == 2, "topk_idx", "a 2-d [T, K] tensor", describe(t));
   EPMOE_CHECK_ARG(t.size(0) == T, "topk_idx", fmt::format("{} rows (T of x)", T), describe(t));
   const std::int64_t K = t.size(1);
   EPMOE_CHECK_ARG(K >= 1 && K <= kMaxTopk, "topk_idx", fmt::format("K in 1..{} in low-latency mode", kMaxTopk),
@@ -161,8 +161,8 @@ DispatchSpec check_dispatch(const LowLatencyDispatchArgs& a, int R, Device devic
     const TensorView& t = a.topk_idx;
     EPMOE_CHECK_ARG(t.defined(), "topk_idx", "an int64 or int32 tensor [T, K]", "None");
     check_on(t, "topk_idx", device);
-    EPMOE_CHECK_ARG(t.ndim() == 2 && (t.dtype == DType::int64 || t.dtype == DType::int32), "topk_idx",
-                    "a 2-d int64 or int32 tensor [T, K]", describe(t));
+    check_topk_idx_dtype(t);
+    EPMOE_CHECK_ARG(t.ndim() == 2, "topk_idx", "a 2-d [T, K] tensor", describe(t));
     EPMOE_CHECK_ARG(t.size(0) == T, "topk_idx", fmt::format("{} rows (T of x)", T), describe(t));
     EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kMaxTopk, "topk_idx",
                     fmt::format("K in 1..{} in low-latency mode", kMaxTopk), fmt::format("K = {}", t.size(1)));

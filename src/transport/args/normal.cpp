@@ -79,7 +79,7 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
   // recv_topk_idx / recv_topk_weights, the expert counts from num_tokens_per_expert.
   if (s.has_topk) {
     const TensorView& t = a.topk_idx;
-    EPMOE_CHECK_ARG(t.dtype == DType::int64 || t.dtype == DType::int32, "topk_idx", "dtype int64 or int32", describe(t));
+    check_topk_idx_dtype(t);
     EPMOE_CHECK_ARG(t.ndim() == 2 && t.size(0) == s.T, "topk_idx", fmt::format("a [{}, K] tensor", s.T), describe(t));
     EPMOE_CHECK_ARG(t.size(1) >= 1 && t.size(1) <= kNormalMaxTopk, "topk_idx",
                     fmt::format("K (dimension 1) in 1..{} in normal mode", kNormalMaxTopk), t.size(1));

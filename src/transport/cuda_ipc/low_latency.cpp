@@ -605,8 +605,7 @@ LowLatencyCombineResult CudaIpcLowLatencyImpl::combine(const LowLatencyCombineAr
                                            rows, H, gpu);
   args::check_combine_idx_shape(a.topk_idx, T, K);
   args::check_on(a.topk_idx, "topk_idx", gpu);
-  EPMOE_CHECK_ARG(a.topk_idx.dtype == DType::int64 || a.topk_idx.dtype == DType::int32, "topk_idx",
-                  "an int64 or int32 tensor", describe(a.topk_idx));
+  check_topk_idx_dtype(a.topk_idx);
   EPMOE_CHECK_ARG(T <= 1 || (a.topk_idx.stride(1) == 1 && a.topk_idx.stride(0) == K), "topk_idx",
                   "a contiguous tensor on CUDA", args::strides_of(a.topk_idx));
   EPMOE_CHECK_ARG(a.topk_weights.defined(), "topk_weights", fmt::format("float32[{}, {}]", T, K), "None");

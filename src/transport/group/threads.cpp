@@ -4,7 +4,6 @@
 #include <epmoe/group.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -20,6 +19,7 @@ ThreadWorld::State::State(int n)
       spin_before_sleep(static_cast<unsigned>(n) <= std::thread::hardware_concurrency()),
       arrived(static_cast<std::size_t>(n), false),
       arrived_in(static_cast<std::size_t>(n)),
+      failure_order(static_cast<std::size_t>(n), -1),
       returned(static_cast<std::size_t>(n), false),
       slots(static_cast<std::size_t>(n)),
       pointers(static_cast<std::size_t>(n), nullptr) {}
@@ -175,15 +175,22 @@ std::shared_ptr<Group> ThreadWorld::group(int rank) {
 }
 
 void ThreadWorld::abort(int rank, std::string_view reason) {
+  EPMOE_CHECK_ARG(rank >= 0 && rank < size(), "rank", fmt::format("in [0, {})", size()), rank);
   // A failure's own message ("epmoe: ...") is quoted inside the peers' messages: without its prefix.
   if (constexpr std::string_view head = "epmoe: "; reason.substr(0, head.size()) == head) reason.remove_prefix(head.size());
   std::lock_guard lock(state_->mutex);
+  if (int& order = state_->failure_order[static_cast<std::size_t>(rank)]; order < 0) order = state_->failures++;
   if (!state_->broken) {
     state_->broken = true;
     state_->broken_reason = fmt::format("rank {} failed: {}", rank, reason);
   }
   state_->aborted.store(true);
   state_->cv.notify_all();
+}
+
+std::vector<int> ThreadWorld::failure_order() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->failure_order;
 }
 
 void ThreadWorld::mark_returned(int rank) {
@@ -255,18 +262,16 @@ std::shared_ptr<ThreadWorld::State> thread_world_state(Group& g) {
 }
 
 namespace {
-// abort_on_failure: a rank that throws marks the world broken (ThreadWorld::abort), and one that returns is marked
-// so (ThreadWorld::mark_returned), so ranks waiting for it raise unusable naming it at once instead of waiting out
-// their timeout.
+// abort_on_failure: a rank that throws marks the world broken (ThreadWorld::abort, which records the order of the
+// failures), and one that returns is marked so (ThreadWorld::mark_returned), so ranks waiting for it raise unusable
+// naming it at once instead of waiting out their timeout.
 struct RankErrors {
   std::vector<std::exception_ptr> errors;  // per rank (null: returned normally)
-  std::vector<int> order;                  // per rank: the order in which the ranks failed (0 first)
+  std::vector<int> order;                  // per rank: the order in which the ranks failed (ThreadWorld::failure_order)
 };
 RankErrors run_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s, bool abort_on_failure) {
   ThreadWorld world(num_ranks);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_ranks));
-  std::vector<int> order(static_cast<std::size_t>(num_ranks), 0);
-  std::atomic<int> failures{0};
   world.run_threads([&](int r) {
     try {
       auto g = world.group(r);
@@ -275,18 +280,24 @@ RankErrors run_ranks(int num_ranks, const std::function<void(Group&)>& fn, doubl
       if (abort_on_failure) world.mark_returned(r);
     } catch (const std::exception& e) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
-      order[static_cast<std::size_t>(r)] = failures++;
       // The rank's own message: when it failed for a peer's sake (one that returned), that cause is named too.
       if (abort_on_failure) world.abort(r, e.what());
     } catch (...) {
       errors[static_cast<std::size_t>(r)] = std::current_exception();
-      order[static_cast<std::size_t>(r)] = failures++;
       if (abort_on_failure) world.abort(r, "it threw");
     }
   });
-  return {std::move(errors), std::move(order)};
+  return {std::move(errors), world.failure_order()};
 }
 }  // namespace
+
+std::string naming_rank(std::string_view message, int rank) {
+  constexpr std::string_view head = "epmoe: ";
+  const bool has_head = message.substr(0, head.size()) == head;
+  const std::string_view rest = has_head ? message.substr(head.size()) : message;
+  if (rest.substr(0, 5) == "rank ") return std::string(message);
+  return fmt::format("{}rank {}: {}", has_head ? head : "", rank, rest);
+}
 
 std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
                                                          double timeout_s) {
@@ -298,7 +309,14 @@ std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const st
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s) {
   // Only the root cause comes back, so the others need not wait out their timeout for it.
   const RankErrors failed = run_ranks(num_ranks, fn, timeout_s, true);
-  if (auto e = first_root_cause(failed.errors, failed.order)) std::rethrow_exception(e);
+  const std::exception_ptr e = first_root_cause(failed.errors, failed.order);
+  if (!e) return;
+  const int rank = static_cast<int>(std::find(failed.errors.begin(), failed.errors.end(), e) - failed.errors.begin());
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& error) {  // the same code, its message naming the rank that raised it
+    throw Error(error.code(), naming_rank(error.what(), rank));
+  }
 }
 
 }  // namespace epmoe

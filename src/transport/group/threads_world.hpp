@@ -29,6 +29,8 @@ struct ThreadWorld::State {
   bool broken = false;
   std::string broken_reason;
   std::atomic<bool> aborted{false};  // set with broken by ThreadWorld::abort; read by spinning waiters
+  std::vector<int> failure_order;    // per rank, the order of its first abort (-1: none; ThreadWorld::failure_order)
+  int failures = 0;                  // aborted ranks so far
   // Ranks whose function returned (ThreadWorld::mark_returned): they reach no later barrier or signal.
   std::vector<bool> returned;
   std::atomic<bool> any_returned{false};  // read by spinning waiters before they take `mutex`
