@@ -123,7 +123,7 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
 
     The ranks form one threads-backend group (shared memory). Every collective releases the GIL, so the
     ranks progress together. If any rank raises, the root cause is re-raised after all ranks have
-    finished: the lowest rank's error that is not a timeout or 'unusable' (whatever the rank order; a Python
+    finished: the first error (in the order the ranks failed) that is not a timeout or 'unusable' (a Python
     exception is re-raised as the same object, an epmoe error keeps its code and its message names the rank
     that raised it: "epmoe: rank 1: invalid argument ..."), else the first
     timeout (a rank that never came), else the first 'unusable'. A rank that raises, or returns while others

@@ -16,16 +16,21 @@ from typing import Any, Tuple
 import numpy as np
 
 from . import _ext
-from ._tensor import arg, framework_of, int64_arg, invalid_argument, is_torch, on_stream, required
+from ._tensor import arg, describe, framework_of, int64_arg, invalid_argument, is_torch, on_stream, required
 
 
 def _host_numpy(name: str, x: Any, dtype: Any) -> np.ndarray:
     """A C-contiguous NumPy array of `dtype` with x's values (torch tensors are moved to the CPU); None is refused
-    naming `name` (NumPy would make it a 0-d object array, and the error would describe that instead)."""
+    naming `name` (NumPy would make it a 0-d object array, and the error would describe that instead). For an
+    integer `dtype`, x must hold integers (any width, signed or not): a float array is refused, not truncated (its
+    NaN or 1e30 would become a count the caller never gave)."""
     required(name, x)
     if is_torch(x):
         x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+    a = np.asarray(x)
+    if np.issubdtype(np.dtype(dtype), np.integer) and a.size > 0 and not np.issubdtype(a.dtype, np.integer):
+        raise invalid_argument(name, f"an integer array ({np.dtype(dtype).name} values)", describe(x))
+    return np.ascontiguousarray(a, dtype=dtype)
 
 
 def _like(x: Any, *arrays: np.ndarray) -> Any:

@@ -436,6 +436,10 @@ class MoELayer:
             if phy2log.ndim != 2 or log2phy.ndim != 3 or logcnt.ndim != 2:
                 raise invalid_argument("eplb_plan", "phy2log [L, P], log2phy [L, E, X], logcnt [L, E]",
                                        f"shapes {phy2log.shape}, {log2phy.shape}, {logcnt.shape}")
+            # integer arrays only: a float plan would be truncated into ids and counts nobody planned
+            for name, a in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
+                if a.size > 0 and not np.issubdtype(a.dtype, np.integer):
+                    raise invalid_argument(f"eplb_plan.{name}", "an integer array (int64 values)", describe(a))
             key = (id(eplb_plan), eplb_layer)
             if getattr(self, "_eplb_key", None) != key:
                 self._layer.set_eplb_plan(phy2log.astype(np.int64).ravel().tolist(),

@@ -174,6 +174,28 @@ def test_logical_loads_fold_the_counts_of_mapped_ids(rng):
         epmoe.logical_loads(bad, phy2log, E)
 
 
+def test_float_counts_and_maps_are_refused_not_truncated(rng):
+    """A float array where epmoe reads integers (loads, maps, counts) is refused naming the argument, not truncated:
+    0.9 loads would count 0, a NaN would show as a count the caller never gave."""
+    L, E, P = 1, 6, 8
+    phy2log, log2phy, logcnt = epmoe.rebalance_experts(rng.integers(1, 50, size=(L, E)).astype(np.float64), P, 1, 1, 2)
+    loads = np.full((L, P), 0.9)
+    with pytest.raises(epmoe.Error, match=r"'physical_loads'.*integer.*float64\[1, 8\]"):
+        epmoe.logical_loads(loads, phy2log, E)
+    with pytest.raises(epmoe.Error, match=r"'physical_loads'.*float64"):
+        epmoe.logical_loads(np.full((L, P), np.nan), phy2log, E)
+    idx = rng.integers(0, E, size=(5, 2)).astype(np.int64)
+    with pytest.raises(epmoe.Error, match=r"'logical_to_physical'.*float64"):
+        epmoe.map_to_physical(idx, np.asarray(log2phy) + 0.7, logcnt, 0)
+    with pytest.raises(epmoe.Error, match=r"'logical_replica_count'.*float64"):
+        epmoe.map_to_physical(idx, log2phy, np.asarray(logcnt) + 0.9, 0)
+    with pytest.raises(epmoe.Error, match=r"'loads'.*float32"):
+        epmoe.eplb.load_balancedness(np.ones((L, E), np.float32), 2)
+    # integers of any width still pass, with the same results as int64
+    np.testing.assert_array_equal(epmoe.logical_loads(np.ones((L, P), np.int32), phy2log, E),
+                                  epmoe.logical_loads(np.ones((L, P), np.int64), phy2log, E))
+
+
 @pytest.mark.parametrize("args,name", [
     ((np.ones((2, 4)), 8, 1, 1, 3), "num_replicas"),
     ((np.ones((2, 4)), 3, 1, 1, 1), "num_replicas"),

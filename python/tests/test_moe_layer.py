@@ -612,6 +612,12 @@ def test_eplb_plan_in_forward_matches_the_unbalanced_layer(rng, R):
         return out
 
     out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
+    if R == 2:  # a float plan is refused naming its part, not truncated into ids nobody planned
+        layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+        x, idx, w = tokens[0]
+        float_plan = (plan[0], np.asarray(plan[1]) + 0.5, plan[2])
+        with pytest.raises(epmoe.Error, match=r"'eplb_plan.log2phy'.*integer.*float64"):
+            layer.forward(x, w1p, w2p, w, idx, eplb_plan=float_plan, eplb_layer=0)
     before = np.bincount(np.concatenate([t[1].ravel() for t in tokens]) // (E // R), minlength=R)
     phys = np.concatenate([epmoe.map_to_physical(t[1], plan[1], plan[2], 0).ravel() for t in tokens])
     after = np.bincount(phys // pl, minlength=R)
