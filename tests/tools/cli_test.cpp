@@ -927,6 +927,38 @@ TEST(Cli, MpirunParseErrorOnAnotherProcessAloneNamesThatRankAndTheFlag) {
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
 }
 
+/// `epmoe <args>` as every process of `mpirun -np <n>` (no MPI group: each runs the command on its own): the exit status
+/// and the output of all.
+std::pair<int, std::string> run_under_mpirun(int n, const std::string& args) {
+  const std::string o = temp_path("mpirun.txt");
+  const std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 mpirun --oversubscribe -np " +
+                          std::to_string(n) + " '" + cli_path() + "' " + args;
+  const int status = std::system((cmd + " >'" + o + "' 2>&1").c_str());
+  std::string out = slurp(o);
+  std::filesystem::remove(o);
+  return {status, std::move(out)};
+}
+
+// Refusals that every process raises on its own, with no group to agree on who speaks (run without --backend mpi
+// under mpirun; bench's flags), are said as the command line's are: the first process at once, another only after a
+// pause, so the job ends with one line. They printed one line per rank (a fresh user's report).
+TEST(Cli, MpirunRefusalsWithoutAGroupAreSaidOnce) {
+  SKIP_WITHOUT_MPIRUN();
+  auto [status, out] = run_under_mpirun(3, "run --device cpu " + kTinyRun);
+  EXPECT_TRUE(refused_status(status)) << out;
+  // Under AddressSanitizer the first process may start later than another's pause lasts: at least one line there.
+  const auto said_once = [](const std::vector<std::string>& l) { return kAsan ? !l.empty() : l.size() == 1; };
+  std::vector<std::string> lines = epmoe_lines(out);
+  ASSERT_TRUE(said_once(lines)) << out;
+  EXPECT_NE(lines[0].find("invalid argument '--backend': expected mpi when started by mpirun"), std::string::npos) << out;
+  std::tie(status, out) = run_under_mpirun(3, "bench --device cpu --tokens-max 0");
+  EXPECT_TRUE(refused_status(status)) << out;
+  lines = epmoe_lines(out);
+  ASSERT_TRUE(said_once(lines)) << out;
+  EXPECT_NE(lines[0].find("'--tokens-max'"), std::string::npos) << out;
+  if (!kAsan) EXPECT_EQ(lines[0].find("rank "), std::string::npos) << out;  // rank 0's line, which names no rank
+}
+
 // A flag refused alike on every process (here --experts 8 that 3 processes do not divide) is said once, by rank 0,
 // with no rank named: it printed one line per rank, the same error three times at -np 3.
 TEST(Cli, MpirunRefusalRaisedAlikeOnEveryProcessIsSaidOnce) {

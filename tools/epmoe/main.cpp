@@ -364,15 +364,17 @@ std::vector<std::string> help_request(int argc, char** argv) {
   return words;
 }
 
-/// Says why the command line was refused and returns exit status 2. Under mpirun every process parses the same line:
-/// the first says it at once; another says it after a pause, naming itself. mpirun stops the job at the first
-/// non-zero exit, so when the first process refused the same line the job stops during that pause (one message, not
-/// one per rank); when only this rank's line differs (an MPMD launch), nobody else speaks.
-int refuse_command_line(const std::string& message) {
+/// Says why the command was refused and returns `status`. Under mpirun every process parses the same line and checks
+/// the same flags: the first says it at once; another says it after a pause, naming itself. mpirun stops the job at
+/// the first non-zero exit, so when the first process refused alike the job stops during that pause (one message,
+/// not one per rank); when only this rank's line differs (an MPMD launch), nobody else speaks.
+int refuse(const std::string& message, int status) {
   if (!first_or_only_process()) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   std::fprintf(stderr, "%s\n", naming_the_rank(message).c_str());
-  return 2;
+  return status;
 }
+/// A refused command line: exit status 2.
+int refuse_command_line(const std::string& message) { return refuse(message, 2); }
 
 /// The exit status of a command that raised `code`: 2 for bad arguments (and requests this machine cannot serve:
 /// sizes past its memory, no GPU); 1 for a failure while running (a timeout, a broken group or buffer, an internal
@@ -475,6 +477,10 @@ int main(int argc, char** argv) {
   } catch (const epmoe::cli::AlreadyReported& e) {
     return exit_status(e.code());
   } catch (const epmoe::Error& e) {
+    // A refusal of the flags or of settings that differ: under mpirun every process usually raises it alike (its own
+    // checks, before or without a group that could agree on who speaks), so it is said as the command line's are.
+    if (e.code() == epmoe::ErrorCode::invalid_argument || e.code() == epmoe::ErrorCode::rank_mismatch)
+      return refuse(e.what(), exit_status(e.code()));
     std::fprintf(stderr, "%s\n", naming_the_rank(e.what()).c_str());
     return exit_status(e.code());
   } catch (const std::system_error& e) {
