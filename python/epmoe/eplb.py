@@ -28,9 +28,16 @@ def _host_numpy(name: str, x: Any, dtype: Any) -> np.ndarray:
     if is_torch(x):
         x = x.detach().cpu().numpy()
     a = np.asarray(x)
-    if np.issubdtype(np.dtype(dtype), np.integer) and a.size > 0 and not np.issubdtype(a.dtype, np.integer):
-        raise invalid_argument(name, f"an integer array ({np.dtype(dtype).name} values)", describe(x))
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        check_integer_array(name, a, np.dtype(dtype).name)
     return np.ascontiguousarray(a, dtype=dtype)
+
+
+def check_integer_array(name: str, a: np.ndarray, values: str = "int64") -> None:
+    """Refuses a non-empty array `a` whose dtype is not an integer one, naming `name`, where epmoe reads `values`
+    integers (a float array would be truncated: 0.9 counts as 0, a NaN as a count nobody gave)."""
+    if a.size > 0 and not np.issubdtype(a.dtype, np.integer):
+        raise invalid_argument(name, f"an integer array ({values} values)", describe(a))
 
 
 def _like(x: Any, *arrays: np.ndarray) -> Any:

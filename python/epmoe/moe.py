@@ -23,6 +23,7 @@ from . import _ext
 from ._tensor import (arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream,
                       writable)
 from .buffer import Buffer
+from .eplb import check_integer_array
 
 Experts = _ext.Experts
 PrepareFinalize = _ext.PrepareFinalize
@@ -438,8 +439,7 @@ class MoELayer:
                                        f"shapes {phy2log.shape}, {log2phy.shape}, {logcnt.shape}")
             # integer arrays only: a float plan would be truncated into ids and counts nobody planned
             for name, a in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
-                if a.size > 0 and not np.issubdtype(a.dtype, np.integer):
-                    raise invalid_argument(f"eplb_plan.{name}", "an integer array (int64 values)", describe(a))
+                check_integer_array(f"eplb_plan.{name}", a)
             key = (id(eplb_plan), eplb_layer)
             if getattr(self, "_eplb_key", None) != key:
                 self._layer.set_eplb_plan(phy2log.astype(np.int64).ravel().tolist(),

@@ -1,5 +1,6 @@
 // The `epmoe` command-line tool.
 #include <epmoe/error.hpp>
+#include <epmoe/group.hpp>
 #include <epmoe/version.hpp>
 
 #include <algorithm>
@@ -40,10 +41,8 @@ bool first_or_only_process() { return std::strcmp(launcher_rank(), "0") == 0; }
 /// `message` ("epmoe: ...") as a process other than the first says it under a launcher: "epmoe: rank N: ...", so a
 /// refusal of one rank's own flags says whose they were (unchanged where it already names a rank first).
 std::string naming_the_rank(const std::string& message) {
-  const std::string head = "epmoe: ";
-  if (first_or_only_process() || message.rfind(head, 0) != 0 || message.compare(head.size(), 5, "rank ") == 0)
-    return message;
-  return head + "rank " + launcher_rank() + ": " + message.substr(head.size());
+  if (first_or_only_process() || message.rfind("epmoe: ", 0) != 0) return message;
+  return epmoe::naming_rank(message, std::atoi(launcher_rank()));  // the library's wording (run_thread_ranks')
 }
 
 /// The option `flag` ("--ranks") of the command that was parsed, or null.
