@@ -117,6 +117,7 @@ low_latency_protocol::Layout low_latency_protocol::Layout::make(int tmax, std::i
   L.num_ranks = R;
   L.num_experts = E;
   L.local_experts = E / R;
+  L.expert_rank_multiplier = low_latency_protocol::expert_rank_multiplier(L.local_experts);
   L.hidden = hidden;
   L.groups = num_scale_groups(hidden);
   L.scale_rows = tma_aligned_scale_rows(static_cast<std::int64_t>(R) * tmax);

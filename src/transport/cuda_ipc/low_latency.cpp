@@ -395,7 +395,6 @@ ll::Common CudaIpcLowLatencyImpl::common(std::uint64_t call, bool received) {
   static_cast<LowLatencyMode::Layout&>(c) = layout_;  // its num_ranks is R_ (made for this group)
   for (int r = 0; r < R_; ++r) c.peers[r] = mem_->peer(r);
   c.rank = me_;
-  c.el_div = (std::uint64_t{1} << 40) / static_cast<std::uint64_t>(layout_.local_experts) + 1;
   c.timeout_ns = timeout_ns_;
   c.host = host_dev_;
   c.sent_idx = sent_idx_.ptr<std::int32_t>();

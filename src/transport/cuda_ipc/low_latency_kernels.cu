@@ -58,10 +58,9 @@ __device__ __forceinline__ char* half_base(const Common& c, int r, int half) {
   return static_cast<char*>(c.peers[r]) + kControlBytes + static_cast<std::size_t>(half) * c.half_bytes;
 }
 
-/// The rank owning expert `id` (0 <= id < E): a multiply and a shift (Common::el_div), not an integer division's
-/// ~20 dependent instructions on the id cleaning's path.
+/// The rank owning expert `id` (0 <= id < E): a multiply and a shift (low_latency_protocol::expert_rank).
 __device__ __forceinline__ int expert_rank(const Common& c, int id) {
-  return static_cast<int>(static_cast<unsigned long long>(id) * c.el_div >> 40);
+  return low_latency_protocol::expert_rank(id, c.expert_rank_multiplier);
 }
 
 /// Records the first error of this rank's window in the host-mapped record (later ones are dropped).

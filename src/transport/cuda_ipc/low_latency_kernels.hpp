@@ -106,9 +106,6 @@ struct Common : low_latency_protocol::Layout {
   /// EPMOE_CUDA_IPC_TRACE=1: %globaltimer ns, [0, kNumTracePoints) the first block to pass each point, then the
   /// last (atomicMin / atomicMax of thread 0's clock); null otherwise (no cost but a branch).
   long long* stamps = nullptr;
-  /// floor(2^40 / local_experts) + 1: id / local_experts as one multiply (expert_rank), exact for ids < 2^24 and
-  /// local_experts <= 1024 (semantics §1: the error term id * local_experts / 2^40 stays below one step).
-  unsigned long long el_div = 0;
 };
 
 struct DispatchSendArgs {
