@@ -9,7 +9,11 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
+#include <thread>
+
+#include "support/random.hpp"
 
 namespace epmoe {
 namespace {
@@ -104,6 +108,29 @@ TEST(ThreadGroup, RanksInDifferentCollectivesRaiseRankMismatch) {
       EXPECT_TRUE(contains(msg, "different collectives") && contains(msg, "rank 0 in") && contains(msg, "rank 1 in"))
           << "case " << i << ": " << msg;
     }
+  }
+}
+
+// The words do not depend on which rank arrived last: rank 0's collective first, then the lowest rank that differs.
+TEST(ThreadGroup, CollectiveMismatchIsNamedAgainstRankZeroWhicheverRankArrivesLast) {
+  const std::uint64_t seed = test::fresh_seed();
+  for (int round = 0; round < 12; ++round) {
+    // A random rank arrives last (it waits a little first).
+    std::mt19937_64 rng(seed + static_cast<std::uint64_t>(round));
+    const int last = static_cast<int>(rng() % 3);
+    const auto errors = run_thread_ranks_collect(3, [&](Group& g) {
+      if (g.rank() == last) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      g.barrier(g.rank() == 1 ? "B" : "A");
+    }, 30.0);
+    int named = 0;
+    for (int r = 0; r < 3; ++r) {
+      const auto [code, msg] = error_of(errors[static_cast<std::size_t>(r)]);
+      if (code != ErrorCode::rank_mismatch) continue;  // the others see the group broken (unusable)
+      ++named;
+      EXPECT_TRUE(contains(msg, "ranks met in different collectives: rank 0 in barrier 'A', rank 1 in barrier 'B'"))
+          << "round " << round << ", rank " << r << ": " << msg;
+    }
+    EXPECT_GE(named, 1) << "round " << round << ": no rank raised rank_mismatch";
   }
 }
 

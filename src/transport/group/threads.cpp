@@ -33,11 +33,13 @@ void ThreadWorld::State::barrier(int rank, std::string_view op, std::string_view
   mine.assign(op);
   mine.append(" '").append(phase).append("'");
   if (++count == num_ranks) {
-    for (int r = 0; r < num_ranks; ++r)
-      if (arrived_in[static_cast<std::size_t>(r)] != mine) {
+    // Named against rank 0, the lowest differing rank second: the same words whichever rank arrived last.
+    const std::string& first = arrived_in[0];
+    for (int r = 1; r < num_ranks; ++r)
+      if (arrived_in[static_cast<std::size_t>(r)] != first) {
         broken = mismatch = true;
-        broken_reason = fmt::format("ranks met in different collectives: rank {} in {}, rank {} in {}", r,
-                                    arrived_in[static_cast<std::size_t>(r)], rank, mine);
+        broken_reason = fmt::format("ranks met in different collectives: rank 0 in {}, rank {} in {}", first, r,
+                                    arrived_in[static_cast<std::size_t>(r)]);
         cv.notify_all();
         raise(ErrorCode::rank_mismatch, "rank {}: {}", rank, broken_reason);
       }
