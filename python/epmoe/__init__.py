@@ -28,6 +28,8 @@ torch tensors or CuPy arrays, by DLPack; outputs in the caller's framework and o
   torch is installed.
 - ``rebalance_experts`` (DeepSeek EPLB), ``map_to_physical``, ``ExpertLoadRecorder``: expert load statistics
   and load balancing.
+- ``check_invalid_ids``, ``check_moe_faults``: raise what CUDA kernels flagged instead of synchronising (an
+  out-of-range id in a layout, a no-EP slab overflow; semantics §11).
 - ``Error``: every failure; ``str(e)`` is the C++ message, ``e.code`` its kind.
 """
 
@@ -41,10 +43,10 @@ from ._tensor import BFLOAT16, FLOAT8_E4M3FN
 from .buffer import Buffer, Config, DispatchHandle, Event, EventOverlap, LowLatencyHandle
 from .eplb import ExpertLoadRecorder, logical_loads, map_to_physical, rebalance_experts
 from .moe import (ACTIVATIONS, DISPATCH_MODES, DispatchHookHandle, Experts, MoELayer, PrepareFinalize,
-                  SharedExperts, WorkspaceCache, make_all_gather_prepare_finalize, make_blas_experts, make_cuda_experts,
+                  SharedExperts, WorkspaceCache, check_moe_faults, make_all_gather_prepare_finalize, make_blas_experts, make_cuda_experts,
                   make_cuda_shared_experts, make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize, make_reference_experts,
                   resolve_dispatch_mode)
-from .ops import (FP8_GROUP_SIZE, dequantize_fp8, fp8_group_scale, get_dispatch_layout, grouped_topk,
+from .ops import (FP8_GROUP_SIZE, check_invalid_ids, dequantize_fp8, fp8_group_scale, get_dispatch_layout, grouped_topk,
                   num_scale_groups, num_ue8m0_words, quantize_fp8, topk_sigmoid, topk_softmax, ue8m0_from_scale,
                   ue8m0_to_scale)
 
@@ -87,7 +89,7 @@ __all__ = [
     "BFLOAT16", "Buffer", "Config", "DispatchHandle", "Error", "Event", "EventOverlap", "Experts",
     "ExpertLoadRecorder", "logical_loads", "map_to_physical", "rebalance_experts",
     "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
-    "as_group", "built_with_cuda", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
+    "as_group", "built_with_cuda", "check_invalid_ids", "check_moe_faults", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
     "grouped_topk", "make_all_gather_prepare_finalize", "make_blas_experts", "make_cuda_experts",
     "make_cuda_shared_experts", "SharedExperts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
     "make_normal_prepare_finalize", "make_reference_experts", "num_scale_groups", "num_ue8m0_words", "quantize_fp8",

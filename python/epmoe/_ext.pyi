@@ -186,6 +186,8 @@ def grouped_topk(logits: ArrayArg, num_topk: int, num_expert_group: int, topk_gr
                  scoring_func: str = "softmax", renormalize: bool = True, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: ArrayArg = None, framework: str = "numpy") -> Tuple[Array, Array]:
     """DeepSeek-V2/V3 grouped top-k (semantics §2)."""
+def check_invalid_ids() -> None: ...
+def check_moe_faults() -> None: ...
 def get_dispatch_layout(topk_idx: ArrayArg, num_experts: int, num_ranks: int,
                         framework: str = "numpy") -> Tuple[Array, Array, Array]:
     """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""

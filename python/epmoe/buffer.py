@@ -676,7 +676,8 @@ class Buffer:
             event: an EventOverlap (complete on CPU).
 
         Errors: epmoe.Error('invalid_argument') for a bad dtype/shape, E % R != 0, an id outside [-1, E)
-        (naming the first one and its [t, k]; CPU and debug GPU checks).
+        (naming the first one and its [t, k]) on CPU tensors. On a GPU such an id is skipped (the dispatch drops
+        that choice) and flagged without synchronising: epmoe.check_invalid_ids raises it.
         """
         # The layout runs on the caller's stream itself: that stream waits for previous_event first.
         required("topk_idx", topk_idx)

@@ -154,6 +154,25 @@ def make_no_ep_prepare_finalize(dispatch_dtype: str = "bfloat16", round_scale: b
                                             max_tokens_per_expert)
 
 
+def check_moe_faults(like: Any = None) -> None:
+    """Raises what the no-EP MoE layer's CUDA kernels flagged instead of synchronising (semantics §11): an id outside
+    [-1, E) that was skipped, or a batched slab that got more choices than max_tokens_per_expert (the rest dropped).
+
+    The kernels record a fault in host-mapped memory of the current CUDA device, also across CUDA-graph replays;
+    this call reads and clears it. It returns at once when nothing is flagged; for a bad id it waits for the stream
+    to read the id's detail.
+
+    Arguments:
+        like: optional CUDA tensor (torch or CuPy): the stream is torch's (or CuPy's) current one on its device;
+            None: epmoe's current stream of this thread.
+    Errors: epmoe.Error('invalid_argument') naming topk_idx, the bound, the first bad value and its [t, k];
+    epmoe.Error('out_of_memory') naming the expert, the choices it got and max_tokens_per_expert. A no-op in builds
+    without CUDA.
+    """
+    with on_stream(like):
+        _ext.check_moe_faults()
+
+
 def make_normal_prepare_finalize(buffer: Union[Buffer, Any], dispatch_dtype: str = "bfloat16",
                                  round_scale: bool = False, use_ue8m0: bool = False) -> PrepareFinalize:
     """Normal-mode dispatch/combine over `buffer` ('standard' format; experts see one row per

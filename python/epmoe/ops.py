@@ -84,13 +84,34 @@ def get_dispatch_layout(topk_idx: Any, num_experts: int, num_ranks: int) -> Tupl
     Returns: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R]);
     -1 ids are ignored, a token counts once per rank.
     Errors: epmoe.Error('invalid_argument') for topk_idx not int32/int64 [T, K], E % R != 0, E / R > 1024,
-    an id outside [-1, E) (naming it and its [t, k]).
+    an id outside [-1, E) (naming it and its [t, k]). On CUDA tensors the layout runs asynchronously: an id outside
+    [-1, E) is skipped and flagged, and check_invalid_ids raises this error later (semantics §11).
     """
     required("topk_idx", topk_idx)
     num_experts = int_arg("num_experts", num_experts, -(2**31), 2**31 - 1)
     num_ranks = int_arg("num_ranks", num_ranks, -(2**31), 2**31 - 1)
     with _on_stream(topk_idx):
         return _ext.get_dispatch_layout(arg(topk_idx), num_experts, num_ranks, framework_of(topk_idx))
+
+
+def check_invalid_ids(like: Any = None) -> None:
+    """Raises the first out-of-range expert id that a CUDA kernel skipped (semantics §11), as the CPU would have.
+
+    On CUDA tensors, get_dispatch_layout (also Buffer.get_dispatch_layout, which the normal-mode dispatch's layout
+    comes from) skips ids outside [-1, E) and records the first one (smallest [t, k]) in a word of the device
+    rather than synchronising; the normal-mode dispatch then drops those choices. This call waits for the stream,
+    reads and clears the current CUDA device's record, and raises. (The low-latency mode raises such ids at the
+    buffer's next call by itself; the no-EP MoE layer's faults are check_moe_faults'.)
+
+    Arguments:
+        like: optional CUDA tensor (torch or CuPy): the stream waited for is torch's (or CuPy's) current one on its
+            device; None: epmoe's current stream of this thread (the default stream unless set).
+    Errors: epmoe.Error('invalid_argument') naming topk_idx, the bound, the first bad value and its [t, k]; then
+    the record is clear. Nothing is raised, and nothing waited for past the stream, when no id was flagged. A no-op
+    in builds without CUDA.
+    """
+    with _on_stream(like):
+        _ext.check_invalid_ids()
 
 
 def quantize_fp8(x: Any, round_scale: bool = False, use_ue8m0: bool = False,

@@ -132,6 +132,11 @@ std::shared_ptr<Experts> make_experts(ExpertsKind kind, std::string_view format,
 }  // namespace
 
 void bind_moe(nb::module_& m) {
+  // May wait for epmoe's current stream (the Python wrapper sets it to the caller's): the GIL is let go.
+  m.def("check_moe_faults", [] {
+    nb::gil_scoped_release release;
+    cuda::check_moe_faults();
+  });
   nb::class_<PyExperts>(m, "Experts",
                         "Expert MLPs (semantics §7): 'reference' (float64), 'blas' (OpenBLAS) on the CPU; 'cuda' on a GPU.")
       .def_prop_ro("name", [](const PyExperts& e) { return std::string(e.experts->name()); })

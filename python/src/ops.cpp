@@ -3,6 +3,7 @@
 
 #include <epmoe/error.hpp>
 #include <epmoe/layout.hpp>
+#include <epmoe/permute.hpp>  // cuda::check_invalid_ids
 #include <epmoe/quant.hpp>
 #include <epmoe/router.hpp>
 
@@ -130,6 +131,11 @@ void bind_ops(nb::module_& m) {
         return to_py(r, fw);
       },
       nb::arg("q"), nb::arg("scales"), nb::arg("out_dtype") = "bfloat16", nb::arg("framework") = "numpy");
+  // Waits for epmoe's current stream (the Python wrapper sets it to the caller's), so the GIL is let go.
+  m.def("check_invalid_ids", [] {
+    nb::gil_scoped_release release;
+    cuda::check_invalid_ids();
+  });
   m.def("fp8_group_scale", &fp8_group_scale, nb::arg("amax"), nb::arg("round_scale") = false);
   m.def("ue8m0_from_scale", &ue8m0_from_scale, nb::arg("pow2_scale"));
   m.def("ue8m0_to_scale", &ue8m0_to_scale, nb::arg("byte"));

@@ -10,6 +10,9 @@ tensors, one process, one GPU.
   lets the layer allocate.
 - K = 1 with the router weight on the input and int32 ids.
 - Tensors on the wrong device named before any work; the layer stays usable.
+- Faults flagged on the device rather than synchronised on (semantics §11): a bad id in get_dispatch_layout on CUDA
+  tensors (skipped: the counts as if it were -1; raised by epmoe.check_invalid_ids naming its value and [t, k], then
+  cleared), and in the no-EP layer (raised by epmoe.check_moe_faults).
 - Shared experts on CUDA tensors: a torch callable runs under torch.cuda.stream(the layer's side stream), overlapped
   with the dispatch (CUDA events: the side stream's start before the dispatch hook's point on the caller's stream,
   its end after it, and the caller's stream after forward after its end; only the caller's stream is synchronised),
@@ -164,6 +167,45 @@ def test_weight_on_input_with_int32_ids(fmt):
     # The token is scaled by its weight and rounded to bf16 before the experts; nothing weights it again.
     scaled = (x.astype(np.float32) * w).astype(BF16)
     check(to_numpy(output), moe_ref(scaled, w1, w2, np.ones_like(w), idx, "silu"), f"{name} vs NumPy float64")
+
+
+# ------------------------------------------------------------------------------------------ flagged faults
+
+def test_a_bad_id_in_a_cuda_layout_is_raised_by_check_invalid_ids():
+    rng = np.random.default_rng(fresh_seed("layout bad id"))
+    T, K, E, R = 37, 4, 16, 2
+    idx = random_topk_idx(rng, T, K, E, p_none=0.1)
+    t, k = int(rng.integers(T)), int(rng.integers(K))
+    bad = int(rng.choice([E, E + 5, -2]))
+    idx[t, k] = bad
+    per_rank, per_expert, in_rank = epmoe.get_dispatch_layout(to_cuda(idx), E, R)
+    # The layout skips the bad id: counts as if it were -1.
+    clean = idx.copy()
+    clean[t, k] = -1
+    want_expert = np.array([(clean == e).sum() for e in range(E)], dtype=np.int32)
+    want_in_rank = np.array([[((row >= 0) & (row // (E // R) == r)).any() for r in range(R)] for row in clean])
+    np.testing.assert_array_equal(to_numpy(per_expert), want_expert)
+    np.testing.assert_array_equal(to_numpy(in_rank), want_in_rank)
+    np.testing.assert_array_equal(to_numpy(per_rank), want_in_rank.sum(axis=0).astype(np.int32))
+    with pytest.raises(epmoe.Error, match=rf"'topk_idx'.*{bad} at \[{t}, {k}\]") as e:
+        epmoe.check_invalid_ids(per_expert)
+    assert e.value.code == "invalid_argument"
+    epmoe.check_invalid_ids(per_expert)  # cleared by the first
+
+
+def test_a_bad_id_in_the_no_ep_layer_is_raised_by_check_moe_faults():
+    rng = np.random.default_rng(fresh_seed("no-EP bad id"))
+    E, T, H, K = 6, 9, 2048, 2
+    w1, w2 = make_weights(rng, E, H)
+    x, idx, w = make_tokens(rng, T, H, K, E)
+    t, k = int(rng.integers(T)), int(rng.integers(K))
+    idx[t, k] = E + 3
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_cuda_experts())
+    out = layer.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx), global_num_experts=E)
+    with pytest.raises(epmoe.Error, match=rf"'topk_idx'.*{E + 3} at \[{t}, {k}\]") as e:
+        epmoe.check_moe_faults(out)
+    assert e.value.code == "invalid_argument"
+    epmoe.check_moe_faults(out)  # cleared by the first
 
 
 # ------------------------------------------------------------------------------------------ devices
