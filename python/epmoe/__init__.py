@@ -22,7 +22,8 @@ torch tensors or CuPy arrays, by DLPack; outputs in the caller's framework and o
 - ``run_thread_ranks`` and ``Group``: CPU ranks as threads of one process; ``as_group`` adapts a
   ``torch.distributed`` ProcessGroup or an mpi4py communicator.
 - ``topk_softmax``, ``topk_sigmoid``, ``grouped_topk``: routing.
-- ``quantize_fp8``, ``dequantize_fp8``: per-token-group fp8 (round_scale, UE8M0).
+- ``quantize_fp8``, ``dequantize_fp8``: per-token-group fp8 (round_scale, UE8M0); ``quantize_nvfp4``,
+  ``dequantize_nvfp4``: NVFP4 (e2m1 values, an e4m3 scale per 16 channels, swizzled or linear scales).
 - ``MoELayer`` and the ``make_*`` factories: the modular layer, on CPU tensors (reference / BLAS experts)
   or on one GPU (``make_cuda_experts``, torch or CuPy CUDA tensors); ``MoEModule`` (torch.nn.Module) when
   torch is installed.
@@ -46,8 +47,8 @@ from .moe import (ACTIVATIONS, DISPATCH_MODES, DispatchHookHandle, Experts, MoEL
                   SharedExperts, WorkspaceCache, check_moe_faults, make_all_gather_prepare_finalize, make_blas_experts, make_cuda_experts,
                   make_cuda_shared_experts, make_low_latency_prepare_finalize, make_no_ep_prepare_finalize, make_normal_prepare_finalize, make_reference_experts,
                   resolve_dispatch_mode)
-from .ops import (FP8_GROUP_SIZE, check_invalid_ids, dequantize_fp8, fp8_group_scale, get_dispatch_layout, grouped_topk,
-                  num_scale_groups, num_ue8m0_words, quantize_fp8, topk_sigmoid, topk_softmax, ue8m0_from_scale,
+from .ops import (FP8_GROUP_SIZE, check_invalid_ids, dequantize_fp8, dequantize_nvfp4, fp8_group_scale, get_dispatch_layout, grouped_topk,
+                  num_scale_groups, num_ue8m0_words, quantize_fp8, quantize_nvfp4, topk_sigmoid, topk_softmax, ue8m0_from_scale,
                   ue8m0_to_scale)
 
 Error = _ext.Error
@@ -89,9 +90,10 @@ __all__ = [
     "BFLOAT16", "Buffer", "Config", "DispatchHandle", "Error", "Event", "EventOverlap", "Experts",
     "ExpertLoadRecorder", "logical_loads", "map_to_physical", "rebalance_experts",
     "FLOAT8_E4M3FN", "FP8_GROUP_SIZE", "Group", "LowLatencyHandle", "MoELayer", "PrepareFinalize", "WorkspaceCache",
-    "as_group", "built_with_cuda", "check_invalid_ids", "check_moe_faults", "default_timeout_s", "dequantize_fp8", "fp8_group_scale", "get_dispatch_layout",
+    "as_group", "built_with_cuda", "check_invalid_ids", "check_moe_faults", "default_timeout_s", "dequantize_fp8",
+    "dequantize_nvfp4", "fp8_group_scale", "get_dispatch_layout",
     "grouped_topk", "make_all_gather_prepare_finalize", "make_blas_experts", "make_cuda_experts",
     "make_cuda_shared_experts", "SharedExperts", "make_low_latency_prepare_finalize", "make_no_ep_prepare_finalize",
     "make_normal_prepare_finalize", "make_reference_experts", "num_scale_groups", "num_ue8m0_words", "quantize_fp8",
-    "run_thread_ranks", "topk_idx_t", "topk_sigmoid", "topk_softmax", "ue8m0_from_scale", "ue8m0_to_scale",
+    "quantize_nvfp4", "run_thread_ranks", "topk_idx_t", "topk_sigmoid", "topk_softmax", "ue8m0_from_scale", "ue8m0_to_scale",
 ]

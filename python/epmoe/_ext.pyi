@@ -197,6 +197,12 @@ def quantize_fp8(x: ArrayArg, round_scale: bool = False, use_ue8m0: bool = False
     scales row-major or column-major (strides (1, T rounded up to 4))."""
 def dequantize_fp8(q: ArrayArg, scales: ArrayArg, out_dtype: str = "bfloat16", framework: str = "numpy") -> Array:
     """q * scale per group as 'bfloat16' or 'float32' [T, H]."""
+def quantize_nvfp4(x: ArrayArg, global_scale: ArrayArg, scale_layout: str = "swizzled",
+                   framework: str = "numpy") -> Tuple[Array, Array]:
+    """(q uint8 [T, H/2], scales float8_e4m3fn: swizzled [ceil(T/128), (H/64)*512] or linear [T, H/16])."""
+def dequantize_nvfp4(q: ArrayArg, scales: ArrayArg, global_scale: ArrayArg, scale_layout: str = "swizzled",
+                     out_dtype: str = "bfloat16", framework: str = "numpy") -> Array:
+    """e2m1 value * (scale / global_scale) as 'bfloat16' or 'float32' [T, H]."""
 def fp8_group_scale(amax: float, round_scale: bool = False) -> float: ...
 def ue8m0_from_scale(pow2_scale: float) -> int: ...
 def ue8m0_to_scale(byte: int) -> float: ...

@@ -1,4 +1,4 @@
-"""Router (semantics §2), dispatch layout (semantics §3) and fp8 quantization (semantics §6).
+"""Router (semantics §2), dispatch layout (semantics §3), fp8 and NVFP4 quantization (semantics §6).
 
 Every function takes NumPy arrays (bf16 / fp8 as ml_dtypes), torch tensors or CuPy arrays and returns
 the same framework's arrays on the same device: CPU input runs on the CPU and is done on return; CUDA
@@ -9,6 +9,8 @@ Errors are ``epmoe.Error`` naming the argument, what was expected and what came.
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
+
+import numpy as np
 
 from . import _ext
 from ._tensor import arg, framework_of, int_arg, required
@@ -152,6 +154,61 @@ def dequantize_fp8(q: Any, scales: Any, out_dtype: str = "bfloat16") -> Any:
     required("scales", scales)
     with _on_stream(q):
         return _ext.dequantize_fp8(arg(q), arg(scales), str(out_dtype), framework_of(q))
+
+
+def _global_scale(global_scale: Any) -> Any:
+    """A Python number as the float32 scalar array quantize_nvfp4 / dequantize_nvfp4 take; arrays as they are."""
+    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+        return np.array(global_scale, dtype=np.float32)
+    return global_scale
+
+
+def quantize_nvfp4(x: Any, global_scale: Any, scale_layout: str = "swizzled") -> Tuple[Any, Any]:
+    """NVFP4 quantization (semantics §6 "NVFP4"; NVIDIA's format as vLLM's scaled_fp4_quant and FlashInfer's
+    fp4_quantize produce it): e2m1 values two per byte (channel 2i in the low nibble of byte i), one fp8 e4m3 scale
+    per 16 channels, one float32 global scale. Per block of 16: sf = e4m3((amax / 6) * gs), q = e2m1(x * gs / sf),
+    rounded to nearest even and saturating at 6.
+
+    Arguments:
+        x: bfloat16 or float32 [T, H], H a multiple of 16 (of 64 with the swizzled layout).
+        global_scale: gs, float32 with one element (shape [] or [1], on the CPU or on x's device) or a Python
+            number; producers use 448 * 6 / amax(x). A CPU value must be finite and > 0.
+        scale_layout: 'swizzled' (the 128x4 tiles the block-scaled fp4 GEMMs read, as the NVFP4 low-latency dispatch
+            returns them: float8_e4m3fn [ceil(T / 128), (H / 64) * 512], padding tokens 0) or 'linear'
+            (float8_e4m3fn [T, H / 16], row-major).
+
+    Returns: (q uint8 [T, H / 2], scales float8_e4m3fn in scale_layout).
+    Errors: epmoe.Error('invalid_argument') naming x (not 2-d bfloat16/float32, H), global_scale (dtype, size, not
+    finite and > 0), scale_layout.
+    """
+    required("x", x)
+    required("global_scale", global_scale)
+    with _on_stream(x):
+        return _ext.quantize_nvfp4(arg(x), arg(_global_scale(global_scale)), str(scale_layout), framework_of(x))
+
+
+def dequantize_nvfp4(q: Any, scales: Any, global_scale: Any, scale_layout: str = "swizzled",
+                     out_dtype: str = "bfloat16") -> Any:
+    """x' = e2m1_value(q) * (float(sf) / gs) in float32, into 'bfloat16' (rounded once) or 'float32' [T, H]: the
+    inverse of quantize_nvfp4 (semantics §6 bounds the error per element).
+
+    Arguments:
+        q: uint8 [T, H / 2] as quantize_nvfp4 returns it.
+        scales: float8_e4m3fn in scale_layout ('swizzled' or 'linear', as quantize_nvfp4's).
+        global_scale: the gs the values were quantized with (as quantize_nvfp4's).
+        out_dtype: 'bfloat16' or 'float32'.
+
+    Errors: epmoe.Error('invalid_argument') naming the argument: dtypes, shapes that do not match q, a bad
+    global_scale, scale_layout or out_dtype.
+    """
+    if hasattr(out_dtype, "name"):  # a NumPy / ml_dtypes dtype
+        out_dtype = out_dtype.name
+    required("q", q)
+    required("scales", scales)
+    required("global_scale", global_scale)
+    with _on_stream(q):
+        return _ext.dequantize_nvfp4(arg(q), arg(scales), arg(_global_scale(global_scale)), str(scale_layout),
+                                     str(out_dtype), framework_of(q))
 
 
 def fp8_group_scale(amax: float, round_scale: bool = False) -> float:

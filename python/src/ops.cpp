@@ -3,6 +3,7 @@
 
 #include <epmoe/error.hpp>
 #include <epmoe/layout.hpp>
+#include <epmoe/nvfp4.hpp>
 #include <epmoe/permute.hpp>  // cuda::check_invalid_ids
 #include <epmoe/quant.hpp>
 #include <epmoe/router.hpp>
@@ -33,6 +34,12 @@ ScaleLayout scale_layout_of(std::string_view name) {
   if (name == scale_layout_name(ScaleLayout::row_major)) return ScaleLayout::row_major;
   if (name == scale_layout_name(ScaleLayout::column_major)) return ScaleLayout::column_major;
   throw_invalid_argument("scale_layout", "'row_major' or 'column_major'", fmt::format("'{}'", name));
+}
+
+Nvfp4ScaleLayout nvfp4_scale_layout_of(std::string_view name) {
+  for (const Nvfp4ScaleLayout l : {Nvfp4ScaleLayout::swizzled, Nvfp4ScaleLayout::linear})
+    if (name == nvfp4_scale_layout_name(l)) return l;
+  throw_invalid_argument("scale_layout", "'swizzled' or 'linear'", fmt::format("'{}'", name));
 }
 
 DType out_dtype_of(std::string_view name) {
@@ -131,6 +138,42 @@ void bind_ops(nb::module_& m) {
         return to_py(r, fw);
       },
       nb::arg("q"), nb::arg("scales"), nb::arg("out_dtype") = "bfloat16", nb::arg("framework") = "numpy");
+  m.def(
+      "quantize_nvfp4",
+      [](nb::handle x, nb::handle global_scale, std::string_view scale_layout, std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        const Nvfp4ScaleLayout layout = nvfp4_scale_layout_of(scale_layout);
+        Inputs in;
+        const TensorView v = arg(x, "x", in, "bfloat16 or float32");
+        const TensorView gs = arg(global_scale, "global_scale", in, "float32");
+        Nvfp4Tensor r;
+        {
+          nb::gil_scoped_release release;
+          r = quantize_nvfp4(v, gs, layout);
+        }
+        return nb::make_tuple(to_py(r.data, fw), to_py(r.scales, fw));
+      },
+      nb::arg("x"), nb::arg("global_scale"), nb::arg("scale_layout") = "swizzled", nb::arg("framework") = "numpy");
+  m.def(
+      "dequantize_nvfp4",
+      [](nb::handle q, nb::handle scales, nb::handle global_scale, std::string_view scale_layout,
+         std::string_view out_dtype, std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        const Nvfp4ScaleLayout layout = nvfp4_scale_layout_of(scale_layout);
+        const DType od = out_dtype_of(out_dtype);
+        Inputs in;
+        const TensorView qv = arg(q, "q", in, "uint8");
+        const TensorView sv = arg(scales, "scales", in, "float8_e4m3fn");
+        const TensorView gs = arg(global_scale, "global_scale", in, "float32");
+        Tensor r;
+        {
+          nb::gil_scoped_release release;
+          r = dequantize_nvfp4(qv, sv, gs, layout, od);
+        }
+        return to_py(r, fw);
+      },
+      nb::arg("q"), nb::arg("scales"), nb::arg("global_scale"), nb::arg("scale_layout") = "swizzled",
+      nb::arg("out_dtype") = "bfloat16", nb::arg("framework") = "numpy");
   // Waits for epmoe's current stream (the Python wrapper sets it to the caller's), so the GIL is let go.
   m.def("check_invalid_ids", [] {
     nb::gil_scoped_release release;
