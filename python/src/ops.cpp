@@ -48,64 +48,8 @@ DType out_dtype_of(std::string_view name) {
   throw_invalid_argument("out_dtype", "'bfloat16' or 'float32'", fmt::format("'{}'", name));
 }
 
-}  // namespace
-
-void bind_ops(nb::module_& m) {
-  m.def(
-      "topk_softmax",
-      [](nb::handle logits, int num_topk, bool renormalize, std::string_view framework) {
-        return run_topk(logits, framework,
-                        [&](const TensorView& l, Inputs&) { return topk_softmax(l, num_topk, renormalize); });
-      },
-      nb::arg("logits"), nb::arg("num_topk"), nb::arg("renormalize") = false, nb::arg("framework") = "numpy");
-  m.def(
-      "topk_sigmoid",
-      [](nb::handle logits, int num_topk, bool renormalize, std::string_view framework) {
-        return run_topk(logits, framework,
-                        [&](const TensorView& l, Inputs&) { return topk_sigmoid(l, num_topk, renormalize); });
-      },
-      nb::arg("logits"), nb::arg("num_topk"), nb::arg("renormalize") = false, nb::arg("framework") = "numpy");
-  m.def(
-      "grouped_topk",
-      [](nb::handle logits, int num_topk, int num_expert_group, int topk_group, std::string_view scoring_func,
-         bool renormalize, float routed_scaling_factor, nb::handle bias, std::string_view framework) {
-        GroupedTopkOptions o;
-        o.num_topk = num_topk;
-        o.num_expert_group = num_expert_group;
-        o.topk_group = topk_group;
-        if (scoring_func == "softmax") {
-          o.scoring = ScoringFunc::softmax;
-        } else if (scoring_func == "sigmoid") {
-          o.scoring = ScoringFunc::sigmoid;
-        } else {
-          throw_invalid_argument("scoring_func", "'softmax' or 'sigmoid'", fmt::format("'{}'", scoring_func));
-        }
-        o.renormalize = renormalize;
-        o.routed_scaling_factor = routed_scaling_factor;
-        Inputs keep;
-        o.e_score_correction_bias = arg(bias, "e_score_correction_bias", keep, "float32");
-        return run_topk(logits, framework, [&](const TensorView& l, Inputs&) { return grouped_topk(l, o); });
-      },
-      nb::arg("logits"), nb::arg("num_topk"), nb::arg("num_expert_group"), nb::arg("topk_group"),
-      nb::arg("scoring_func") = "softmax", nb::arg("renormalize") = true, nb::arg("routed_scaling_factor") = 1.0f,
-      nb::arg("e_score_correction_bias").none() = nb::none(), nb::arg("framework") = "numpy");
-
-  m.def(
-      "get_dispatch_layout",
-      [](nb::handle topk_idx, int num_experts, int num_ranks, std::string_view framework) {
-        const Framework fw = parse_framework(framework);
-        Inputs in;
-        const TensorView idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
-        DispatchLayout l;
-        {
-          nb::gil_scoped_release release;
-          l = get_dispatch_layout(idx, num_experts, num_ranks);
-        }
-        return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
-                              to_py(l.is_token_in_rank, fw));
-      },
-      nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("framework") = "numpy");
-
+// fp8 and NVFP4 quantization (semantics §6).
+void bind_quant(nb::module_& m) {
   m.def(
       "quantize_fp8",
       [](nb::handle x, bool round_scale, bool use_ue8m0, std::string_view scale_layout, std::string_view framework) {
@@ -174,14 +118,75 @@ void bind_ops(nb::module_& m) {
       },
       nb::arg("q"), nb::arg("scales"), nb::arg("global_scale"), nb::arg("scale_layout") = "swizzled",
       nb::arg("out_dtype") = "bfloat16", nb::arg("framework") = "numpy");
+  m.def("fp8_group_scale", &fp8_group_scale, nb::arg("amax"), nb::arg("round_scale") = false);
+  m.def("ue8m0_from_scale", &ue8m0_from_scale, nb::arg("pow2_scale"));
+  m.def("ue8m0_to_scale", &ue8m0_to_scale, nb::arg("byte"));
+}
+
+}  // namespace
+
+void bind_ops(nb::module_& m) {
+  m.def(
+      "topk_softmax",
+      [](nb::handle logits, int num_topk, bool renormalize, std::string_view framework) {
+        return run_topk(logits, framework,
+                        [&](const TensorView& l, Inputs&) { return topk_softmax(l, num_topk, renormalize); });
+      },
+      nb::arg("logits"), nb::arg("num_topk"), nb::arg("renormalize") = false, nb::arg("framework") = "numpy");
+  m.def(
+      "topk_sigmoid",
+      [](nb::handle logits, int num_topk, bool renormalize, std::string_view framework) {
+        return run_topk(logits, framework,
+                        [&](const TensorView& l, Inputs&) { return topk_sigmoid(l, num_topk, renormalize); });
+      },
+      nb::arg("logits"), nb::arg("num_topk"), nb::arg("renormalize") = false, nb::arg("framework") = "numpy");
+  m.def(
+      "grouped_topk",
+      [](nb::handle logits, int num_topk, int num_expert_group, int topk_group, std::string_view scoring_func,
+         bool renormalize, float routed_scaling_factor, nb::handle bias, std::string_view framework) {
+        GroupedTopkOptions o;
+        o.num_topk = num_topk;
+        o.num_expert_group = num_expert_group;
+        o.topk_group = topk_group;
+        if (scoring_func == "softmax") {
+          o.scoring = ScoringFunc::softmax;
+        } else if (scoring_func == "sigmoid") {
+          o.scoring = ScoringFunc::sigmoid;
+        } else {
+          throw_invalid_argument("scoring_func", "'softmax' or 'sigmoid'", fmt::format("'{}'", scoring_func));
+        }
+        o.renormalize = renormalize;
+        o.routed_scaling_factor = routed_scaling_factor;
+        Inputs keep;
+        o.e_score_correction_bias = arg(bias, "e_score_correction_bias", keep, "float32");
+        return run_topk(logits, framework, [&](const TensorView& l, Inputs&) { return grouped_topk(l, o); });
+      },
+      nb::arg("logits"), nb::arg("num_topk"), nb::arg("num_expert_group"), nb::arg("topk_group"),
+      nb::arg("scoring_func") = "softmax", nb::arg("renormalize") = true, nb::arg("routed_scaling_factor") = 1.0f,
+      nb::arg("e_score_correction_bias").none() = nb::none(), nb::arg("framework") = "numpy");
+
+  m.def(
+      "get_dispatch_layout",
+      [](nb::handle topk_idx, int num_experts, int num_ranks, std::string_view framework) {
+        const Framework fw = parse_framework(framework);
+        Inputs in;
+        const TensorView idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
+        DispatchLayout l;
+        {
+          nb::gil_scoped_release release;
+          l = get_dispatch_layout(idx, num_experts, num_ranks);
+        }
+        return nb::make_tuple(to_py(l.num_tokens_per_rank, fw), to_py(l.num_tokens_per_expert, fw),
+                              to_py(l.is_token_in_rank, fw));
+      },
+      nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("num_ranks"), nb::arg("framework") = "numpy");
+
   // Waits for epmoe's current stream (the Python wrapper sets it to the caller's), so the GIL is let go.
   m.def("check_invalid_ids", [] {
     nb::gil_scoped_release release;
     cuda::check_invalid_ids();
   });
-  m.def("fp8_group_scale", &fp8_group_scale, nb::arg("amax"), nb::arg("round_scale") = false);
-  m.def("ue8m0_from_scale", &ue8m0_from_scale, nb::arg("pow2_scale"));
-  m.def("ue8m0_to_scale", &ue8m0_to_scale, nb::arg("byte"));
+  bind_quant(m);
 }
 
 }  // namespace epmoe::py
