@@ -16,28 +16,45 @@ from typing import Any, Tuple
 import numpy as np
 
 from . import _ext
-from ._tensor import arg, describe, framework_of, int64_arg, invalid_argument, is_torch, on_stream, required
+from ._tensor import (BFLOAT16, FLOAT8_E4M3FN, arg, describe, framework_of, int64_arg, invalid_argument, is_torch,
+                      on_stream, required)
 
 
 def _host_numpy(name: str, x: Any, dtype: Any) -> np.ndarray:
-    """A C-contiguous NumPy array of `dtype` with x's values (torch tensors are moved to the CPU); None is refused
-    naming `name` (NumPy would make it a 0-d object array, and the error would describe that instead). For an
-    integer `dtype`, x must hold integers (any width, signed or not): a float array is refused, not truncated (its
-    NaN or 1e30 would become a count the caller never gave)."""
+    """A C-contiguous NumPy array of `dtype` with x's values (torch tensors are moved to the CPU). Refused naming
+    `name` (epmoe.Error('invalid_argument')): None (NumPy would make it a 0-d object array, and the error would describe
+    that instead), nested lists of different lengths (NumPy's own ValueError names no argument), and values `dtype`
+    does not hold as they are (check_numeric_array)."""
     required(name, x)
     if is_torch(x):
         x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if np.issubdtype(np.dtype(dtype), np.integer):
-        check_integer_array(name, a, np.dtype(dtype).name)
+    try:
+        a = np.asarray(x)
+    except ValueError:  # e.g. [[1, 2], [3]]: "inhomogeneous shape"
+        raise invalid_argument(name, "an array (or nested lists of one shape)", describe(x)) from None
+    check_numeric_array(name, a, dtype)
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def check_integer_array(name: str, a: np.ndarray, values: str = "int64") -> None:
-    """Refuses a non-empty array `a` whose dtype is not an integer one, naming `name`, where epmoe reads `values`
-    integers (a float array would be truncated: 0.9 counts as 0, a NaN as a count nobody gave)."""
-    if a.size > 0 and not np.issubdtype(a.dtype, np.integer):
-        raise invalid_argument(name, f"an integer array ({values} values)", describe(a))
+# ml_dtypes' floating types: NumPy gives them kind 'V', yet their values are real numbers.
+_ML_FLOATS = (BFLOAT16, FLOAT8_E4M3FN)
+
+
+def check_numeric_array(name: str, a: np.ndarray, dtype: Any = np.int64) -> None:
+    """Refuses a non-empty array `a` whose values epmoe, reading them as `dtype`, would not take as they are, naming
+    `name`, the dtypes taken and a's dtype (epmoe.Error('invalid_argument')). For an integer `dtype`: integer arrays
+    (any width, signed or not); a float one would be truncated (0.9 counts as 0, a NaN as a count nobody gave). For
+    a floating `dtype`: integer or floating arrays (ml_dtypes' bfloat16 and float8_e4m3fn too); NumPy would read
+    digit strings as numbers, drop imaginary parts and count booleans, and objects could be anything. An empty array
+    passes, whatever its dtype (np.asarray([]) is float64)."""
+    target = np.dtype(dtype)
+    kind = a.dtype.kind
+    if target.kind in "iu":
+        ok, taken = kind in "iu", "an integer array"
+    else:
+        ok, taken = kind in "iuf" or a.dtype in _ML_FLOATS, "an integer or floating array"
+    if a.size > 0 and not ok:
+        raise invalid_argument(name, f"{taken} ({target.name} values)", describe(a))
 
 
 def _like(x: Any, *arrays: np.ndarray) -> Any:
@@ -53,8 +70,8 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     """DeepSeek's EPLB: replicate hot experts into spare slots and pack the slots onto GPUs.
 
     Arguments:
-        weight: [L, E] load of each logical expert per layer (e.g. tokens; NumPy array or torch tensor of any
-            real dtype, converted to float64), finite and >= 0.
+        weight: [L, E] load of each logical expert per layer (e.g. tokens; NumPy array or torch tensor of an
+            integer or floating dtype, converted to float64), finite and >= 0.
         num_replicas: P, physical expert slots in total; P >= E and a multiple of num_gpus.
         num_groups: G expert groups (E % G == 0; group g = experts g*E/G .. (g+1)*E/G - 1).
         num_nodes: N server nodes; num_gpus % N == 0.
@@ -70,7 +87,8 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     Returns: (phy2log int64 [L, P], log2phy int64 [L, E, X] padded with -1 where X is the most replicas of
     any expert, logcnt int64 [L, E]); NumPy arrays, torch CPU tensors when weight is a torch tensor.
     log2phy[l, e, r] is the slot of expert e's replica r.
-    Errors: epmoe.Error('invalid_argument') naming 'weight', 'num_replicas', 'num_groups', 'num_nodes' or
+    Errors: epmoe.Error('invalid_argument') naming 'weight' (not 2-d, a negative or non-finite load, a dtype that
+    is not an integer or floating one: bool, complex, strings, objects), 'num_replicas', 'num_groups', 'num_nodes' or
     'num_gpus'.
     """
     w = _host_numpy("weight", weight, np.float64)

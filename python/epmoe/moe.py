@@ -23,7 +23,7 @@ from . import _ext
 from ._tensor import (arg, describe, device_of, dtype_name, framework_of, int_arg, invalid_argument, on_stream,
                       writable)
 from .buffer import Buffer
-from .eplb import check_integer_array
+from .eplb import check_numeric_array
 
 Experts = _ext.Experts
 PrepareFinalize = _ext.PrepareFinalize
@@ -458,7 +458,7 @@ class MoELayer:
                                        f"shapes {phy2log.shape}, {log2phy.shape}, {logcnt.shape}")
             # integer arrays only: a float plan would be truncated into ids and counts nobody planned
             for name, a in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
-                check_integer_array(f"eplb_plan.{name}", a)
+                check_numeric_array(f"eplb_plan.{name}", a)
             key = (id(eplb_plan), eplb_layer)
             if getattr(self, "_eplb_key", None) != key:
                 self._layer.set_eplb_plan(phy2log.astype(np.int64).ravel().tolist(),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import epmoe
+from conftest import BF16
 
 
 # ------------------------------------------------------------------------------ reference (never calls epmoe)
@@ -194,6 +195,33 @@ def test_float_counts_and_maps_are_refused_not_truncated(rng):
     # integers of any width still pass, with the same results as int64
     np.testing.assert_array_equal(epmoe.logical_loads(np.ones((L, P), np.int32), phy2log, E),
                                   epmoe.logical_loads(np.ones((L, P), np.int64), phy2log, E))
+
+
+def test_a_weight_that_is_not_integer_or_floating_is_refused_naming_its_dtype():
+    """Found by a fresh user: rebalance_experts planned from digit strings, complex loads (imaginary parts dropped),
+    booleans and object arrays as NumPy converted them, and raised NumPy's ValueError (naming no argument) for other
+    strings. Any weight that is not an integer or floating array is refused naming 'weight', the dtypes taken and its
+    own; integers of any width, float16 and ml_dtypes' bfloat16 still plan as their float64 values do."""
+    want = epmoe.rebalance_experts(np.array([[10.0, 20, 40, 30]]), 6, 1, 1, 2)
+    numeric = "an integer or floating array (float64 values)"
+    for weight, expected, got in [
+        (np.array([["10", "20", "40", "30"]]), numeric, "<U2[1, 4]"),
+        ([["10", "20", "40", "30"]], numeric, "<U2[1, 4]"),
+        (np.array([["a", "b", "c", "d"]]), numeric, "<U1[1, 4]"),
+        (np.array([[10, 20, 40, 30]], np.complex128), numeric, "complex128[1, 4]"),
+        (np.array([[True, False, True, True]]), numeric, "bool[1, 4]"),
+        (np.array([[10, 20, 40, 30]], dtype=object), numeric, "object[1, 4]"),
+        (np.array([[10, 20, 40, 30]], dtype="timedelta64[s]"), numeric, "timedelta64[s][1, 4]"),
+        ([[10, 20], [30]], "an array (or nested lists of one shape)", "an object of type list"),
+    ]:
+        with pytest.raises(epmoe.Error) as e:
+            epmoe.rebalance_experts(weight, 6, 1, 1, 2)
+        assert (e.value.code, str(e.value)) == (
+            "invalid_argument", f"epmoe: invalid argument 'weight': expected {expected}, got {got}"), weight
+    for dtype in (np.int32, np.uint8, np.float16, BF16):
+        got = epmoe.rebalance_experts(np.array([[10, 20, 40, 30]]).astype(dtype), 6, 1, 1, 2)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("args,name", [
