@@ -38,6 +38,10 @@ class Error : public std::runtime_error {
 /// Throws ErrorCode::invalid_argument: "epmoe: invalid argument 'NAME': expected EXPECTED, got ACTUAL".
 [[noreturn]] void throw_invalid_argument(std::string_view argument, std::string_view expected,
                                          std::string_view actual);
+/// Throws ErrorCode::invalid_argument for a tensor of a dtype the argument does not take, in the one wording every call
+/// uses, whether epmoe holds that dtype or not: "epmoe: invalid argument 'NAME': expected dtype TAKES, got ACTUAL"
+/// (takes: "int64 or int32"; actual: the tensor described, "int16[4, 2] cpu").
+[[noreturn]] void throw_wrong_dtype(std::string_view argument, std::string_view takes, std::string_view actual);
 /// Throws ErrorCode::internal for a failed invariant.
 [[noreturn]] void throw_assertion(const char* condition, const char* file, int line);
 

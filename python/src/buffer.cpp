@@ -191,8 +191,8 @@ nb::tuple dispatch(PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle to
   const Framework fw = parse_framework(framework);
   Inputs in;
   DispatchArgs a;
-  a.x = arg(x, "x", in, "bfloat16 (or float8_e4m3fn with x_scales)");
-  a.x_scales = arg(x_scales, "x_scales", in, "float32 or int32");
+  a.x = arg(x, "x", in, "bfloat16 or float8_e4m3fn");
+  a.x_scales = arg(x_scales, "x_scales", in, "float32 or int32 (UE8M0)");
   a.topk_idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
   a.topk_weights = arg(topk_weights, "topk_weights", in, "float32");
   a.num_tokens_per_rank = arg(num_tokens_per_rank, "num_tokens_per_rank", in, "int32");

@@ -37,12 +37,12 @@ struct Inputs {
 
 /// A tensor argument: None (an empty view), an array-like, or (array-like, dtype name) from the Python
 /// layer. `takes` names the dtypes the argument takes ("float32", "int64 or int32"), for the message of a dtype
-/// epmoe holds none of: every argument names its own, not the list of all that epmoe holds. Errors
-/// (invalid_argument naming `name`): not an array, an unsupported dtype (float64, uint16, ...: "expected a float32
-/// tensor, got float64[4, 8]"), more than 4 dimensions, an unsupported device, a tag whose element size
-/// differs from the array's. A torch.Tensor (once register_torch ran) is read from its attributes where it is
-/// a strided CPU or CUDA tensor of a supported dtype, else converted by epmoe._tensor._torch_arg and read by
-/// DLPack (the same checks and messages).
+/// epmoe holds none of: every argument names its own, not the list of all that epmoe holds, in the words of the call's
+/// own dtype checks (throw_wrong_dtype). Errors (invalid_argument naming `name`): not an array, an unsupported dtype
+/// (float64, uint16, ...: "expected dtype float32, got float64[4, 8] cpu"), more than 4 dimensions, an unsupported
+/// device, a tag whose element size differs from the array's. A torch.Tensor (once register_torch ran) is read from
+/// its attributes where it is a strided CPU or CUDA tensor of a supported dtype, else converted by
+/// epmoe._tensor._torch_arg and read by DLPack (the same checks and messages).
 TensorView arg(nb::handle obj, const char* name, Inputs& keep, const char* takes);
 
 /// Hands over torch.Tensor, torch.strided, the (torch dtype, epmoe dtype name) pairs that arg reads directly, the

@@ -118,20 +118,20 @@ Shape make_shape(const std::int64_t* v, int n) {
   }
 }
 
+// An array as the library describes a tensor ("float64[4, 8] cpu", describe in tensor.hpp), for one whose dtype or
+// rank epmoe cannot hold (no TensorView can describe it).
 std::string describe_array(const nb::ndarray<nb::ro>& a) {
   std::string dims;
   for (size_t i = 0; i < a.ndim(); ++i) dims += fmt::format("{}{}", i ? ", " : "", a.shape(i));
-  return fmt::format("{}[{}]", dlpack_dtype_name(a.dtype()), dims);
+  std::string device = fmt::format("dlpack device {}", a.device_type());
+  if (a.device_type() == kDLCPU) device = to_string(Device::cpu());
+  if (a.device_type() == kDLCUDA) device = to_string(Device::cuda(a.device_id()));
+  return fmt::format("{}[{}] {}", dlpack_dtype_name(a.dtype()), dims, device);
 }
 
 // Every dtype epmoe holds: what a dtype tag of the Python layer (epmoe/_tensor.py) names.
 constexpr const char* kSupported =
     "a tensor of dtype bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, bool, uint8 or uint32";
-
-// "a" or "an" before a dtype's name, as it is said: "an int64 ...", "a uint32 ..." ("you-int"), "a float32 ...".
-const char* article_of(std::string_view dtype) {
-  return !dtype.empty() && std::string_view("aeio").find(dtype.front()) != std::string_view::npos ? "an" : "a";
-}
 
 // torch's types, handed over by epmoe/_tensor.py once torch is imported (register_torch). The references are never
 // released, as ml_dtype's.
@@ -263,8 +263,9 @@ TensorView dlpack_arg(nb::handle obj, const char* name, Inputs& keep, const char
     dtype = *tag;
   } else {
     const std::optional<DType> d = dtype_from_dlpack(a.dtype());
-    // Such an array never reaches the call's own checks, which say what the argument takes: said here instead.
-    if (!d) throw_invalid_argument(name, fmt::format("{} {} tensor", article_of(takes), takes), describe_array(a));
+    // Such an array never reaches the call's own checks, which say what the argument takes: said here instead, in
+    // their words (a dtype epmoe holds but the argument does not take reads the same).
+    if (!d) throw_wrong_dtype(name, takes, describe_array(a));
     dtype = *d;
   }
   if (a.ndim() > static_cast<size_t>(Shape::kMaxDims))

@@ -249,14 +249,14 @@ def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes(rn
 
     for rows, messages in epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S):
         assert messages == {
-            "combine": ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected a float32 tensor, got "
-                                            f"float64[{rows}, {K}]"),
-            "dispatch": ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected a float32 tensor, got "
-                                             f"float64[{T}, {K}]"),
-            "dispatch_x": ("invalid_argument", "epmoe: invalid argument 'x': expected a bfloat16 (or float8_e4m3fn "
-                                               f"with x_scales) tensor, got float64[{T}, {H}]"),
-            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected an int64 or int32 tensor, got "
-                                           f"uint64[{T}, {K}]"),
+            "combine": ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected dtype float32, got "
+                                            f"float64[{rows}, {K}] cpu"),
+            "dispatch": ("invalid_argument", "epmoe: invalid argument 'topk_weights': expected dtype float32, got "
+                                             f"float64[{T}, {K}] cpu"),
+            "dispatch_x": ("invalid_argument", "epmoe: invalid argument 'x': expected dtype bfloat16 or float8_e4m3fn, "
+                                               f"got float64[{T}, {H}] cpu"),
+            "layout": ("invalid_argument", "epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got "
+                                           f"uint64[{T}, {K}] cpu"),
         }
 
 
@@ -271,36 +271,72 @@ def test_a_dtype_epmoe_cannot_hold_is_named_with_the_dtype_the_argument_takes_ou
     log2phy, logcnt = np.arange(E, dtype=np.int64).reshape(1, E, 1), np.ones((1, E), np.int64)
     layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
     cases = [
-        (lambda: epmoe.topk_softmax(f64[:, :E], K), "logits", "a float32 or bfloat16", f"float64[{T}, {E}]"),
-        (lambda: epmoe.topk_sigmoid(f64[:, :E], K), "logits", "a float32 or bfloat16", f"float64[{T}, {E}]"),
+        (lambda: epmoe.topk_softmax(f64[:, :E], K), "logits", "float32 or bfloat16", f"float64[{T}, {E}]"),
+        (lambda: epmoe.topk_sigmoid(f64[:, :E], K), "logits", "float32 or bfloat16", f"float64[{T}, {E}]"),
         (lambda: epmoe.grouped_topk(np.zeros((T, E), np.float32), K, 2, 1, e_score_correction_bias=f64[0, :E]),
-         "e_score_correction_bias", "a float32", f"float64[{E}]"),
-        (lambda: epmoe.get_dispatch_layout(idx.astype(np.uint64), E, 2), "topk_idx", "an int64 or int32",
+         "e_score_correction_bias", "float32", f"float64[{E}]"),
+        (lambda: epmoe.get_dispatch_layout(idx.astype(np.uint64), E, 2), "topk_idx", "int64 or int32",
          f"uint64[{T}, {K}]"),
-        (lambda: epmoe.quantize_fp8(f64), "x", "a bfloat16 or float32", f"float64[{T}, {H}]"),
-        (lambda: epmoe.dequantize_fp8(f64, np.ones((T, 1), np.float32)), "q", "a float8_e4m3fn", f"float64[{T}, {H}]"),
-        (lambda: epmoe.dequantize_fp8(np.zeros((T, H), FP8), f64[:, :1]), "scales", "a float32 or int32 (UE8M0)",
+        (lambda: epmoe.quantize_fp8(f64), "x", "bfloat16 or float32", f"float64[{T}, {H}]"),
+        (lambda: epmoe.dequantize_fp8(f64, np.ones((T, 1), np.float32)), "q", "float8_e4m3fn", f"float64[{T}, {H}]"),
+        (lambda: epmoe.dequantize_fp8(np.zeros((T, H), FP8), f64[:, :1]), "scales", "float32 or int32 (UE8M0)",
          f"float64[{T}, 1]"),
-        (lambda: epmoe.map_to_physical(idx.astype(np.uint64), log2phy, logcnt, 0), "topk_idx", "an int64 or int32",
+        (lambda: epmoe.map_to_physical(idx.astype(np.uint64), log2phy, logcnt, 0), "topk_idx", "int64 or int32",
          f"uint64[{T}, {K}]"),
         (lambda: epmoe.ExpertLoadRecorder(1, E, 2, 2).record(0, f64[0, :E]), "num_tokens_per_expert",
-         "an int32 or int64", f"float64[{E}]"),
-        (lambda: layer.forward(x.view(np.uint16), w1, w2, w, idx), "hidden", "a bfloat16", f"uint16[{T}, {H}]"),
+         "int32 or int64", f"float64[{E}]"),
+        (lambda: layer.forward(x.view(np.uint16), w1, w2, w, idx), "hidden", "bfloat16", f"uint16[{T}, {H}]"),
         (lambda: layer.forward(x, w1.astype(np.float64), w2, w, idx), "w1",
-         "a bfloat16 (or float8_e4m3fn with w1_scale)", f"float64[{E}, 128, {H}]"),
-        (lambda: layer.forward(x, w1, w2, w.astype(np.float64), idx), "topk_weights", "a float32",
+         "bfloat16 (or float8_e4m3fn with w1_scale)", f"float64[{E}, 128, {H}]"),
+        (lambda: layer.forward(x, w1, w2, w.astype(np.float64), idx), "topk_weights", "float32",
          f"float64[{T}, {K}]"),
-        (lambda: layer.forward(x, w1, w2, w, idx.astype(np.uint64)), "topk_idx", "an int64 or int32",
+        (lambda: layer.forward(x, w1, w2, w, idx.astype(np.uint64)), "topk_idx", "int64 or int32",
          f"uint64[{T}, {K}]"),
-        (lambda: layer.forward(x, w1, w2, w, idx, expert_map=np.arange(E, dtype=np.uint64)), "expert_map", "an int32",
+        (lambda: layer.forward(x, w1, w2, w, idx, expert_map=np.arange(E, dtype=np.uint64)), "expert_map", "int32",
          f"uint64[{E}]"),
-        (lambda: layer.forward(x, w1, w2, w, idx, output=f64), "output", "a bfloat16", f"float64[{T}, {H}]"),
+        (lambda: layer.forward(x, w1, w2, w, idx, output=f64), "output", "bfloat16", f"float64[{T}, {H}]"),
     ]
     for call, name, takes, got in cases:
         with pytest.raises(epmoe.Error) as e:
             call()
         assert (e.value.code, str(e.value)) == (
-            "invalid_argument", f"epmoe: invalid argument '{name}': expected {takes} tensor, got {got}"), name
+            "invalid_argument", f"epmoe: invalid argument '{name}': expected dtype {takes}, got {got} cpu"), name
+
+
+def test_a_wrong_dtype_reads_alike_whether_epmoe_holds_it_or_not(rng):
+    """Found by a fresh user: a dtype epmoe holds none of (float64, uint16) was "expected an int64 or int32 tensor", one
+    it holds (int16, float32) "expected dtype int64 or int32". Both now read "expected dtype ..., got DTYPE[shape]
+    DEVICE", the words of the calls' own checks."""
+    E, K, T, H = 8, 2, 4, 128
+    idx = random_topk_idx(rng, T, K, E)
+    x = nice_bf16(rng, (T, H))
+    cases = [
+        (lambda t: epmoe.get_dispatch_layout(t, E, 2), idx, "topk_idx", "int64 or int32", (np.uint16, np.int16)),
+        (lambda t: epmoe.topk_softmax(t, K), np.zeros((T, E), np.float32), "logits", "float32 or bfloat16",
+         (np.float64, np.int32)),
+    ]
+    for call, good, name, takes, (not_held, held) in cases:
+        for dtype in (not_held, held):
+            with pytest.raises(epmoe.Error) as e:
+                call(good.astype(dtype))
+            got = f"{np.dtype(dtype).name}[{', '.join(str(d) for d in good.shape)}] cpu"
+            assert (e.value.code, str(e.value)) == (
+                "invalid_argument", f"epmoe: invalid argument '{name}': expected dtype {takes}, got {got}"), dtype
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+        messages = []
+        for bad in (x.astype(np.float64), x.astype(np.float32)):  # epmoe holds float32, not float64
+            with pytest.raises(epmoe.Error) as e:
+                buf.dispatch(bad, topk_idx=idx, **layout)
+            messages.append(str(e.value))
+        return messages
+
+    for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert messages == [f"epmoe: invalid argument 'x': expected dtype bfloat16 or float8_e4m3fn, got {d}[{T}, {H}] "
+                            "cpu" for d in ("float64", "float32")]
 
 
 def test_an_int16_topk_idx_is_said_in_one_wording_by_every_call(rng):

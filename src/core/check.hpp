@@ -33,10 +33,11 @@ template <> struct fmt::formatter<epmoe::Shape> : fmt::formatter<std::string> {
 namespace epmoe {
 
 /// Checks the dtype of a topk_idx argument: expert ids are read as int64 or int32. Every call that takes topk_idx says
-/// a wrong one in these words: "invalid argument 'topk_idx': expected dtype int64 or int32, got int16[4, 2] cpu".
+/// a wrong one in these words (throw_wrong_dtype's): "invalid argument 'topk_idx': expected dtype int64 or int32, got
+/// int16[4, 2] cpu".
 inline void check_topk_idx_dtype(const TensorView& topk_idx) {
-  EPMOE_CHECK_ARG(topk_idx.dtype == DType::int64 || topk_idx.dtype == DType::int32, "topk_idx", "dtype int64 or int32",
-                  describe(topk_idx));
+  if (topk_idx.dtype != DType::int64 && topk_idx.dtype != DType::int32)
+    throw_wrong_dtype("topk_idx", "int64 or int32", describe(topk_idx));
 }
 
 }  // namespace epmoe

@@ -23,6 +23,10 @@ void throw_invalid_argument(std::string_view argument, std::string_view expected
               fmt::format("epmoe: invalid argument '{}': expected {}, got {}", argument, expected, actual));
 }
 
+void throw_wrong_dtype(std::string_view argument, std::string_view takes, std::string_view actual) {
+  throw_invalid_argument(argument, fmt::format("dtype {}", takes), actual);
+}
+
 void throw_assertion(const char* condition, const char* file, int line) {
   throw Error(ErrorCode::internal, fmt::format("epmoe: internal error: {} failed at {}:{}", condition, file, line));
 }

@@ -22,7 +22,7 @@ double silu(double x) { return x / (1.0 + std::exp(-x)); }
 double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
 
 void check_dtype(const TensorView& t, std::string_view name, DType a) {
-  EPMOE_CHECK_ARG(t.dtype == a, name, dtype_name(a), describe(t));
+  if (t.dtype != a) throw_wrong_dtype(name, dtype_name(a), describe(t));
 }
 
 template <class T>
@@ -158,8 +158,8 @@ ExpertsSizes check_bf16_weights(const ExpertsInputs& in, const ExpertsConfig& co
   EPMOE_CHECK_ARG(in.hidden.defined(), "hidden", s.batched ? "a [E_local, max_tokens, H] tensor" : "an [M, H] tensor",
                   "None");
   check_experts_tensor(in.hidden, "hidden", s.device);
-  EPMOE_CHECK_ARG(in.hidden.dtype == DType::bf16 || in.hidden.dtype == DType::fp32, "hidden",
-                  "bfloat16 or float32", describe(in.hidden));
+  if (in.hidden.dtype != DType::bf16 && in.hidden.dtype != DType::fp32)
+    throw_wrong_dtype("hidden", "bfloat16 or float32", describe(in.hidden));
   if (cuda) check_aligned16(in.hidden, "hidden");
   return s;
 }

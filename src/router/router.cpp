@@ -16,8 +16,8 @@ using router_detail::RoutingProblem;
 void check_logits(const TensorView& logits, RoutingProblem& p) {
   EPMOE_CHECK_ARG(logits.defined(), "logits", "a float32 or bfloat16 tensor [T, E]", "None");
   EPMOE_CHECK_ARG(logits.ndim() == 2, "logits", "a 2-d tensor [T, E]", describe(logits));
-  EPMOE_CHECK_ARG(logits.dtype == DType::fp32 || logits.dtype == DType::bf16, "logits", "dtype float32 or bfloat16",
-                  describe(logits));
+  if (logits.dtype != DType::fp32 && logits.dtype != DType::bf16)
+    throw_wrong_dtype("logits", "float32 or bfloat16", describe(logits));
   EPMOE_CHECK_ARG(logits.size(0) >= 0 && logits.size(1) >= 1, "logits", "shape [T, E] with T >= 0 and E >= 1",
                   describe(logits));
   EPMOE_CHECK_ARG(logits.is_contiguous(), "logits", "a contiguous (row-major) tensor",

@@ -37,6 +37,24 @@ TEST(Error, CheckArgFormatsShapesAndEvaluatesLazily) {
   }
 }
 
+// One wording for a tensor of a dtype the argument does not take, whichever check finds it (the bindings' check of a
+// dtype epmoe cannot hold uses it too).
+TEST(Error, AWrongDtypeIsSaidInOneWording) {
+  try {
+    throw_wrong_dtype("topk_idx", "int64 or int32", describe(TensorView(nullptr, DType::int16, {4, 2})));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_STREQ(e.what(), "epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got int16[4, 2] cpu");
+  }
+  try {
+    check_topk_idx_dtype(TensorView(nullptr, DType::fp32, {4, 2}));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "epmoe: invalid argument 'topk_idx': expected dtype int64 or int32, got float32[4, 2] cpu");
+  }
+}
+
 TEST(Error, RaiseAndAssert) {
   try {
     raise(ErrorCode::out_of_memory, "buffer too small: need {} bytes, have {}", 4096, 1024);

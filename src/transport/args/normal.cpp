@@ -35,8 +35,8 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
   DispatchSpec s;
   const TensorView& x = a.x;
   EPMOE_CHECK_ARG(x.defined(), "x", "a bfloat16 or float8_e4m3fn [T, H] tensor", "None");
-  EPMOE_CHECK_ARG(x.dtype == DType::bf16 || x.dtype == DType::fp8_e4m3, "x", "dtype bfloat16 or float8_e4m3fn",
-                  describe(x));
+  if (x.dtype != DType::bf16 && x.dtype != DType::fp8_e4m3)
+    throw_wrong_dtype("x", "bfloat16 or float8_e4m3fn", describe(x));
   EPMOE_CHECK_ARG(x.ndim() == 2, "x", "a 2-d [T, H] tensor", describe(x));
   check_tensor_on(x, "x", device);
   s.fp8 = x.dtype == DType::fp8_e4m3;
@@ -53,8 +53,8 @@ DispatchSpec check_dispatch_args(const DispatchArgs& a, int R, std::uint64_t buf
     EPMOE_CHECK_ARG(a.x_scales.defined(), "x_scales",
                     fmt::format("float32[{}, {}] or UE8M0 int32[{}, {}] with float8 x", s.T, groups, s.T, (groups + 3) / 4),
                     "None");
-    EPMOE_CHECK_ARG(a.x_scales.dtype == DType::fp32 || a.x_scales.dtype == DType::int32, "x_scales",
-                    "dtype float32 or int32 (UE8M0)", describe(a.x_scales));
+    if (a.x_scales.dtype != DType::fp32 && a.x_scales.dtype != DType::int32)
+      throw_wrong_dtype("x_scales", "float32 or int32 (UE8M0)", describe(a.x_scales));
     s.scale_format = a.x_scales.dtype == DType::fp32 ? ScaleFormat::float32 : ScaleFormat::ue8m0;
     s.scale_cols = s.scale_format == ScaleFormat::float32 ? groups : (groups + 3) / 4;
     // Row-major (any row stride) or column-major (any column stride: DeepGEMM's TMA-aligned layout), as DeepEP reads
@@ -140,7 +140,7 @@ CombineSpec check_combine_args(const CombineArgs& a, int num_ranks, std::uint64_
   const NormalHandle& h = *a.handle;
   const TensorView& x = a.x;
   EPMOE_CHECK_ARG(x.defined(), "x", fmt::format("a bfloat16 [{}, H] tensor", h.num_recv_rows), "None");
-  EPMOE_CHECK_ARG(x.dtype == DType::bf16, "x", "dtype bfloat16", describe(x));
+  if (x.dtype != DType::bf16) throw_wrong_dtype("x", "bfloat16", describe(x));
   EPMOE_CHECK_ARG(x.ndim() == 2 && x.size(0) == h.num_recv_rows, "x",
                   fmt::format("[{}, H]: one row per row of the dispatch's recv_x", h.num_recv_rows), describe(x));
   CombineSpec s;
