@@ -38,6 +38,11 @@ class Error : public std::runtime_error {
 /// Throws ErrorCode::invalid_argument: "epmoe: invalid argument 'NAME': expected EXPECTED, got ACTUAL".
 [[noreturn]] void throw_invalid_argument(std::string_view argument, std::string_view expected,
                                          std::string_view actual);
+/// An invalid_argument's message `message` ("epmoe: invalid argument 'NAME': ...", as throw_invalid_argument writes it)
+/// naming its argument `as` where it names `name`, or a part of `name` ('routing topk_idx', 'FILE:num_sms': `name` then
+/// a blank or a colon); any other message as it is. For callers that know an argument by another name than the one
+/// the library gives it: the command line's flag ('--routing'), a Python argument ('num_topk' for 'options.num_topk').
+std::string naming_argument(std::string_view message, std::string_view name, std::string_view as);
 /// Throws ErrorCode::invalid_argument for a tensor of a dtype the argument does not take, in the one wording every call
 /// uses, whether epmoe holds that dtype or not: "epmoe: invalid argument 'NAME': expected dtype TAKES, got ACTUAL"
 /// (takes: "int64 or int32"; actual: the tensor described, "int16[4, 2] cpu").

@@ -708,6 +708,7 @@ class Buffer:
             x: bfloat16 [T, H] (H % 8 == 0), or a tuple (fp8 x, scales): float8_e4m3fn [T, H] (H % 16 == 0)
                 with float32 scales [T, ceil(H/128)] (the last group may be partial; DeepEP needs
                 H % 128 == 0) or UE8M0 int32 scales [T, ceil(ceil(H/128)/4)]. Scales travel with their rows.
+                Errors name the scales 'x[1]'.
             handle: a DispatchHandle from an earlier dispatch of this buffer: cached dispatch (moves x only,
                 reuses the layout; topk_idx may be given and is then checked against the handle).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from get_dispatch_layout
@@ -746,7 +747,7 @@ class Buffer:
         expert_alignment = int32_arg("expert_alignment", expert_alignment)
         num_worst_tokens = int32_arg("num_worst_tokens", num_worst_tokens)
         if isinstance(x, tuple) and len(x) != 2:
-            raise invalid_argument("x", "a tensor or a tuple (fp8 x, x_scales)", f"a tuple of {len(x)} elements")
+            raise invalid_argument("x", "a tensor or a tuple (fp8 x, its scales)", f"a tuple of {len(x)} elements")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         required("x", x)
         # Scales of any strides, as DeepEP: row- and column-major ones go as they are (semantics §4).

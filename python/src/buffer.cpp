@@ -191,8 +191,9 @@ nb::tuple dispatch(PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle to
   const Framework fw = parse_framework(framework);
   Inputs in;
   DispatchArgs a;
+  // Python callers give fp8 x and its scales as one tuple x (DeepEP's API): the scales are named x[1].
   a.x = arg(x, "x", in, "bfloat16 or float8_e4m3fn");
-  a.x_scales = arg(x_scales, "x_scales", in, "float32 or int32 (UE8M0)");
+  a.x_scales = arg(x_scales, "x[1]", in, "float32 or int32 (UE8M0)");
   a.topk_idx = arg(topk_idx, "topk_idx", in, "int64 or int32");
   a.topk_weights = arg(topk_weights, "topk_weights", in, "float32");
   a.num_tokens_per_rank = arg(num_tokens_per_rank, "num_tokens_per_rank", in, "int32");
@@ -209,7 +210,7 @@ nb::tuple dispatch(PyBuffer& b, nb::handle x, nb::handle x_scales, nb::handle to
   {
     nb::gil_scoped_release release;
     StreamGuard guard(stream_of(stream));
-    r = buf(b).dispatch(a);
+    r = with_python_names({{"x_scales", "x[1]"}}, [&] { return buf(b).dispatch(a); });
   }
   const NormalHandle& h = r.handle;
   nb::tuple handle_arrays = nb::make_tuple(to_py_or_none(h.rank_prefix_matrix, fw), to_py_or_none(h.recv_src_idx, fw),

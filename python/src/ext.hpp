@@ -9,12 +9,14 @@
 #pragma once
 
 #include <epmoe/buffer.hpp>
+#include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
 #include <epmoe/tensor.hpp>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -23,6 +25,27 @@
 namespace epmoe::py {
 
 namespace nb = nanobind;
+
+/// The name the C++ API gives an argument and the name a Python caller gives it: {"options.num_topk", "num_topk"}.
+struct PythonName {
+  std::string_view cpp, python;
+};
+
+/// Returns `f()`. An invalid_argument naming one of `names`' C++ arguments is rethrown naming the Python argument
+/// instead (naming_argument; its code and the rest of its message kept), for bindings that hand Python arguments to
+/// C++ under other names (a struct's fields, a tuple's part): the message names what the caller typed. Other errors
+/// pass as they are.
+template <class F>
+decltype(auto) with_python_names(std::initializer_list<PythonName> names, F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    std::string message = e.what();
+    for (const PythonName& n : names) message = naming_argument(message, n.cpp, n.python);
+    throw Error(e.code(), std::move(message));
+  }
+}
 
 /// Which array type outputs are made as: NumPy (+ ml_dtypes), PyTorch or CuPy (via DLPack).
 enum class Framework { numpy, torch, cupy };

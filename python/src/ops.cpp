@@ -60,7 +60,8 @@ void bind_quant(nb::module_& m) {
         Fp8Tensor r;
         {
           nb::gil_scoped_release release;
-          r = quantize_fp8(v, o);
+          // The Python arguments are Fp8Options' fields: its messages name them as the caller does.
+          r = with_python_names({{"options.use_ue8m0", "use_ue8m0"}}, [&] { return quantize_fp8(v, o); });
         }
         return nb::make_tuple(to_py(r.data, fw), to_py(r.scales, fw));
       },
@@ -159,7 +160,17 @@ void bind_ops(nb::module_& m) {
         o.routed_scaling_factor = routed_scaling_factor;
         Inputs keep;
         o.e_score_correction_bias = arg(bias, "e_score_correction_bias", keep, "float32");
-        return run_topk(logits, framework, [&](const TensorView& l, Inputs&) { return grouped_topk(l, o); });
+        // The Python arguments are GroupedTopkOptions' fields: its messages name them as the caller does.
+        return with_python_names({{"options.num_topk", "num_topk"},
+                                  {"options.num_expert_group", "num_expert_group"},
+                                  {"options.topk_group", "topk_group"},
+                                  {"options.routed_scaling_factor", "routed_scaling_factor"},
+                                  {"options.e_score_correction_bias", "e_score_correction_bias"}},
+                                 [&] {
+                                   return run_topk(logits, framework, [&](const TensorView& l, Inputs&) {
+                                     return grouped_topk(l, o);
+                                   });
+                                 });
       },
       nb::arg("logits"), nb::arg("num_topk"), nb::arg("num_expert_group"), nb::arg("topk_group"),
       nb::arg("scoring_func") = "softmax", nb::arg("renormalize") = true, nb::arg("routed_scaling_factor") = 1.0f,

@@ -339,6 +339,42 @@ def test_a_wrong_dtype_reads_alike_whether_epmoe_holds_it_or_not(rng):
                             "cpu" for d in ("float64", "float32")]
 
 
+def test_messages_name_the_python_argument_not_the_cxx_one(rng):
+    """Found by a fresh user: messages named what a Python caller never typed: 'x_scales' for the scales of dispatch's
+    tuple x, the C++ ExpertsQuant for make_cuda_experts' quant. The scales are 'x[1]', the setting 'quant'."""
+    E, K, T, H = 4, 2, 3, 128
+    x = nice_bf16(rng, (T, H))
+    idx = random_topk_idx(rng, T, K, E)
+    q, scales = epmoe.quantize_fp8(x)
+    took = "expected dtype float32 or int32 (UE8M0)"
+
+    def rank_main(group):
+        buf = epmoe.Buffer(group)
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+        messages = []
+        for bad in ((q, scales.astype(np.float64)), (q, scales.astype(np.int16)), (q, scales[:, :0]), q):
+            with pytest.raises(epmoe.Error) as e:
+                buf.dispatch(bad, topk_idx=idx, **layout)
+            messages.append(str(e.value))
+        return messages
+
+    for messages in epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S):
+        assert messages[:2] == [f"epmoe: invalid argument 'x[1]': {took}, got {d}[{T}, 1] cpu"
+                                for d in ("float64", "int16")]
+        assert messages[2] == f"epmoe: invalid argument 'x[1]': expected float32[{T}, 1], got float32[{T}, 0] cpu"
+        assert messages[3] == (f"epmoe: invalid argument 'x[1]': expected float32[{T}, 1] or UE8M0 int32[{T}, 1] with "
+                               "float8 x, got None")
+        assert not any("x_scales" in m for m in messages), messages
+    layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_reference_experts())
+    w1, w2 = np.zeros((E, 128, H), BF16), np.zeros((E, H, 64), BF16)
+    with pytest.raises(epmoe.Error) as e:
+        layer.forward(x, w1, w2, np.full((T, K), 0.5, np.float32), idx, w1_scale=np.ones((E, 1, 1), np.float32))
+    assert str(e.value) == ("epmoe: invalid argument 'w1_scale': expected None for the 'reference' experts with "
+                            "bfloat16 weights (fp8 block-scaled weights need experts made with quant fp8_block), got "
+                            f"float32[{E}, 1, 1] cpu")
+
+
 def test_an_int16_topk_idx_is_said_in_one_wording_by_every_call(rng):
     """get_dispatch_layout, dispatch, low_latency_dispatch and MoELayer.forward word a topk_idx of another dtype
     alike, naming the argument, the dtypes it takes and the one it has."""

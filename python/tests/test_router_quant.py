@@ -110,11 +110,40 @@ def test_quantize_fp8_column_major_scales(rng, H, T, round_scale, use_ue8m0):
     np.testing.assert_array_equal(bits(epmoe.dequantize_fp8(q, col)), bits(epmoe.dequantize_fp8(q_row, row)))
 
 
+def test_grouped_topk_errors_name_the_python_arguments():
+    """Found by a fresh user: grouped_topk's errors named 'options.e_score_correction_bias' (and options.topk_group,
+    ...), the C++ API's fields, which a Python caller never typed. They name the Python arguments."""
+    T, E = 3, 8
+    logits = np.zeros((T, E), np.float32)
+    bias = np.zeros(E, np.float32)
+    cases = [
+        (dict(num_topk=5, num_expert_group=4, topk_group=2), "num_topk", "expected in [1, 4], got 5"),
+        (dict(num_topk=2, num_expert_group=3, topk_group=1), "num_expert_group", "expected a divisor of E = 8, got 3"),
+        (dict(num_topk=2, num_expert_group=4, topk_group=5), "topk_group", "expected in [1, num_expert_group = 4], "
+                                                                         "got 5"),
+        (dict(num_topk=2, num_expert_group=2, topk_group=1, routed_scaling_factor=float("inf")),
+         "routed_scaling_factor", "expected a finite number, got inf"),
+        (dict(num_topk=2, num_expert_group=2, topk_group=1, e_score_correction_bias=bias[:4]),
+         "e_score_correction_bias", "expected float32[8] (one per expert), got float32[4] cpu"),
+        (dict(num_topk=2, num_expert_group=2, topk_group=1, e_score_correction_bias=bias.astype(np.float16)),
+         "e_score_correction_bias", "expected float32[8] (one per expert), got float16[8] cpu"),
+        (dict(num_topk=2, num_expert_group=2, topk_group=1, e_score_correction_bias=np.zeros(2 * E, np.float32)[::2]),
+         "e_score_correction_bias", "expected stride 1, got 2"),
+    ]
+    for kwargs, name, rest in cases:
+        with pytest.raises(epmoe.Error) as e:
+            epmoe.grouped_topk(logits, **kwargs)
+        assert (e.value.code, str(e.value)) == ("invalid_argument", f"epmoe: invalid argument '{name}': {rest}"), kwargs
+    weights, idx = epmoe.grouped_topk(logits, 2, 2, 1, e_score_correction_bias=bias)  # the names change nothing else
+    assert weights.shape == idx.shape == (T, 2)
+
+
 def test_quantize_fp8_scale_layout_errors(rng):
     x = nice_bf16(rng, (4, 256))
     with pytest.raises(epmoe.Error, match="'scale_layout'.*'row_major' or 'column_major'.*'columns'"):
         epmoe.quantize_fp8(x, scale_layout="columns")
-    with pytest.raises(epmoe.Error, match="'options.use_ue8m0'.*round_scale = true"):
+    # Named as the Python caller names it (the C++ API's field is options.use_ue8m0).
+    with pytest.raises(epmoe.Error, match="^epmoe: invalid argument 'use_ue8m0': expected round_scale = true"):
         epmoe.quantize_fp8(x, use_ue8m0=True, scale_layout="column_major")
     # dequantize refuses scales in neither layout (strided in both dimensions)
     q, scales = epmoe.quantize_fp8(x)

@@ -23,6 +23,14 @@ void throw_invalid_argument(std::string_view argument, std::string_view expected
               fmt::format("epmoe: invalid argument '{}': expected {}, got {}", argument, expected, actual));
 }
 
+std::string naming_argument(std::string_view message, std::string_view name, std::string_view as) {
+  const std::string head = fmt::format("epmoe: invalid argument '{}", name);
+  if (message.size() <= head.size() || message.substr(0, head.size()) != head) return std::string(message);
+  const char next = message[head.size()];
+  if (next != '\'' && next != ' ' && next != ':') return std::string(message);  // another argument ('x' of 'x2')
+  return fmt::format("epmoe: invalid argument '{}{}", as, message.substr(head.size()));
+}
+
 void throw_wrong_dtype(std::string_view argument, std::string_view takes, std::string_view actual) {
   throw_invalid_argument(argument, fmt::format("dtype {}", takes), actual);
 }

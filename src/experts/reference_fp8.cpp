@@ -42,8 +42,9 @@ Fp8Sizes check_fp8_inputs(const ExpertsInputs& in, const ExpertsConfig& config, 
   EPMOE_CHECK_ARG(in.w2.defined(), "w2", "a float8_e4m3fn [E_local, H, N] tensor (fp8_block)", "None");
   check_tensor(in.w2, "w2");
   check_tensor(in.w1, "w1");
-  EPMOE_CHECK_ARG(in.w1.dtype == DType::fp8_e4m3, "w1", "float8_e4m3fn (ExpertsQuant::fp8_block)", describe(in.w1));
-  EPMOE_CHECK_ARG(in.w2.dtype == DType::fp8_e4m3, "w2", "float8_e4m3fn (ExpertsQuant::fp8_block)", describe(in.w2));
+  constexpr const char* fp8_weights = "float8_e4m3fn (experts of quant fp8_block)";
+  if (in.w1.dtype != DType::fp8_e4m3) throw_wrong_dtype("w1", fp8_weights, describe(in.w1));
+  if (in.w2.dtype != DType::fp8_e4m3) throw_wrong_dtype("w2", fp8_weights, describe(in.w2));
   EPMOE_CHECK_ARG(in.w2.ndim() == 3, "w2", "3 dimensions [E_local, H, N]", describe(in.w2));
   EPMOE_CHECK_ARG(in.w1.ndim() == 3, "w1", "3 dimensions [E_local, 2N or N, H]", describe(in.w1));
   s.e_local = in.w2.size(0);

@@ -13,7 +13,8 @@ void check_weight_scales(const MoEForwardArgs& args, const Experts& experts, std
     return fmt::format("the '{}' experts with {} weights", experts.name(), fp8 ? "fp8_block" : "bfloat16");
   };
   if (!fp8) {
-    const char* hint = " (fp8 block-scaled weights need experts made with ExpertsQuant::fp8_block)";
+    // `quant` is the name of the setting in C++ (ExpertsConfig::quant) and in Python (make_cuda_experts(quant=...)).
+    const char* hint = " (fp8 block-scaled weights need experts made with quant fp8_block)";
     EPMOE_CHECK_ARG(!args.w1_scale.defined(), "w1_scale", fmt::format("None for {}{}", who(), hint),
                     describe(args.w1_scale));
     EPMOE_CHECK_ARG(!args.w2_scale.defined(), "w2_scale", fmt::format("None for {}{}", who(), hint),

@@ -55,6 +55,26 @@ TEST(Error, AWrongDtypeIsSaidInOneWording) {
   }
 }
 
+// The argument a message names, said as a caller knows it: the whole name, or a part of it followed by a blank or a
+// colon; another argument whose name starts alike, a name elsewhere in the message, and other messages are left alone.
+TEST(Error, NamingArgumentRenamesTheArgumentTheMessageNames) {
+  const std::string bias = "epmoe: invalid argument 'options.e_score_correction_bias': expected stride 1, got 2";
+  EXPECT_EQ(naming_argument(bias, "options.e_score_correction_bias", "e_score_correction_bias"),
+            "epmoe: invalid argument 'e_score_correction_bias': expected stride 1, got 2");
+  EXPECT_EQ(naming_argument("epmoe: invalid argument 'routing topk_idx': expected ids in [-1, 64), got 70", "routing",
+                            "--routing"),
+            "epmoe: invalid argument '--routing topk_idx': expected ids in [-1, 64), got 70");
+  EXPECT_EQ(naming_argument("epmoe: invalid argument 'a.json:num_sms': expected 0..64, got 99", "a.json",
+                            "--config a.json"),
+            "epmoe: invalid argument '--config a.json:num_sms': expected 0..64, got 99");
+  const std::string x_scales =
+      "epmoe: invalid argument 'x_scales': expected None with bfloat16 x, got float32[2, 1] cpu";
+  EXPECT_EQ(naming_argument(x_scales, "x", "y"), x_scales);
+  EXPECT_EQ(naming_argument(x_scales, "bfloat16", "y"), x_scales);
+  EXPECT_EQ(naming_argument("epmoe: timed out: 'x_scales'", "x_scales", "y"), "epmoe: timed out: 'x_scales'");
+  EXPECT_EQ(naming_argument("epmoe: invalid argument 'x", "x", "y"), "epmoe: invalid argument 'x");
+}
+
 TEST(Error, RaiseAndAssert) {
   try {
     raise(ErrorCode::out_of_memory, "buffer too small: need {} bytes, have {}", 4096, 1024);

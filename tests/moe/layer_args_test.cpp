@@ -433,7 +433,7 @@ TEST(MoELayerArgs, Bf16ExpertsRefuseWeightScalesAndFp8Weights) {
   MoEForwardArgs bad = good;
   bad.w1_scale = s1;
   expect_invalid([&] { layer.forward(bad); },
-                 {"'w1_scale'", "None for the 'reference' experts with bfloat16 weights", "ExpertsQuant::fp8_block",
+                 {"'w1_scale'", "None for the 'reference' experts with bfloat16 weights", "made with quant fp8_block",
                   "float32[4, 1, 1]"});
   bad = good;
   bad.w2_scale = s2;

@@ -175,10 +175,7 @@ void apply_config_flag(const std::string& path, BufferOptions& options) {
 
 void rethrow_naming_flag(const Error& e, std::string_view name, std::string_view flag) {
   if (e.code() != ErrorCode::invalid_argument) throw e;
-  std::string message = e.what();
-  if (const auto at = message.find("'" + std::string(name)); at != std::string::npos)
-    message.replace(at + 1, name.size(), flag);
-  throw Error(ErrorCode::invalid_argument, message);
+  throw Error(ErrorCode::invalid_argument, naming_argument(e.what(), name, flag));
 }
 
 void fill_bf16(bf16_t* p, std::int64_t n, std::uint64_t seed, std::uint64_t id, float scale) {

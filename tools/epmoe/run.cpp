@@ -436,10 +436,7 @@ Activation parse_activation_flag(const std::string& name) {
   try {
     return parse_activation(name);
   } catch (const Error& e) {  // the library names its argument 'activation'; on the command line it is the flag
-    if (e.code() != ErrorCode::invalid_argument) throw;
-    std::string message = e.what();
-    if (const auto at = message.find("'activation'"); at != std::string::npos) message.insert(at + 1, "--");
-    throw Error(ErrorCode::invalid_argument, message);
+    rethrow_naming_flag(e, "activation", "--activation");
   }
 }
 
