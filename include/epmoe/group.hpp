@@ -10,6 +10,7 @@
 #include <epmoe/timeout.hpp>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
@@ -116,12 +117,18 @@ std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& error
 /// callers whose exceptions wrap epmoe's (the Python module).
 std::exception_ptr first_root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order,
                                     const std::function<int(const std::exception_ptr&)>& cause_class);
-/// Rank `rank`'s error message `message` ("epmoe: ...") as run_thread_ranks re-raises it: "epmoe: rank R: ...", so
-/// the caller learns which rank raised it; unchanged where it already names a rank first.
+/// Rank `rank`'s error message `message` as run_thread_ranks re-raises it, so the caller learns which rank raised it:
+/// "epmoe: rank R: ..." for "epmoe: ...", "rank R: ..." for another message; unchanged where it already names a rank
+/// first ("rank 0: ..." after any "epmoe: ").
 std::string naming_rank(std::string_view message, int rank);
-/// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any (the failing
-/// rank's own exception, whatever the rank order; an epmoe::Error with the same code, its message naming the rank
-/// as naming_rank says it). Unlike run_thread_ranks_collect, a rank that throws
+/// Rethrows rank `rank`'s exception `e` naming the rank (naming_rank): an epmoe::Error as an epmoe::Error of the same
+/// code; another std::exception as a std::runtime_error whose what() names the rank, nesting the original
+/// (std::rethrow_if_nested gives it back with its own type: C++ cannot edit an exception's message in place); anything
+/// else as it is (it has no message to name the rank in).
+[[noreturn]] void rethrow_naming_rank(const std::exception_ptr& e, int rank);
+/// As run_thread_ranks_collect, then rethrows first_root_cause() of the ranks' exceptions, if any: the failing rank's
+/// own exception, whatever the rank order, naming that rank (rethrow_naming_rank: an epmoe::Error with the same code,
+/// another std::exception as a std::runtime_error nesting it). Unlike run_thread_ranks_collect, a rank that throws
 /// releases the others at once (ThreadWorld::abort): their collectives raise unusable naming it.
 void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, double timeout_s = default_timeout_s());
 

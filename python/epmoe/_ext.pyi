@@ -68,8 +68,9 @@ class Group:
 
 def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Optional[float] = None) -> List[Any]:
     """fn(group) on num_ranks threads of one threads-backend group; returns the results by rank and
-    re-raises the first failing rank's exception, the root cause before the timeouts and 'unusable' errors it caused
-    (an epmoe error naming that rank). Errors: num_ranks < 1,
+    re-raises the first failing rank's exception, the root cause before the timeouts and 'unusable' errors it caused,
+    as the same object naming that rank ("rank 1: ..." in its message, or a note; see epmoe.run_thread_ranks).
+    Errors: num_ranks < 1,
     timeout_s <= 0."""
 
 class Event:

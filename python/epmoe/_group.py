@@ -123,10 +123,15 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
 
     The ranks form one threads-backend group (shared memory). Every collective releases the GIL, so the
     ranks progress together. If any rank raises, the root cause is re-raised after all ranks have
-    finished: the first error (in the order the ranks failed) that is not a timeout or 'unusable' (a Python
-    exception is re-raised as the same object, an epmoe error keeps its code and its message names the rank
-    that raised it: "epmoe: rank 1: invalid argument ..."), else the first
-    timeout (a rank that never came), else the first 'unusable'. A rank that raises, or returns while others
+    finished: the first error (in the order the ranks failed) that is not a timeout or 'unusable', else the
+    first timeout (a rank that never came), else the first 'unusable'. It is re-raised as the same object,
+    so its type, attributes (an epmoe error's code) and traceback are those of the raise, and it names the
+    rank that raised it: where its message is its one string argument (an epmoe error, ValueError("bad"), most
+    exceptions) that argument is prefixed, "epmoe: rank 1: invalid argument ..." or "rank 1: bad" (unless it
+    names a rank first already); for any other (KeyError and OSError, whose arguments are data; no argument;
+    several) a note "raised by rank 1 of run_thread_ranks" is added instead (Python 3.11+, shown under the
+    traceback; older Pythons leave it unnamed). Editing the object, not wrapping it, keeps `except ValueError`
+    working. A rank that raises, or returns while others
     wait for it in a collective, releases them at once: their collectives raise 'unusable' naming it instead
     of waiting out `timeout_s` (the ranks' collective timeout in seconds; default epmoe.default_timeout_s(),
     100 s unless EPMOE_TIMEOUT_S says otherwise; float('inf') or anything past 1e9 s waits 1e9 s).

@@ -48,24 +48,34 @@ int python_cause_class(const std::exception_ptr& p) {
   }
 }
 
-/// Rank `rank`'s exception `p` as run_thread_ranks re-raises it: an epmoe error (epmoe::Error, or an epmoe.Error the
-/// rank's Python function raised) with its message naming the rank (naming_rank), its type, code and traceback kept;
-/// any other exception as it is. Needs the GIL.
-[[noreturn]] void rethrow_naming_rank(const std::exception_ptr& p, int rank) {
+/// Names rank `rank` in the Python exception `value` its function raised, editing the object itself (not making a new
+/// one), so its type, attributes (an epmoe.Error's `code`) and traceback stay as raised. Where its message is its one
+/// string argument (str(e) is e.args[0]: ValueError("..."), epmoe.Error) that argument becomes naming_rank's ("rank 1:
+/// ...", "epmoe: rank 1: ..."). Any other (no argument or several, or a type with its own __str__, as KeyError and
+/// OSError, whose arguments are data, not the message) gets a note "raised by rank R of run_thread_ranks" instead
+/// (add_note: Python 3.11+; older Pythons leave it as it is). Needs the GIL.
+void name_the_rank(nb::handle value, int rank) {
+  nb::object args = value.attr("args");
+  const nb::object own_str = nb::getattr(value.type(), "__str__");
+  const nb::object base_str = nb::getattr(nb::handle(PyExc_BaseException), "__str__");
+  if (nb::len(args) == 1 && nb::isinstance<nb::str>(args[0]) && own_str.is(base_str)) {
+    value.attr("args") = nb::make_tuple(naming_rank(nb::cast<std::string>(args[0]), rank));
+  } else if (nb::hasattr(value, "add_note")) {
+    value.attr("add_note")(fmt::format("raised by rank {} of run_thread_ranks", rank));
+  }
+}
+
+/// Rank `rank`'s exception `p` as run_thread_ranks re-raises it, naming the rank: a Python exception as the same object
+/// (name_the_rank), a C++ one as epmoe::rethrow_naming_rank says (an epmoe::Error keeps its code). Needs the GIL.
+[[noreturn]] void reraise_naming_rank(const std::exception_ptr& p, int rank) {
   try {
     std::rethrow_exception(p);
-  } catch (const Error& e) {
-    throw Error(e.code(), naming_rank(e.what(), rank));
   } catch (nb::python_error& e) {
-    // The raised object itself is edited (not a new one made), so its type, `code` and traceback stay as raised.
-    if (g_error_type != nullptr && e.matches(g_error_type)) {
-      nb::handle value = e.value();
-      nb::object args = value.attr("args");
-      if (nb::len(args) == 1 && nb::isinstance<nb::str>(args[0]))
-        value.attr("args") = nb::make_tuple(naming_rank(nb::cast<std::string>(args[0]), rank));
-    }
+    name_the_rank(e.value(), rank);
     throw;
+  } catch (...) {
   }
+  epmoe::rethrow_naming_rank(p, rank);
 }
 }  // namespace
 
@@ -221,10 +231,10 @@ void bind_group(nb::module_& m) {
           });
         }
         // The root cause (not the timeouts or 'unusable' other ranks saw of it, whatever their rank order), else a
-        // timeout, else the first 'unusable' (first_root_cause). A Python exception is re-raised as the original,
-        // an epmoe error naming the rank that raised it.
+        // timeout, else the first 'unusable' (first_root_cause), naming the rank that raised it: a Python exception as
+        // the same object, its message or a note naming the rank (reraise_naming_rank).
         if (auto e = first_root_cause(errors, world.failure_order(), python_cause_class))
-          rethrow_naming_rank(e, static_cast<int>(std::find(errors.begin(), errors.end(), e) - errors.begin()));
+          reraise_naming_rank(e, static_cast<int>(std::find(errors.begin(), errors.end(), e) - errors.begin()));
         nb::list out;
         for (auto& r : results) out.append(r);
         return out;

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -752,7 +753,7 @@ def test_a_rank_that_raises_releases_the_other_at_once_and_its_own_exception_com
     start = time.monotonic()
     with pytest.raises(ValueError) as e:
         epmoe.run_thread_ranks(2, rank_main, timeout_s=TIMEOUT_S)
-    assert type(e.value) is ValueError and str(e.value) == f"boom from rank {failing}"
+    assert type(e.value) is ValueError and str(e.value) == f"rank {failing}: boom from rank {failing}"
     assert seen["code"] == "unusable" and f"rank {failing}" in seen["message"], seen
     assert time.monotonic() - start < 60.0
 
@@ -824,8 +825,51 @@ def test_a_lower_rank_raising_while_a_higher_waits_reraises_its_own_exception():
             raise RankZeroError("rank zero's own failure")
         group.barrier("waiting for rank zero")
 
-    with pytest.raises(RankZeroError, match="^rank zero's own failure$"):
+    with pytest.raises(RankZeroError, match="^rank 0: rank zero's own failure$"):
         epmoe.run_thread_ranks(3, rank_main, timeout_s=TIMEOUT_S)
+
+
+def test_an_exception_of_another_type_raised_by_one_rank_comes_back_naming_the_rank():
+    """Found by a fresh user: a ValueError (any exception that is not an epmoe error) raised by one rank came back
+    without the rank. It comes back as the same object (type, attributes and traceback as raised), its message naming
+    the rank where the message is its one string argument; else (KeyError's argument is the key) with a note naming the
+    rank, on Python 3.11+."""
+    raised = {}
+
+    def raising(make):
+        def rank_main(group):
+            if group.rank() == 1:
+                raised["error"] = make()
+                raise raised["error"]
+            group.barrier("waiting for rank 1")
+        return rank_main
+
+    with pytest.raises(ValueError) as e:
+        epmoe.run_thread_ranks(2, raising(lambda: ValueError("bad value")), timeout_s=TIMEOUT_S)
+    assert e.value is raised["error"] and type(e.value) is ValueError
+    assert str(e.value) == "rank 1: bad value" and e.value.args == ("rank 1: bad value",)
+    assert "rank_main" in [frame.name for frame in traceback.extract_tb(e.value.__traceback__)]
+
+    class WithFields(Exception):
+        def __init__(self, path: str) -> None:
+            super().__init__(f"cannot read {path}")
+            self.path = path
+
+    with pytest.raises(WithFields) as e:
+        epmoe.run_thread_ranks(2, raising(lambda: WithFields("/x")), timeout_s=TIMEOUT_S)
+    assert (str(e.value), e.value.path) == ("rank 1: cannot read /x", "/x")
+
+    with pytest.raises(ValueError, match="^rank 0: said by rank 0$"):  # a message naming a rank first is kept
+        epmoe.run_thread_ranks(2, raising(lambda: ValueError("rank 0: said by rank 0")), timeout_s=TIMEOUT_S)
+
+    for make, args in ((lambda: KeyError("expert 7"), ("expert 7",)), (lambda: OSError(2, "No such file"),
+                                                                          (2, "No such file")),
+                       (lambda: RuntimeError(), ()), (lambda: ValueError("a", 1), ("a", 1))):
+        with pytest.raises(Exception) as e:
+            epmoe.run_thread_ranks(2, raising(make), timeout_s=TIMEOUT_S)
+        assert e.value is raised["error"] and e.value.args == args  # its arguments are data: left as they are
+        if sys.version_info >= (3, 11):
+            assert e.value.__notes__ == ["raised by rank 1 of run_thread_ranks"], e.value
 
 
 def test_a_rank_that_never_arrives_times_out_instead_of_hanging():

@@ -1,6 +1,6 @@
 // run_thread_ranks rethrows the failing rank's own exception whichever rank failed (not the 'unusable' the
-// others saw of it; an epmoe error naming that rank) and releases the others at once; a rank that returns before
-// its peers' collective releases them at once too.
+// others saw of it), naming that rank, and releases the others at once; a rank that returns before its peers'
+// collective releases them at once too.
 #include <epmoe/buffer.hpp>
 #include <epmoe/error.hpp>
 #include <epmoe/group.hpp>
@@ -23,9 +23,9 @@ namespace {
 
 using test::fresh_seed;
 
-// Rank `failing` throws `thrown` while the other ranks wait in a barrier; the caller gets an exception of the same
-// type (and code) whose message is `want`, and at once: the failure releases the waiting ranks long before their
-// 60 s timeout.
+// Rank `failing` throws `thrown` while the other ranks wait in a barrier; the caller gets, at once (the failure
+// releases the waiting ranks long before their 60 s timeout), an exception whose message is `want`: an epmoe::Error of
+// the same code, or for another std::exception a std::runtime_error nesting the one thrown (its type and message).
 template <class Thrown>
 void expect_root_cause(int num_ranks, int failing, const Thrown& thrown, const std::string& want) {
   const auto start = std::chrono::steady_clock::now();
@@ -38,28 +38,58 @@ void expect_root_cause(int num_ranks, int failing, const Thrown& thrown, const s
         },
         60.0);
     ADD_FAILURE() << "nothing thrown";
-  } catch (const Thrown& e) {
+  } catch (const Error& e) {
+    EXPECT_TRUE((std::is_same_v<Thrown, Error>)) << "an epmoe::Error came for another exception: " << e.what();
     EXPECT_EQ(std::string(e.what()), want);
     if constexpr (std::is_same_v<Thrown, Error>) EXPECT_EQ(e.code(), thrown.code());
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), want);
+    try {
+      std::rethrow_if_nested(e);
+      ADD_FAILURE() << "nothing nested in " << e.what();
+    } catch (const Thrown& original) {
+      EXPECT_EQ(std::string(original.what()), std::string(thrown.what()));
+    } catch (...) {
+      ADD_FAILURE() << "another exception is nested in " << e.what();
+    }
   } catch (const std::exception& e) {
     ADD_FAILURE() << "another exception came: " << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
 }
 
-// An epmoe error comes back naming the rank that raised it, with its code; another exception comes back as thrown.
+// An epmoe error comes back naming the rank that raised it, with its code; found by a fresh user: another exception
+// came back as thrown, naming no rank. It comes back naming the rank too, the one thrown nested in it.
 TEST(RunThreadRanks, AHigherRankFailingWhileLowerRanksWaitRethrowsItsOwnError) {
   expect_root_cause(2, 1, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'w1': from rank one"),
                     "epmoe: rank 1: invalid argument 'w1': from rank one");
   expect_root_cause(3, 2, Error(ErrorCode::out_of_memory, "epmoe: out of memory: from rank two"),
                     "epmoe: rank 2: out of memory: from rank two");
-  expect_root_cause(3, 2, std::runtime_error("rank two's own failure"), "rank two's own failure");
+  expect_root_cause(3, 2, std::runtime_error("rank two's own failure"), "rank 2: rank two's own failure");
+  expect_root_cause(2, 1, std::out_of_range("vector index 7"), "rank 1: vector index 7");
 }
 
 TEST(RunThreadRanks, ALowerRankFailingWhileHigherRanksWaitRethrowsItsOwnError) {
   expect_root_cause(2, 0, Error(ErrorCode::invalid_argument, "epmoe: invalid argument 'x': from rank zero"),
                     "epmoe: rank 0: invalid argument 'x': from rank zero");
-  expect_root_cause(3, 1, std::runtime_error("rank one's own failure"), "rank one's own failure");
+  expect_root_cause(3, 1, std::runtime_error("rank one's own failure"), "rank 1: rank one's own failure");
+  expect_root_cause(3, 0, std::logic_error("rank 0: already named"), "rank 0: already named");
+}
+
+// Something that is no std::exception has no message to name the rank in: it comes back as thrown.
+TEST(RunThreadRanks, AThrownValueThatIsNoExceptionComesBackAsThrown) {
+  try {
+    run_thread_ranks(
+        2,
+        [](Group& g) {
+          if (g.rank() == 1) throw 42;
+          g.barrier("waiting for rank 1");
+        },
+        60.0);
+    ADD_FAILURE() << "nothing thrown";
+  } catch (int v) {
+    EXPECT_EQ(v, 42);
+  }
 }
 
 // The rank goes after "epmoe: ", once: a message that names a rank first already says whose it is.
@@ -68,6 +98,11 @@ TEST(RunThreadRanks, NamingRankPutsTheRankFirstUnlessOneIsNamed) {
             "epmoe: rank 3: invalid argument 'x': expected a, got b");
   EXPECT_EQ(naming_rank("epmoe: rank 0: timed out after 1 s", 3), "epmoe: rank 0: timed out after 1 s");
   EXPECT_EQ(naming_rank("no prefix", 1), "rank 1: no prefix");
+  EXPECT_EQ(naming_rank("rank 2: named", 1), "rank 2: named");
+  // A message that starts with the word, not with a rank's number, names no rank.
+  EXPECT_EQ(naming_rank("rank one fails", 1), "rank 1: rank one fails");
+  EXPECT_EQ(naming_rank("epmoe: ranks differ", 1), "epmoe: rank 1: ranks differ");
+  EXPECT_EQ(naming_rank("rank ", 1), "rank 1: rank ");
 }
 
 // ThreadWorld::abort records the order of the failures, once per rank (first_root_cause's `order`).

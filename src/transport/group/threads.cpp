@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -297,8 +299,19 @@ std::string naming_rank(std::string_view message, int rank) {
   constexpr std::string_view head = "epmoe: ";
   const bool has_head = message.substr(0, head.size()) == head;
   const std::string_view rest = has_head ? message.substr(head.size()) : message;
-  if (rest.substr(0, 5) == "rank ") return std::string(message);
+  // "rank 0: ..." names a rank; "rank one fails" (a caller's own words) does not.
+  if (rest.size() > 5 && rest.substr(0, 5) == "rank " && rest[5] >= '0' && rest[5] <= '9') return std::string(message);
   return fmt::format("{}rank {}: {}", has_head ? head : "", rank, rest);
+}
+
+void rethrow_naming_rank(const std::exception_ptr& e, int rank) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& error) {  // the same code, its message naming the rank that raised it
+    throw Error(error.code(), naming_rank(error.what(), rank));
+  } catch (const std::exception& other) {
+    std::throw_with_nested(std::runtime_error(naming_rank(other.what(), rank)));
+  }
 }
 
 std::vector<std::exception_ptr> run_thread_ranks_collect(int num_ranks, const std::function<void(Group&)>& fn,
@@ -313,12 +326,8 @@ void run_thread_ranks(int num_ranks, const std::function<void(Group&)>& fn, doub
   const RankErrors failed = run_ranks(num_ranks, fn, timeout_s, true);
   const std::exception_ptr e = first_root_cause(failed.errors, failed.order);
   if (!e) return;
-  const int rank = static_cast<int>(std::find(failed.errors.begin(), failed.errors.end(), e) - failed.errors.begin());
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& error) {  // the same code, its message naming the rank that raised it
-    throw Error(error.code(), naming_rank(error.what(), rank));
-  }
+  rethrow_naming_rank(e, static_cast<int>(std::find(failed.errors.begin(), failed.errors.end(), e) -
+                                          failed.errors.begin()));
 }
 
 }  // namespace epmoe
