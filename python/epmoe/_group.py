@@ -23,7 +23,7 @@ import sys
 from typing import Any, Callable, List, Optional
 
 from . import _ext
-from ._tensor import invalid_argument
+from ._tensor import int_arg, invalid_argument
 
 Group = _ext.Group
 
@@ -139,11 +139,10 @@ def run_thread_ranks(num_ranks: int, fn: Callable[[Group], Any], timeout_s: Opti
     Errors: epmoe.Error('invalid_argument') for num_ranks that is not an int in 1..2**31-1, fn that is not
     callable, or timeout_s that is not None or a number > 0.
     """
-    if isinstance(num_ranks, bool) or not hasattr(num_ranks, "__index__") or not 1 <= int(num_ranks) < 2**31:
-        raise invalid_argument("num_ranks", "an int in 1..2**31-1", repr(num_ranks))
+    num_ranks = int_arg("num_ranks", num_ranks, 1, 2**31 - 1)
     if not callable(fn):
         raise invalid_argument("fn", "a callable fn(group) run once per rank", f"an object of type {type(fn).__name__}")
     # A string or another object would reach the binding's float conversion, whose TypeError names no argument.
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)):
         raise invalid_argument("timeout_s", "None or a number of seconds > 0", repr(timeout_s))
-    return _ext.run_thread_ranks(int(num_ranks), fn, timeout_s)
+    return _ext.run_thread_ranks(num_ranks, fn, timeout_s)

@@ -220,19 +220,26 @@ def describe(x: Any) -> str:
 
 def int_arg(name: str, value: Any, low: int = 0, high: int = 2**31 - 1) -> int:
     """`value` as a Python int in [low, high] (what the C++ side takes), else epmoe.Error('invalid_argument') naming
-    `name` (bools, strings and floats included: the binding's own TypeError would not name the argument)."""
+    `name` (bools, strings and floats included: the binding's own TypeError would not name the argument).
+
+    The message names the bound `value` passes, alone ("expected an int of at most 2147483647, got 2147483648"): low
+    and high are often the C++ type's limits, the argument's own range being checked on the C++ side, and a range
+    from the type's least value would read as the range the argument takes. Anything that is not an int: "expected an
+    int, got ...". Callers whose argument has a range of its own pass it as low and high."""
     v = None
     if not isinstance(value, bool) and hasattr(value, "__index__"):
         try:
             v = int(value)
         except (TypeError, ValueError):  # e.g. an array of more than one element (NumPy's __index__ raises)
             v = None
-    if v is None or not low <= v <= high:
+    if v is None:
         shape = getattr(value, "shape", None)
-        got = repr(value)
-        if shape is not None and v is None:
-            got = f"an array of shape {tuple(shape)} ({dtype_name(value)})"
-        raise invalid_argument(name, f"an int in {low}..{high}", got)
+        got = repr(value) if shape is None else f"an array of shape {tuple(shape)} ({dtype_name(value)})"
+        raise invalid_argument(name, "an int", got)
+    if v > high:
+        raise invalid_argument(name, f"an int of at most {high}", repr(value))
+    if v < low:
+        raise invalid_argument(name, f"an int of at least {low}", repr(value))
     return v
 
 

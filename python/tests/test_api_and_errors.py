@@ -165,11 +165,11 @@ def test_buffer_arguments_are_checked_before_any_exchange(rng):
 
 
 TOO_BIG = (2**31, 2**40, 2**62)  # Python ints past the C++ int the binding takes
-INT32_RANGE = "an int in -2147483648..2147483647"
+INT32_MOST = "an int of at most 2147483647"
 
 
-def assert_named(name, value, call, expected=INT32_RANGE):
-    """call() raises epmoe.Error('invalid_argument') naming `name`, the range expected and `value`."""
+def assert_named(name, value, call, expected=INT32_MOST):
+    """call() raises epmoe.Error('invalid_argument') naming `name`, the bound expected and `value`."""
     with pytest.raises(epmoe.Error) as e:
         call()
     message = str(e.value)
@@ -193,10 +193,15 @@ def test_integers_that_do_not_fit_are_named_with_the_range_and_the_value(rng):
         assert_named("num_experts", v, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, H, R, v))
         assert_named("num_topk", v, lambda: epmoe.Buffer.get_normal_nvl_size_hint(8, H, R, v))
         assert_named("num_experts", v, lambda: epmoe.get_dispatch_layout(idx, v, R))
-    int64_range = "an int in -9223372036854775808..9223372036854775807"
-    assert_named("hidden", 2**64, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, 2**64, R, E), int64_range)
+    int64_most = "an int of at most 9223372036854775807"
+    assert_named("hidden", 2**64, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, 2**64, R, E), int64_most)
     assert_named("max_tokens_per_rank", 2**64, lambda: epmoe.Buffer.get_normal_nvl_size_hint(2**64, H, R, K),
-                 int64_range)
+                 int64_most)
+    # Found by a fresh user: the message quoted the C++ type's whole range ("an int in -9223372036854775808..
+    # 9223372036854775807"), as if a negative count were taken; it names the bound the value passes, alone.
+    assert_named("hidden", -2**64, lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, -2**64, R, E),
+                 "an int of at least -9223372036854775808")
+    assert_named("hidden", "8", lambda: epmoe.Buffer.get_low_latency_rdma_size_hint(8, "8", R, E), "an int")
     assert epmoe.Buffer.get_low_latency_rdma_size_hint(8, H, R, E) > 0  # in range: the C++ answer
 
     def rank_main(group):
@@ -213,7 +218,8 @@ def test_integers_that_do_not_fit_are_named_with_the_range_and_the_value(rng):
             assert_named("num_experts", v, lambda: buf.clean_low_latency_buffer(8, H, v))
             assert_named("num_max_dispatch_tokens_per_rank", v, lambda: epmoe.make_low_latency_prepare_finalize(buf, v))
         assert_named("num_rdma_bytes", 2**64, lambda: epmoe.Buffer(group, num_rdma_bytes=2**64),
-                     "an int in 0..9223372036854775807")
+                     "an int of at most 9223372036854775807")
+        assert_named("num_rdma_bytes", -1, lambda: epmoe.Buffer(group, num_rdma_bytes=-1), "an int of at least 0")
         assert_named("device", 2**40, lambda: epmoe.Buffer(group, device=2**40),
                      "None or a CUDA device index in 0..2**31-1")
         recv_x, recv_idx, _, counts, _, _ = buf.dispatch(x, **layout)  # still usable
@@ -469,7 +475,7 @@ def test_non_finite_topk_weights_are_refused_with_debug_validate(rng):
 def test_an_array_where_an_integer_goes_is_named_there(rng):
     """Found by a fresh user: topk_weights passed positionally where DeepEP's low_latency_dispatch takes
     num_max_dispatch_tokens_per_rank came back as NumPy's bare TypeError, or as an error about a later argument the
-    shift moved (dispatch_wait_recv_cost_stats). The integer's own name, range and the array's shape come first."""
+    shift moved (dispatch_wait_recv_cost_stats). The integer's own name and the array's shape come first."""
     E, H, K, T = 8, 128, 2, 4
     x = nice_bf16(rng, (T, H))
     idx = random_topk_idx(rng, T, K, E)
@@ -483,8 +489,8 @@ def test_an_array_where_an_integer_goes_is_named_there(rng):
             with pytest.raises(epmoe.Error) as e:
                 call()
             assert e.value.code == "invalid_argument"
-            assert str(e.value) == (f"epmoe: invalid argument 'num_max_dispatch_tokens_per_rank': expected "
-                                    f"{INT32_RANGE}, got {expected}"), str(e.value)
+            assert str(e.value) == (f"epmoe: invalid argument 'num_max_dispatch_tokens_per_rank': expected an int, "
+                                    f"got {expected}"), str(e.value)
         # a 0-d integer array is an integer
         recv_x, count, _, _, _ = buf.low_latency_dispatch(x, idx, np.array(T), E)
         return int(np.asarray(count).sum())
@@ -567,7 +573,9 @@ def test_cuda_ipc_asked_for_without_gpus_names_the_choice_and_the_reason():
 
 def test_run_thread_ranks_refuses_bad_arguments_naming_them():
     # Found by a fresh user: timeout_s="5" raised nanobind's TypeError, naming no argument.
-    cases = [((0, lambda g: None), {}, "'num_ranks': expected an int in 1..2**31-1, got 0"),
+    cases = [((0, lambda g: None), {}, "'num_ranks': expected an int of at least 1, got 0"),
+             ((2**31, lambda g: None), {}, "'num_ranks': expected an int of at most 2147483647, got 2147483648"),
+             (("2", lambda g: None), {}, "'num_ranks': expected an int, got '2'"),
              ((2, 3), {}, "'fn': expected a callable fn(group) run once per rank, got an object of type int"),
              ((2, lambda g: None), {"timeout_s": "5"}, "'timeout_s': expected None or a number of seconds > 0, "
                                                          "got '5'"),

@@ -528,13 +528,13 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
   } cases[] = {
       {"run --device cpu --ranks 99999999999", "'--ranks': " + positive_int + "99999999999"},
       {"run --device cpu --experts 2147483648", "'--experts': " + positive_int + "2147483648"},
-      {"run --device cpu --topk -2147483649", "'--topk': " + positive_int + "-2147483649"},
+      {"run --device cpu --topk -2147483649", "'--topk': expected an integer in [1, 32], got -2147483649"},
       {"run --device cpu --iters 0099999999999", "'--iters': " + positive_int + "0099999999999"},
       {"run --device cpu --ranks 99999999999999999999", "'--ranks': " + positive_int + "99999999999999999999"},
       {"run --device cpu --layer -99999999999", "'--layer': expected an integer in [0, 2147483647], got -99999999999"},
       {"bench --device cpu --runs 3000000000", "'--runs': " + positive_int + "3000000000"},
       {"bench --device cpu --warmup 3000000000", "'--warmup': expected an integer in [0, 2147483647], got 3000000000"},
-      {"tune --topk 3000000000", "'--topk': " + positive_int + "3000000000"},
+      {"tune --topk 3000000000", "'--topk': expected an integer in [1, 32], got 3000000000"},
       {"run --device cpu --tokens 99999999999999999999",
        "'--tokens': expected an integer in [1, 9223372036854775807], got 99999999999999999999"},
       {"bench --device cpu --hidden -9223372036854775809",
@@ -557,12 +557,38 @@ TEST(Cli, IntOptionsPastThirtyTwoBitsNameTheirRange) {
   EXPECT_NE(r.err.find("invalid argument '--layer': expected >= 0, got -2147483648"), std::string::npos) << r.err;
 }
 
+// Found by a fresh user: `--topk 99999999999` was refused as "expected an integer in [1, 2147483647]" while `--topk 33`
+// said [1, 32]. A value past the flag's type quotes the flag's own largest value where the command has one, as the
+// command's own check does for a value the type holds.
+TEST(Cli, AValuePastItsTypeQuotesTheFlagsOwnLargestValue) {
+  expect_refused_before_work(
+      {
+          {"run --device cpu --topk 99999999999",
+           "invalid argument '--topk': expected an integer in [1, 32], got 99999999999"},
+          {"run --device cpu --topk 33",
+           "invalid argument '--topk': expected in [1, 32] (at most --experts and 32 in normal mode), got 33"},
+          {"bench --device cpu --topk 99999999999",
+           "invalid argument '--topk': expected an integer in [1, 32], got 99999999999"},
+          {"bench --device cpu --topk 33", "invalid argument '--topk': expected in [1, 32], got 33"},
+          {"tune --topk 99999999999", "invalid argument '--topk': expected an integer in [1, 32], got 99999999999"},
+          {"bench --device cpu --tokens-max 99999999999999999999",
+           "invalid argument '--tokens-max': expected an integer in [1, 1048576], got 99999999999999999999"},
+          {"bench --device cpu --tokens-max 2097152",
+           "invalid argument '--tokens-max': expected in [--tokens-min (1), 1048576], got 2097152"},
+          {"bench --device cpu --tokens-min 99999999999999999999",
+           "invalid argument '--tokens-min': expected an integer in [1, 1048576], got 99999999999999999999"},
+      },
+      "2147483647");
+}
+
 // Every integer flag of every command (read from its --help) names a range from the least value it takes for a value
-// past its type: none quotes its type's negative bound, none of them taking a negative value.
+// past its type: none quotes its type's negative bound, none of them taking a negative value; its largest is the flag's
+// own where the command has one (32 for --topk, 2^20 for bench's T), else its type's.
 TEST(Cli, EveryIntegerFlagPastItsTypeNamesARangeWithoutANegativeBound) {
   const std::regex flag_line(R"(^\s+(?:-\w,)?(--[\w-]+) U?INT\b)");
   const std::regex range(R"(expected an integer in \[(0|1|8|16), )"
-                         R"((2147483647|9223372036854775807|18446744073709551615)\], got 99999999999999999999 )"
+                         R"((32|1048576|2147483647|9223372036854775807|18446744073709551615)\], )"
+                         R"(got 99999999999999999999 )"
                          R"(\(see --help\)\n$)");
   int flags = 0;
   for (const std::string command : {"run", "bench", "tune"}) {

@@ -47,6 +47,9 @@
 namespace epmoe::cli {
 namespace {
 
+// The largest T bench sweeps (2^20 tokens per rank).
+constexpr std::int64_t kMaxSweepTokens = std::int64_t{1} << 20;
+
 struct BenchConfig {
   std::int64_t tokens_min = 1, tokens_max = 16384, ll_tokens_max = 128, hidden = 7168;
   int topk = 8, experts = 256, runs = 50, warmup = 5, ranks = 2;
@@ -726,8 +729,8 @@ int bench(BenchConfig c) {
   const auto power_of_two = [](std::int64_t t) { return t >= 1 && (t & (t - 1)) == 0; };
   const std::string powers = "a power of two (1, 2, 4, ...: the T bench sweeps)";
   if (!power_of_two(c.tokens_min)) bad("--tokens-min", powers, c.tokens_min);
-  if (c.tokens_max < c.tokens_min || c.tokens_max > (1 << 20))
-    bad("--tokens-max", fmt::format("in [--tokens-min ({}), 1048576]", c.tokens_min), c.tokens_max);
+  if (c.tokens_max < c.tokens_min || c.tokens_max > kMaxSweepTokens)
+    bad("--tokens-max", fmt::format("in [--tokens-min ({}), {}]", c.tokens_min, kMaxSweepTokens), c.tokens_max);
   if (!power_of_two(c.tokens_max)) bad("--tokens-max", powers, c.tokens_max);
   if (c.ll_tokens_max < 1) bad("--ll-tokens-max", ">= 1", c.ll_tokens_max);
   if (modes.size() == 1 && modes.count("low-latency") && sweep(c).front() > c.ll_tokens_max)
@@ -933,7 +936,8 @@ int tune(BenchConfig c) {
 
 void add_shape_options(CLI::App* cmd, BenchConfig& c, const std::string& ranks_help) {
   at_least(16, cmd->add_option("--hidden", c.hidden, "hidden size H"))->capture_default_str();
-  at_least(1, cmd->add_option("-k,--topk", c.topk, "experts per token K"))->capture_default_str();
+  // The most the normal dispatch takes (check_shape holds it to --experts, bench to --modes too).
+  in_range(1, kNormalMaxTopk, cmd->add_option("-k,--topk", c.topk, "experts per token K"))->capture_default_str();
   at_least(1, cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of the ranks)"))->capture_default_str();
   at_least(1, cmd->add_option("--runs", c.runs, "timed runs per point (median reported)"))->capture_default_str();
   at_least(0, cmd->add_option("--warmup", c.warmup, "untimed runs before them"))->capture_default_str();
@@ -954,9 +958,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
   auto& c = *config;
   CLI::App* cmd = app.add_subcommand(
       "bench", "Time dispatch and combine over T = powers of two, beside a peer-copy (or memcpy) floor and NCCL");
-  at_least(1, cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank; a power of two)"))
+  in_range(1, kMaxSweepTokens,
+           cmd->add_option("--tokens-min", c.tokens_min, "smallest T (tokens per rank; a power of two)"))
       ->capture_default_str();
-  at_least(1, cmd->add_option("--tokens-max", c.tokens_max, "largest T (a power of two)"))->capture_default_str();
+  in_range(1, kMaxSweepTokens, cmd->add_option("--tokens-max", c.tokens_max, "largest T (a power of two)"))
+      ->capture_default_str();
   at_least(1, cmd->add_option("--ll-tokens-max", c.ll_tokens_max,
                               "largest T of the low-latency sweep (any T >= 1: it runs the sweep's powers of two up to "
                               "it)"))

@@ -47,25 +47,42 @@ inline CLI::Validator non_negative_integer() {
       "");
 }
 
-/// The least value of each integer option declared with at_least. An option lives as long as its app, so its address
-/// names it.
-inline std::map<const CLI::Option*, std::int64_t>& least_values() {
-  static std::map<const CLI::Option*, std::int64_t> least;
-  return least;
+/// The values an integer option takes, as at_least or in_range declared them: from `least`, up to `most` where the
+/// command has a largest value of its own (else up to its type's largest).
+struct DeclaredRange {
+  std::int64_t least = 0;
+  std::optional<std::int64_t> most;
+};
+
+/// The range of each integer option declared with at_least or in_range. An option lives as long as its app, so its
+/// address names it.
+inline std::map<const CLI::Option*, DeclaredRange>& declared_ranges() {
+  static std::map<const CLI::Option*, DeclaredRange> ranges;
+  return ranges;
 }
 
-/// Declares that integer option `o` takes values >= `least`. A smaller value in its type is refused after parsing, by
-/// the command's own check in its words; a value past its type is refused while parsing, and that message gives the
-/// option's range from `least` ("[1, 2147483647]"), not its type's ("[-2147483648, 2147483647]"). Returns `o`.
+/// Declares that integer option `o` takes values >= `least`, up to its type's largest. A smaller value in its type is
+/// refused after parsing, by the command's own check in its words; a value past its type is refused while parsing,
+/// and that message gives the option's range from `least` ("[1, 2147483647]"), not its type's ("[-2147483648,
+/// 2147483647]"). Returns `o`.
 inline CLI::Option* at_least(std::int64_t least, CLI::Option* o) {
-  least_values()[o] = least;
+  declared_ranges()[o] = {least, std::nullopt};
   return o;
 }
 
-/// The least value `o` takes as at_least declared it; none when it was not declared.
-inline std::optional<std::int64_t> least_value(const CLI::Option& o) {
-  const auto it = least_values().find(&o);
-  return it == least_values().end() ? std::nullopt : std::optional<std::int64_t>(it->second);
+/// As at_least, for an option the command never takes past `most` (--topk: 32, the most experts per token any mode
+/// dispatches): a value past its type is refused naming [least, most], the bound the command's own checks quote for
+/// a value the type holds ("--topk 33": in [1, 32]), not the type's largest. Those checks stay the command's, with
+/// any narrower bound other flags set (--topk <= --experts); `most` is the largest any of them takes. Returns `o`.
+inline CLI::Option* in_range(std::int64_t least, std::int64_t most, CLI::Option* o) {
+  declared_ranges()[o] = {least, most};
+  return o;
+}
+
+/// The range `o` takes as at_least or in_range declared it; none when neither did.
+inline std::optional<DeclaredRange> declared_range(const CLI::Option& o) {
+  const auto it = declared_ranges().find(&o);
+  return it == declared_ranges().end() ? std::nullopt : std::optional<DeclaredRange>(it->second);
 }
 
 /// An error whose message this process has written already, or left to another process of the same mpirun job that

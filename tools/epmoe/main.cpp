@@ -186,8 +186,9 @@ std::string command_after_mark_message(const std::string& word) {
          as_typed(word) + " after it (words after '--' are never flags or commands)";
 }
 
-/// The range integer option `o` takes, as a value past its type is refused with: from the least value at_least declared
-/// ("[1, 2147483647]" for --ranks), else its type's, to its type's largest ("[-2147483648, 2147483647]" for an int).
+/// The range integer option `o` takes, as a value past its type is refused with: from the least value at_least or
+/// in_range declared ("[1, 2147483647]" for --ranks), else its type's, to the most in_range declared ("[1, 32]" for
+/// --topk), else its type's largest ("[-2147483648, 2147483647]" for an int).
 /// CLI11 names every integer type INT or UINT, so the type is the widest of 8, 16, 32 and 64 bits whose largest value
 /// the option's own conversion takes. That conversion writes the option's variable: called only for a value about to
 /// be refused.
@@ -200,8 +201,8 @@ std::string integer_range(const CLI::Option& o, bool is_unsigned) {
     bits = wider;
   }
   const std::string largest = std::to_string(most(bits));
-  if (const std::optional<std::int64_t> least = epmoe::cli::least_value(o))
-    return "[" + std::to_string(*least) + ", " + largest + "]";
+  if (const std::optional<epmoe::cli::DeclaredRange> range = epmoe::cli::declared_range(o))
+    return "[" + std::to_string(range->least) + ", " + (range->most ? std::to_string(*range->most) : largest) + "]";
   return is_unsigned ? "[0, " + largest + "]" : "[-" + std::to_string(most(bits) + 1) + ", " + largest + "]";
 }
 

@@ -914,7 +914,10 @@ std::function<int()> add_run_command(CLI::App& app) {
   at_least(1, cmd->add_option("-t,--tokens", c.tokens, "tokens per rank"))->capture_default_str();
   at_least(8, cmd->add_option("--hidden", c.hidden, "hidden size H"))->capture_default_str();
   at_least(1, cmd->add_option("-e,--experts", c.experts, "experts E (a multiple of --ranks)"))->capture_default_str();
-  at_least(1, cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)"))->capture_default_str();
+  // The most any --mode takes (check_job_flags holds it to the mode's and to --experts).
+  in_range(1, std::max(kNormalMaxTopk, kLowLatencyMaxTopk),
+           cmd->add_option("-k,--topk", c.topk, "experts per token K (random routing)"))
+      ->capture_default_str();
   at_least(1, cmd->add_option("--intermediate", c.intermediate, "expert intermediate size N"))->capture_default_str();
   cmd->add_option("--mode", c.mode, "normal or low-latency")->check(CLI::IsMember({"normal", "low-latency"}))->capture_default_str();
   cmd->add_option("--dispatch-dtype", c.dispatch_dtype, "bf16 or fp8")->check(CLI::IsMember({"bf16", "fp8"}))->capture_default_str();
