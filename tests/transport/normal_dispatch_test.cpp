@@ -33,7 +33,7 @@ TEST(NormalDispatch, RanksAndTopkSweepBf16) {
 }
 
 TEST(NormalDispatch, HiddenSizes) {
-  for (std::int64_t H : {128, 2048, 2880, 7168}) {
+  for (std::int64_t H : {128, 2048, 2880, 4096, 7168}) {
     SCOPED_TRACE("H=" + std::to_string(H));
     NormalCase c = basic(4, 32, 8, H, H > 2048 ? 6 : 20);
     c.bias_0 = true;
