@@ -75,12 +75,13 @@ struct Shape4 {
   double p_minus_one;
 };
 
-// R in {1, 2, 3, 4, 8}, K in {1, 2, 8, 9}, H in {128, 2048, 2880, 4096, 7168}; small Tmax keeps the window
-// (E * Tmax * H elements per half) small.
+// R in {1, 2, 3, 4, 8}, K in {1, 2, 8, 9}, H in {16, 128, 2048, 2880, 4096, 7168}; small Tmax keeps the window
+// (E * Tmax * H elements per half) small. E_local = 1024, the most a rank may own (semantics §1), on tiny rows.
 const Shape4 kShapes[] = {
     {1, 4, 2, 128, 8, 0.0},   {2, 8, 1, 2048, 8, 0.0},  {2, 16, 8, 128, 16, 0.2}, {3, 12, 9, 2880, 5, 0.1},
     {4, 16, 2, 7168, 4, 0.0}, {4, 32, 8, 7168, 3, 0.1}, {8, 32, 8, 128, 8, 0.3},  {8, 16, 9, 2048, 4, 0.0},
     {8, 32, 1, 2880, 2, 0.0}, {3, 24, 8, 7168, 2, 0.0}, {2, 8, 8, 4096, 4, 0.1},  {4, 32, 9, 4096, 2, 0.0},
+    {2, 2048, 4, 16, 3, 0.1},
 };
 
 enum class Format { bf16, fp8, fp8_round, fp8_ue8m0 };

@@ -153,6 +153,8 @@ TEST(LowLatencyErrors, BadShapesAndOptions) {
        },
        "use_fp8"},
       {"E % R != 0", [&](auto& a) { a.num_experts = 7; }, "num_experts"},
+      {"E_local = 1025", [&](auto& a) { a.num_experts = 1025 * c.R; },
+       "'num_experts': expected at most 1024 experts per rank"},
       {"weights shape", [&](auto& a) { a.topk_weights = weights_bad; }, "topk_weights"},
       {"stats shape", [&](auto& a) { a.cumulative_local_expert_recv_stats = stats_bad; },
        "cumulative_local_expert_recv_stats"},

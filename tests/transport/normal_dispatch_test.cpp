@@ -61,6 +61,15 @@ TEST(NormalDispatch, WithoutTopkWeights) {
   run_normal_case(c);
 }
 
+// E_local = 1024, the most a rank may own (semantics §1), on tiny rows; counts aligned, so every expert's is checked.
+TEST(NormalDispatch, ThousandTwentyFourLocalExperts) {
+  NormalCase c = basic(2, 2048, 4, 16, 30);
+  c.alignment = 3;
+  c.p_minus_one = 0.1;
+  c.combine_weights = true;
+  run_normal_case(c);
+}
+
 // ---- routing edge cases ----
 
 TEST(NormalDispatch, SomeMinusOneIds) {

@@ -190,6 +190,23 @@ TEST(NormalErrors, LayoutInconsistentWithTopk) {
              {"'num_tokens_per_expert'", "multiple of the 2 ranks", "got 5"});
 }
 
+// E_local = 1025, one past the most a rank may own (semantics §1), is refused before any exchange on every rank: by
+// the layout, naming num_experts, and by the dispatch, naming num_tokens_per_expert (the list it reads E from).
+TEST(NormalErrors, MoreThan1024LocalExpertsAreRefused) {
+  const NormalCase c = small(2);
+  const int E = 1025 * c.R;
+  std::mt19937_64 rng(fresh_seed());
+  const Ready rd = ready(rng, c, 0);
+  expect_all(on_ranks(c.R, [&](int, Buffer& buf) { buf.get_dispatch_layout(rd.in.topk_idx, E); }),
+             ErrorCode::invalid_argument, {"'num_experts'", "at most 1024 experts per rank", std::to_string(E)});
+  // The layout's counts, and none for the experts past them.
+  Tensor counts = Tensor::zeros(DType::int32, {E});
+  std::memcpy(counts.data(), rd.layout.num_tokens_per_expert.data(), rd.layout.num_tokens_per_expert.nbytes());
+  expect_all(dispatch_with(c, [&](int, DispatchArgs& a) { a.num_tokens_per_expert = counts; }),
+             ErrorCode::invalid_argument,
+             {"'num_tokens_per_expert'", "at most 1024 experts per rank", std::to_string(E)});
+}
+
 TEST(NormalErrors, MissingLayoutAndLayoutOnlyCounts) {
   expect_all(dispatch_with(small(2), [&](int, DispatchArgs& a) { a.num_tokens_per_expert = {}; }),
              ErrorCode::invalid_argument, {"'num_tokens_per_expert'", "None"});
