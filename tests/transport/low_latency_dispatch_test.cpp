@@ -163,6 +163,20 @@ TEST(LowLatencyDispatch, ZeroTokenRank) {
   run_case(c);
 }
 
+// No rank has a token: the dispatch and the combine still meet and complete, every count is 0, the outputs are empty.
+TEST(LowLatencyDispatch, EveryRankHasZeroTokens) {
+  Case c;
+  c.R = 3;
+  c.E = 12;
+  c.K = 3;
+  c.tmax = 4;
+  c.T = {0, 0, 0};
+  for (bool fp8 : {false, true}) {
+    c.use_fp8 = fp8;
+    run_case(c);
+  }
+}
+
 TEST(LowLatencyDispatch, EveryTokenToOneExpert) {
   Case c;
   c.R = 4;
