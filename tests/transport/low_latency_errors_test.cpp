@@ -267,7 +267,9 @@ TEST(LowLatencyErrors, BufferTooSmallNamesBytesNeeded) {
   }
 }
 
-TEST(LowLatencyErrors, MismatchedTmaxAcrossRanksIsErrorOnEveryRank) {
+// Tmax, H and E are fixed by the first call, which compares them across ranks: one rank's other value is a
+// rank_mismatch on every rank (within the short timeout: never a hang), naming the setting.
+TEST(LowLatencyErrors, FirstCallSettingsDifferingAcrossRanksAreAMismatchOnEveryRank) {
   const Case c = small_case(3);
   std::mt19937_64 rng(fresh_seed());
   Case few = c;
@@ -299,6 +301,22 @@ TEST(LowLatencyErrors, MismatchedTmaxAcrossRanksIsErrorOnEveryRank) {
   for (const auto& e : errs_h) {
     EXPECT_EQ(e.code, ErrorCode::rank_mismatch) << e.what;
     EXPECT_TRUE(contains(e.what, "hidden")) << e.what;
+  }
+  // The number of experts likewise (the ids, drawn below 12, are valid for both).
+  const auto errs_e = errors_on_all(
+      c.R,
+      [&](Buffer& b, Group& g) {
+        auto a = dispatch_args(c, in[static_cast<std::size_t>(g.rank())]);
+        if (g.rank() == 1) a.num_experts = 2 * c.E;
+        b.low_latency_dispatch(a);
+      },
+      {}, 10.0);
+  for (const auto& e : errs_e) {
+    ASSERT_TRUE(e.thrown);
+    EXPECT_EQ(e.code, ErrorCode::rank_mismatch) << e.what;
+    EXPECT_TRUE(contains(e.what, "num_experts") && contains(e.what, std::to_string(c.E)) &&
+                contains(e.what, std::to_string(2 * c.E)))
+        << e.what;
   }
 }
 
