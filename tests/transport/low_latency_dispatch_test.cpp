@@ -299,6 +299,19 @@ TEST(LowLatencyDispatch, WaitCostStatsCountTheWaitForEachSource) {
   }
 }
 
+// semantics §5: (T * R * K + E) / E in integer division, the engines' GEMM size. Hand-computed: DeepEP's decode shape,
+// no tokens (1), a quotient that truncates, and products past 32 bits.
+TEST(LowLatencyExpectedM, IsTheEnginesFormulaInIntegerDivision) {
+  static_assert(low_latency_expected_m(128, 8, 8, 256) == 33);  // usable at compile time: 8448 / 256
+  EXPECT_EQ(low_latency_expected_m(128, 8, 8, 256), 33);
+  EXPECT_EQ(low_latency_expected_m(0, 4, 8, 64), 1);
+  EXPECT_EQ(low_latency_expected_m(1, 2, 2, 8), 1);              // 12 / 8
+  EXPECT_EQ(low_latency_expected_m(7, 3, 5, 12), 9);             // 117 / 12 = 9.75
+  EXPECT_EQ(low_latency_expected_m(8, 1, 1, 8), 2);              // 16 / 8
+  EXPECT_EQ(low_latency_expected_m(4096, 64, 16, 65536), 65);    // 4259840 / 65536
+  EXPECT_EQ(low_latency_expected_m(std::int64_t{1} << 20, 1024, 16, 1024), (std::int64_t{1} << 24) + 1);  // 2^34 tokens
+}
+
 TEST(LowLatencyDispatch, SizeHintCoversTheBufferAndExactSizeWorks) {
   Case c;
   c.R = 2;
