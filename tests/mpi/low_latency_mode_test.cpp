@@ -18,6 +18,7 @@
 
 #include "mpi/compare.hpp"
 #include "mpi/mpi_test_util.hpp"
+#include "support/low_latency_reference.hpp"
 
 namespace epmoe::test {
 namespace {
@@ -32,6 +33,9 @@ struct LowLatencyCase {
   bool nvfp4 = false;  // with x_global_scale 1.5
   bool hook = false;
   int zero_token_rank = -1;
+  int all_minus_one_rank = -1;  ///< this rank's ids are all -1 (its tokens go nowhere)
+  int only_expert = -1;         ///< >= 0: every token of every rank goes to this expert alone
+  bool full_batch = false;      ///< T = Tmax on every rank (else 1..Tmax at random)
   int rounds = 3;
   /// 1: the combine waits for comp_signal per block of 5 rows (3 adds, one per N-tile of 48 columns: H = 128);
   /// 2: for src_signals per expert. A producer thread writes x after a NaN fill, block by block, then signals.
@@ -44,14 +48,28 @@ struct RankInput {
 
 RankInput make_input(std::uint64_t seed, int rank, int R, int round, const LowLatencyCase& c) {
   auto rng = rank_rng(seed, rank, 10 + static_cast<std::uint64_t>(round));
-  const std::int64_t T = rank == c.zero_token_rank ? 0 : 1 + static_cast<std::int64_t>(rng() % c.tmax);
+  const std::int64_t T = rank == c.zero_token_rank ? 0
+                         : c.full_batch            ? c.tmax
+                                                   : 1 + static_cast<std::int64_t>(rng() % c.tmax);
   RankInput in;
   in.x = random_bf16(rng, T, c.H, 3.0f);
   RoutingOptions o;
   o.p_minus_one = 0.1;
+  o.only_expert = c.only_expert;
   in.topk_idx = random_topk_idx(rng, T, c.K, c.experts_per_rank * R, o);
+  if (rank == c.all_minus_one_rank)
+    for (std::int64_t i = 0; i < in.topk_idx.numel(); ++i) in.topk_idx.ptr<std::int64_t>()[i] = -1;
   in.topk_weights = random_topk_weights(rng, in.topk_idx);
   return in;
+}
+
+/// The experts' outputs of rank `rank` in round `round`: bf16 [E_local, R * Tmax, H], reproducible on any rank.
+Tensor expert_output(std::uint64_t seed, int rank, int R, int round, const LowLatencyCase& c) {
+  auto rng = rank_rng(seed, rank, 100 + static_cast<std::uint64_t>(round));
+  const std::int64_t rows = static_cast<std::int64_t>(R) * c.tmax;
+  Tensor flat = random_bf16(rng, c.experts_per_rank * rows, c.H, 2.0f);
+  return Tensor::wrap(TensorView(flat.data(), DType::bf16, {c.experts_per_rank, rows, c.H}),
+                      std::shared_ptr<void>(flat.data(), [flat](void*) {}));
 }
 
 /// The valid part of a dispatch (rows beyond an expert's count are unspecified) and the combine.
@@ -122,11 +140,10 @@ std::vector<Snapshot> run_rank(Buffer& buffer, std::uint64_t seed, const LowLate
     if (c.hook) d.hook();
     Snapshot s = snapshot_dispatch(d);
 
-    auto rng = rank_rng(seed, me, 100 + static_cast<std::uint64_t>(round));
     const std::int64_t rows = static_cast<std::int64_t>(R) * c.tmax;
-    Tensor flat = random_bf16(rng, c.experts_per_rank * rows, c.H, 2.0f);
+    const Tensor flat = expert_output(seed, me, R, round, c);
     LowLatencyCombineArgs ca;
-    ca.x = TensorView(flat.data(), DType::bf16, {c.experts_per_rank, rows, c.H});
+    ca.x = flat;
     ca.topk_idx = in.topk_idx;
     ca.topk_weights = in.topk_weights;
     ca.handle = &d.handle;
@@ -182,6 +199,35 @@ std::vector<Snapshot> run_rank(Buffer& buffer, std::uint64_t seed, const LowLate
   return out;
 }
 
+// Each round's layout and combine against the independent reference (tests/support/low_latency_reference), from every
+// rank's inputs and expert outputs regenerated in this process.
+void expect_reference(std::uint64_t seed, const LowLatencyCase& c, const std::vector<Snapshot>& got) {
+  const int R = world_size(), me = world_rank(), E = c.experts_per_rank * R;
+  for (int round = 0; round < c.rounds; ++round) {
+    SCOPED_TRACE("reference, round " + std::to_string(round));
+    std::vector<LowLatencyRankInput> in;
+    std::vector<Tensor> y;
+    for (int s = 0; s < R; ++s) {
+      const RankInput ri = make_input(seed, s, R, round, c);
+      in.push_back({ri.x, ri.topk_idx, ri.topk_weights});
+      y.push_back(expert_output(seed, s, R, round, c));
+    }
+    const auto ref = reference_low_latency_dispatch(in, E);
+    const LowLatencyReferenceRank& mine = ref[static_cast<std::size_t>(me)];
+    std::vector<std::int32_t> count, src_info;
+    for (const auto& rows : mine.rows) {
+      count.push_back(static_cast<std::int32_t>(rows.size()));
+      for (const PackedRowSource& row : rows) src_info.push_back(row.token);
+    }
+    const Snapshot& g = got[static_cast<std::size_t>(round)];
+    EXPECT_EQ(g.count, count);
+    EXPECT_EQ(g.src_info, src_info);
+    EXPECT_EQ(g.layout_range, mine.layout_range);
+    EXPECT_TRUE(same_tensor(g.combined_x, reference_low_latency_combine(in, ref, y, E)[static_cast<std::size_t>(me)]))
+        << "combined_x against the reference";
+  }
+}
+
 void run_case(const LowLatencyCase& c) {
   SCOPED_TRACE(c.name);
   const std::uint64_t seed = shared_seed();
@@ -205,6 +251,7 @@ void run_case(const LowLatencyCase& c) {
     EXPECT_TRUE(got[i].scales == want[i].scales) << "packed_recv_x_scales differ";
     EXPECT_TRUE(same_tensor(got[i].combined_x, want[i].combined_x)) << "combined_x";
   }
+  expect_reference(seed, c, got);
 }
 
 TEST(MpiLowLatencyMode, Bf16DispatchAndCombineMatchTheThreadsBackend) { run_case({.name = "bf16"}); }
@@ -235,20 +282,29 @@ TEST(MpiLowLatencyMode, OverlappedCombinesWaitingOnHostSignalsMatchTheThreadsBac
   run_case({.name = "overlap experts hooks", .experts_per_rank = 3, .K = 1, .hook = true, .overlap = 2});
 }
 
-TEST(MpiLowLatencyMode, TooManyTokensAreRejectedOnEveryRankAndTheBufferStillWorks) {
-  const std::uint64_t seed = shared_seed();
+/// A bf16 dispatch of T random tokens (rank_rng stream `stream`) to the case's experts, for a test to edit; `keep`
+/// owns the tensors.
+LowLatencyDispatchArgs random_dispatch(std::uint64_t seed, std::uint64_t stream, std::int64_t T,
+                                       const LowLatencyCase& c, RankInput& keep) {
   const int R = world_size();
-  LowLatencyCase c{.name = "T > Tmax", .rounds = 1};
-  Buffer buffer(test_group());
-  auto rng = rank_rng(seed, world_rank(), 7);
-  const Tensor x = random_bf16(rng, c.tmax + 1, c.H);
-  const Tensor idx = random_topk_idx(rng, c.tmax + 1, c.K, c.experts_per_rank * R);
+  auto rng = rank_rng(seed, world_rank(), stream);
+  keep.x = random_bf16(rng, T, c.H);
+  keep.topk_idx = random_topk_idx(rng, T, c.K, c.experts_per_rank * R);
   LowLatencyDispatchArgs a;
-  a.x = x;
-  a.topk_idx = idx;
+  a.x = keep.x;
+  a.topk_idx = keep.topk_idx;
   a.num_max_dispatch_tokens_per_rank = c.tmax;
   a.num_experts = c.experts_per_rank * R;
   a.use_fp8 = false;
+  return a;
+}
+
+TEST(MpiLowLatencyMode, TooManyTokensAreRejectedOnEveryRankAndTheBufferStillWorks) {
+  const std::uint64_t seed = shared_seed();
+  LowLatencyCase c{.name = "T > Tmax", .rounds = 1};
+  Buffer buffer(test_group());
+  RankInput keep;
+  const LowLatencyDispatchArgs a = random_dispatch(seed, 7, c.tmax + 1, c, keep);
   auto e = catch_error([&] { buffer.low_latency_dispatch(a); });
   ASSERT_TRUE(e);
   EXPECT_EQ(e->code(), ErrorCode::invalid_argument);
@@ -259,23 +315,60 @@ TEST(MpiLowLatencyMode, TooManyTokensAreRejectedOnEveryRankAndTheBufferStillWork
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-TEST(MpiLowLatencyMode, TmaxDifferingOnOneRankIsAMismatchOnEveryRank) {
+// Routing edge cases: a rank whose ids are all -1 (it sends nothing, its combine is +0), one expert taking every token
+// of every rank at T = Tmax (R * Tmax rows: its slab's capacity), and T = Tmax exactly on every rank.
+TEST(MpiLowLatencyMode, EdgeRoutingMatchesTheThreadsBackendAndTheReference) {
+  run_case({.name = "a rank of -1 ids", .K = 4, .all_minus_one_rank = world_size() - 1});
+  run_case({.name = "one expert takes every token", .fp8 = true, .only_expert = 1, .full_batch = true, .rounds = 2});
+  run_case({.name = "T = Tmax", .experts_per_rank = 3, .K = 5, .tmax = 7, .hook = true, .full_batch = true});
+}
+
+// Settings fixed by the first low-latency call are compared across ranks: one rank's other value is a rank_mismatch
+// on every rank, never a hang.
+TEST(MpiLowLatencyMode, TmaxOrExpertsDifferingOnOneRankIsAMismatchOnEveryRank) {
   const std::uint64_t seed = shared_seed();
   const int R = world_size();
-  LowLatencyCase c{.name = "Tmax mismatch"};
+  const LowLatencyCase c{.name = "first-call mismatch"};
+  struct Edit {
+    const char* setting;
+    void (*apply)(LowLatencyDispatchArgs&);
+  };
+  const Edit edits[] = {
+      {"num_max_dispatch_tokens_per_rank", [](LowLatencyDispatchArgs& a) { a.num_max_dispatch_tokens_per_rank += 4; }},
+      {"num_experts", [](LowLatencyDispatchArgs& a) { a.num_experts *= 2; }},  // the ids stay valid for both
+  };
+  for (const Edit& edit : edits) {
+    SCOPED_TRACE(edit.setting);
+    Buffer buffer(test_group());
+    RankInput keep;
+    LowLatencyDispatchArgs a = random_dispatch(seed, 8, 2, c, keep);
+    if (world_rank() == R - 1) edit.apply(a);
+    auto e = catch_error([&] { buffer.low_latency_dispatch(a); });
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->code(), ErrorCode::rank_mismatch) << e->what();
+    EXPECT_NE(std::string(e->what()).find(edit.setting), std::string::npos) << e->what();
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
+// Ids outside [-1, E) on every rank (a different one on each) are refused before sending, naming topk_idx and the
+// value; nothing was sent, so the same buffer then runs a valid round, checked against the reference.
+TEST(MpiLowLatencyMode, OutOfRangeIdsAreRejectedOnEveryRankAndTheBufferStillWorks) {
+  const std::uint64_t seed = shared_seed();
+  const LowLatencyCase c{.name = "bad ids", .rounds = 1};
+  const int E = c.experts_per_rank * world_size();
   Buffer buffer(test_group());
-  auto rng = rank_rng(seed, world_rank(), 8);
-  const Tensor x = random_bf16(rng, 2, c.H);
-  const Tensor idx = random_topk_idx(rng, 2, c.K, c.experts_per_rank * R);
-  LowLatencyDispatchArgs a;
-  a.x = x;
-  a.topk_idx = idx;
-  a.num_max_dispatch_tokens_per_rank = world_rank() == R - 1 ? c.tmax + 4 : c.tmax;
-  a.num_experts = c.experts_per_rank * R;
-  a.use_fp8 = false;
+  RankInput keep;
+  const LowLatencyDispatchArgs a = random_dispatch(seed, 9, 2, c, keep);
+  const std::int64_t bad = world_rank() % 2 == 0 ? E : -2;
+  keep.topk_idx.ptr<std::int64_t>()[c.K + 1] = bad;  // token 1, k = 1
   auto e = catch_error([&] { buffer.low_latency_dispatch(a); });
   ASSERT_TRUE(e);
-  EXPECT_EQ(e->code(), ErrorCode::rank_mismatch) << e->what();
+  EXPECT_EQ(e->code(), ErrorCode::invalid_argument) << e->what();
+  const std::string what = e->what();
+  EXPECT_TRUE(what.find("topk_idx") != std::string::npos && what.find(std::to_string(bad)) != std::string::npos)
+      << what;
+  expect_reference(seed, c, run_rank(buffer, seed, c));
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
