@@ -18,6 +18,7 @@
 #include "support/nvfp4_reference.hpp"
 #include "support/quant_reference.hpp"
 #include "support/random.hpp"
+#include "support/tensor_bytes.hpp"
 
 namespace epmoe {
 namespace {
@@ -106,7 +107,11 @@ std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
     a.activation = act;
     a.global_num_experts = p.E;
     a.apply_router_weight_on_input = o.weight_on_input;
+    test::InputBytes inputs;  // a forward writes none of its inputs (semantics §1)
+    inputs.add("hidden", a.hidden).add("w1", a.w1).add("w2", a.w2);
+    inputs.add("topk_idx", a.topk_idx).add("topk_weights", a.topk_weights);
     out[static_cast<std::size_t>(r)] = layer.forward(a).output;
+    inputs.expect_unchanged();
   });
   return out;
 }

@@ -8,17 +8,9 @@
 #include <cstring>
 #include <string>
 
-namespace epmoe::test {
+#include "support/tensor_bytes.hpp"
 
-/// Reads element `i` (row-major over the shape) of a strided view as raw bytes.
-inline const std::byte* element_at(const TensorView& v, std::int64_t i) {
-  std::int64_t offset = 0;
-  for (int d = v.ndim() - 1; d >= 0; --d) {
-    offset += (i % v.shape[d]) * v.strides[d];
-    i /= v.shape[d];
-  }
-  return static_cast<const std::byte*>(v.data) + offset * static_cast<std::int64_t>(dtype_size(v.dtype));
-}
+namespace epmoe::test {
 
 /// Same definedness, dtype, shape and bytes of every element (strides may differ).
 inline ::testing::AssertionResult same_tensor(const TensorView& got, const TensorView& want) {

@@ -38,7 +38,10 @@ void run_case(const Case& c, int rounds = 2) {
     const int r = g.rank();
     for (int i = 0; i < rounds; ++i) {
       const auto& in = inputs[static_cast<std::size_t>(i)][static_cast<std::size_t>(r)];
-      const LowLatencyDispatchResult d = buffer.low_latency_dispatch(dispatch_args(c, in));
+      const LowLatencyDispatchArgs da = dispatch_args(c, in);
+      InputBytes unwritten;  // inputs are never written (semantics §1)
+      add_dispatch_inputs(unwritten, da);
+      const LowLatencyDispatchResult d = buffer.low_latency_dispatch(da);
       EXPECT_FALSE(d.hook.defined());
       EXPECT_EQ(d.handle.num_max_dispatch_tokens_per_rank, c.tmax);
       got[static_cast<std::size_t>(i)][static_cast<std::size_t>(r)] = copy_dispatch(d);
@@ -48,7 +51,9 @@ void run_case(const Case& c, int rounds = 2) {
       ca.topk_weights = in.topk_weights;
       ca.handle = &d.handle;
       if (i % 2 == 1) ca.out = outs[static_cast<std::size_t>(i)][static_cast<std::size_t>(r)];
+      add_combine_inputs(unwritten, ca);
       const LowLatencyCombineResult cr = buffer.low_latency_combine(ca);
+      unwritten.expect_unchanged();
       if (i % 2 == 1) EXPECT_EQ(cr.combined_x.data(), ca.out.data) << "combine must write into and return `out`";
       combined[static_cast<std::size_t>(i)][static_cast<std::size_t>(r)] = clone(cr.combined_x);
     }

@@ -19,6 +19,7 @@
 
 #include "support/low_latency_reference.hpp"
 #include "support/random.hpp"
+#include "support/tensor_bytes.hpp"
 
 namespace epmoe::test::ll {
 
@@ -257,6 +258,18 @@ inline std::vector<Fp8Tensor> quantize_all(const Case& c, const std::vector<LowL
   if (!c.use_fp8) return q;
   for (const auto& i : in) q.push_back(quantize_fp8(i.x, Fp8Options{c.round_scale, c.use_ue8m0}));
   return q;
+}
+
+/// What a low-latency dispatch reads and must leave as it was (semantics §1); the statistics it adds to are outputs.
+inline InputBytes& add_dispatch_inputs(InputBytes& b, const LowLatencyDispatchArgs& a) {
+  b.add("x", a.x).add("topk_idx", a.topk_idx).add("topk_weights", a.topk_weights);
+  return b.add("x_global_scale", a.x_global_scale);
+}
+
+/// What a low-latency combine reads: its arguments and the dispatch's handle (which stays valid for more combines).
+inline InputBytes& add_combine_inputs(InputBytes& b, const LowLatencyCombineArgs& a) {
+  b.add("combine x", a.x).add("combine topk_idx", a.topk_idx).add("combine topk_weights", a.topk_weights);
+  return b.add("handle.src_info", a.handle->src_info).add("handle.layout_range", a.handle->layout_range);
 }
 
 inline void expect_bf16_equal(const Tensor& got, const Tensor& want, const std::string& what) {

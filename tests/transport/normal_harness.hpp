@@ -18,6 +18,7 @@
 
 #include "support/normal_reference.hpp"
 #include "support/random.hpp"
+#include "support/tensor_bytes.hpp"
 
 namespace epmoe::test {
 
@@ -203,6 +204,28 @@ inline void expect_dispatch_eq(const DispatchResult& got, const RefDispatchOutpu
     ASSERT_EQ(h.recv_src_idx.ptr<std::int32_t>()[i], want.recv_src_idx[static_cast<std::size_t>(i)]) << i;
 }
 
+/// The handle's tensors: a cached dispatch and a combine read them, and must leave them as the dispatch made them.
+inline InputBytes& add_handle(InputBytes& b, const NormalHandle& h) {
+  return b.add("handle.rank_prefix_matrix", h.rank_prefix_matrix)
+      .add("handle.is_token_in_rank", h.is_token_in_rank)
+      .add("handle.send_pos", h.send_pos)
+      .add("handle.recv_src_idx", h.recv_src_idx)
+      .add("handle.num_recv_tokens_per_expert", h.num_recv_tokens_per_expert);
+}
+
+/// A fresh dispatch's inputs: the tokens, their routing and the layout.
+inline InputBytes& add_dispatch_inputs(InputBytes& b, const DispatchArgs& a) {
+  b.add("x", a.x).add("x_scales", a.x_scales).add("topk_idx", a.topk_idx).add("topk_weights", a.topk_weights);
+  b.add("num_tokens_per_rank", a.num_tokens_per_rank).add("is_token_in_rank", a.is_token_in_rank);
+  return b.add("num_tokens_per_expert", a.num_tokens_per_expert);
+}
+
+/// A combine's own inputs (its handle is the dispatch's, added once).
+inline InputBytes& add_combine_inputs(InputBytes& b, const CombineArgs& a) {
+  b.add("combine x", a.x).add("combine topk_weights", a.topk_weights);
+  return b.add("bias_0", a.bias_0).add("bias_1", a.bias_1);
+}
+
 /// Runs the case on R thread ranks and compares every rank with the reference.
 inline void run_normal_case(const NormalCase& c) {
   std::mt19937_64 rng(fresh_seed());
@@ -230,7 +253,11 @@ inline void run_normal_case(const NormalCase& c) {
     const DispatchLayout l = buf.get_dispatch_layout(mine.topk_idx, c.E);
     DispatchArgs fresh = dispatch_args(mine, l, c);
     fresh.x_scales = given_scales[static_cast<std::size_t>(r)].view();
+    // Every call below must leave its inputs as they were (semantics §1), checked once all of them returned.
+    InputBytes inputs;
+    add_dispatch_inputs(inputs, fresh);
     run.dispatch = buf.dispatch(fresh);
+    add_handle(inputs, run.dispatch.handle);
     if (c.cached) {
       DispatchArgs a;
       a.x = mine.x;
@@ -242,20 +269,26 @@ inline void run_normal_case(const NormalCase& c) {
       a.handle = &run.dispatch.handle;
       run.cached = buf.dispatch(a);
     }
-    if (!c.combine) return;
+    if (!c.combine) {
+      inputs.expect_unchanged();
+      return;
+    }
     CombineArgs ca;
     ca.x = run.y;
     ca.handle = &run.dispatch.handle;
     ca.topk_weights = run.y_weights.view();
     ca.bias_0 = run.bias_0.view();
     ca.bias_1 = run.bias_1.view();
+    add_combine_inputs(inputs, ca);
     run.combine = buf.combine(ca);
     if (!c.fp8) {
       CombineArgs rt;
       rt.x = run.dispatch.recv_x;
       rt.handle = &run.dispatch.handle;
+      add_combine_inputs(inputs, rt);
       run.roundtrip = buf.combine(rt);
     }
+    inputs.expect_unchanged();
   });
 
   for (int r = 0; r < c.R; ++r) {
