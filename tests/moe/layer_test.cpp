@@ -116,8 +116,8 @@ std::vector<Tensor> run_layer(const Problem& p, const RunOptions& o) {
   return out;
 }
 
-double layer_error(const Problem& p, const RunOptions& o) {
-  const std::vector<Tensor> got = run_layer(p, o);
+// The relative L2 error of the ranks' outputs `got` (in rank order) against the float64 layer reference.
+double reference_error(const Problem& p, const RunOptions& o, const std::vector<Tensor>& got) {
   Tensor x = concat_rows(p.x);
   if (o.dtype == DispatchDtype::fp8) {  // the reference sees what the experts saw: the fp8 values
     const Fp8Tensor q = quantize_fp8(x);
@@ -134,6 +134,8 @@ double layer_error(const Problem& p, const RunOptions& o) {
                                               p.activation, o.weight_on_input);
   return test::relative_l2(concat_rows(got), want);
 }
+
+double layer_error(const Problem& p, const RunOptions& o) { return reference_error(p, o, run_layer(p, o)); }
 
 TEST(MoELayer, RefusesPrepareAndExpertsOfDifferentFormatsNamingBoth) {
   auto pf = make_no_ep_prepare_finalize();
@@ -311,6 +313,27 @@ TEST(MoELayer, LowLatencyOverlapIsBitIdenticalToThePlainForward) {
       if (reference && ro.p_minus_one == 0.0) EXPECT_LE(layer_error(p, o), 1e-2);
     }
   }
+}
+
+// A rank with no tokens still takes part in both modes' exchanges: its output is empty [0, H], and the other ranks'
+// outputs match the float64 reference (which sees only their tokens).
+TEST(MoELayer, ARankWithNoTokensGetsAnEmptyOutputAndTheOthersMatchReference) {
+  std::mt19937_64 rng(fresh_seed());
+  for (Mode m : {Mode::normal, Mode::low_latency})
+    for (auto dtype : {DispatchDtype::bf16, DispatchDtype::fp8}) {
+      SCOPED_TRACE(std::string(m == Mode::normal ? "normal" : "low-latency") +
+                   (dtype == DispatchDtype::fp8 ? " fp8" : " bf16"));
+      Problem p = make_problem(rng, 3, 12, 4, 14, 256, 64);
+      p.x[1] = Tensor::empty(DType::bf16, {0, p.H});
+      p.topk_idx[1] = Tensor::empty(DType::int64, {0, p.K});
+      p.topk_weights[1] = Tensor::empty(DType::fp32, {0, p.K});
+      const RunOptions o{m, dtype};
+      const std::vector<Tensor> got = run_layer(p, o);
+      ASSERT_EQ(got[1].shape(), Shape({0, p.H}));
+      EXPECT_EQ(got[1].dtype(), DType::bf16);
+      for (int r : {0, 2}) ASSERT_EQ(got[static_cast<std::size_t>(r)].shape(), Shape({p.T, p.H})) << "rank " << r;
+      EXPECT_LE(reference_error(p, o, got), 1e-2);
+    }
 }
 
 TEST(MoELayer, EdgeRoutingAllMinusOneAndOneExpertTakingEverything) {
