@@ -21,6 +21,28 @@ def make_inputs(rng, R, E, H=H):
     return Ts, xs, idxs, ws
 
 
+def edge_inputs(rng, R, E, routing):
+    """make_inputs' tokens, or an edge case of routing: "no_tokens": T = 0 on every rank; "rank_all_minus_one": rank
+    0's ids all -1 (it sends nothing); "one_expert": T = TMAX everywhere, every token to expert E - 1 alone (its slab
+    full: R * TMAX rows)."""
+    Ts, xs, idxs, ws = make_inputs(rng, R, E)
+    if routing == "no_tokens":
+        Ts = [0] * R
+        xs = [np.zeros((0, H), BF16) for _ in range(R)]
+        idxs = [np.zeros((0, K), np.int64) for _ in range(R)]
+        ws = [np.zeros((0, K), np.float32) for _ in range(R)]
+    elif routing == "rank_all_minus_one":
+        idxs[0][:] = -1
+    elif routing == "one_expert":
+        Ts = [TMAX] * R
+        xs = [nice_bf16(rng, (TMAX, H)) for _ in range(R)]
+        idxs = [np.full((TMAX, K), -1, np.int64) for _ in range(R)]
+        for idx in idxs:
+            idx[:, 0] = E - 1
+        ws = [rng.uniform(0.05, 1.0, size=(TMAX, K)).astype(np.float32) for _ in range(R)]
+    return Ts, xs, idxs, ws
+
+
 def expert_scale(e_global):
     return (e_global + 1) * 0.25
 
@@ -80,9 +102,10 @@ def check_packed(out, xs, idxs, E, R, d, fp8=None, tmax=TMAX):
 
 
 @pytest.mark.parametrize("R", [2, 4])
-def test_low_latency_round_trip_bf16(rng, R):
+@pytest.mark.parametrize("routing", ["random", "no_tokens", "rank_all_minus_one", "one_expert"])
+def test_low_latency_round_trip_bf16(rng, R, routing):
     E = 4 * R
-    Ts, xs, idxs, ws = make_inputs(rng, R, E)
+    Ts, xs, idxs, ws = edge_inputs(rng, R, E, routing)
 
     def rank_main(group):
         r = group.rank()
@@ -101,6 +124,11 @@ def test_low_latency_round_trip_bf16(rng, R):
         combined = out[d][1]
         assert combined.dtype == BF16 and combined.shape == (Ts[d], H)
         np.testing.assert_array_equal(bits(combined), bits(combine_ref(xs[d], idxs[d], ws[d])))
+    counts = np.concatenate([out[d][0][1] for d in range(R)])
+    if routing == "no_tokens":
+        assert not counts.any()
+    if routing == "one_expert":  # only the last rank's last expert receives, every token of every rank
+        assert counts[-1] == R * TMAX and not counts[:-1].any()
 
 
 def test_wait_cost_stats_count_the_nanoseconds_waited_for_each_source(rng):
