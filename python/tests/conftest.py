@@ -290,6 +290,28 @@ def rel_l2(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(a64 - r64) / max(np.linalg.norm(r64), 1e-300))
 
 
+class Unwritten:
+    """Copies of a call's input arrays, taken before it, to check that it wrote none of them (semantics §1: inputs
+    are never written). Tuples (fp8 x with its scales, a handle) are taken element by element; None is skipped."""
+
+    def __init__(self, **arrays):
+        self._saved = []
+        for name, a in arrays.items():
+            self.add(name, a)
+
+    def add(self, name: str, a) -> "Unwritten":
+        if isinstance(a, tuple):
+            for i, part in enumerate(a):
+                self.add(f"{name}[{i}]", part)
+        elif isinstance(a, np.ndarray):
+            self._saved.append((name, a, a.tobytes()))
+        return self
+
+    def check(self) -> None:
+        for name, a, before in self._saved:
+            assert a.tobytes() == before, f"input '{name}' was written"
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     """The raw bits of a bf16 / fp8 array, for bit-exact comparisons."""
     return a.view(np.uint16) if a.dtype == BF16 else a.view(np.uint8) if a.dtype == FP8 else a

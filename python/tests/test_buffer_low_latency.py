@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import epmoe
-from conftest import (BF16, FP8, TIMEOUT_S, bits, fp8_quantize_ref, nice_bf16, random_topk_idx, ref_low_latency)
+from conftest import (BF16, FP8, TIMEOUT_S, Unwritten, bits, fp8_quantize_ref, nice_bf16, random_topk_idx,
+                      ref_low_latency)
 
 H = 256
 K = 4
@@ -111,11 +112,14 @@ def test_low_latency_round_trip_bf16(rng, R, routing):
         r = group.rank()
         buf = epmoe.Buffer(group, num_rdma_bytes=epmoe.Buffer.get_low_latency_rdma_size_hint(TMAX, H, R, E),
                            low_latency_mode=True)
+        unwritten = Unwritten(x=xs[r], topk_idx=idxs[r], topk_weights=ws[r])  # semantics §1
         recv, count, handle, event, hook = buf.low_latency_dispatch(xs[r], idxs[r], TMAX, E, use_fp8=False)
         assert hook is None and isinstance(event, epmoe.EventOverlap)
         y = experts_on_packed(recv, count, r, E // R)
+        unwritten.add("y", y).add("handle", handle)
         combined, event, hook = buf.low_latency_combine(y, idxs[r], ws[r], handle)
         assert hook is None
+        unwritten.check()
         return (recv, count, handle), combined
 
     out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)

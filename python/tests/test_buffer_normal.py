@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import epmoe
-from conftest import (BF16, FP8, TIMEOUT_S, bits, nice_bf16, random_topk_idx, ref_dispatch, ref_expert_counts)
+from conftest import (BF16, FP8, TIMEOUT_S, Unwritten, bits, nice_bf16, random_topk_idx, ref_dispatch,
+                      ref_expert_counts)
 
 H = 128
 K = 3
@@ -36,15 +37,19 @@ def test_dispatch_combine_round_trip(rng, R):
         r = group.rank()
         buf = epmoe.Buffer(group)
         assert (buf.rank, buf.group_size) == (r, R)
+        unwritten = Unwritten(topk_idx=idxs[r])  # every call's inputs stay as they were (semantics §1)
         ntpr, ntp_rdma, ntpe, in_rank, ev = buf.get_dispatch_layout(idxs[r], E)
         assert ntp_rdma is None and isinstance(ev, epmoe.EventOverlap)
+        unwritten.add("x", xs[r]).add("topk_weights", ws[r]).add("layout", (ntpr, ntpe, in_rank))
         recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
             xs[r], num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
             topk_idx=idxs[r], topk_weights=ws[r])
         event.current_stream_wait()
         y = expert_output(recv_x, r)
+        unwritten.add("y", y).add("recv_w", recv_w).add("handle", handle).add("bias", (bias0[r], bias1[r]))
         combined, combined_w, ev2 = buf.combine(y, handle, topk_weights=recv_w, bias=(bias0[r], bias1[r]))
         plain, none_w, _ = buf.combine(y, handle)
+        unwritten.check()
         return dict(layout=(ntpr, ntpe, in_rank), recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts,
                     handle=handle, combined=combined, combined_w=combined_w, plain=plain, none_w=none_w)
 
@@ -133,9 +138,11 @@ def test_fp8_dispatch_moves_rows_with_their_scales(rng, ue8m0):
         r = group.rank()
         buf = epmoe.Buffer(group)
         ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idxs[r], E)
+        unwritten = Unwritten(x=(xs[r], scales[r]), topk_idx=idxs[r], layout=(ntpr, ntpe, in_rank))
         recv, recv_idx, _, counts, _, _ = buf.dispatch((xs[r], scales[r]), num_tokens_per_rank=ntpr,
                                                        is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
                                                        topk_idx=idxs[r])
+        unwritten.check()
         return recv, recv_idx
 
     out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)

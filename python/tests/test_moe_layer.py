@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import epmoe
-from conftest import BF16, TIMEOUT_S, fp8_dequantize_ref, fp8_quantize_ref, moe_ref, random_topk_idx, rel_l2
+from conftest import (BF16, TIMEOUT_S, Unwritten, fp8_dequantize_ref, fp8_quantize_ref, moe_ref, random_topk_idx,
+                      rel_l2)
 
 H, N, K = 128, 64, 2
 
@@ -72,7 +73,11 @@ def test_expert_parallel_layer_matches_numpy(rng, R, mode, dispatch_dtype):
         layer = epmoe.MoELayer(pf, experts)
         x, idx, w = tokens[r]
         # this rank's experts only; global_num_experts defaults to E_local * ranks
-        return layer.forward(x, w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el], w, idx)
+        w1_r, w2_r = w1[r * el:(r + 1) * el], w2[r * el:(r + 1) * el]
+        unwritten = Unwritten(hidden=x, w1=w1_r, w2=w2_r, topk_weights=w, topk_idx=idx)  # semantics §1
+        result = layer.forward(x, w1_r, w2_r, w, idx)
+        unwritten.check()
+        return result
 
     out = epmoe.run_thread_ranks(R, rank_main, timeout_s=TIMEOUT_S)
     for r in range(R):
