@@ -171,6 +171,14 @@ def test_weight_on_input_with_int32_ids(fmt):
 
 # ------------------------------------------------------------------------------------------ flagged faults
 
+def raised_once(check, like, pattern: str) -> None:
+    """check(like) raises invalid_argument matching `pattern`; a second call raises nothing (the first cleared it)."""
+    with pytest.raises(epmoe.Error, match=pattern) as e:
+        check(like)
+    assert e.value.code == "invalid_argument"
+    check(like)
+
+
 def test_a_bad_id_in_a_cuda_layout_is_raised_by_check_invalid_ids():
     rng = np.random.default_rng(fresh_seed("layout bad id"))
     T, K, E, R = 37, 4, 16, 2
@@ -187,10 +195,7 @@ def test_a_bad_id_in_a_cuda_layout_is_raised_by_check_invalid_ids():
     np.testing.assert_array_equal(to_numpy(per_expert), want_expert)
     np.testing.assert_array_equal(to_numpy(in_rank), want_in_rank)
     np.testing.assert_array_equal(to_numpy(per_rank), want_in_rank.sum(axis=0).astype(np.int32))
-    with pytest.raises(epmoe.Error, match=rf"'topk_idx'.*{bad} at \[{t}, {k}\]") as e:
-        epmoe.check_invalid_ids(per_expert)
-    assert e.value.code == "invalid_argument"
-    epmoe.check_invalid_ids(per_expert)  # cleared by the first
+    raised_once(epmoe.check_invalid_ids, per_expert, rf"'topk_idx'.*{bad} at \[{t}, {k}\]")
 
 
 def test_a_bad_id_in_the_no_ep_layer_is_raised_by_check_moe_faults():
@@ -202,10 +207,7 @@ def test_a_bad_id_in_the_no_ep_layer_is_raised_by_check_moe_faults():
     idx[t, k] = E + 3
     layer = epmoe.MoELayer(epmoe.make_no_ep_prepare_finalize(), epmoe.make_cuda_experts())
     out = layer.forward(to_cuda(x), to_cuda(w1), to_cuda(w2), to_cuda(w), to_cuda(idx), global_num_experts=E)
-    with pytest.raises(epmoe.Error, match=rf"'topk_idx'.*{E + 3} at \[{t}, {k}\]") as e:
-        epmoe.check_moe_faults(out)
-    assert e.value.code == "invalid_argument"
-    epmoe.check_moe_faults(out)  # cleared by the first
+    raised_once(epmoe.check_moe_faults, out, rf"'topk_idx'.*{E + 3} at \[{t}, {k}\]")
 
 
 # ------------------------------------------------------------------------------------------ devices
