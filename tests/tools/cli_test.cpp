@@ -885,6 +885,16 @@ TEST(Cli, MpirunProcessesWithDifferentSeedsAreRefusedNamingTheFlag) {
   EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
 }
 
+// A text flag that differs across processes is named with both texts as typed (they used to show as two hashes).
+TEST(Cli, MpirunProcessesWithDifferentModesAreRefusedNamingBothTexts) {
+  SKIP_WITHOUT_MPIRUN();
+  const auto [status, out] = run_two_processes("--mode normal --activation silu", "--mode low-latency --activation gelu");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << out;
+  EXPECT_NE(out.find("setting '--mode' must be equal on all ranks"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 0 has 'normal', rank 1 has 'low-latency'"), std::string::npos) << out;
+  EXPECT_EQ(out.find("PASS"), std::string::npos) << out;
+}
+
 // A flag refused on one process alone (here a --json folder that does not exist there, as a path missing on one node)
 // stops every process at once: the others name the refusing rank instead of waiting in their first collective until
 // the group's timeout.

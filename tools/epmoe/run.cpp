@@ -593,7 +593,7 @@ void print_run_header(const RunConfig& c) {
 }
 
 #if defined(EPMOE_HAVE_MPI)
-// FNV-1a of a flag's text: a value to compare across processes (the message then names the flag).
+// FNV-1a of a text: a value to compare across processes.
 std::int64_t text_code(std::string_view s) {
   std::uint64_t h = 1469598103934665603ull;
   for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
@@ -602,16 +602,41 @@ std::int64_t text_code(std::string_view s) {
 
 // Under mpirun every process parses its own command line: the flags that define the job must be equal on all of
 // them (an MPMD launch with another --seed would otherwise run and report a false FAIL). rank_mismatch names the
-// flag on every rank, before any weight is made.
+// flag and both values on every rank, before any weight is made.
 void check_flags_agree(Group& g, const RunConfig& c) {
-  const std::array<Setting, 13> settings = {
+  const std::array<Setting, 7> numbers = {
       Setting{"--seed", static_cast<std::int64_t>(c.seed)}, Setting{"--tokens", c.tokens},
       Setting{"--hidden", c.hidden}, Setting{"--intermediate", c.intermediate}, Setting{"--experts", c.experts},
-      Setting{"--topk", c.topk}, Setting{"--iters", c.iters}, Setting{"--mode", text_code(c.mode)},
-      Setting{"--dispatch-dtype", text_code(c.dispatch_dtype)}, Setting{"--activation", text_code(c.activation)},
-      Setting{"--experts-impl", text_code(c.experts_impl)}, Setting{"--routing", text_code(c.routing)},
-      Setting{"--domain", text_code(c.domain)}};
-  g.check_agreement(settings, "epmoe run flags");
+      Setting{"--topk", c.topk}, Setting{"--iters", c.iters}};
+  g.check_agreement(numbers, "epmoe run flags");
+  // Text flags travel as their text (a fixed slot each; a longer one, a --routing path, as its first bytes and its
+  // length), so a difference is named in the words typed, not as two numbers.
+  constexpr std::size_t kSlot = 256;
+  const std::array<std::pair<std::string_view, std::string_view>, 6> texts = {{{"--mode", c.mode},
+                                                                               {"--dispatch-dtype", c.dispatch_dtype},
+                                                                               {"--activation", c.activation},
+                                                                               {"--experts-impl", c.experts_impl},
+                                                                               {"--routing", c.routing},
+                                                                               {"--domain", c.domain}}};
+  std::array<char, texts.size() * kSlot> mine{};
+  for (std::size_t i = 0; i < texts.size(); ++i)
+    texts[i].second.copy(mine.data() + i * kSlot, kSlot - 1);  // NUL-terminated: the slot's last byte stays 0
+  std::vector<char> all(mine.size() * static_cast<std::size_t>(g.size()));
+  g.all_gather(mine.data(), all.data(), mine.size(), "epmoe run text flags");
+  const auto text = [&](int r, std::size_t i) {
+    return std::string_view(all.data() + static_cast<std::size_t>(r) * mine.size() + i * kSlot);
+  };
+  // The same scan on every rank over the same data: every rank names the same difference.
+  for (int r = 1; r < g.size(); ++r)
+    for (std::size_t i = 0; i < texts.size(); ++i)
+      if (text(r, i) != text(0, i))
+        throw Error(ErrorCode::rank_mismatch,
+                    fmt::format("epmoe: rank {}: setting '{}' must be equal on all ranks (phase 'epmoe run flags'): "
+                                "rank 0 has '{}', rank {} has '{}'",
+                                g.rank(), texts[i].first, text(0, i), r, text(r, i)));
+  // A difference past a slot's first bytes (two long --routing paths alike that far): compared by length too.
+  const std::array<Setting, 1> lengths = {Setting{"--routing length", static_cast<std::int64_t>(c.routing.size())}};
+  g.check_agreement(lengths, "epmoe run flags");
 }
 #endif
 
