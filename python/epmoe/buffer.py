@@ -874,8 +874,9 @@ class Buffer:
             x: bfloat16 [T, H], T <= num_max_dispatch_tokens_per_rank, H % 16 == 0 with fp8 (any such H,
                 the last scale group may be partial; DeepEP: a fixed list of H).
             topk_idx: int64/int32 [T, K], K in 1..16, ids in [-1, E).
-            num_max_dispatch_tokens_per_rank: Tmax; with H and E fixed for the buffer's life (until a clean)
-                and equal on all ranks (a mismatch is an error on every rank, never a hang).
+            num_max_dispatch_tokens_per_rank: Tmax; fixed with H and E by the buffer's first low-latency call, for
+                its life (clean_low_latency_buffer takes the same three), and equal on all ranks (a mismatch is an
+                error on every rank, never a hang).
             num_experts: E.
             cumulative_local_expert_recv_stats: optional int32 [E_local]; each call adds its counts.
             dispatch_wait_recv_cost_stats: optional int64 [R] on x's device (DeepEP V1's diagnosis statistic):

@@ -459,6 +459,8 @@ class MoELayer:
             # integer arrays only: a float plan would be truncated into ids and counts nobody planned
             for name, a in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
                 check_numeric_array(f"eplb_plan.{name}", a)
+            if eplb_layer >= phy2log.shape[0]:  # named as the caller typed it (the binding's is 'layer')
+                raise invalid_argument("eplb_layer", f"a layer of the plan, in [0, {phy2log.shape[0]})", eplb_layer)
             key = (id(eplb_plan), eplb_layer)
             if getattr(self, "_eplb_key", None) != key:
                 self._layer.set_eplb_plan(phy2log.astype(np.int64).ravel().tolist(),

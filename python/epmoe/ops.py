@@ -194,8 +194,9 @@ def dequantize_nvfp4(q: Any, scales: Any, global_scale: Any, scale_layout: str =
 
     Arguments:
         q: uint8 [T, H / 2] as quantize_nvfp4 returns it.
-        scales: float8_e4m3fn in scale_layout ('swizzled' or 'linear', as quantize_nvfp4's).
+        scales: float8_e4m3fn in scale_layout, as quantize_nvfp4 returns them.
         global_scale: the gs the values were quantized with (as quantize_nvfp4's).
+        scale_layout: 'swizzled' or 'linear' (the 4th positional argument, as quantize_nvfp4's 3rd).
         out_dtype: 'bfloat16' or 'float32'.
 
     Errors: epmoe.Error('invalid_argument') naming the argument: dtypes, shapes that do not match q, a bad

@@ -623,6 +623,9 @@ def test_eplb_plan_in_forward_matches_the_unbalanced_layer(rng, R):
         float_plan = (plan[0], np.asarray(plan[1]) + 0.5, plan[2])
         with pytest.raises(epmoe.Error, match=r"'eplb_plan.log2phy'.*integer.*float64"):
             layer.forward(x, w1p, w2p, w, idx, eplb_plan=float_plan, eplb_layer=0)
+        # a layer past the plan's is named as the caller typed it
+        with pytest.raises(epmoe.Error, match=r"'eplb_layer': expected a layer of the plan, in \[0, 1\), got 5"):
+            layer.forward(x, w1p, w2p, w, idx, eplb_plan=plan, eplb_layer=5)
     before = np.bincount(np.concatenate([t[1].ravel() for t in tokens]) // (E // R), minlength=R)
     phys = np.concatenate([epmoe.map_to_physical(t[1], plan[1], plan[2], 0).ravel() for t in tokens])
     after = np.bincount(phys // pl, minlength=R)
