@@ -610,7 +610,7 @@ void check_flags_agree(Group& g, const RunConfig& c) {
       Setting{"--topk", c.topk}, Setting{"--iters", c.iters}};
   g.check_agreement(numbers, "epmoe run flags");
   // Text flags travel as their text (a fixed slot each; a longer one, a --routing path, as its first bytes and its
-  // length), so a difference is named in the words typed, not as two numbers.
+  // hash), so a difference is named in the words typed, not as two numbers.
   constexpr std::size_t kSlot = 256;
   const std::array<std::pair<std::string_view, std::string_view>, 6> texts = {{{"--mode", c.mode},
                                                                                {"--dispatch-dtype", c.dispatch_dtype},
@@ -634,9 +634,9 @@ void check_flags_agree(Group& g, const RunConfig& c) {
                     fmt::format("epmoe: rank {}: setting '{}' must be equal on all ranks (phase 'epmoe run flags'): "
                                 "rank 0 has '{}', rank {} has '{}'",
                                 g.rank(), texts[i].first, text(0, i), r, text(r, i)));
-  // A difference past a slot's first bytes (two long --routing paths alike that far): compared by length too.
-  const std::array<Setting, 1> lengths = {Setting{"--routing length", static_cast<std::int64_t>(c.routing.size())}};
-  g.check_agreement(lengths, "epmoe run flags");
+  // A difference past a slot's first bytes (two long --routing paths alike that far): the whole path by its hash.
+  const std::array<Setting, 1> whole = {Setting{"--routing (the whole path, hashed)", text_code(c.routing)}};
+  g.check_agreement(whole, "epmoe run flags");
 }
 #endif
 
